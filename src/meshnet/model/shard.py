@@ -1,0 +1,69 @@
+"""A shard: one layer range of one model, computed by one backend.
+
+``load_shard`` reads only what the range needs. ``Shard.forward`` takes token
+ids on the first shard and hidden states elsewhere; it returns hidden states,
+or logits on the last shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from meshnet.backends.base import Backend, BatchEntry
+from meshnet.backends.reference import ReferenceBackend
+from meshnet.errors import ModelError
+from meshnet.layer_range import LayerRange
+from meshnet.model.gguf_file import GGUFFile
+from meshnet.model.spec import ModelSpec
+from meshnet.model.weights import load_shard_weights
+
+LogitsMode = Literal["last", "all"]
+BACKENDS = ("numpy",)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Layers ``layers`` of the model ``spec``, identified by ``fingerprint``."""
+
+    spec: ModelSpec
+    layers: LayerRange
+    backend: Backend
+    fingerprint: str  # sha256 of the GGUF file
+
+    @property
+    def is_first(self) -> bool:
+        return self.layers.is_first()
+
+    @property
+    def is_last(self) -> bool:
+        return self.layers.is_last(self.spec.n_layers)
+
+    def forward(
+        self, x: np.ndarray, batch: Sequence[BatchEntry], logits: LogitsMode = "last"
+    ) -> np.ndarray:
+        """One batched step through this shard.
+
+        ``x`` is ids [T] on the first shard, hidden states [T, d] otherwise. On
+        the last shard returns logits: of each sequence's last row [len(batch),
+        vocab] with ``"last"``, of every row [T, vocab] with ``"all"``. Other
+        shards return hidden states [T, d]. Every entry's KV advances.
+        """
+        hidden = self.backend.embed(x) if self.is_first else x
+        hidden = self.backend.run_layers(hidden, batch)
+        if not self.is_last:
+            return hidden
+        if logits == "last":
+            hidden = hidden[np.cumsum([e.n_new for e in batch]) - 1]  # [N, d]
+        return self.backend.head(hidden)
+
+
+def load_shard(f: GGUFFile, spec: ModelSpec, layers: LayerRange, backend: str = "numpy") -> Shard:
+    """Load ``layers`` of the model in ``f`` onto ``backend``."""
+    if backend not in BACKENDS:
+        raise ModelError(f"backend {backend!r} is not available (have: {', '.join(BACKENDS)})")
+    weights = load_shard_weights(f, spec, layers)
+    return Shard(spec, layers, ReferenceBackend(spec, weights), f.fingerprint())
