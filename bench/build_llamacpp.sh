@@ -10,7 +10,7 @@ set -euo pipefail
 version="${LLAMACPP_PY_VERSION:-0.3.36}"
 home="${LLAMACPP_HOME:-$HOME/.cache/meshnet/llama.cpp}"
 python="${PYTHON:-python3}"
-targets=(llama-bench llama-batched-bench llama-server rpc-server llama-cli)
+targets=(llama-bench llama-batched-bench llama-server ggml-rpc-server llama-cli)
 
 if [ -x "$home/bin/llama-bench" ] && [ -x "$home/bin/llama-batched-bench" ]; then
   echo "llama.cpp already built in $home/bin"

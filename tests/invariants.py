@@ -1,0 +1,45 @@
+"""Golden invariants of the engine, shared by the tiny-model and bundled-model tests.
+
+split == unsplit, cached decode == full recompute, batched == alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from meshnet.engine.chain import ShardChain
+from meshnet.engine.generate import generate, generate_batch
+from meshnet.engine.local import LocalModel
+from meshnet.model.sampling import SamplingParams
+
+
+def step_logits(chain: ShardChain, prompt: Sequence[int], follow: Sequence[int]) -> np.ndarray:
+    """Logits after the prompt, then after each of ``follow`` fed one at a time (cached)."""
+    kv = chain.new_sequence()
+    rows = [chain.forward(np.asarray(prompt), [kv], [len(prompt)])[0]]
+    for token in follow:
+        rows.append(chain.forward(np.asarray([token]), [kv], [1])[0])
+    return np.stack(rows)  # [1 + len(follow), vocab]
+
+
+def recomputed_logits(
+    chain: ShardChain, prompt: Sequence[int], follow: Sequence[int]
+) -> np.ndarray:
+    """The same logits from one uncached forward over the whole sequence."""
+    ids = np.asarray([*prompt, *follow])
+    kv = chain.new_sequence()
+    every = chain.forward(ids, [kv], [len(ids)], logits="all")
+    return every[len(prompt) - 1 :]
+
+
+def solo_and_batched_ids(
+    model: LocalModel, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+) -> tuple[list, list]:
+    solo = [
+        generate(model.chain, model.tokenizer, p, sp).ids
+        for p, sp in zip(prompts, params, strict=True)
+    ]
+    batched = generate_batch(model.chain, model.tokenizer, list(zip(prompts, params, strict=True)))
+    return solo, [g.ids for g in batched]

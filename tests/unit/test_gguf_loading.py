@@ -1,0 +1,130 @@
+"""Loading a GGUF: typed errors for bad files, only the shard's tensors, every quant type."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from meshnet.errors import (
+    LayerRangeError,
+    ModelFileError,
+    UnsupportedArchitecture,
+    UnsupportedTensorType,
+)
+from meshnet.layer_range import LayerRange
+from meshnet.model.gguf_file import open_gguf, sha256_file
+from meshnet.model.shard import load_shard
+from meshnet.model.spec import read_spec
+from meshnet.model.weights import load_shard_weights
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelFileError, match="no such model file"):
+        open_gguf(tmp_path / "absent.gguf")
+
+
+def test_random_bytes_are_not_a_gguf(tmp_path: Path) -> None:
+    p = tmp_path / "junk.gguf"
+    p.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    with pytest.raises(ModelFileError, match="not a readable GGUF"):
+        open_gguf(p)
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.9, 0.999])
+def test_truncated_file_is_refused_at_open(tiny_path: Path, tmp_path: Path, keep: float) -> None:
+    data = tiny_path.read_bytes()
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ModelFileError):
+        open_gguf(p)
+
+
+def test_flipped_header_bytes_are_refused(tiny_path: Path, tmp_path: Path) -> None:
+    data = bytearray(tiny_path.read_bytes())
+    data[0] ^= 0xFF  # magic
+    p = tmp_path / "flipped.gguf"
+    p.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError):
+        open_gguf(p)
+
+
+def test_unknown_architecture_is_named(tiny_factory) -> None:  # type: ignore[no-untyped-def]
+    p = tiny_factory("mamba.gguf", architecture="mamba")
+    with pytest.raises(UnsupportedArchitecture, match="'mamba'"):
+        read_spec(open_gguf(p))
+
+
+@pytest.mark.parametrize("text", ["0:5", "3:9", "4:5"])
+def test_layer_range_out_of_bounds(tiny_path: Path, text: str) -> None:
+    f = open_gguf(tiny_path)
+    with pytest.raises(LayerRangeError, match="outside"):
+        load_shard(f, read_spec(f), LayerRange.parse(text))
+
+
+def test_shard_loads_only_what_its_range_needs(tiny_path: Path) -> None:
+    f = open_gguf(tiny_path)
+    spec = read_spec(f)
+    first = load_shard_weights(f, spec, LayerRange(0, 1))
+    middle = load_shard_weights(f, spec, LayerRange(1, 3))
+    last = load_shard_weights(f, spec, LayerRange(3, 4))
+    whole = load_shard_weights(f, spec, LayerRange(0, 4))
+    assert first.embedding is not None and first.head is None and first.output_norm is None
+    assert middle.embedding is None and middle.head is None and len(middle.blocks) == 2
+    assert last.embedding is None and last.head is not None and last.output_norm is not None
+    assert whole.head is whole.embedding  # a tied head is the embedding, not a copy
+    assert np.array_equal(middle.blocks[0].wq, whole.blocks[1].wq)
+
+
+def test_untied_head_reads_output_weight(tiny_factory) -> None:  # type: ignore[no-untyped-def]
+    f = open_gguf(tiny_factory("untied.gguf", tied_head=False))
+    spec = read_spec(f)
+    assert not spec.tied_head
+    w = load_shard_weights(f, spec, LayerRange(0, spec.n_layers))
+    assert w.head is not w.embedding and w.head is not None
+    assert w.head.shape == (spec.vocab_size, spec.d_model)
+
+
+@pytest.mark.parametrize(
+    ("qtype", "tolerance"),
+    [
+        (QT.F16, 1e-3),
+        (QT.BF16, 1e-2),
+        (QT.Q8_0, 0.01),
+        (QT.Q5_0, 0.06),
+        (QT.Q5_1, 0.06),
+        (QT.Q4_0, 0.12),
+        (QT.Q4_1, 0.12),
+    ],
+)
+def test_quantized_matrices_dequantize_to_the_float_weights(tiny_factory, qtype, tolerance) -> None:  # type: ignore[no-untyped-def]
+    exact_f = open_gguf(tiny_factory("f32.gguf", matrix_type=QT.F32, embedding_type=QT.F32))
+    quant_f = open_gguf(tiny_factory(f"{qtype.name}.gguf", matrix_type=qtype, embedding_type=qtype))
+    spec = read_spec(exact_f)
+    exact = load_shard_weights(exact_f, spec, LayerRange(0, spec.n_layers))
+    quant = load_shard_weights(quant_f, spec, LayerRange(0, spec.n_layers))
+    for a, b in [
+        (exact.blocks[2].w_down, quant.blocks[2].w_down),
+        (exact.blocks[0].wk, quant.blocks[0].wk),
+        (exact.embedding, quant.embedding),
+    ]:
+        assert a is not None and b is not None and a.shape == b.shape
+        scale = np.abs(a).max()
+        assert np.abs(a - b).max() <= tolerance * scale
+        assert not b.flags.writeable
+
+
+def test_unsupported_tensor_type_fails_only_the_shard_that_needs_it(tiny_factory) -> None:  # type: ignore[no-untyped-def]
+    f = open_gguf(tiny_factory("iq.gguf", layer_types={1: QT.IQ4_NL}))
+    spec = read_spec(f)
+    with pytest.raises(UnsupportedTensorType, match="IQ4_NL"):
+        load_shard(f, spec, LayerRange(0, 2))
+    load_shard(f, spec, LayerRange(2, 4))  # never reads layer 1
+
+
+def test_fingerprint_is_the_file_sha256(tiny_path: Path) -> None:
+    import hashlib
+
+    f = open_gguf(tiny_path)
+    assert f.fingerprint() == hashlib.sha256(tiny_path.read_bytes()).hexdigest()
+    assert sha256_file(tiny_path) == f.fingerprint()

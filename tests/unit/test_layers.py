@@ -1,0 +1,68 @@
+import numpy as np
+
+from meshnet.model.layers import causal_attention, rms_norm, rope, rope_inv_freq, softmax
+
+rng = np.random.default_rng(0)
+
+
+def test_rms_norm_gives_unit_rms_times_weight() -> None:
+    x = rng.standard_normal((5, 64)).astype(np.float32) * 7
+    out = rms_norm(x, np.full(64, 2.0, np.float32), 1e-6)
+    assert np.allclose(np.sqrt(np.mean(out**2, axis=-1)), 2.0, atol=1e-4)
+
+
+def test_rope_rotates_adjacent_pairs_and_keeps_norms() -> None:
+    inv = rope_inv_freq(8, 10000.0)
+    x = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    pos = np.array([0, 1, 17])
+    out = rope(x, pos, inv)
+    assert np.allclose(out[0], x[0])  # position 0 is the identity
+    pairs_in = np.hypot(x[..., 0::2], x[..., 1::2])
+    pairs_out = np.hypot(out[..., 0::2], out[..., 1::2])
+    assert np.allclose(pairs_in, pairs_out, atol=1e-5)
+    # pair 0 of position 1 turns by exactly 1 radian (inv_freq[0] == 1)
+    c, s = np.cos(1.0), np.sin(1.0)
+    assert np.allclose(out[1, :, 0], x[1, :, 0] * c - x[1, :, 1] * s, atol=1e-6)
+
+
+def test_rope_relative_property() -> None:
+    inv = rope_inv_freq(16, 10000.0)
+    q = rng.standard_normal((1, 1, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 1, 16)).astype(np.float32)
+
+    def score(pq: int, pk: int) -> float:
+        return float(np.sum(rope(q, np.array([pq]), inv) * rope(k, np.array([pk]), inv)))
+
+    assert np.isclose(score(5, 2), score(13, 10), atol=1e-4)
+
+
+def _naive_attention(q, keys, values, first_pos):  # type: ignore[no-untyped-def]
+    n, n_heads, hd = q.shape
+    g = n_heads // keys.shape[0]
+    out = np.zeros((n, n_heads, hd), np.float32)
+    for i in range(n):
+        visible = first_pos + i + 1
+        for h in range(n_heads):
+            s = keys[h // g, :visible] @ q[i, h] / np.sqrt(hd)
+            out[i, h] = softmax(s) @ values[h // g, :visible]
+    return out.reshape(n, n_heads * hd)
+
+
+def test_grouped_causal_attention_matches_a_naive_loop() -> None:
+    q = rng.standard_normal((3, 6, 8)).astype(np.float32)
+    keys = rng.standard_normal((2, 7, 8)).astype(np.float32)
+    values = rng.standard_normal((2, 7, 8)).astype(np.float32)
+    got = causal_attention(q, keys, values, first_pos=4)
+    assert np.allclose(got, _naive_attention(q, keys, values, 4), atol=1e-5)
+
+
+def test_attention_never_reads_future_positions() -> None:
+    q = rng.standard_normal((2, 2, 4)).astype(np.float32)
+    keys = rng.standard_normal((1, 5, 4)).astype(np.float32)
+    values = rng.standard_normal((1, 5, 4)).astype(np.float32)
+    base = causal_attention(q, keys, values, first_pos=3)
+    keys[:, 4] += 100.0
+    values[:, 4] += 100.0
+    changed = causal_attention(q, keys, values, first_pos=3)
+    assert np.array_equal(base[0], changed[0])  # position 3 cannot see position 4
+    assert not np.array_equal(base[1], changed[1])
