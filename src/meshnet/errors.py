@@ -12,7 +12,18 @@ the API edge::
     │   ├── UnsupportedTensorType    unsupported-tensor-type  no         400
     │   └── LayerRangeError          layer-range-invalid      no         400
     ├── TokenizerError               tokenizer-invalid        no         400
-    └── RequestError                 bad-request              no         400
+    ├── RequestError                 bad-request              no         400
+    │   └── ModelNotFound            model-not-found          no         404
+    ├── MalformedBundle              malformed-bundle         no         400
+    ├── ShardMismatch                shard-mismatch           yes        503
+    ├── StaleEpoch                   stale-epoch              no         409
+    ├── CacheMiss                    cache-miss               yes        409
+    ├── NoRoute                      no-route                 yes        503
+    ├── Overloaded                   overloaded               yes        429
+    └── NodeFailure                  (kind of the failure)    yes        502
+        ├── DeadlineExceeded         deadline-exceeded
+        ├── StreamReset              stream-reset
+        └── WorkerDeath              worker-death
 
 Capacity shortfalls are return values, not exceptions (see DESIGN.md §4).
 """
@@ -29,9 +40,10 @@ class MeshnetError(Exception):
     retryable: ClassVar[bool] = False
     http_status: ClassVar[int] = 500
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, node_id: str = "") -> None:
         super().__init__(message)
         self.message = message
+        self.node_id = node_id  # the node that reported or caused it, when one did
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
@@ -80,3 +92,87 @@ class RequestError(MeshnetError):
 
     kind = "bad-request"
     http_status = 400
+
+
+class ModelNotFound(RequestError):
+    """A request names a model this mesh does not serve."""
+
+    kind = "model-not-found"
+    http_status = 404
+
+
+class MalformedBundle(MeshnetError):
+    """An activation bundle breaks the wire contract (dtype, shape, size)."""
+
+    kind = "malformed-bundle"
+    http_status = 400
+
+
+class ShardMismatch(MeshnetError):
+    """A node does not serve the model or layer range the driver expects of it."""
+
+    kind = "shard-mismatch"
+    retryable = True
+    http_status = 503
+
+
+class StaleEpoch(MeshnetError):
+    """A step names an older epoch than the one the node holds; it is never applied."""
+
+    kind = "stale-epoch"
+    http_status = 409
+
+
+class CacheMiss(MeshnetError):
+    """A step names a session a node holds no KV for."""
+
+    kind = "cache-miss"
+    retryable = True
+    http_status = 409
+
+
+class NoRoute(MeshnetError):
+    """No chain of live nodes covers every layer of the model."""
+
+    kind = "no-route"
+    retryable = True
+    http_status = 503
+
+
+class Overloaded(MeshnetError):
+    """No capacity for another generation right now; try again later."""
+
+    kind = "overloaded"
+    retryable = True
+    http_status = 429
+
+
+class NodeFailure(MeshnetError):
+    """A node of the route failed while serving a step."""
+
+    kind = "node-failure"
+    retryable = True
+    http_status = 502
+
+
+class DeadlineExceeded(NodeFailure):
+    kind = "deadline-exceeded"
+
+
+class StreamReset(NodeFailure):
+    kind = "stream-reset"
+
+
+class WorkerDeath(NodeFailure):
+    kind = "worker-death"
+
+
+def error_for_kind(kind: str, message: str, node_id: str = "") -> MeshnetError:
+    """Rebuild a typed error from the ``kind`` string a peer sent (base class if unknown)."""
+    stack: list[type[MeshnetError]] = [MeshnetError]
+    while stack:
+        cls = stack.pop()
+        if cls.kind == kind:
+            return cls(message, node_id)
+        stack.extend(cls.__subclasses__())
+    return MeshnetError(message, node_id)

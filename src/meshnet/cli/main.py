@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
-from meshnet.cli import bench, generate
+from meshnet.cli import bench, chat, generate, node, tracker, up
 from meshnet.errors import MeshnetError
 
 
@@ -15,13 +16,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="meshnet", description="Run one GGUF model split by layer ranges."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    generate.add_parser(sub)
-    bench.add_parser(sub)
+    for command in (generate, bench, node, tracker, up, chat):
+        command.add_parser(sub)
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
+    )
     try:
         return int(args.run(args))
     except MeshnetError as e:

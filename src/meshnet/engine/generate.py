@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 import numpy as np
 
 from meshnet.engine.chain import ChainKV, ShardChain
-from meshnet.engine.text import TextStream
+from meshnet.engine.request import FinishReason, RequestState
 from meshnet.errors import RequestError
-from meshnet.model.sampling import Sampler, SamplingParams
+from meshnet.model.sampling import SamplingParams
 from meshnet.model.tokenizer import TextTokenizer
 
-FinishReason = Literal["stop", "length"]
 # Called with (request index, newly final text) as tokens are generated.
 TextCallback = Callable[[int, str], None]
 
@@ -40,13 +38,8 @@ class Generation:
 
 @dataclass
 class _Running:
-    prompt_ids: list[int]
+    state: RequestState
     kv: ChainKV
-    sampler: Sampler
-    stream: TextStream
-    params: SamplingParams
-    ids: list[int] = field(default_factory=list)
-    finish: FinishReason | None = None
     prefill_s: float = 0.0
     decode_s: float = 0.0
 
@@ -71,31 +64,27 @@ def generate_batch(
     """Generate for several prompts at once; results in request order."""
     for prompt, params in requests:
         check_fits(chain, prompt, params)
-    runs = [
-        _Running(list(p), chain.new_sequence(), Sampler(sp), TextStream(tokenizer, sp.stop), sp)
-        for p, sp in requests
-    ]
-    eos = tokenizer.eos_id
+    runs = [_Running(RequestState(p, sp, tokenizer), chain.new_sequence()) for p, sp in requests]
     t0 = time.perf_counter()
     logits = chain.forward(
-        np.concatenate([np.asarray(r.prompt_ids, dtype=np.int64) for r in runs]),
+        np.concatenate([np.asarray(r.state.prompt_ids, dtype=np.int64) for r in runs]),
         [r.kv for r in runs],
-        [len(r.prompt_ids) for r in runs],
+        [len(r.state.prompt_ids) for r in runs],
     )
     for i, r in enumerate(runs):
-        _take(i, r, logits[i], eos, on_text)
+        _take(i, r, logits[i], on_text)
     elapsed = time.perf_counter() - t0
     for r in runs:
         r.prefill_s = elapsed
-    while active := [(i, r) for i, r in enumerate(runs) if r.finish is None]:
+    while active := [(i, r) for i, r in enumerate(runs) if not r.state.done]:
         t0 = time.perf_counter()
         logits = chain.forward(
-            np.asarray([r.ids[-1] for _, r in active], dtype=np.int64),
+            np.asarray([r.state.ids[-1] for _, r in active], dtype=np.int64),
             [r.kv for _, r in active],
             [1] * len(active),
         )
         for row, (i, r) in enumerate(active):
-            _take(i, r, logits[row], eos, on_text)
+            _take(i, r, logits[row], on_text)
         elapsed = time.perf_counter() - t0
         for _, r in active:
             r.decode_s += elapsed
@@ -104,40 +93,33 @@ def generate_batch(
 
 def check_fits(chain: ShardChain, prompt: Sequence[int], params: SamplingParams) -> None:
     """Raise ``RequestError`` for an empty prompt, a bad id or one too long for the context."""
-    spec = chain.spec
+    check_prompt(chain.spec.vocab_size, chain.spec.context_length, prompt, params)
+
+
+def check_prompt(
+    vocab_size: int, context_length: int, prompt: Sequence[int], params: SamplingParams
+) -> None:
+    """Raise ``RequestError`` for an empty prompt, a bad id or one too long for the context."""
     if not prompt:
         raise RequestError("the prompt is empty")
-    if min(prompt) < 0 or max(prompt) >= spec.vocab_size:
-        raise RequestError(f"prompt ids must be in [0, {spec.vocab_size})")
-    if len(prompt) + params.max_tokens > spec.context_length:
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise RequestError(f"prompt ids must be in [0, {vocab_size})")
+    if len(prompt) + params.max_tokens > context_length:
         raise RequestError(
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-            f"the context length {spec.context_length}"
+            f"the context length {context_length}"
         )
 
 
-def _take(
-    index: int, r: _Running, logits: np.ndarray, eos: int, on_text: TextCallback | None
-) -> None:
-    token = r.sampler.sample(logits, r.prompt_ids + r.ids)
-    r.ids.append(token)
-    if token == eos:
-        r.finish = "stop"
-    else:
-        delta = r.stream.push(token)
-        if delta and on_text:
-            on_text(index, delta)
-        if r.stream.stopped:
-            r.finish = "stop"
-        elif len(r.ids) >= r.params.max_tokens:
-            r.finish = "length"
-    if r.finish is not None:
+def _take(index: int, r: _Running, logits: np.ndarray, on_text: TextCallback | None) -> None:
+    delta = r.state.take(logits)
+    if delta and on_text:
+        on_text(index, delta)
+    if r.state.done:
         r.kv.clear()  # drop this request's caches now, not when the batch ends
-        tail = r.stream.finish()
-        if tail and on_text:
-            on_text(index, tail)
 
 
 def _result(r: _Running) -> Generation:
-    finish: FinishReason = r.finish or "length"  # always set: the loop runs until it is
-    return Generation(r.prompt_ids, r.ids, r.stream.text, finish, r.prefill_s, r.decode_s)
+    s = r.state
+    finish: FinishReason = s.finish or "length"  # always set: the loop runs until it is
+    return Generation(s.prompt_ids, s.ids, s.text, finish, r.prefill_s, r.decode_s)

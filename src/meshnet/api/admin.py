@@ -1,0 +1,67 @@
+"""Admin endpoints: the node registry, pinned routes, health."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from meshnet.api.openai import route_json
+from meshnet.api.schemas import PinRouteRequest
+from meshnet.errors import MeshnetError
+from meshnet.tracker.service import Tracker
+
+router = APIRouter()
+
+
+def _tracker(request: Request) -> Tracker:
+    return request.app.state.tracker  # type: ignore[no-any-return]
+
+
+@router.get("/admin/nodes")
+async def list_nodes(request: Request) -> dict[str, Any]:
+    return {"nodes": [
+        {"node_id": n.node_id, "address": n.address,
+         "layers": [n.layers.start, n.layers.end] if n.layers else None,
+         "state": n.state.value, "down_reason": n.down_reason or None, "pid": n.pid,
+         "backend": n.backend, "fingerprint": n.fingerprint,
+         "last_seen": n.last_seen, "load": n.load.model_dump()}
+        for n in _tracker(request).store.nodes()
+    ]}  # fmt: skip
+
+
+@router.get("/admin/routes")
+async def current_route(request: Request) -> dict[str, Any]:
+    tracker = _tracker(request)
+    pinned = tracker.store.pinned()
+    try:
+        route: list[dict[str, Any]] | None = route_json(tracker.route())
+        reason = None
+    except MeshnetError as e:
+        route, reason = None, e.message
+    return {"pinned": pinned, "route": route, "reason": reason}
+
+
+@router.post("/admin/routes")
+async def pin_route(body: PinRouteRequest, request: Request) -> dict[str, Any]:
+    route = _tracker(request).pin(body.node_ids)
+    return {"pinned": body.node_ids, "route": route_json(route)}
+
+
+@router.delete("/admin/routes")
+async def unpin_route(request: Request) -> dict[str, Any]:
+    _tracker(request).store.unpin()
+    return {"pinned": None}
+
+
+@router.get("/healthz")
+async def healthz(request: Request) -> dict[str, Any]:
+    tracker = _tracker(request)
+    try:
+        route_json(tracker.route())
+        complete, reason = True, None
+    except MeshnetError as e:
+        complete, reason = False, e.message
+    nodes = tracker.store.nodes()
+    return {"status": "ok", "model": tracker.model.name, "route_complete": complete,
+            "reason": reason, "nodes_up": sum(n.routable for n in nodes)}  # fmt: skip

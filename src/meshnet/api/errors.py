@@ -1,0 +1,52 @@
+"""Every error leaves the API in the OpenAI error shape, with its stable kind as ``code``.
+
+Bad input is 400 (FastAPI's own validation errors included, never 422 or 500),
+an unknown model 404, no capacity 429, no complete route 503.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from meshnet.errors import MeshnetError
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
+          429: "rate_limit_error", 502: "upstream_error", 503: "service_unavailable"}  # fmt: skip
+
+
+def error_body(e: MeshnetError) -> dict[str, Any]:
+    return _body(e.http_status, e.message, e.kind)
+
+
+def _body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(MeshnetError)
+    async def _meshnet(request: Request, e: MeshnetError) -> JSONResponse:
+        if e.http_status >= 500:
+            log.warning("%s %s failed: %s", request.method, request.url.path, e)
+        return JSONResponse(error_body(e), status_code=e.http_status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else "invalid body"
+        return JSONResponse(_body(400, message, "bad-request", where or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(_body(e.status_code, str(e.detail), "http-error"),
+                            status_code=e.status_code)  # fmt: skip

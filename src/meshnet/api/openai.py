@@ -1,0 +1,177 @@
+"""OpenAI-compatible endpoints: models, chat completions, completions (SSE when streamed).
+
+Every response carries an extra ``meshnet`` object (route, epoch, generated
+ids; recoveries on the final one); OpenAI clients ignore it.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from meshnet.api.errors import error_body
+from meshnet.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Sampling,
+    require_model,
+)
+from meshnet.errors import MeshnetError, RequestError
+from meshnet.model.chat import ChatMessage
+from meshnet.tracker.driver import DoneEvent, TokenEvent
+from meshnet.tracker.routes import Route
+from meshnet.tracker.service import Started, Tracker
+
+Kind = Literal["chat", "text"]
+router = APIRouter()
+
+
+def _tracker(request: Request) -> Tracker:
+    return request.app.state.tracker  # type: ignore[no-any-return]
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    model = _tracker(request).model
+    return {
+        "object": "list",
+        "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "meshnet"}],
+    }
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request
+                           ) -> JSONResponse | StreamingResponse:  # fmt: skip
+    tracker = _tracker(request)
+    require_model(body.model, tracker.model.name)
+    messages = [ChatMessage(m.role, m.content) for m in body.messages]
+    text = tracker.model.template.render(messages, add_generation_prompt=True)
+    prompt_ids = tracker.model.tokenizer.encode(text)
+    return await _complete(tracker, body, prompt_ids, "chat")
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request
+                      ) -> JSONResponse | StreamingResponse:  # fmt: skip
+    tracker = _tracker(request)
+    require_model(body.model, tracker.model.name)
+    if isinstance(body.prompt, str):
+        prompt_ids = tracker.model.tokenizer.encode(body.prompt)
+    else:
+        prompt_ids = list(body.prompt)
+    if not prompt_ids:
+        raise RequestError("the prompt encodes to no tokens")
+    return await _complete(tracker, body, prompt_ids, "text")
+
+
+async def _complete(tracker: Tracker, body: _Sampling, prompt_ids: list[int],
+                    kind: Kind) -> JSONResponse | StreamingResponse:  # fmt: skip
+    started = await tracker.start(prompt_ids, body.sampling())
+    reply = _Reply(kind, tracker.model.name, started)
+    if body.stream:
+        return StreamingResponse(
+            _sse(reply, started.events, body.include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    done: DoneEvent | None = None
+    async for event in started.events:
+        if isinstance(event, DoneEvent):
+            done = event
+    if done is None:
+        raise MeshnetError("the generation ended without a result")
+    return JSONResponse(reply.whole(done))
+
+
+class _Reply:
+    """Shapes one generation's output as OpenAI objects."""
+
+    def __init__(self, kind: Kind, model: str, started: Started) -> None:
+        self.kind = kind
+        self.model = model
+        self.route = started.route
+        self.epoch = started.epoch
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        self.id = f"{prefix}-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+
+    def _meta(self, **extra: Any) -> dict[str, Any]:
+        return {"route": route_json(self.route), "epoch": self.epoch, **extra}
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, done: DoneEvent) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason,
+                                      "message": {"role": "assistant", "content": done.text},
+                                      "logprobs": None}  # fmt: skip
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": done.text, "finish_reason": done.finish_reason,
+                      "logprobs": None}  # fmt: skip
+            obj = "text_completion"
+        return {**self._envelope(obj), "choices": [choice], "usage": usage(done),
+                "meshnet": self._meta(ids=done.ids, recoveries=[])}  # fmt: skip
+
+    def chunk(self, text: str | None, finish: str | None, meta: dict[str, Any],
+              first: bool = False) -> dict[str, Any]:  # fmt: skip
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish}
+            obj = "text_completion"
+        return {**self._envelope(obj), "choices": [choice], "meshnet": meta}
+
+    def first_chunk(self) -> dict[str, Any]:
+        return self.chunk("", None, self._meta(), first=True)
+
+    def token_chunk(self, event: TokenEvent) -> dict[str, Any]:
+        return self.chunk(event.text, None, {"ids": [event.token_id]})
+
+    def final_chunk(self, done: DoneEvent) -> dict[str, Any]:
+        meta = self._meta(ids=done.ids, recoveries=[])
+        return self.chunk(None, done.finish_reason, meta)
+
+    def usage_chunk(self, done: DoneEvent) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._envelope(obj), "choices": [], "usage": usage(done)}
+
+
+async def _sse(reply: _Reply, events: AsyncIterator[TokenEvent | DoneEvent],
+               include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
+    yield _data(reply.first_chunk())
+    try:
+        async for event in events:
+            if isinstance(event, TokenEvent):
+                yield _data(reply.token_chunk(event))
+            else:
+                yield _data(reply.final_chunk(event))
+                if include_usage:
+                    yield _data(reply.usage_chunk(event))
+    except MeshnetError as e:
+        yield _data(error_body(e))
+    yield "data: [DONE]\n\n"
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def usage(done: DoneEvent) -> dict[str, int]:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": len(done.ids),
+            "total_tokens": done.prompt_tokens + len(done.ids)}  # fmt: skip
+
+
+def route_json(route: Route) -> list[dict[str, Any]]:
+    return [{"node_id": h.node_id, "layers": [h.layers.start, h.layers.end]} for h in route]

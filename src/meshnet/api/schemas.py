@@ -1,0 +1,103 @@
+"""Request bodies of the public API, parsed at the edge into typed values.
+
+OpenAI clients send fields we do not use (``user``, ``logprobs``…); those are
+ignored, but every field we do use is validated, and values we cannot honour
+(``n > 1``) are refused with 400 rather than silently changed.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from meshnet.errors import ModelNotFound
+from meshnet.model.sampling import MAX_STOP_STRINGS, SamplingParams
+
+MAX_PROMPT_CHARS = 1_000_000
+MAX_MESSAGES = 1024
+DEFAULT_MAX_TOKENS = 256
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class ChatMessageIn(_Lenient):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _Sampling(_Lenient):
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n = 1 is supported")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        return stop
+
+    def sampling(self) -> SamplingParams:
+        """The sampling contract's parameters; ``RequestError`` if they are inconsistent."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        max_tokens = self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+            top_p=self.top_p, repetition_penalty=self.repetition_penalty, seed=self.seed,
+            stop=stop,
+        )  # fmt: skip
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] = Field(...)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_size(cls, prompt: str | list[int]) -> str | list[int]:
+        if len(prompt) == 0:
+            raise ValueError("prompt is empty")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise ValueError("prompt is too long")
+        return prompt
+
+
+class PinRouteRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    node_ids: list[str] = Field(min_length=1, max_length=256)
+
+
+def require_model(requested: str, served: str) -> None:
+    if requested != served:
+        raise ModelNotFound(f"model {requested!r} is not served here (serving {served!r})")

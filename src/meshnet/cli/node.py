@@ -1,0 +1,30 @@
+"""``meshnet node``: serve one layer range (or start empty) and join a tracker."""
+
+from __future__ import annotations
+
+import argparse
+
+from meshnet.layer_range import LayerRange
+from meshnet.node.main import NodeConfig, new_node_id, serve
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("node", help="serve a layer range of the model over gRPC")
+    p.add_argument("--tracker", required=True, help="tracker URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--listen", default="127.0.0.1:0", help="gRPC HOST:PORT (port 0: any free)")
+    p.add_argument("--advertise-host", help="host the tracker should dial (default: listen host)")
+    p.add_argument("--model", help="GGUF file (default: the bundled model)")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--layers", type=LayerRange.parse, help="START:END, half-open")
+    group.add_argument("--empty", action="store_true", help="load nothing; wait for Configure")
+    p.add_argument("--node-id", default=None, help="name on the mesh (default: random)")
+    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return serve(NodeConfig(
+        tracker_url=args.tracker, listen=args.listen, model_path=args.model,
+        layers=None if args.empty else args.layers, node_id=args.node_id or new_node_id(),
+        advertise_host=args.advertise_host, heartbeat_s=args.heartbeat,
+    ))  # fmt: skip

@@ -1,0 +1,40 @@
+"""A small client for a running mesh's chat API (used by ``meshnet chat`` and ``up --once``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from meshnet.errors import MeshnetError
+
+
+def served_model(url: str) -> str:
+    r = httpx.get(f"{url}/v1/models", timeout=10.0)
+    r.raise_for_status()
+    return str(r.json()["data"][0]["id"])
+
+
+def stream_chat(url: str, messages: list[dict[str, str]], max_tokens: int = 256,
+                temperature: float = 0.0, seed: int | None = None,
+                timeout_s: float = 600.0) -> Iterator[str]:  # fmt: skip
+    """Yield the assistant's text as it streams; raise ``MeshnetError`` on an API error."""
+    body: dict[str, Any] = {"model": served_model(url), "messages": messages, "stream": True,
+                            "max_tokens": max_tokens, "temperature": temperature}  # fmt: skip
+    if seed is not None:
+        body["seed"] = seed
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout_s) as r:
+        if r.status_code != 200:
+            r.read()
+            raise MeshnetError(f"HTTP {r.status_code}: {r.text}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                raise MeshnetError(chunk["error"]["message"])
+            for choice in chunk.get("choices", []):
+                if text := choice.get("delta", {}).get("content"):
+                    yield text

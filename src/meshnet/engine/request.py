@@ -1,0 +1,58 @@
+"""One generation request's decoding state: sampler, generated ids, text, finish.
+
+Shared by the in-process loop and the tracker's route driver, so that a
+request gives the same tokens and text wherever its logits are computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+
+from meshnet.engine.text import TextStream
+from meshnet.model.sampling import Sampler, SamplingParams
+from meshnet.model.tokenizer import TextTokenizer
+
+FinishReason = Literal["stop", "length"]
+
+
+class RequestState:
+    """Turns each step's logits into the next token and the newly final text."""
+
+    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 tokenizer: TextTokenizer) -> None:  # fmt: skip
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.ids: list[int] = []
+        self.finish: FinishReason | None = None
+        self._sampler = Sampler(params)
+        self._stream = TextStream(tokenizer, params.stop)
+        self._eos = tokenizer.eos_id
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def text(self) -> str:
+        """The generated text so far: no eos, cut before a stop string."""
+        return self._stream.text
+
+    def take(self, logits: np.ndarray) -> str:
+        """Sample from logits [vocab], record the token, return text made final by it."""
+        token = self._sampler.sample(logits, self.prompt_ids + self.ids)
+        self.ids.append(token)
+        delta = ""
+        if token == self._eos:
+            self.finish = "stop"
+        else:
+            delta = self._stream.push(token)
+            if self._stream.stopped:
+                self.finish = "stop"
+            elif len(self.ids) >= self.params.max_tokens:
+                self.finish = "length"
+        if self.finish is not None:
+            delta += self._stream.finish()
+        return delta

@@ -1,0 +1,158 @@
+"""A whole mesh on this machine: the tracker and N nodes as separate processes on loopback.
+
+Used by ``meshnet up`` and by the end-to-end tests. Every process it starts is
+its child, logs to ``DATA_DIR/logs``, runs with one BLAS thread, and is asked
+to die with its parent (Linux ``PR_SET_PDEATHSIG``), so nothing outlives
+``stop()`` or a killed launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from meshnet.errors import MeshnetError
+from meshnet.layer_range import LayerRange, split_evenly
+
+_PR_SET_PDEATHSIG = 1
+
+
+def parse_layout(text: str) -> list[LayerRange | None]:
+    """``"0:10,10:20,empty"`` -> ranges, ``None`` for an empty node."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise MeshnetError("the layout is empty")
+    return [None if p == "empty" else LayerRange.parse(p) for p in parts]
+
+
+def even_layout(n_layers: int, nodes: int) -> list[LayerRange | None]:
+    return list(split_evenly(n_layers, nodes))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LocalMesh:
+    """Starts and stops one tracker and its nodes."""
+
+    data_dir: Path
+    port: int = 0  # 0: pick a free one
+    model: str | None = None
+    heartbeat_s: float = 0.5
+    heartbeat_timeout_s: float = 2.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    tracker: subprocess.Popen[bytes] | None = None
+    nodes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    killed: set[str] = field(default_factory=set)  # nodes stopped on purpose
+
+    def __post_init__(self) -> None:
+        self.port = self.port or free_port()
+        (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, layout: Sequence[LayerRange | None], timeout_s: float = 180.0) -> None:
+        """Start the tracker and one node per layout entry; wait for a complete route."""
+        self.start_tracker()
+        for i, layers in enumerate(layout):
+            self.start_node(f"node-{i}", layers)
+        self.wait_ready(expected_nodes=len(layout), timeout_s=timeout_s,
+                        need_route=any(r is not None for r in layout))  # fmt: skip
+
+    def start_tracker(self) -> None:
+        args = ["tracker", "--port", str(self.port), "--data-dir", str(self.data_dir),
+                "--heartbeat-timeout", str(self.heartbeat_timeout_s)]  # fmt: skip
+        self.tracker = self._spawn("tracker", args)
+
+    def start_node(self, node_id: str, layers: LayerRange | None) -> subprocess.Popen[bytes]:
+        args = ["node", "--tracker", self.url, "--node-id", node_id,
+                "--heartbeat", str(self.heartbeat_s)]  # fmt: skip
+        args += ["--empty"] if layers is None else ["--layers", f"{layers.start}:{layers.end}"]
+        proc = self._spawn(node_id, args)
+        self.nodes[node_id] = proc
+        return proc
+
+    def wait_ready(
+        self, expected_nodes: int, timeout_s: float, need_route: bool = True
+    ) -> dict[str, Any]:
+        """Poll /healthz until ``expected_nodes`` are up (and a route is complete)."""
+        deadline = time.monotonic() + timeout_s
+        last: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            self._check_alive()
+            with contextlib.suppress(httpx.HTTPError):
+                last = httpx.get(f"{self.url}/healthz", timeout=2.0).json()
+                route_ok = last["route_complete"] or not need_route
+                if last["nodes_up"] >= expected_nodes and route_ok:
+                    return last
+            time.sleep(0.2)
+        raise MeshnetError(f"mesh not ready after {timeout_s:.0f}s: {last}")
+
+    def _check_alive(self) -> None:
+        procs = [("tracker", self.tracker), *self.nodes.items()]
+        for name, p in procs:
+            if p is not None and p.poll() is not None and name not in self.killed:
+                log = self.data_dir / "logs" / f"{name}.log"
+                tail = log.read_text()[-2000:] if log.exists() else ""
+                raise MeshnetError(f"{name} exited with {p.returncode}:\n{tail}")
+
+    def kill_node(self, node_id: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.nodes[node_id]
+        self.killed.add(node_id)
+        proc.send_signal(sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            proc.wait(timeout=30)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in [self.tracker, *self.nodes.values()] if p is not None]
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM every process (nodes first), then SIGKILL what is left."""
+        procs = [*self.nodes.values(), *([self.tracker] if self.tracker else [])]
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGCONT)
+                    p.terminate()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               **self.extra_env}  # fmt: skip
+        cmd = [sys.executable, "-m", "meshnet.cli.main", *args]
+        if self.model:
+            cmd += ["--model", self.model]
+        log = (self.data_dir / "logs" / f"{name}.log").open("ab")
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)  # fmt: skip
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launching process dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -1,0 +1,49 @@
+"""Control-plane messages between nodes and the tracker (JSON over HTTP).
+
+Frozen pydantic models with ``extra="forbid"``: what a node says about itself
+is parsed into these at the tracker's edge and nothing else travels inward.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_ID = 128
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class NodeLoad(Frozen):
+    """What a node reports with every heartbeat."""
+
+    sessions: int = Field(ge=0)
+    kv_bytes: int = Field(ge=0)
+    queue_depth: int = Field(ge=0)
+    steps: int = Field(ge=0)
+
+
+class NodeAnnouncement(Frozen):
+    """A node registering (or re-registering) with the tracker."""
+
+    node_id: str = Field(min_length=1, max_length=MAX_ID, pattern=r"^[A-Za-z0-9._-]+$")
+    address: str = Field(min_length=3, max_length=256)  # host:port of its gRPC server
+    fingerprint: str = Field(max_length=64)  # "" when empty
+    layer_start: int = Field(ge=0)
+    layer_end: int = Field(ge=0)  # 0 with layer_start 0 when empty
+    backend: str = Field(max_length=32)
+    kv_budget_bytes: int = Field(ge=0)
+    pid: int = Field(ge=0)
+    load: NodeLoad
+
+
+class Heartbeat(Frozen):
+    load: NodeLoad
+    fingerprint: str = Field(max_length=64)
+    layer_start: int = Field(ge=0)
+    layer_end: int = Field(ge=0)
+
+
+class HeartbeatReply(Frozen):
+    known: bool  # False: the tracker lost us (restart); register again

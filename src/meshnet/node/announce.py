@@ -1,0 +1,91 @@
+"""Register with the tracker, then heartbeat with the node's load until stopped.
+
+Registration is retried with backoff until the tracker answers (it may start
+after the node); a heartbeat answered with ``known: false`` (the tracker
+restarted and lost us) triggers a new registration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+import httpx
+
+from meshnet.mesh_messages import Heartbeat, HeartbeatReply, NodeAnnouncement, NodeLoad
+from meshnet.node.engine import EngineStats
+
+log = logging.getLogger(__name__)
+
+
+class Announcer:
+    """Keeps the tracker informed about one node, from a background thread."""
+
+    def __init__(self, tracker_url: str, node_id: str, address: str, backend: str,
+                 kv_budget_bytes: int, stats: Callable[[], EngineStats],
+                 interval_s: float = 1.0) -> None:  # fmt: skip
+        self.tracker_url = tracker_url.rstrip("/")
+        self.node_id = node_id
+        self.address = address
+        self.backend = backend
+        self.kv_budget_bytes = kv_budget_bytes
+        self.stats = stats
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="announcer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5.0) as http:
+            registered = False
+            backoff = 0.1
+            while not self._stop.is_set():
+                try:
+                    registered = self._register(http) if not registered else self._beat(http)
+                    backoff = 0.1
+                except (httpx.HTTPError, ValueError) as e:
+                    log.warning("tracker unreachable at %s: %s", self.tracker_url, e)
+                    registered = False
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                self._stop.wait(self.interval_s if registered else backoff)
+
+    def _register(self, http: httpx.Client) -> bool:
+        s = self.stats()
+        body = NodeAnnouncement(
+            node_id=self.node_id, address=self.address, fingerprint=s.fingerprint,
+            layer_start=s.layers.start if s.layers else 0,
+            layer_end=s.layers.end if s.layers else 0,
+            backend=self.backend, kv_budget_bytes=self.kv_budget_bytes, pid=os.getpid(),
+            load=_load(s),
+        )  # fmt: skip
+        r = http.post(f"{self.tracker_url}/mesh/nodes", json=body.model_dump())
+        r.raise_for_status()
+        log.info("registered with %s as %s", self.tracker_url, self.node_id)
+        return True
+
+    def _beat(self, http: httpx.Client) -> bool:
+        s = self.stats()
+        body = Heartbeat(
+            load=_load(s), fingerprint=s.fingerprint,
+            layer_start=s.layers.start if s.layers else 0,
+            layer_end=s.layers.end if s.layers else 0,
+        )  # fmt: skip
+        r = http.post(f"{self.tracker_url}/mesh/nodes/{self.node_id}/heartbeat",
+                      json=body.model_dump())  # fmt: skip
+        r.raise_for_status()
+        return HeartbeatReply.model_validate(r.json()).known
+
+
+def _load(s: EngineStats) -> NodeLoad:
+    return NodeLoad(sessions=s.sessions, kv_bytes=s.kv_bytes, queue_depth=s.queue_depth,
+                    steps=s.steps)  # fmt: skip

@@ -1,0 +1,77 @@
+"""The node process: load a shard (or start empty), serve gRPC, announce to the tracker."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from meshnet.errors import MeshnetError
+from meshnet.layer_range import LayerRange
+from meshnet.model.bundled import bundled_model_path
+from meshnet.node.announce import Announcer
+from meshnet.node.engine import NodeEngine
+from meshnet.node.service import NodeIdentity, NodeService
+from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
+from meshnet.protocol.codec import MAX_MESSAGE_BYTES
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Everything a node process is told at start."""
+
+    tracker_url: str  # e.g. http://127.0.0.1:8000
+    listen: str  # host:port for gRPC; port 0 picks a free one
+    model_path: str | None  # None: the bundled model
+    layers: LayerRange | None  # None: start empty and wait for a Configure
+    node_id: str  # stable name on the mesh
+    advertise_host: str | None  # host the tracker should dial, when not the listen host
+    heartbeat_s: float = 1.0
+    grpc_workers: int = 64  # concurrent Forward streams this node can hold
+
+
+def new_node_id() -> str:
+    return f"node-{secrets.token_hex(4)}"
+
+
+def serve(cfg: NodeConfig) -> int:
+    """Run the node until SIGTERM or SIGINT; returns the exit status."""
+    engine = NodeEngine()
+    engine.start()
+    model_path = cfg.model_path or str(bundled_model_path())
+    if cfg.layers is not None:
+        engine.load(model_path, cfg.layers).result()
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="grpc"),
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+    )  # fmt: skip
+    pb_grpc.add_NodeServicer_to_server(
+        NodeService(NodeIdentity(cfg.node_id, model_path), engine), server
+    )
+    port = server.add_insecure_port(cfg.listen)
+    if port == 0:
+        raise MeshnetError(f"cannot listen on {cfg.listen}")
+    server.start()
+    host = cfg.advertise_host or cfg.listen.rsplit(":", 1)[0]
+    address = f"{host}:{port}"
+    log.info("node %s serving on %s", cfg.node_id, address)
+    print(f"meshnet node {cfg.node_id} listening on {address}", flush=True)
+    announcer = Announcer(cfg.tracker_url, cfg.node_id, address, "numpy", 0, engine.stats,
+                          cfg.heartbeat_s)  # fmt: skip
+    announcer.start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    announcer.stop()
+    server.stop(grace=1.0).wait()
+    engine.stop()
+    return 0

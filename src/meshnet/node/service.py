@@ -1,0 +1,152 @@
+"""The node's gRPC service: parses wire messages at the edge, hands typed work to the engine.
+
+A ``Forward`` stream serves one (session, epoch): an ``Open`` first, then steps
+in order. A failed step answers a ``Failure`` and leaves the stream (and the
+session's KV) usable; the KV is released when the stream ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from meshnet.errors import DeadlineExceeded, MalformedBundle, MeshnetError, ShardMismatch
+from meshnet.layer_range import LayerRange
+from meshnet.node.engine import NodeEngine, StepWork
+from meshnet.protocol import codec
+from meshnet.protocol import meshnet_pb2 as pb
+from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_CONTROL_TIMEOUT_S = 30.0
+_MAX_SESSION_ID = 128
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    node_id: str
+    model_path: str | None  # the model loaded at start, if any
+
+
+class NodeService(pb_grpc.NodeServicer):
+    """Serves Forward, Configure and Info for one ``NodeEngine``."""
+
+    def __init__(self, identity: NodeIdentity, engine: NodeEngine) -> None:
+        self.identity = identity
+        self.engine = engine
+
+    def Forward(
+        self, request_iterator: Iterator[pb.ForwardRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.ForwardResponse]:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "open":
+            yield _failure(MalformedBundle("a Forward stream must start with Open"))
+            return
+        opened = first.open
+        try:
+            self._open(opened)
+        except MeshnetError as e:
+            yield _failure(e)
+            return
+        shard = self.engine.shard
+        assert shard is not None  # _open checked it
+        yield pb.ForwardResponse(
+            opened=pb.Opened(node_id=self.identity.node_id, layer_start=shard.layers.start,
+                             layer_end=shard.layers.end)
+        )  # fmt: skip
+        try:
+            for request in request_iterator:
+                yield self._step(opened, request, context)
+        finally:
+            self.engine.release(opened.session_id, opened.epoch)
+
+    def _open(self, o: pb.Open) -> None:
+        shard = self.engine.shard
+        if not o.session_id or len(o.session_id) > _MAX_SESSION_ID:
+            raise MalformedBundle(f"session_id must have 1 to {_MAX_SESSION_ID} characters")
+        if shard is None:
+            raise ShardMismatch("this node is empty")
+        wanted = (o.fingerprint, o.layer_start, o.layer_end)
+        have = (shard.fingerprint, shard.layers.start, shard.layers.end)
+        if wanted != have:
+            raise ShardMismatch(
+                f"node serves layers {shard.layers} of {shard.fingerprint[:12]}, "
+                f"not [{o.layer_start}, {o.layer_end}) of {o.fingerprint[:12]}"
+            )
+        self.engine.open(o.session_id, o.epoch).result(timeout=_CONTROL_TIMEOUT_S)
+
+    def _step(
+        self, o: pb.Open, request: pb.ForwardRequest, context: grpc.ServicerContext
+    ) -> pb.ForwardResponse:
+        shard = self.engine.shard
+        if request.WhichOneof("kind") != "step" or shard is None:
+            return _failure(MalformedBundle("expected a Step"))
+        step = request.step
+        limits = (
+            codec.TensorLimits("i64", 1, shard.spec.context_length)
+            if shard.is_first
+            else codec.TensorLimits("f32", 2, shard.spec.context_length, shard.spec.d_model)
+        )
+        t0 = time.perf_counter()
+        try:
+            x = codec.decode(step.input, limits)
+            if shard.is_first and (x.min() < 0 or x.max() >= shard.spec.vocab_size):
+                raise MalformedBundle(f"token ids must be in [0, {shard.spec.vocab_size})")
+            remaining = _remaining_s(step.timeout_ms, context)
+            deadline = time.monotonic() + remaining if remaining is not None else None
+            work = StepWork(o.session_id, o.epoch, x, deadline)
+            out = self.engine.submit(work).result(timeout=remaining)
+        except TimeoutError:
+            return _failure(DeadlineExceeded(f"step {step.step} did not finish in time"))
+        except MeshnetError as e:
+            return _failure(e)
+        ms = (time.perf_counter() - t0) * 1000
+        return pb.ForwardResponse(
+            result=pb.StepResult(step=step.step, output=codec.encode(out), compute_ms=ms)
+        )
+
+    def Configure(
+        self, request: pb.ConfigureRequest, context: grpc.ServicerContext
+    ) -> pb.ConfigureResponse:
+        if request.WhichOneof("kind") != "load":
+            return pb.ConfigureResponse(applied=False, failure=_fail(MalformedBundle("no command")))
+        load = request.load
+        try:
+            layers = LayerRange(load.layer_start, load.layer_end)
+            shard = self.engine.load(load.model_path, layers).result(timeout=300)
+        except MeshnetError as e:
+            return pb.ConfigureResponse(applied=False, failure=_fail(e))
+        return pb.ConfigureResponse(
+            applied=True, layer_start=shard.layers.start, layer_end=shard.layers.end,
+            fingerprint=shard.fingerprint,
+        )  # fmt: skip
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
+        s = self.engine.stats()
+        return pb.InfoResponse(
+            node_id=self.identity.node_id, fingerprint=s.fingerprint, loaded=s.loaded,
+            layer_start=s.layers.start if s.layers else 0,
+            layer_end=s.layers.end if s.layers else 0,
+            sessions=s.sessions, kv_bytes=s.kv_bytes,
+        )  # fmt: skip
+
+
+def _remaining_s(timeout_ms: int, context: grpc.ServicerContext) -> float | None:
+    limits = [timeout_ms / 1000.0] if timeout_ms else []
+    if (left := context.time_remaining()) is not None:
+        limits.append(left)
+    return min(limits) if limits else None
+
+
+def _fail(e: MeshnetError) -> pb.Failure:
+    return pb.Failure(kind=e.kind, message=e.message, retryable=e.retryable)
+
+
+def _failure(e: MeshnetError) -> pb.ForwardResponse:
+    log.info("step failed: %s", e)
+    return pb.ForwardResponse(failure=_fail(e))

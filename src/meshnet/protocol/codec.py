@@ -1,0 +1,67 @@
+"""Tensors to and from wire messages, with every size checked before use.
+
+A received tensor is rejected with ``MalformedBundle`` when its dtype is not
+allowed, its shape has the wrong rank or too many elements, or its byte
+length disagrees with dtype and shape. Nothing is allocated for a tensor
+before those checks pass; the decoded array is a read-only view of the bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshnet.errors import MalformedBundle
+from meshnet.protocol import meshnet_pb2 as pb
+
+_DTYPES: dict[str, np.dtype] = {"f32": np.dtype("<f4"), "i64": np.dtype("<i8")}
+_NAMES = {np.dtype(np.float32): "f32", np.dtype(np.int64): "i64"}
+
+# gRPC refuses messages over this many bytes in either direction.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorLimits:
+    """What a receiver accepts: dtype, rank, and width of the last axis."""
+
+    dtype: str
+    rank: int
+    max_rows: int  # first axis: tokens in one step
+    width: int | None = None  # exact size of the last axis when rank is 2
+
+
+def encode(array: np.ndarray) -> pb.Tensor:
+    """Serialise ``array`` (float32 or int64) as little-endian bytes."""
+    name = _NAMES.get(array.dtype)
+    if name is None:
+        raise TypeError(f"cannot send a {array.dtype} tensor")
+    data = np.ascontiguousarray(array, dtype=_DTYPES[name]).tobytes()
+    return pb.Tensor(dtype=name, shape=list(array.shape), data=data)
+
+
+def decode(t: pb.Tensor, limits: TensorLimits) -> np.ndarray:
+    """The array in ``t``; ``MalformedBundle`` if it breaks ``limits`` in any way."""
+    if t.dtype != limits.dtype:
+        raise MalformedBundle(f"tensor dtype {t.dtype!r}, expected {limits.dtype!r}")
+    shape = list(t.shape)
+    _check_shape(shape, limits)
+    dtype = _DTYPES[t.dtype]
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(t.data) != expected:
+        raise MalformedBundle(f"tensor of shape {shape} needs {expected} bytes, got {len(t.data)}")
+    array = np.frombuffer(t.data, dtype=dtype).reshape(shape)
+    if dtype.kind == "f" and not np.isfinite(array).all():
+        raise MalformedBundle("tensor holds NaN or infinite values")
+    return array
+
+
+def _check_shape(shape: Sequence[int], limits: TensorLimits) -> None:
+    if len(shape) != limits.rank:
+        raise MalformedBundle(f"tensor rank {len(shape)}, expected {limits.rank}")
+    if not 1 <= shape[0] <= limits.max_rows:
+        raise MalformedBundle(f"tensor has {shape[0]} rows, limit {limits.max_rows}")
+    if limits.rank == 2 and shape[1] != limits.width:
+        raise MalformedBundle(f"tensor width {shape[1]}, expected {limits.width}")

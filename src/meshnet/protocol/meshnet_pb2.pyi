@@ -1,0 +1,141 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Open(_message.Message):
+    __slots__ = ("session_id", "epoch", "fingerprint", "layer_start", "layer_end")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    fingerprint: str
+    layer_start: int
+    layer_end: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+
+class Step(_message.Message):
+    __slots__ = ("step", "input", "timeout_ms")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    input: Tensor
+    timeout_ms: int
+    def __init__(self, step: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("open", "step")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    open: Open
+    step: Step
+    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
+
+class Opened(_message.Message):
+    __slots__ = ("node_id", "layer_start", "layer_end")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    layer_start: int
+    layer_end: int
+    def __init__(self, node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step", "output", "compute_ms")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    output: Tensor
+    compute_ms: float
+    def __init__(self, step: _Optional[int] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
+class Failure(_message.Message):
+    __slots__ = ("kind", "message", "retryable")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    message: str
+    retryable: bool
+    def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ("opened", "result", "failure")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    opened: Opened
+    result: StepResult
+    failure: Failure
+    def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
+
+class LoadShard(_message.Message):
+    __slots__ = ("model_path", "layer_start", "layer_end")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    layer_start: int
+    layer_end: int
+    def __init__(self, model_path: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+
+class ConfigureRequest(_message.Message):
+    __slots__ = ("load",)
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    load: LoadShard
+    def __init__(self, load: _Optional[_Union[LoadShard, _Mapping]] = ...) -> None: ...
+
+class ConfigureResponse(_message.Message):
+    __slots__ = ("applied", "failure", "layer_start", "layer_end", "fingerprint")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    failure: Failure
+    layer_start: int
+    layer_end: int
+    fingerprint: str
+    def __init__(self, applied: _Optional[bool] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("node_id", "fingerprint", "loaded", "layer_start", "layer_end", "sessions", "kv_bytes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    fingerprint: str
+    loaded: bool
+    layer_start: int
+    layer_end: int
+    sessions: int
+    kv_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., loaded: _Optional[bool] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,41 @@
+"""One gRPC channel per node address, shared by every generation the tracker drives."""
+
+from __future__ import annotations
+
+import grpc
+
+from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
+from meshnet.protocol.codec import MAX_MESSAGE_BYTES
+
+_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Fail fast on a dead address instead of waiting for reconnect backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+class ChannelPool:
+    """Lazily opened ``grpc.aio`` channels; call from the tracker's event loop only."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, address: str) -> pb_grpc.NodeStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+            self._channels[address] = channel
+        return pb_grpc.NodeStub(channel)
+
+    async def drop(self, address: str) -> None:
+        """Close the channel to a node that failed, so a restarted one is dialled afresh."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

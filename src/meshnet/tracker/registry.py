@@ -1,0 +1,45 @@
+"""What the tracker knows about a node, and the liveness rule.
+
+Node states: ``up`` (heartbeating; routable when it has layers) and ``down``
+(missed heartbeats, or failed a call; never routed). A node that registers
+again comes back ``up``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from meshnet.layer_range import LayerRange
+from meshnet.mesh_messages import NodeLoad
+
+NodeId = str
+
+
+class NodeState(StrEnum):
+    UP = "up"  # heartbeating
+    DOWN = "down"  # missed heartbeats or failed a call; not routed until it registers again
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    node_id: NodeId
+    address: str  # host:port of its gRPC server
+    fingerprint: str  # "" while empty
+    layers: LayerRange | None  # None while empty
+    backend: str
+    kv_budget_bytes: int
+    pid: int
+    state: NodeState
+    last_seen: float  # tracker's wall clock at the last register or heartbeat
+    load: NodeLoad
+    down_reason: str = ""
+
+    @property
+    def routable(self) -> bool:
+        return self.state is NodeState.UP and self.layers is not None
+
+
+def is_stale(record: NodeRecord, now: float, timeout_s: float) -> bool:
+    """True when an up node has not been heard from for ``timeout_s``."""
+    return record.state is NodeState.UP and now - record.last_seen > timeout_s

@@ -1,0 +1,94 @@
+"""The route planner: pure functions from the registry's view to a chain of nodes.
+
+A route is a chain of live nodes of the right model whose layer ranges cover
+``[0, n_layers)`` exactly once, in order. Among all such chains the planner
+picks the one with the least total load (in-flight generations plus the
+sessions a node reports), ties broken by node id so plans are reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from meshnet.errors import NoRoute, RequestError
+from meshnet.layer_range import LayerRange, covers_exactly
+from meshnet.tracker.registry import NodeId, NodeRecord
+
+
+@dataclass(frozen=True)
+class Hop:
+    node_id: NodeId
+    address: str
+    layers: LayerRange
+
+
+Route = tuple[Hop, ...]
+
+
+def plan_route(nodes: Sequence[NodeRecord], fingerprint: str, n_layers: int,
+               in_flight: Mapping[NodeId, int]) -> Route:  # fmt: skip
+    """The least-loaded complete chain; ``NoRoute`` naming the first uncovered layer."""
+    usable = [n for n in nodes if n.routable and n.fingerprint == fingerprint]
+    by_start: dict[int, list[NodeRecord]] = {}
+    for n in usable:
+        assert n.layers is not None  # routable
+        if n.layers.end <= n_layers:
+            by_start.setdefault(n.layers.start, []).append(n)
+    # best[p]: (cost, node ids) of the cheapest chain covering [p, n_layers)
+    best: dict[int, tuple[int, tuple[NodeId, ...]]] = {n_layers: (0, ())}
+    for p in range(n_layers - 1, -1, -1):
+        options = [
+            (_cost(n, in_flight) + best[n.layers.end][0], (n.node_id, *best[n.layers.end][1]))
+            for n in by_start.get(p, [])
+            if n.layers is not None and n.layers.end in best
+        ]
+        if options:
+            best[p] = min(options)
+    if 0 not in best:
+        raise NoRoute(f"no complete route: {_gap(by_start, n_layers)}")
+    index = {n.node_id: n for n in usable}
+    return tuple(_hop(index[i]) for i in best[0][1])
+
+
+def pinned_route(node_ids: Sequence[NodeId], nodes: Sequence[NodeRecord], fingerprint: str,
+                 n_layers: int) -> Route:  # fmt: skip
+    """Validate an explicit chain; ``RequestError`` with the reason when it is unusable."""
+    index = {n.node_id: n for n in nodes}
+    unknown = [i for i in node_ids if i not in index]
+    if unknown:
+        raise RequestError(f"unknown node ids: {', '.join(unknown)}")
+    chain = [index[i] for i in node_ids]
+    for n in chain:
+        if n.layers is None:
+            raise RequestError(f"node {n.node_id} has no layers loaded")
+        if n.fingerprint != fingerprint:
+            raise RequestError(f"node {n.node_id} serves another model")
+    ranges = [n.layers for n in chain if n.layers is not None]
+    if not covers_exactly(ranges, n_layers):
+        shown = ", ".join(str(r) for r in ranges)
+        raise RequestError(f"layers {shown} do not cover [0, {n_layers}) exactly once in order")
+    return tuple(_hop(n) for n in chain)
+
+
+def _cost(n: NodeRecord, in_flight: Mapping[NodeId, int]) -> int:
+    return in_flight.get(n.node_id, 0) + n.load.sessions
+
+
+def _hop(n: NodeRecord) -> Hop:
+    assert n.layers is not None
+    return Hop(n.node_id, n.address, n.layers)
+
+
+def _gap(by_start: Mapping[int, Sequence[NodeRecord]], n_layers: int) -> str:
+    """Describe the first layer no chain from 0 can reach."""
+    reachable = {0}
+    frontier = [0]
+    while frontier:
+        p = frontier.pop()
+        for n in by_start.get(p, []):
+            if n.layers is not None and n.layers.end not in reachable:
+                reachable.add(n.layers.end)
+                frontier.append(n.layers.end)
+    first_missing = max(p for p in reachable if p < n_layers)
+    return f"no live node serves layer {first_missing}"
