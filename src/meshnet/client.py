@@ -17,12 +17,22 @@ def served_model(url: str) -> str:
     return str(r.json()["data"][0]["id"])
 
 
-def stream_chat(url: str, messages: list[dict[str, str]], max_tokens: int = 256,
-                temperature: float = 0.0, seed: int | None = None,
-                timeout_s: float = 600.0) -> Iterator[str]:  # fmt: skip
+def stream_chat(
+    url: str,
+    messages: list[dict[str, str]],
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    timeout_s: float = 600.0,
+) -> Iterator[str]:
     """Yield the assistant's text as it streams; raise ``MeshnetError`` on an API error."""
-    body: dict[str, Any] = {"model": served_model(url), "messages": messages, "stream": True,
-                            "max_tokens": max_tokens, "temperature": temperature}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": served_model(url),
+        "messages": messages,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+    }
     if seed is not None:
         body["seed"] = seed
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout_s) as r:

@@ -74,17 +74,34 @@ class LocalMesh:
         self.start_tracker()
         for i, layers in enumerate(layout):
             self.start_node(f"node-{i}", layers)
-        self.wait_ready(expected_nodes=len(layout), timeout_s=timeout_s,
-                        need_route=any(r is not None for r in layout))  # fmt: skip
+        self.wait_ready(
+            expected_nodes=len(layout),
+            timeout_s=timeout_s,
+            need_route=any(r is not None for r in layout),
+        )
 
     def start_tracker(self) -> None:
-        args = ["tracker", "--port", str(self.port), "--data-dir", str(self.data_dir),
-                "--heartbeat-timeout", str(self.heartbeat_timeout_s)]  # fmt: skip
+        args = [
+            "tracker",
+            "--port",
+            str(self.port),
+            "--data-dir",
+            str(self.data_dir),
+            "--heartbeat-timeout",
+            str(self.heartbeat_timeout_s),
+        ]
         self.tracker = self._spawn("tracker", args)
 
     def start_node(self, node_id: str, layers: LayerRange | None) -> subprocess.Popen[bytes]:
-        args = ["node", "--tracker", self.url, "--node-id", node_id,
-                "--heartbeat", str(self.heartbeat_s)]  # fmt: skip
+        args = [
+            "node",
+            "--tracker",
+            self.url,
+            "--node-id",
+            node_id,
+            "--heartbeat",
+            str(self.heartbeat_s),
+        ]
         args += ["--empty"] if layers is None else ["--layers", f"{layers.start}:{layers.end}"]
         proc = self._spawn(node_id, args)
         self.nodes[node_id] = proc
@@ -141,14 +158,19 @@ class LocalMesh:
                 p.wait(timeout=5)
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               **self.extra_env}  # fmt: skip
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.extra_env}
         cmd = [sys.executable, "-m", "meshnet.cli.main", *args]
         if self.model:
             cmd += ["--model", self.model]
-        log = (self.data_dir / "logs" / f"{name}.log").open("ab")
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)  # fmt: skip
+        with (self.data_dir / "logs" / f"{name}.log").open("ab") as log:  # the child keeps its fd
+            return subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )
 
 
 def _die_with_parent() -> None:

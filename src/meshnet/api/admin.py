@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from meshnet.api.openai import route_json
 from meshnet.api.schemas import PinRouteRequest
 from meshnet.errors import MeshnetError
+from meshnet.tracker.registry import NodeState
 from meshnet.tracker.service import Tracker
 
 router = APIRouter()
@@ -20,14 +21,23 @@ def _tracker(request: Request) -> Tracker:
 
 @router.get("/admin/nodes")
 async def list_nodes(request: Request) -> dict[str, Any]:
-    return {"nodes": [
-        {"node_id": n.node_id, "address": n.address,
-         "layers": [n.layers.start, n.layers.end] if n.layers else None,
-         "state": n.state.value, "down_reason": n.down_reason or None, "pid": n.pid,
-         "backend": n.backend, "fingerprint": n.fingerprint,
-         "last_seen": n.last_seen, "load": n.load.model_dump()}
-        for n in _tracker(request).store.nodes()
-    ]}  # fmt: skip
+    return {
+        "nodes": [
+            {
+                "node_id": n.node_id,
+                "address": n.address,
+                "layers": [n.layers.start, n.layers.end] if n.layers else None,
+                "state": n.state.value,
+                "down_reason": n.down_reason or None,
+                "pid": n.pid,
+                "backend": n.backend,
+                "fingerprint": n.fingerprint,
+                "last_seen": n.last_seen,
+                "load": n.load.model_dump(),
+            }
+            for n in _tracker(request).store.nodes()
+        ]
+    }
 
 
 @router.get("/admin/routes")
@@ -63,5 +73,11 @@ async def healthz(request: Request) -> dict[str, Any]:
     except MeshnetError as e:
         complete, reason = False, e.message
     nodes = tracker.store.nodes()
-    return {"status": "ok", "model": tracker.model.name, "route_complete": complete,
-            "reason": reason, "nodes_up": sum(n.routable for n in nodes)}  # fmt: skip
+    return {
+        "status": "ok",
+        "model": tracker.model.name,
+        "route_complete": complete,
+        "reason": reason,
+        "nodes_up": sum(n.state is NodeState.UP for n in nodes),
+        "nodes_routable": sum(n.routable for n in nodes),
+    }

@@ -18,8 +18,14 @@ from meshnet.errors import MeshnetError
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
-          429: "rate_limit_error", 502: "upstream_error", 503: "service_unavailable"}  # fmt: skip
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    429: "rate_limit_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+}
 
 
 def error_body(e: MeshnetError) -> dict[str, Any]:
@@ -48,5 +54,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(_body(e.status_code, str(e.detail), "http-error"),
-                            status_code=e.status_code)  # fmt: skip
+        return JSONResponse(
+            _body(e.status_code, str(e.detail), "http-error"), status_code=e.status_code
+        )

@@ -24,7 +24,8 @@ async def register(body: NodeAnnouncement, request: Request) -> dict[str, Any]:
 
 
 @router.post("/mesh/nodes/{node_id}/heartbeat")
-async def heartbeat(body: Heartbeat, request: Request,
-                    node_id: str = Path(max_length=MAX_ID)) -> dict[str, Any]:  # fmt: skip
+async def heartbeat(
+    body: Heartbeat, request: Request, node_id: str = Path(max_length=MAX_ID)
+) -> dict[str, Any]:
     known = _tracker(request).store.heartbeat(node_id, body, time.time())
     return HeartbeatReply(known=known).model_dump()

@@ -46,8 +46,9 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request
-                           ) -> JSONResponse | StreamingResponse:  # fmt: skip
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request
+) -> JSONResponse | StreamingResponse:
     tracker = _tracker(request)
     require_model(body.model, tracker.model.name)
     messages = [ChatMessage(m.role, m.content) for m in body.messages]
@@ -57,8 +58,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request
 
 
 @router.post("/v1/completions", response_model=None)
-async def completions(body: CompletionRequest, request: Request
-                      ) -> JSONResponse | StreamingResponse:  # fmt: skip
+async def completions(
+    body: CompletionRequest, request: Request
+) -> JSONResponse | StreamingResponse:
     tracker = _tracker(request)
     require_model(body.model, tracker.model.name)
     if isinstance(body.prompt, str):
@@ -70,8 +72,9 @@ async def completions(body: CompletionRequest, request: Request
     return await _complete(tracker, body, prompt_ids, "text")
 
 
-async def _complete(tracker: Tracker, body: _Sampling, prompt_ids: list[int],
-                    kind: Kind) -> JSONResponse | StreamingResponse:  # fmt: skip
+async def _complete(
+    tracker: Tracker, body: _Sampling, prompt_ids: list[int], kind: Kind
+) -> JSONResponse | StreamingResponse:
     started = await tracker.start(prompt_ids, body.sampling())
     reply = _Reply(kind, tracker.model.name, started)
     if body.stream:
@@ -109,19 +112,31 @@ class _Reply:
 
     def whole(self, done: DoneEvent) -> dict[str, Any]:
         if self.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason,
-                                      "message": {"role": "assistant", "content": done.text},
-                                      "logprobs": None}  # fmt: skip
+            choice: dict[str, Any] = {
+                "index": 0,
+                "finish_reason": done.finish_reason,
+                "message": {"role": "assistant", "content": done.text},
+                "logprobs": None,
+            }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": done.text, "finish_reason": done.finish_reason,
-                      "logprobs": None}  # fmt: skip
+            choice = {
+                "index": 0,
+                "text": done.text,
+                "finish_reason": done.finish_reason,
+                "logprobs": None,
+            }
             obj = "text_completion"
-        return {**self._envelope(obj), "choices": [choice], "usage": usage(done),
-                "meshnet": self._meta(ids=done.ids, recoveries=[])}  # fmt: skip
+        return {
+            **self._envelope(obj),
+            "choices": [choice],
+            "usage": usage(done),
+            "meshnet": self._meta(ids=done.ids, recoveries=[]),
+        }
 
-    def chunk(self, text: str | None, finish: str | None, meta: dict[str, Any],
-              first: bool = False) -> dict[str, Any]:  # fmt: skip
+    def chunk(
+        self, text: str | None, finish: str | None, meta: dict[str, Any], first: bool = False
+    ) -> dict[str, Any]:
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
@@ -148,8 +163,9 @@ class _Reply:
         return {**self._envelope(obj), "choices": [], "usage": usage(done)}
 
 
-async def _sse(reply: _Reply, events: AsyncIterator[TokenEvent | DoneEvent],
-               include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
+async def _sse(
+    reply: _Reply, events: AsyncIterator[TokenEvent | DoneEvent], include_usage: bool
+) -> AsyncIterator[str]:
     yield _data(reply.first_chunk())
     try:
         async for event in events:
@@ -169,8 +185,11 @@ def _data(obj: dict[str, Any]) -> str:
 
 
 def usage(done: DoneEvent) -> dict[str, int]:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": len(done.ids),
-            "total_tokens": done.prompt_tokens + len(done.ids)}  # fmt: skip
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": len(done.ids),
+        "total_tokens": done.prompt_tokens + len(done.ids),
+    }
 
 
 def route_json(route: Route) -> list[dict[str, Any]]:

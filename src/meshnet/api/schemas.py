@@ -65,10 +65,14 @@ class _Sampling(_Lenient):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         max_tokens = self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
         return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
-            top_p=self.top_p, repetition_penalty=self.repetition_penalty, seed=self.seed,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
             stop=stop,
-        )  # fmt: skip
+        )
 
     @property
     def include_usage(self) -> bool:

@@ -23,8 +23,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def run(args: argparse.Namespace) -> int:
-    return serve(NodeConfig(
-        tracker_url=args.tracker, listen=args.listen, model_path=args.model,
-        layers=None if args.empty else args.layers, node_id=args.node_id or new_node_id(),
-        advertise_host=args.advertise_host, heartbeat_s=args.heartbeat,
-    ))  # fmt: skip
+    return serve(
+        NodeConfig(
+            tracker_url=args.tracker,
+            listen=args.listen,
+            model_path=args.model,
+            layers=None if args.empty else args.layers,
+            node_id=args.node_id or new_node_id(),
+            advertise_host=args.advertise_host,
+            heartbeat_s=args.heartbeat,
+        )
+    )

@@ -16,17 +16,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--data-dir", type=Path, default=Path("meshnet-data"))
     p.add_argument("--model", help="GGUF file (default: the bundled model)")
-    p.add_argument("--heartbeat-timeout", type=float, default=3.0,
-                   help="seconds of silence before a node is marked down")  # fmt: skip
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=3.0,
+        help="seconds of silence before a node is marked down",
+    )
     p.add_argument("--step-timeout", type=float, default=30.0, help="seconds per shard step")
     p.add_argument("--max-in-flight", type=int, default=64, help="generations at once")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    return serve(TrackerProcessConfig(
-        host=args.host, port=args.port, data_dir=args.data_dir, model_path=args.model,
-        tracker=TrackerConfig(heartbeat_timeout_s=args.heartbeat_timeout,
-                              max_in_flight=args.max_in_flight),
-        driver=DriverLimits(step_timeout_s=args.step_timeout),
-    ))  # fmt: skip
+    return serve(
+        TrackerProcessConfig(
+            host=args.host,
+            port=args.port,
+            data_dir=args.data_dir,
+            model_path=args.model,
+            tracker=TrackerConfig(
+                heartbeat_timeout_s=args.heartbeat_timeout, max_in_flight=args.max_in_flight
+            ),
+            driver=DriverLimits(step_timeout_s=args.step_timeout),
+        )
+    )

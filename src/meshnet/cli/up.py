@@ -34,8 +34,9 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_on_signal)
     try:
-        print(f"starting tracker and {len(layout)} nodes (logs in {data_dir}/logs)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"starting tracker and {len(layout)} nodes (logs in {data_dir}/logs)", file=sys.stderr
+        )
         mesh.start(layout)
         print(f"meshnet API at {mesh.url}/v1", flush=True)
         if args.once is not None:

@@ -21,8 +21,9 @@ FinishReason = Literal["stop", "length"]
 class RequestState:
     """Turns each step's logits into the next token and the newly final text."""
 
-    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams,
-                 tokenizer: TextTokenizer) -> None:  # fmt: skip
+    def __init__(
+        self, prompt_ids: Sequence[int], params: SamplingParams, tokenizer: TextTokenizer
+    ) -> None:
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.ids: list[int] = []

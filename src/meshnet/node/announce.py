@@ -23,9 +23,16 @@ log = logging.getLogger(__name__)
 class Announcer:
     """Keeps the tracker informed about one node, from a background thread."""
 
-    def __init__(self, tracker_url: str, node_id: str, address: str, backend: str,
-                 kv_budget_bytes: int, stats: Callable[[], EngineStats],
-                 interval_s: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tracker_url: str,
+        node_id: str,
+        address: str,
+        backend: str,
+        kv_budget_bytes: int,
+        stats: Callable[[], EngineStats],
+        interval_s: float = 1.0,
+    ) -> None:
         self.tracker_url = tracker_url.rstrip("/")
         self.node_id = node_id
         self.address = address
@@ -62,12 +69,16 @@ class Announcer:
     def _register(self, http: httpx.Client) -> bool:
         s = self.stats()
         body = NodeAnnouncement(
-            node_id=self.node_id, address=self.address, fingerprint=s.fingerprint,
+            node_id=self.node_id,
+            address=self.address,
+            fingerprint=s.fingerprint,
             layer_start=s.layers.start if s.layers else 0,
             layer_end=s.layers.end if s.layers else 0,
-            backend=self.backend, kv_budget_bytes=self.kv_budget_bytes, pid=os.getpid(),
+            backend=self.backend,
+            kv_budget_bytes=self.kv_budget_bytes,
+            pid=os.getpid(),
             load=_load(s),
-        )  # fmt: skip
+        )
         r = http.post(f"{self.tracker_url}/mesh/nodes", json=body.model_dump())
         r.raise_for_status()
         log.info("registered with %s as %s", self.tracker_url, self.node_id)
@@ -76,16 +87,19 @@ class Announcer:
     def _beat(self, http: httpx.Client) -> bool:
         s = self.stats()
         body = Heartbeat(
-            load=_load(s), fingerprint=s.fingerprint,
+            load=_load(s),
+            fingerprint=s.fingerprint,
             layer_start=s.layers.start if s.layers else 0,
             layer_end=s.layers.end if s.layers else 0,
-        )  # fmt: skip
-        r = http.post(f"{self.tracker_url}/mesh/nodes/{self.node_id}/heartbeat",
-                      json=body.model_dump())  # fmt: skip
+        )
+        r = http.post(
+            f"{self.tracker_url}/mesh/nodes/{self.node_id}/heartbeat", json=body.model_dump()
+        )
         r.raise_for_status()
         return HeartbeatReply.model_validate(r.json()).known
 
 
 def _load(s: EngineStats) -> NodeLoad:
-    return NodeLoad(sessions=s.sessions, kv_bytes=s.kv_bytes, queue_depth=s.queue_depth,
-                    steps=s.steps)  # fmt: skip
+    return NodeLoad(
+        sessions=s.sessions, kv_bytes=s.kv_bytes, queue_depth=s.queue_depth, steps=s.steps
+    )

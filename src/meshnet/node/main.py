@@ -50,9 +50,11 @@ def serve(cfg: NodeConfig) -> int:
         engine.load(model_path, cfg.layers).result()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="grpc"),
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
-    )  # fmt: skip
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
     pb_grpc.add_NodeServicer_to_server(
         NodeService(NodeIdentity(cfg.node_id, model_path), engine), server
     )
@@ -64,8 +66,9 @@ def serve(cfg: NodeConfig) -> int:
     address = f"{host}:{port}"
     log.info("node %s serving on %s", cfg.node_id, address)
     print(f"meshnet node {cfg.node_id} listening on {address}", flush=True)
-    announcer = Announcer(cfg.tracker_url, cfg.node_id, address, "numpy", 0, engine.stats,
-                          cfg.heartbeat_s)  # fmt: skip
+    announcer = Announcer(
+        cfg.tracker_url, cfg.node_id, address, "numpy", 0, engine.stats, cfg.heartbeat_s
+    )
     announcer.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -56,9 +56,12 @@ class NodeService(pb_grpc.NodeServicer):
         shard = self.engine.shard
         assert shard is not None  # _open checked it
         yield pb.ForwardResponse(
-            opened=pb.Opened(node_id=self.identity.node_id, layer_start=shard.layers.start,
-                             layer_end=shard.layers.end)
-        )  # fmt: skip
+            opened=pb.Opened(
+                node_id=self.identity.node_id,
+                layer_start=shard.layers.start,
+                layer_end=shard.layers.end,
+            )
+        )
         try:
             for request in request_iterator:
                 yield self._step(opened, request, context)
@@ -122,18 +125,23 @@ class NodeService(pb_grpc.NodeServicer):
         except MeshnetError as e:
             return pb.ConfigureResponse(applied=False, failure=_fail(e))
         return pb.ConfigureResponse(
-            applied=True, layer_start=shard.layers.start, layer_end=shard.layers.end,
+            applied=True,
+            layer_start=shard.layers.start,
+            layer_end=shard.layers.end,
             fingerprint=shard.fingerprint,
-        )  # fmt: skip
+        )
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         s = self.engine.stats()
         return pb.InfoResponse(
-            node_id=self.identity.node_id, fingerprint=s.fingerprint, loaded=s.loaded,
+            node_id=self.identity.node_id,
+            fingerprint=s.fingerprint,
+            loaded=s.loaded,
             layer_start=s.layers.start if s.layers else 0,
             layer_end=s.layers.end if s.layers else 0,
-            sessions=s.sessions, kv_bytes=s.kv_bytes,
-        )  # fmt: skip
+            sessions=s.sessions,
+            kv_bytes=s.kv_bytes,
+        )
 
 
 def _remaining_s(timeout_ms: int, context: grpc.ServicerContext) -> float | None:

@@ -92,8 +92,9 @@ class RouteDriver:
             raise
         return streams
 
-    async def run(self, streams: Sequence[_HopStream], prompt_ids: Sequence[int],
-                  params: SamplingParams) -> AsyncIterator[TokenEvent | DoneEvent]:  # fmt: skip
+    async def run(
+        self, streams: Sequence[_HopStream], prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent | DoneEvent]:
         """Generate through opened streams; closes them when done or abandoned."""
         state = RequestState(prompt_ids, params, self.tokenizer)
         try:
@@ -115,10 +116,16 @@ class RouteDriver:
         stub = self.channels.stub(hop.address)
         call = stub.Forward(timeout=self.limits.generation_timeout_s)
         stream = _HopStream(hop, call)
-        opened = pb.Open(session_id=session_id, epoch=epoch, fingerprint=self.fingerprint,
-                         layer_start=hop.layers.start, layer_end=hop.layers.end)  # fmt: skip
-        reply = await self._exchange(stream, pb.ForwardRequest(open=opened),
-                                     self.limits.open_timeout_s)  # fmt: skip
+        opened = pb.Open(
+            session_id=session_id,
+            epoch=epoch,
+            fingerprint=self.fingerprint,
+            layer_start=hop.layers.start,
+            layer_end=hop.layers.end,
+        )
+        reply = await self._exchange(
+            stream, pb.ForwardRequest(open=opened), self.limits.open_timeout_s
+        )
         if reply.WhichOneof("kind") != "opened":
             raise MalformedBundle(f"node {hop.node_id} answered Open with {reply}")
         return stream
@@ -146,8 +153,9 @@ class RouteDriver:
             return codec.TensorLimits("f32", 2, 1, s.vocab_size)
         return codec.TensorLimits("f32", 2, s.context_length, s.d_model)
 
-    async def _exchange(self, stream: _HopStream, request: pb.ForwardRequest,
-                        timeout_s: float) -> pb.ForwardResponse:  # fmt: skip
+    async def _exchange(
+        self, stream: _HopStream, request: pb.ForwardRequest, timeout_s: float
+    ) -> pb.ForwardResponse:
         node = stream.hop.node_id
         try:
             await stream.call.write(request)

@@ -26,8 +26,9 @@ class Hop:
 Route = tuple[Hop, ...]
 
 
-def plan_route(nodes: Sequence[NodeRecord], fingerprint: str, n_layers: int,
-               in_flight: Mapping[NodeId, int]) -> Route:  # fmt: skip
+def plan_route(
+    nodes: Sequence[NodeRecord], fingerprint: str, n_layers: int, in_flight: Mapping[NodeId, int]
+) -> Route:
     """The least-loaded complete chain; ``NoRoute`` naming the first uncovered layer."""
     usable = [n for n in nodes if n.routable and n.fingerprint == fingerprint]
     by_start: dict[int, list[NodeRecord]] = {}
@@ -51,8 +52,9 @@ def plan_route(nodes: Sequence[NodeRecord], fingerprint: str, n_layers: int,
     return tuple(_hop(index[i]) for i in best[0][1])
 
 
-def pinned_route(node_ids: Sequence[NodeId], nodes: Sequence[NodeRecord], fingerprint: str,
-                 n_layers: int) -> Route:  # fmt: skip
+def pinned_route(
+    node_ids: Sequence[NodeId], nodes: Sequence[NodeRecord], fingerprint: str, n_layers: int
+) -> Route:
     """Validate an explicit chain; ``RequestError`` with the reason when it is unusable."""
     index = {n.node_id: n for n in nodes}
     unknown = [i for i in node_ids if i not in index]

@@ -46,8 +46,14 @@ class Started:
 class Tracker:
     """Routes generations over the registered nodes. Call from the event loop only."""
 
-    def __init__(self, store: Store, model: ModelInfo, channels: ChannelPool,
-                 driver: RouteDriver, config: TrackerConfig) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: Store,
+        model: ModelInfo,
+        channels: ChannelPool,
+        driver: RouteDriver,
+        config: TrackerConfig,
+    ) -> None:
         self.store = store
         self.model = model
         self.channels = channels
@@ -72,8 +78,9 @@ class Tracker:
         return plan_route(nodes, self.model.fingerprint, spec.n_layers, self._in_flight)
 
     def pin(self, node_ids: Sequence[str]) -> Route:
-        route = pinned_route(node_ids, self.store.nodes(), self.model.fingerprint,
-                             self.model.spec.n_layers)  # fmt: skip
+        route = pinned_route(
+            node_ids, self.store.nodes(), self.model.fingerprint, self.model.spec.n_layers
+        )
         self.store.pin(node_ids)
         return route
 
@@ -96,8 +103,9 @@ class Tracker:
             return Started(route, 1, events)
         raise NoRoute(f"could not open a route: {last}")
 
-    async def _accounted(self, route: Route, events: AsyncIterator[TokenEvent | DoneEvent]
-                         ) -> AsyncIterator[TokenEvent | DoneEvent]:  # fmt: skip
+    async def _accounted(
+        self, route: Route, events: AsyncIterator[TokenEvent | DoneEvent]
+    ) -> AsyncIterator[TokenEvent | DoneEvent]:
         self._generations += 1
         self._in_flight.update(h.node_id for h in route)
         try:

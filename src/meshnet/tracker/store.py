@@ -58,9 +58,20 @@ class Store:
         with self._lock:
             self._db.execute(
                 "INSERT OR REPLACE INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '')",
-                (a.node_id, a.address, a.fingerprint, a.layer_start, a.layer_end, a.backend,
-                 a.kv_budget_bytes, a.pid, NodeState.UP.value, now, a.load.model_dump_json()),
-            )  # fmt: skip
+                (
+                    a.node_id,
+                    a.address,
+                    a.fingerprint,
+                    a.layer_start,
+                    a.layer_end,
+                    a.backend,
+                    a.kv_budget_bytes,
+                    a.pid,
+                    NodeState.UP.value,
+                    now,
+                    a.load.model_dump_json(),
+                ),
+            )
 
     def heartbeat(self, node_id: NodeId, hb: Heartbeat, now: float) -> bool:
         """Record a heartbeat; False when the node is unknown or was marked down."""
@@ -68,9 +79,16 @@ class Store:
             cur = self._db.execute(
                 "UPDATE nodes SET last_seen = ?, load = ?, fingerprint = ?, layer_start = ?, "
                 "layer_end = ? WHERE node_id = ? AND state = ?",
-                (now, hb.load.model_dump_json(), hb.fingerprint, hb.layer_start, hb.layer_end,
-                 node_id, NodeState.UP.value),
-            )  # fmt: skip
+                (
+                    now,
+                    hb.load.model_dump_json(),
+                    hb.fingerprint,
+                    hb.layer_start,
+                    hb.layer_end,
+                    node_id,
+                    NodeState.UP.value,
+                ),
+            )
             return cur.rowcount == 1
 
     def mark_down(self, node_id: NodeId, reason: str) -> None:
@@ -109,8 +127,20 @@ class Store:
 
 
 def _record(r: tuple) -> NodeRecord:  # type: ignore[type-arg]
-    (node_id, address, fingerprint, start, end, backend, budget, pid, state, last_seen,
-     load, reason) = r  # fmt: skip
+    (
+        node_id,
+        address,
+        fingerprint,
+        start,
+        end,
+        backend,
+        budget,
+        pid,
+        state,
+        last_seen,
+        load,
+        reason,
+    ) = r
     return NodeRecord(
         node_id=node_id,
         address=address,

@@ -1,0 +1,143 @@
+"""Routing on the tiny model: replicas, dead nodes, pinned routes, errors with reasons."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import MeshFactory
+
+from meshnet.local_mesh import LocalMesh
+
+
+@pytest.fixture(scope="module")
+def tiny_mesh(mesh_factory: MeshFactory, tiny_path: Path) -> LocalMesh:
+    return mesh_factory("0:4", model=tiny_path)
+
+
+def _chat(mesh: LocalMesh, **extra: Any) -> httpx.Response:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello"}],
+        "temperature": 0,
+        "max_tokens": 6,
+        **extra,
+    }
+    return httpx.post(f"{mesh.url}/v1/chat/completions", json=body, timeout=60)
+
+
+def _nodes(mesh: LocalMesh) -> dict[str, dict[str, Any]]:
+    return {n["node_id"]: n for n in httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]}
+
+
+def _route_ids(r: httpx.Response) -> list[str]:
+    return [h["node_id"] for h in r.json()["meshnet"]["route"]]
+
+
+def test_dead_node_is_routed_around_then_503_with_reason(
+    mesh_factory: MeshFactory, tiny_path: Path
+) -> None:
+    mesh = mesh_factory("0:2,0:2,2:4", model=tiny_path)
+    first = _chat(mesh)
+    assert first.status_code == 200, first.text
+    used = _route_ids(first)[0]
+    spare = ({"node-0", "node-1"} - {used}).pop()
+    mesh.kill_node(used)  # between requests, before any heartbeat is missed
+    second = _chat(mesh)
+    assert second.status_code == 200, second.text
+    assert _route_ids(second) == [spare, "node-2"]
+    assert second.json()["meshnet"]["ids"] == first.json()["meshnet"]["ids"]
+    assert _nodes(mesh)[used]["state"] == "down"
+    mesh.kill_node(spare)
+    third = _chat(mesh)
+    assert third.status_code == 503
+    err = third.json()["error"]
+    assert err["code"] == "no-route" and "layer 0" in err["message"]
+
+
+def test_silent_node_is_marked_down_by_missed_heartbeats(
+    mesh_factory: MeshFactory, tiny_path: Path
+) -> None:
+    mesh = mesh_factory("0:4,0:4", model=tiny_path)
+    mesh.kill_node("node-1", signal.SIGSTOP)  # alive but silent
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and _nodes(mesh)["node-1"]["state"] == "up":
+        time.sleep(0.2)
+    node = _nodes(mesh)["node-1"]
+    assert (node["state"], node["down_reason"]) == ("down", "heartbeat-lost")
+    r = _chat(mesh)
+    assert r.status_code == 200 and _route_ids(r) == ["node-0"]
+    mesh.nodes["node-1"].send_signal(signal.SIGCONT)
+
+
+def test_pinned_routes(mesh_factory: MeshFactory, tiny_path: Path) -> None:
+    mesh = mesh_factory("0:2,0:2,2:4,0:4", model=tiny_path)
+    admin = f"{mesh.url}/admin/routes"
+    assert httpx.post(admin, json={"node_ids": ["node-9"]}).status_code == 400
+    bad = httpx.post(admin, json={"node_ids": ["node-0", "node-1"]})
+    assert bad.status_code == 400 and "cover" in bad.json()["error"]["message"]
+    assert httpx.post(admin, json={"node_ids": []}).status_code == 400
+    ok = httpx.post(admin, json={"node_ids": ["node-1", "node-2"]})
+    assert ok.status_code == 200
+    assert _route_ids(_chat(mesh)) == ["node-1", "node-2"]
+    whole = _chat(mesh).json()["meshnet"]["ids"]
+    httpx.post(admin, json={"node_ids": ["node-3"]})
+    assert _route_ids(_chat(mesh)) == ["node-3"]
+    assert _chat(mesh).json()["meshnet"]["ids"] == whole  # any split, same tokens
+    httpx.delete(admin)
+    assert httpx.get(admin).json()["pinned"] is None
+
+
+def test_admin_nodes_lists_what_a_operator_needs(
+    mesh_factory: MeshFactory, tiny_path: Path
+) -> None:
+    mesh = mesh_factory("0:2,2:4,empty", model=tiny_path)
+    nodes = _nodes(mesh)
+    assert set(nodes) == {"node-0", "node-1", "node-2"}
+    for n in nodes.values():
+        assert {"node_id", "address", "layers", "state", "pid", "load"} <= set(n)
+        assert n["state"] == "up" and n["pid"] > 0
+    assert nodes["node-0"]["layers"] == [0, 2] and nodes["node-2"]["layers"] is None
+    assert httpx.get(f"{mesh.url}/healthz").json()["route_complete"] is True
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, 400, "bad-request"),
+        ({"model": "tiny", "messages": "nope"}, 400, "bad-request"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2},
+            400,
+            "bad-request",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6},
+            400,
+            "bad-request",
+        ),
+        (
+            {"model": "other", "messages": [{"role": "user", "content": "x"}]},
+            404,
+            "model-not-found",
+        ),
+    ],
+)
+def test_bad_requests_get_openai_errors_not_500(
+    tiny_mesh: LocalMesh, body: dict[str, Any], status: int, code: str
+) -> None:
+    mesh = tiny_mesh
+    r = httpx.post(f"{mesh.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code
+    r = httpx.post(
+        f"{mesh.url}/v1/chat/completions",
+        content=b"{not json",
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400

@@ -1,0 +1,93 @@
+"""``meshnet up`` starts a whole mesh and leaves no process behind after SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from meshnet.local_mesh import free_port
+
+
+def _children(pid: int) -> set[int]:
+    """Every descendant of ``pid``, from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(fields[1])
+    found, frontier = set(), [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = {c for c, parent in parents.items() if parent == p}
+        frontier.extend(kids - found)
+        found |= kids
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_up_serves_then_stops_every_process_on_sigterm(tiny_path: Path, tmp_path: Path) -> None:
+    port = free_port()
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "meshnet.cli.main",
+            "up",
+            "--layout",
+            "0:2,2:4",
+            "--port",
+            str(port),
+            "--model",
+            str(tiny_path),
+            "--data-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
+    )
+    try:
+        assert up.stdout is not None
+        line = ""
+        deadline = time.monotonic() + 120
+        while "meshnet API at" not in line and time.monotonic() < deadline:
+            line = up.stdout.readline()
+            assert line or up.poll() is None, "meshnet up exited early"
+        assert f"http://127.0.0.1:{port}/v1" in line
+        children = _children(up.pid)
+        assert len(children) == 3  # tracker + 2 nodes
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=60,
+            json={"model": "tiny", "prompt": "the", "max_tokens": 3},
+        )
+        assert r.status_code == 200
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) is not None
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in children if _alive(p)]
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        if up.stdout is not None:
+            up.stdout.close()
