@@ -1,0 +1,52 @@
+"""Wire tensors: round trips, and every malformed bundle refused before use."""
+
+import numpy as np
+import pytest
+
+from meshnet.errors import MalformedBundle
+from meshnet.protocol import codec
+from meshnet.protocol import meshnet_pb2 as pb
+
+HIDDEN = codec.TensorLimits("f32", 2, max_rows=16, width=8)
+
+
+def test_round_trip_is_exact() -> None:
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    assert np.array_equal(codec.decode(codec.encode(x), HIDDEN), x)
+    ids = np.array([1, 2, 49151], dtype=np.int64)
+    assert codec.decode(codec.encode(ids), codec.TensorLimits("i64", 1, 8)).tolist() == [
+        1,
+        2,
+        49151,
+    ]
+
+
+def test_bytes_are_little_endian_float32() -> None:
+    t = codec.encode(np.array([[1.0]], dtype=np.float32))
+    assert t.data == b"\x00\x00\x80\x3f" and t.dtype == "f32" and list(t.shape) == [1, 1]
+
+
+@pytest.mark.parametrize(
+    ("tensor", "reason"),
+    [
+        (pb.Tensor(dtype="f64", shape=[1, 8], data=b"\0" * 64), "dtype"),
+        (pb.Tensor(dtype="f32", shape=[8], data=b"\0" * 32), "rank"),
+        (pb.Tensor(dtype="f32", shape=[1, 9], data=b"\0" * 36), "width"),
+        (pb.Tensor(dtype="f32", shape=[17, 8], data=b"\0" * 17 * 32), "rows"),
+        (pb.Tensor(dtype="f32", shape=[0, 8], data=b""), "rows"),
+        (pb.Tensor(dtype="f32", shape=[2, 8], data=b"\0" * 63), "bytes"),
+        (pb.Tensor(dtype="f32", shape=[2**40, 8], data=b"\0" * 64), "rows"),
+        (
+            pb.Tensor(dtype="f32", shape=[1, 8], data=np.full(8, np.nan, np.float32).tobytes()),
+            "NaN",
+        ),
+    ],
+)
+def test_malformed_tensors_are_refused(tensor: pb.Tensor, reason: str) -> None:
+    with pytest.raises(MalformedBundle, match=reason):
+        codec.decode(tensor, HIDDEN)
+
+
+def test_unsendable_dtype() -> None:
+    with pytest.raises(TypeError):
+        codec.encode(np.zeros(3, dtype=np.float64))

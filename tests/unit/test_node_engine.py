@@ -1,0 +1,93 @@
+"""The node's loop on the tiny model: epochs, cache misses, batching, deadlines, load."""
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshnet.engine.local import LocalModel
+from meshnet.errors import CacheMiss, DeadlineExceeded, ShardMismatch, StaleEpoch
+from meshnet.layer_range import LayerRange
+from meshnet.node.engine import NodeEngine, StepWork
+
+
+@pytest.fixture
+def engine(tiny_path: Path):  # type: ignore[no-untyped-def]
+    e = NodeEngine()
+    e.start()
+    e.load(str(tiny_path), LayerRange(0, 4)).result(timeout=30)
+    yield e
+    e.stop()
+
+
+def _step(engine: NodeEngine, sid: str, epoch: int, ids: list[int]) -> np.ndarray:
+    return engine.submit(StepWork(sid, epoch, np.asarray(ids, np.int64), None)).result(10)
+
+
+def test_steps_match_the_in_process_chain(engine: NodeEngine, tiny: LocalModel) -> None:
+    engine.open("s", 1).result(5)
+    got = [_step(engine, "s", 1, [5, 6, 7]), _step(engine, "s", 1, [9])]
+    kv = tiny.chain.new_sequence()
+    want = [
+        tiny.chain.forward(np.asarray([5, 6, 7]), [kv], [3]),
+        tiny.chain.forward(np.asarray([9]), [kv], [1]),
+    ]
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(g, w)
+
+
+def test_stale_epochs_are_rejected_and_change_nothing(engine: NodeEngine) -> None:
+    engine.open("s", 2).result(5)
+    _step(engine, "s", 2, [1, 2])
+    with pytest.raises(StaleEpoch):
+        engine.open("s", 1).result(5)
+    with pytest.raises(StaleEpoch):
+        _step(engine, "s", 1, [3])
+    assert engine.stats().sessions == 1
+    kv_before = engine.stats().kv_bytes
+    engine.release("s", 1).result(5)  # an older epoch cannot free the newer one's KV
+    assert engine.stats().kv_bytes == kv_before
+    engine.release("s", 2).result(5)
+    assert engine.stats().sessions == 0 and engine.stats().kv_bytes == 0
+
+
+def test_unknown_session_is_a_cache_miss(engine: NodeEngine) -> None:
+    with pytest.raises(CacheMiss):
+        _step(engine, "nobody", 1, [1])
+
+
+def test_expired_step_is_not_run(engine: NodeEngine) -> None:
+    engine.open("s", 1).result(5)
+    work = StepWork("s", 1, np.asarray([1], np.int64), deadline=time.monotonic() - 1)
+    with pytest.raises(DeadlineExceeded):
+        engine.submit(work).result(5)
+
+
+def test_concurrent_sessions_are_batched_and_each_gets_its_own_result(
+    engine: NodeEngine, tiny: LocalModel
+) -> None:
+    prompts = {f"s{i}": [i + 3, i + 4, 40 + i] for i in range(6)}
+    for sid in prompts:
+        engine.open(sid, 1).result(5)
+    futures = {
+        sid: engine.submit(StepWork(sid, 1, np.asarray(p, np.int64), None))
+        for sid, p in prompts.items()
+    }
+    for sid, p in prompts.items():
+        kv = tiny.chain.new_sequence()
+        want = tiny.chain.forward(np.asarray(p), [kv], [len(p)])
+        assert np.allclose(futures[sid].result(10), want, rtol=1e-4, atol=1e-4)
+
+
+def test_empty_node_refuses_sessions_until_loaded(tiny_path: Path) -> None:
+    e = NodeEngine()
+    e.start()
+    try:
+        with pytest.raises(ShardMismatch):
+            e.open("s", 1).result(5)
+        e.load(str(tiny_path), LayerRange(2, 4)).result(30)
+        assert e.stats().layers == LayerRange(2, 4)
+        e.open("s", 1).result(5)
+    finally:
+        e.stop()
