@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 _CONTROL_TIMEOUT_S = 30.0
 _MAX_SESSION_ID = 128
+_NO_DEADLINE_S = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class NodeService(pb_grpc.NodeServicer):
             for request in request_iterator:
                 yield self._step(opened, request, context)
         finally:
-            self.engine.release(opened.session_id, opened.epoch)
+            self.engine.release(opened.session_id, opened.epoch).result(_CONTROL_TIMEOUT_S)
 
     def _open(self, o: pb.Open) -> None:
         shard = self.engine.shard
@@ -145,9 +146,15 @@ class NodeService(pb_grpc.NodeServicer):
 
 
 def _remaining_s(timeout_ms: int, context: grpc.ServicerContext) -> float | None:
+    """Seconds left for a step: its own budget or the call's deadline, whichever is sooner.
+
+    gRPC reports a call without a deadline as an astronomically large remaining
+    time; anything past ``_NO_DEADLINE_S`` counts as no deadline at all.
+    """
     limits = [timeout_ms / 1000.0] if timeout_ms else []
-    if (left := context.time_remaining()) is not None:
-        limits.append(left)
+    left = context.time_remaining()
+    if left is not None and left < _NO_DEADLINE_S:
+        limits.append(max(left, 0.0))
     return min(limits) if limits else None
 
 
