@@ -53,6 +53,7 @@ class LocalMesh:
 
     data_dir: Path
     port: int = 0  # 0: pick a free one
+    host: str = "127.0.0.1"  # the tracker's listen address
     model: str | None = None
     heartbeat_s: float = 0.5
     heartbeat_timeout_s: float = 2.0
@@ -67,7 +68,7 @@ class LocalMesh:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self, layout: Sequence[LayerRange | None], timeout_s: float = 180.0) -> None:
         """Start the tracker and one node per layout entry; wait for a complete route."""
@@ -81,29 +82,23 @@ class LocalMesh:
         )
 
     def start_tracker(self) -> None:
-        args = [
-            "tracker",
-            "--port",
-            str(self.port),
-            "--data-dir",
-            str(self.data_dir),
-            "--heartbeat-timeout",
-            str(self.heartbeat_timeout_s),
-        ]
+        args = ["tracker", "--host", self.host, "--port", str(self.port)]
+        args += ["--data-dir", str(self.data_dir)]
+        args += ["--heartbeat-timeout", str(self.heartbeat_timeout_s)]
         self.tracker = self._spawn("tracker", args)
 
-    def start_node(self, node_id: str, layers: LayerRange | None) -> subprocess.Popen[bytes]:
-        args = [
-            "node",
-            "--tracker",
-            self.url,
-            "--node-id",
-            node_id,
-            "--heartbeat",
-            str(self.heartbeat_s),
-        ]
+    def start_node(
+        self,
+        node_id: str,
+        layers: LayerRange | None,
+        listen: str = "127.0.0.1:0",
+        prefix: Sequence[str] = (),
+    ) -> subprocess.Popen[bytes]:
+        """Start a node; ``prefix`` wraps the command (e.g. ``ip netns exec NS``)."""
+        args = ["node", "--tracker", self.url, "--node-id", node_id, "--listen", listen]
+        args += ["--heartbeat", str(self.heartbeat_s)]
         args += ["--empty"] if layers is None else ["--layers", f"{layers.start}:{layers.end}"]
-        proc = self._spawn(node_id, args)
+        proc = self._spawn(node_id, args, prefix)
         self.nodes[node_id] = proc
         return proc
 
@@ -157,9 +152,11 @@ class LocalMesh:
                 p.kill()
                 p.wait(timeout=5)
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, args: list[str], prefix: Sequence[str] = ()
+    ) -> subprocess.Popen[bytes]:
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.extra_env}
-        cmd = [sys.executable, "-m", "meshnet.cli.main", *args]
+        cmd = [*prefix, sys.executable, "-m", "meshnet.cli.main", *args]
         if self.model:
             cmd += ["--model", self.model]
         with (self.data_dir / "logs" / f"{name}.log").open("ab") as log:  # the child keeps its fd
