@@ -58,6 +58,7 @@ class LocalMesh:
     heartbeat_s: float = 0.5
     heartbeat_timeout_s: float = 2.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    tracker_args: list[str] = field(default_factory=list)  # extra `meshnet tracker` flags
     tracker: subprocess.Popen[bytes] | None = None
     nodes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     killed: set[str] = field(default_factory=set)  # nodes stopped on purpose
@@ -84,7 +85,7 @@ class LocalMesh:
     def start_tracker(self) -> None:
         args = ["tracker", "--host", self.host, "--port", str(self.port)]
         args += ["--data-dir", str(self.data_dir)]
-        args += ["--heartbeat-timeout", str(self.heartbeat_timeout_s)]
+        args += ["--heartbeat-timeout", str(self.heartbeat_timeout_s), *self.tracker_args]
         self.tracker = self._spawn("tracker", args)
 
     def start_node(

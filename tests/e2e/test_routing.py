@@ -141,3 +141,57 @@ def test_bad_requests_get_openai_errors_not_500(
         headers={"content-type": "application/json"},
     )
     assert r.status_code == 400
+
+
+def test_meshnet_chat_one_turn(tiny_mesh: LocalMesh) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshnet.cli.main",
+            "chat",
+            "--url",
+            tiny_mesh.url,
+            "--message",
+            "hello",
+            "--max-tokens",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    expected = httpx.post(
+        f"{tiny_mesh.url}/v1/chat/completions",
+        timeout=30,
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hello"}],
+            "temperature": 0,
+            "max_tokens": 5,
+        },
+    ).json()["choices"][0]["message"]["content"]
+    assert done.stdout == expected + "\n"
+
+
+def test_no_capacity_is_429_and_the_mesh_keeps_serving(
+    mesh_factory: MeshFactory, tiny_path: Path
+) -> None:
+    mesh = mesh_factory("0:4", model=tiny_path, tracker_args=["--max-in-flight", "1"])
+    body = {"model": "tiny", "prompt": "the", "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"{mesh.url}/v1/completions", json=body, timeout=60) as first:
+        lines = first.iter_lines()
+        assert next(lines).startswith("data: ")  # the generation is in flight
+        mesh.kill_node("node-0", signal.SIGSTOP)  # ...and stays so
+        try:
+            r = _chat(mesh)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded"
+        finally:
+            mesh.nodes["node-0"].send_signal(signal.SIGCONT)
+        for _ in lines:
+            pass
+    assert _chat(mesh).status_code == 200
