@@ -44,6 +44,11 @@ def split3() -> LocalModel:
     return load_local_model(split=3)
 
 
+@pytest.fixture(scope="module")
+def reference() -> LocalModel:
+    return load_local_model(backend="numpy")
+
+
 def test_prompt_ids_equal_the_oracle(bundled: LocalModel, oracle: dict[str, Any]) -> None:
     for case in _cases(oracle):
         assert bundled.tokenizer.encode(case["prompt_text"]) == case["prompt_ids"], case["name"]
@@ -64,11 +69,11 @@ def test_decode_encode_round_trip(bundled: LocalModel, text: str) -> None:
     assert bundled.tokenizer.decode(bundled.tokenizer.encode(text)) == text
 
 
-@pytest.mark.parametrize("which", ["single", "split3"])
+@pytest.mark.parametrize("which", ["single", "split3", "reference"])
 def test_greedy_ids_equal_the_oracle(
     which: str, bundled: LocalModel, request: pytest.FixtureRequest, oracle: dict[str, Any]
 ) -> None:
-    model = bundled if which == "single" else request.getfixturevalue("split3")
+    model = bundled if which == "single" else request.getfixturevalue(which)
     for case in _cases(oracle):
         g = generate(
             model.chain, model.tokenizer, case["prompt_ids"], SamplingParams(max_tokens=48)
@@ -189,3 +194,41 @@ def test_cli_generate_json_gives_the_oracle_ids(split: str, oracle: dict[str, An
     assert out["ids"] == case["hf_greedy_ids"]
     assert out["text"] == "The capital of France is Paris."
     assert out["finish_reason"] == "stop"
+
+
+def test_fast_logits_are_within_1e_3_of_the_reference(
+    bundled: LocalModel, reference: LocalModel, oracle: dict[str, Any]
+) -> None:
+    assert bundled.chain.shards[0].backend.name == "fast"
+    for case in _cases(oracle):
+        follow = case["hf_greedy_ids"][:8]
+        fast = step_logits(bundled.chain, case["prompt_ids"], follow)
+        ref = step_logits(reference.chain, case["prompt_ids"], follow)
+        assert np.max(np.abs(fast - ref)) < 1e-3, case["name"]
+
+
+@pytest.mark.parametrize("batch", [2, 8, 32])
+def test_fast_logits_are_bit_identical_alone_and_in_a_batch(
+    bundled: LocalModel, oracle: dict[str, Any], batch: int
+) -> None:
+    from meshnet.backends.base import BatchEntry
+
+    cases = _cases(oracle)
+    target = cases[0]["prompt_ids"]
+    others = [cases[(i % 3) + 1]["prompt_ids"][: 5 + 3 * i] for i in range(batch - 1)]
+    shard = bundled.chain.shards[0]
+
+    def run(seqs: list[list[int]]) -> list[np.ndarray]:
+        kvs = [shard.backend.new_kv() for _ in seqs]
+        out = shard.forward(
+            np.concatenate([np.asarray(s) for s in seqs]),
+            [BatchEntry(kv, len(s)) for kv, s in zip(kvs, seqs, strict=True)],
+        )
+        rows = [out[0]]
+        for step in range(3):
+            ids = np.asarray([(31 * step + 17 * i) % 49000 for i in range(len(seqs))])
+            rows.append(shard.forward(ids, [BatchEntry(kv, 1) for kv in kvs])[0])
+        return rows
+
+    for a, b in zip(run([target]), run([target, *others]), strict=True):
+        assert np.array_equal(a, b)

@@ -9,12 +9,13 @@ from typing import Any
 from meshnet.benchmark.engine import bench_engine
 from meshnet.benchmark.llamacpp import PeerFigures, bench_llamacpp, find_llamacpp
 from meshnet.engine.local import load_local_model
+from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("bench", help="prefill and decode throughput, with llama.cpp ratios")
     p.add_argument("--model", help="GGUF file (default: the bundled model)")
-    p.add_argument("--backend", default="numpy")
+    p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS)
     p.add_argument("--prompt-tokens", type=int, default=100)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")

@@ -20,6 +20,7 @@ from meshnet.engine.local import LocalModel, load_local_model
 from meshnet.errors import RequestError
 from meshnet.model.chat import parse_messages
 from meshnet.model.sampling import SamplingParams
+from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -33,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--split", type=int, default=1, help="run as K chained in-process shards")
-    p.add_argument("--backend", default="numpy")
+    p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="raw text, no chat template")

@@ -12,7 +12,7 @@ from meshnet.layer_range import split_evenly
 from meshnet.model.bundled import bundled_model_path
 from meshnet.model.chat import ChatTemplate, load_chat_template
 from meshnet.model.gguf_file import GGUFFile, open_gguf
-from meshnet.model.shard import load_shard
+from meshnet.model.shard import DEFAULT_BACKEND, load_shard
 from meshnet.model.spec import ModelSpec, read_spec
 from meshnet.model.tokenizer import TextTokenizer, load_tokenizer
 
@@ -30,7 +30,7 @@ class LocalModel:
 
 
 def load_local_model(
-    path: str | os.PathLike[str] | None = None, split: int = 1, backend: str = "numpy"
+    path: str | os.PathLike[str] | None = None, split: int = 1, backend: str = DEFAULT_BACKEND
 ) -> LocalModel:
     """Load the model at ``path`` (the bundled one when None) as ``split`` chained shards."""
     t0 = time.perf_counter()

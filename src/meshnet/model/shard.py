@@ -14,6 +14,7 @@ from typing import Literal
 import numpy as np
 
 from meshnet.backends.base import Backend, BatchEntry
+from meshnet.backends.fast import FastBackend, load_fast_weights
 from meshnet.backends.reference import ReferenceBackend
 from meshnet.errors import ModelError
 from meshnet.layer_range import LayerRange
@@ -22,7 +23,8 @@ from meshnet.model.spec import ModelSpec
 from meshnet.model.weights import load_shard_weights
 
 LogitsMode = Literal["last", "all"]
-BACKENDS = ("numpy",)
+BACKENDS = ("fast", "numpy")
+DEFAULT_BACKEND = "fast"  # quantized numba kernels; "numpy" is the float32 reference
 
 
 @dataclass(frozen=True)
@@ -61,9 +63,14 @@ class Shard:
         return self.backend.head(hidden)
 
 
-def load_shard(f: GGUFFile, spec: ModelSpec, layers: LayerRange, backend: str = "numpy") -> Shard:
-    """Load ``layers`` of the model in ``f`` onto ``backend``."""
-    if backend not in BACKENDS:
+def load_shard(
+    f: GGUFFile, spec: ModelSpec, layers: LayerRange, backend: str = DEFAULT_BACKEND
+) -> Shard:
+    """Load ``layers`` of the model in ``f`` onto ``backend`` ("fast" or "numpy")."""
+    if backend == "numpy":
+        compute: Backend = ReferenceBackend(spec, load_shard_weights(f, spec, layers))
+    elif backend == "fast":
+        compute = FastBackend(spec, load_fast_weights(f, spec, layers))
+    else:
         raise ModelError(f"backend {backend!r} is not available (have: {', '.join(BACKENDS)})")
-    weights = load_shard_weights(f, spec, layers)
-    return Shard(spec, layers, ReferenceBackend(spec, weights), f.fingerprint())
+    return Shard(spec, layers, compute, f.fingerprint())

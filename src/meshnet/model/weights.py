@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import gguf
 import numpy as np
@@ -22,7 +23,6 @@ from meshnet.model.spec import ModelSpec
 
 F32 = np.float32
 FloatArray = np.ndarray
-TensorGetter = Callable[[str, tuple[int, ...]], FloatArray]
 
 # Types the engine reads; ``gguf.quants`` dequantizes each of them in numpy.
 SUPPORTED_TYPES = frozenset(
@@ -44,77 +44,101 @@ SUPPORTED_TYPES = frozenset(
 )
 
 
+W = TypeVar("W")  # how a backend holds a weight matrix (float32 array, quantized blocks…)
+
+# Reads one checked 2-D tensor as a backend's matrix type.
+MatrixReader = Callable[[gguf.ReaderTensor, tuple[int, int]], W]
+
+
 @dataclass(frozen=True)
-class LayerWeights:
+class LayerWeights(Generic[W]):
     """One transformer block. Matrices are ``[out, in]`` so that ``y = x @ W.T``."""
 
     attn_norm: FloatArray  # [d]
-    wq: FloatArray  # [n_heads * head_dim, d]
-    wk: FloatArray  # [n_kv_heads * head_dim, d]
-    wv: FloatArray  # [n_kv_heads * head_dim, d]
-    wo: FloatArray  # [d, n_heads * head_dim]
+    wq: W  # [n_heads * head_dim, d]
+    wk: W  # [n_kv_heads * head_dim, d]
+    wv: W  # [n_kv_heads * head_dim, d]
+    wo: W  # [d, n_heads * head_dim]
     ffn_norm: FloatArray  # [d]
-    w_gate: FloatArray  # [d_ff, d]
-    w_up: FloatArray  # [d_ff, d]
-    w_down: FloatArray  # [d, d_ff]
+    w_gate: W  # [d_ff, d]
+    w_up: W  # [d_ff, d]
+    w_down: W  # [d, d_ff]
 
 
 @dataclass(frozen=True)
-class ShardWeights:
+class ShardWeights(Generic[W]):
     """Everything a shard of ``layers`` computes with."""
 
     layers: LayerRange
-    blocks: tuple[LayerWeights, ...]  # blocks[i] is layer layers.start + i
-    embedding: FloatArray | None  # [vocab, d], first shard only
+    blocks: tuple[LayerWeights[W], ...]  # blocks[i] is layer layers.start + i
+    embedding: W | None  # [vocab, d], first shard only
     output_norm: FloatArray | None  # [d], last shard only
-    head: FloatArray | None  # [vocab, d], last shard only
+    head: W | None  # [vocab, d], last shard only; a tied head is the embedding object
 
 
-def load_shard_weights(f: GGUFFile, spec: ModelSpec, layers: LayerRange) -> ShardWeights:
-    """Read and dequantize the tensors of ``layers`` (and embedding/head at the ends)."""
+def dequantized(t: gguf.ReaderTensor, shape: tuple[int, ...]) -> FloatArray:
+    """A tensor as a read-only float32 array of ``shape``."""
+    try:
+        values = gguf.quants.dequantize(t.data, QT(t.tensor_type))
+    except (ValueError, NotImplementedError) as e:
+        raise ModelFileError(f"tensor {t.name!r} cannot be dequantized: {e}") from e
+    out = np.ascontiguousarray(np.asarray(values, dtype=F32).reshape(shape))
+    out.setflags(write=False)
+    return out
+
+
+def load_shard_weights(
+    f: GGUFFile,
+    spec: ModelSpec,
+    layers: LayerRange,
+    matrix: MatrixReader[W] = dequantized,  # type: ignore[assignment]
+) -> ShardWeights[W]:
+    """Read the tensors of ``layers`` (and embedding/head at the ends); matrices via ``matrix``."""
     layers.check_within(spec.n_layers)
-    tensors = f.tensors
+    d, vocab = spec.d_model, spec.vocab_size
 
-    def get(name: str, shape: tuple[int, ...]) -> FloatArray:
-        t = tensors.get(name)
-        if t is None:
-            raise ModelFileError(f"{f.path.name}: tensor {name!r} is missing")
-        return _dequantize(f, t, shape)
+    def vector(name: str, size: int) -> FloatArray:
+        return dequantized(checked_tensor(f, name, (size,)), (size,))
 
-    blocks = tuple(_load_block(get, spec, i) for i in layers)
+    def mat(name: str, shape: tuple[int, int]) -> W:
+        return matrix(checked_tensor(f, name, shape), shape)
+
+    blocks = tuple(_load_block(vector, mat, spec, i) for i in layers)
     first, last = layers.is_first(), layers.is_last(spec.n_layers)
-    embedding = get("token_embd.weight", (spec.vocab_size, spec.d_model)) if first else None
-    output_norm = get("output_norm.weight", (spec.d_model,)) if last else None
-    head: FloatArray | None = None
+    embedding = mat("token_embd.weight", (vocab, d)) if first or (last and spec.tied_head) else None
+    output_norm = vector("output_norm.weight", d) if last else None
+    head: W | None = None
     if last:
-        if spec.tied_head:
-            head = (
-                embedding
-                if embedding is not None
-                else get("token_embd.weight", (spec.vocab_size, spec.d_model))
-            )
-        else:
-            head = get("output.weight", (spec.vocab_size, spec.d_model))
-    return ShardWeights(layers, blocks, embedding, output_norm, head)
+        head = embedding if spec.tied_head else mat("output.weight", (vocab, d))
+    return ShardWeights(layers, blocks, embedding if first else None, output_norm, head)
 
 
-def _load_block(get: TensorGetter, spec: ModelSpec, i: int) -> LayerWeights:
+def _load_block(
+    vector: Callable[[str, int], FloatArray],
+    mat: Callable[[str, tuple[int, int]], W],
+    spec: ModelSpec,
+    i: int,
+) -> LayerWeights[W]:
     d, q_width, kv_width = spec.d_model, spec.n_heads * spec.head_dim, spec.kv_width
     p = f"blk.{i}."
     return LayerWeights(
-        attn_norm=get(p + "attn_norm.weight", (d,)),
-        wq=get(p + "attn_q.weight", (q_width, d)),
-        wk=get(p + "attn_k.weight", (kv_width, d)),
-        wv=get(p + "attn_v.weight", (kv_width, d)),
-        wo=get(p + "attn_output.weight", (d, q_width)),
-        ffn_norm=get(p + "ffn_norm.weight", (d,)),
-        w_gate=get(p + "ffn_gate.weight", (spec.d_ff, d)),
-        w_up=get(p + "ffn_up.weight", (spec.d_ff, d)),
-        w_down=get(p + "ffn_down.weight", (d, spec.d_ff)),
+        attn_norm=vector(p + "attn_norm.weight", d),
+        wq=mat(p + "attn_q.weight", (q_width, d)),
+        wk=mat(p + "attn_k.weight", (kv_width, d)),
+        wv=mat(p + "attn_v.weight", (kv_width, d)),
+        wo=mat(p + "attn_output.weight", (d, q_width)),
+        ffn_norm=vector(p + "ffn_norm.weight", d),
+        w_gate=mat(p + "ffn_gate.weight", (spec.d_ff, d)),
+        w_up=mat(p + "ffn_up.weight", (spec.d_ff, d)),
+        w_down=mat(p + "ffn_down.weight", (d, spec.d_ff)),
     )
 
 
-def _dequantize(f: GGUFFile, t: gguf.ReaderTensor, shape: tuple[int, ...]) -> FloatArray:
+def checked_tensor(f: GGUFFile, name: str, shape: tuple[int, ...]) -> gguf.ReaderTensor:
+    """The tensor ``name``, after checking it exists, has a readable type and ``shape``."""
+    t = f.tensors.get(name)
+    if t is None:
+        raise ModelFileError(f"{f.path.name}: tensor {name!r} is missing")
     qtype = QT(t.tensor_type)
     if qtype not in SUPPORTED_TYPES:
         raise UnsupportedTensorType(f"{f.path.name}: tensor {t.name!r} has type {qtype.name}")
@@ -124,10 +148,4 @@ def _dequantize(f: GGUFFile, t: gguf.ReaderTensor, shape: tuple[int, ...]) -> Fl
         raise ModelFileError(
             f"{f.path.name}: tensor {t.name!r} has shape {gguf_shape}, expected {shape}"
         )
-    try:
-        values = gguf.quants.dequantize(t.data, qtype)
-    except (ValueError, NotImplementedError) as e:
-        raise ModelFileError(f"{f.path.name}: tensor {t.name!r} cannot be dequantized: {e}") from e
-    out = np.ascontiguousarray(np.asarray(values, dtype=F32).reshape(shape))
-    out.setflags(write=False)
-    return out
+    return t

@@ -1,0 +1,194 @@
+"""The fast CPU backend: matmuls straight from the GGUF's quantized blocks (numba).
+
+Float32 arithmetic throughout, like the reference, but every row of every
+batch goes through the same fixed-order loops (kernels in ``quant``, the
+row-wise norm and SwiGLU here, rotary tables computed once), so a sequence's
+logits are bit-identical whether it runs alone or among 31 others. Q/K/V and
+gate/up are fused into one matmul each when their blocks share a layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from meshnet.backends import quant
+from meshnet.backends.base import BatchEntry
+from meshnet.backends.quant import QuantMatrix
+from meshnet.errors import MeshnetError
+from meshnet.kv.cache import SequenceKV
+from meshnet.layer_range import LayerRange
+from meshnet.model.gguf_file import GGUFFile
+from meshnet.model.layers import causal_attention, rope_inv_freq
+from meshnet.model.spec import ModelSpec
+from meshnet.model.weights import LayerWeights, ShardWeights, load_shard_weights
+
+F32 = np.float32
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """One block's projections, fused where the layouts allow."""
+
+    qkv: QuantMatrix | None  # [q | k | v] rows when fusable
+    gate_up: QuantMatrix | None  # [gate | up] rows when fusable
+
+
+class FastBackend:
+    """Runs one shard's blocks with quantized numba kernels."""
+
+    name = "fast"
+
+    def __init__(self, spec: ModelSpec, weights: ShardWeights[QuantMatrix]) -> None:
+        self.spec = spec
+        self.weights = weights
+        self._fused = [_fuse(b) for b in weights.blocks]
+        angles = (
+            np.arange(spec.context_length, dtype=F32)[:, None]
+            * rope_inv_freq(spec.rope_dim, spec.rope_base)[None, :]
+        )
+        self._cos = np.cos(angles)  # [ctx, rope_dim / 2], computed once for every position
+        self._sin = np.sin(angles)
+
+    def new_kv(self) -> SequenceKV:
+        return SequenceKV(len(self.weights.layers), self.spec.n_kv_heads, self.spec.head_dim)
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        if self.weights.embedding is None:
+            raise MeshnetError(f"shard {self.weights.layers} has no token embedding")
+        return quant.dequantize_rows(self.weights.embedding, ids)  # [T, d]
+
+    def head(self, hidden: np.ndarray) -> np.ndarray:
+        w = self.weights
+        if w.head is None or w.output_norm is None:
+            raise MeshnetError(f"shard {w.layers} has no output head")
+        return quant.matmul(_rms_norm(hidden, w.output_norm, self.spec.rms_eps), w.head)
+
+    def run_layers(self, hidden: np.ndarray, batch: Sequence[BatchEntry]) -> np.ndarray:
+        if hidden.shape[0] != sum(e.n_new for e in batch):
+            raise ValueError("batch rows do not match the entries' token counts")
+        positions = np.concatenate([np.arange(e.kv.length, e.kv.length + e.n_new) for e in batch])
+        if positions.size and positions.max() >= self.spec.context_length:
+            raise MeshnetError(f"position past the context length {self.spec.context_length}")
+        for e in batch:
+            e.kv.reserve(e.n_new)
+        x = np.array(hidden, dtype=F32, copy=True)  # [T, d]
+        cos, sin = self._cos[positions], self._sin[positions]  # [T, rope_dim / 2]
+        for i, block in enumerate(self.weights.blocks):
+            x = self._block(i, block, self._fused[i], x, cos, sin, batch)
+        for e in batch:
+            e.kv.advance(e.n_new)
+        return x
+
+    def _block(
+        self,
+        layer: int,
+        w: LayerWeights[QuantMatrix],
+        fused: _Fused,
+        x: np.ndarray,
+        cos: np.ndarray,
+        sin: np.ndarray,
+        batch: Sequence[BatchEntry],
+    ) -> np.ndarray:
+        s = self.spec
+        t = x.shape[0]
+        q_width = s.n_heads * s.head_dim
+        h = _rms_norm(x, w.attn_norm, s.rms_eps)  # [T, d]
+        if fused.qkv is not None:
+            qkv = quant.matmul(h, fused.qkv)  # [T, q + 2 kv]
+            q, k, v = np.split(qkv, [q_width, q_width + s.kv_width], axis=1)
+        else:
+            q, k, v = (quant.matmul(h, m) for m in (w.wq, w.wk, w.wv))
+        q = _rope(q.reshape(t, s.n_heads, s.head_dim), cos, sin)  # [T, H, hd]
+        k = _rope(k.reshape(t, s.n_kv_heads, s.head_dim), cos, sin)  # [T, Hkv, hd]
+        v = np.ascontiguousarray(v).reshape(t, s.n_kv_heads, s.head_dim)
+        attn = np.empty((t, q_width), dtype=F32)
+        row = 0
+        for e in batch:
+            rows = slice(row, row + e.n_new)
+            e.kv.write(layer, k[rows].transpose(1, 0, 2), v[rows].transpose(1, 0, 2))
+            keys, values = e.kv.view(layer, e.n_new)
+            attn[rows] = causal_attention(q[rows], keys, values, e.kv.length)
+            row += e.n_new
+        x = x + quant.matmul(attn, w.wo)
+        h = _rms_norm(x, w.ffn_norm, s.rms_eps)
+        if fused.gate_up is not None:
+            gate_up = quant.matmul(h, fused.gate_up)  # [T, 2 d_ff]
+            gate, up = gate_up[:, : s.d_ff], gate_up[:, s.d_ff :]
+        else:
+            gate, up = quant.matmul(h, w.w_gate), quant.matmul(h, w.w_up)
+        return x + quant.matmul(_swiglu(gate, up), w.w_down)
+
+
+def load_fast_weights(
+    f: GGUFFile, spec: ModelSpec, layers: LayerRange
+) -> ShardWeights[QuantMatrix]:
+    return load_shard_weights(f, spec, layers, quant.from_gguf)
+
+
+def set_threads(n: int) -> None:
+    """Threads the kernels use in this process (one pool per process)."""
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+
+
+def _fuse(w: LayerWeights[QuantMatrix]) -> _Fused:
+    def maybe(parts: list[QuantMatrix]) -> QuantMatrix | None:
+        try:
+            return quant.stack_rows(parts)
+        except ValueError:
+            return None
+
+    return _Fused(maybe([w.wq, w.wk, w.wv]), maybe([w.w_gate, w.w_up]))
+
+
+def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Adjacent-pair rotary embedding with precomputed tables; x [T, heads, hd]."""
+    n = 2 * cos.shape[1]
+    c, s_ = cos[:, None, :], sin[:, None, :]
+    even, odd = x[..., 0:n:2], x[..., 1:n:2]
+    out = np.array(x, dtype=F32, copy=True)
+    out[..., 0:n:2] = even * c - odd * s_
+    out[..., 1:n:2] = even * s_ + odd * c
+    return out
+
+
+def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    out = np.empty_like(x, dtype=F32)
+    _rms_norm_rows(np.ascontiguousarray(x, dtype=F32), weight, F32(eps), out)
+    return out
+
+
+def _swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    out = np.empty(gate.shape, dtype=F32)
+    _swiglu_rows(np.ascontiguousarray(gate), np.ascontiguousarray(up), out)
+    return out
+
+
+@numba.njit(fastmath=True, cache=True)
+def _rms_norm_rows(x: np.ndarray, w: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
+    d = x.shape[1]
+    acc = np.empty(32, np.float32)
+    for t in range(x.shape[0]):
+        acc[:] = 0.0
+        for c in range(0, d - d % 32, 32):
+            for i in range(32):
+                acc[i] += x[t, c + i] * x[t, c + i]
+        ss = np.float32(0.0)
+        for i in range(32):
+            ss += acc[i]
+        for c in range(d - d % 32, d):
+            ss += x[t, c] * x[t, c]
+        scale = np.float32(1.0) / np.sqrt(ss / np.float32(d) + eps)
+        for c in range(d):
+            out[t, c] = (x[t, c] * scale) * w[c]
+
+
+@numba.njit(fastmath=True, cache=True)
+def _swiglu_rows(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    for t in range(gate.shape[0]):
+        for c in range(gate.shape[1]):
+            g = gate[t, c]
+            out[t, c] = g / (np.float32(1.0) + np.exp(-g)) * up[t, c]

@@ -1,0 +1,220 @@
+"""Matrices kept in their GGUF quantized blocks, and numba kernels that multiply from them.
+
+A decode step reads ~4.5 bits per weight instead of 32. Every output element
+``y[t, r] = W[r] . x[t]`` is computed by the same loop, in the same order,
+whatever the number of rows ``t`` in the batch or how rows ``r`` are split
+among threads, so a sequence's results are bit-identical alone or batched.
+
+Layouts (per matrix row, ``nb = cols / 32`` blocks of 32 weights):
+- 4-bit (Q4_0, Q4_1): ``qs`` uint8 [rows, nb * 16], weight ``i < 16`` of a block
+  in the low nibble of byte ``i``, weight ``16 + i`` in its high nibble;
+  ``w = d * q + m`` with ``m = -8 d`` for Q4_0.
+- 8-bit (Q8_0): ``qs`` int8 [rows, nb * 32]; ``w = d * q``.
+- float (any other type, dequantized): ``w`` float32 [rows, cols].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numba
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from numba import prange
+
+F32 = np.float32
+QK = 32  # weights per block in every supported block type
+
+
+@dataclass(frozen=True)
+class QuantMatrix:
+    """A [rows, cols] weight matrix in one of the kernel layouts."""
+
+    kind: str  # "q4", "q8" or "f32"
+    rows: int
+    cols: int
+    qs: np.ndarray  # packed quants (q4: uint8, q8: int8) or float32 weights (f32)
+    d: np.ndarray  # float32 [rows, nb] block scales (empty for f32)
+    m: np.ndarray  # float32 [rows, nb] block offsets (q4 only)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.d.nbytes + self.m.nbytes
+
+
+def from_gguf(t: gguf.ReaderTensor, shape: tuple[int, int]) -> QuantMatrix:
+    """Repack a GGUF 2-D tensor's blocks into kernel layout (no float expansion)."""
+    rows, cols = shape
+    raw = np.asarray(t.data)
+    qtype = QT(t.tensor_type)
+    if qtype in (QT.Q4_0, QT.Q4_1) and cols % QK == 0:
+        size = 18 if qtype == QT.Q4_0 else 20
+        blocks = raw.reshape(rows, cols // QK, size)
+        d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(F32)
+        if qtype == QT.Q4_1:
+            m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(F32)
+        else:
+            m = (d * F32(-8.0)).astype(F32)
+        qs = np.ascontiguousarray(blocks[:, :, size - 16 :]).reshape(rows, cols // 2)
+        return QuantMatrix("q4", rows, cols, qs, np.ascontiguousarray(d), np.ascontiguousarray(m))
+    if qtype == QT.Q8_0 and cols % QK == 0:
+        blocks = raw.reshape(rows, cols // QK, 34)
+        d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(F32)
+        qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, cols)
+        return QuantMatrix("q8", rows, cols, qs, np.ascontiguousarray(d), np.empty((0, 0), F32))
+    w = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=F32).reshape(rows, cols)
+    empty = np.empty((0, 0), F32)
+    return QuantMatrix("f32", rows, cols, np.ascontiguousarray(w), empty, empty)
+
+
+def stack_rows(parts: list[QuantMatrix]) -> QuantMatrix:
+    """One matrix of the parts' rows in order (fused Q/K/V or gate/up); same kind and cols."""
+    kinds = {p.kind for p in parts}
+    cols = {p.cols for p in parts}
+    if len(kinds) != 1 or len(cols) != 1:
+        raise ValueError("only matrices of one kind and width can be fused")
+    return QuantMatrix(
+        parts[0].kind,
+        sum(p.rows for p in parts),
+        parts[0].cols,
+        np.concatenate([p.qs for p in parts]),
+        np.concatenate([p.d for p in parts]) if parts[0].d.size else parts[0].d,
+        np.concatenate([p.m for p in parts]) if parts[0].m.size else parts[0].m,
+    )
+
+
+def dequantize_rows(w: QuantMatrix, ids: np.ndarray) -> np.ndarray:
+    """Float32 rows ``ids`` of ``w`` (the embedding lookup): [len(ids), cols]."""
+    out = np.empty((len(ids), w.cols), F32)
+    _gather(w.kind, w.qs, w.d, w.m, np.ascontiguousarray(ids, dtype=np.int64), out)
+    return out
+
+
+def matmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
+    """``x @ w.T`` for x [T, cols] float32 -> [T, rows] float32."""
+    x = np.ascontiguousarray(x, dtype=F32)
+    out = np.empty((x.shape[0], w.rows), F32)
+    if w.kind == "q4":
+        _matmul_q4(w.qs, w.d, w.m, x, _block_sums(x), out)
+    elif w.kind == "q8":
+        _matmul_q8(w.qs, w.d, x, out)
+    else:
+        _matmul_f32(w.qs, x, out)
+    return out
+
+
+@numba.njit(cache=True)
+def _block_sums(x: np.ndarray) -> np.ndarray:
+    t, k = x.shape
+    nb = k // QK
+    out = np.empty((t, nb), np.float32)
+    for i in range(t):
+        for b in range(nb):
+            s = np.float32(0.0)
+            for j in range(QK):
+                s += x[i, b * QK + j]
+            out[i, b] = s
+    return out
+
+
+# The kernels keep 32 per-lane partial sums across a row's blocks and add them
+# up once at the end: LLVM vectorises the lane loop, and the summation order is
+# fixed by the code alone (never by the batch size or the thread count).
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _matmul_q4(
+    qs: np.ndarray, d: np.ndarray, m: np.ndarray, x: np.ndarray, sx: np.ndarray, out: np.ndarray
+) -> None:
+    nb = d.shape[1]
+    for r in prange(qs.shape[0]):
+        qr, dr, mr = qs[r], d[r], m[r]
+        acc = np.empty(QK, np.float32)
+        for t in range(x.shape[0]):
+            xr, sxr = x[t], sx[t]
+            acc[:] = 0.0
+            offset = np.float32(0.0)
+            for b in range(nb):
+                q0, x0, db = b * 16, b * QK, dr[b]
+                for i in range(16):
+                    byte = qr[q0 + i]
+                    acc[i] += db * (np.float32(byte & 15) * xr[x0 + i])
+                    acc[16 + i] += db * (np.float32(byte >> 4) * xr[x0 + 16 + i])
+                offset += mr[b] * sxr[b]
+            total = np.float32(0.0)
+            for i in range(QK):
+                total += acc[i]
+            out[t, r] = total + offset
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _matmul_q8(qs: np.ndarray, d: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    nb = d.shape[1]
+    for r in prange(qs.shape[0]):
+        qr, dr = qs[r], d[r]
+        acc = np.empty(QK, np.float32)
+        for t in range(x.shape[0]):
+            xr = x[t]
+            acc[:] = 0.0
+            for b in range(nb):
+                x0, db = b * QK, dr[b]
+                for i in range(QK):
+                    acc[i] += db * (np.float32(qr[x0 + i]) * xr[x0 + i])
+            total = np.float32(0.0)
+            for i in range(QK):
+                total += acc[i]
+            out[t, r] = total
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _matmul_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    cols = w.shape[1]
+    for r in prange(w.shape[0]):
+        wr = w[r]
+        acc = np.empty(QK, np.float32)
+        for t in range(x.shape[0]):
+            xr = x[t]
+            acc[:] = 0.0
+            for c in range(0, cols - cols % QK, QK):  # whole lanes, then the tail
+                for i in range(QK):
+                    acc[i] += wr[c + i] * xr[c + i]
+            total = np.float32(0.0)
+            for i in range(QK):
+                total += acc[i]
+            for c in range(cols - cols % QK, cols):
+                total += wr[c] * xr[c]
+            out[t, r] = total
+
+
+def _gather(
+    kind: str, qs: np.ndarray, d: np.ndarray, m: np.ndarray, ids: np.ndarray, out: np.ndarray
+) -> None:
+    if kind == "q4":
+        _gather_q4(qs, d, m, ids, out)
+    elif kind == "q8":
+        _gather_q8(qs, d, ids, out)
+    else:
+        out[:] = qs[ids]
+
+
+@numba.njit(cache=True)
+def _gather_q4(
+    qs: np.ndarray, d: np.ndarray, m: np.ndarray, ids: np.ndarray, out: np.ndarray
+) -> None:
+    for n in range(ids.shape[0]):
+        r = ids[n]
+        for b in range(d.shape[1]):
+            for i in range(16):
+                byte = qs[r, b * 16 + i]
+                out[n, b * QK + i] = d[r, b] * np.float32(byte & 15) + m[r, b]
+                out[n, b * QK + 16 + i] = d[r, b] * np.float32(byte >> 4) + m[r, b]
+
+
+@numba.njit(cache=True)
+def _gather_q8(qs: np.ndarray, d: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+    for n in range(ids.shape[0]):
+        r = ids[n]
+        for b in range(d.shape[1]):
+            for i in range(QK):
+                out[n, b * QK + i] = d[r, b] * np.float32(qs[r, b * QK + i])

@@ -1,0 +1,73 @@
+"""The fast (quantized, numba) backend against the numpy reference, on the tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from invariants import step_logits
+
+from meshnet.backends.base import BatchEntry
+from meshnet.engine.generate import generate
+from meshnet.engine.local import LocalModel, load_local_model
+from meshnet.model.sampling import SamplingParams
+
+PROMPT = [5, 80, 99, 120, 7, 3, 200, 41]
+FOLLOW = [17, 250, 3, 3, 90]
+
+
+@pytest.mark.parametrize(
+    "types",
+    [
+        dict(matrix_type=QT.Q4_0, embedding_type=QT.Q8_0),
+        dict(matrix_type=QT.Q4_1, embedding_type=QT.Q4_1),
+        dict(matrix_type=QT.Q8_0, embedding_type=QT.F16),
+        dict(matrix_type=QT.F16, embedding_type=QT.Q4_0, tied_head=False),
+        dict(matrix_type=QT.Q8_0, layer_types={1: QT.Q5_1, 2: QT.BF16}),
+    ],
+)
+def test_fast_matches_the_reference(tiny_factory, types: dict) -> None:  # type: ignore[no-untyped-def,type-arg]
+    path: Path = tiny_factory("mix.gguf", **types)
+    fast = load_local_model(path, backend="fast")
+    ref = load_local_model(path, backend="numpy")
+    a = step_logits(fast.chain, PROMPT, FOLLOW)
+    b = step_logits(ref.chain, PROMPT, FOLLOW)
+    assert np.max(np.abs(a - b)) < 1e-3
+    params = SamplingParams(max_tokens=12)
+    assert (
+        generate(fast.chain, fast.tokenizer, PROMPT, params).ids
+        == generate(ref.chain, ref.tokenizer, PROMPT, params).ids
+    )
+
+
+def _logits_in_batch(
+    model: LocalModel, target: list[int], others: list[list[int]], decode_steps: int
+) -> list[np.ndarray]:
+    """The target's logits at prefill and each decode step, run among ``others``."""
+    shard = model.chain.shards[0]
+    seqs = [target, *others]
+    kvs = [shard.backend.new_kv() for _ in seqs]
+    out = shard.forward(
+        np.concatenate([np.asarray(s) for s in seqs]),
+        [BatchEntry(kv, len(s)) for kv, s in zip(kvs, seqs, strict=True)],
+    )
+    rows = [out[0]]
+    for step in range(decode_steps):
+        ids = np.asarray([(7 * step + 11 * i) % 250 for i in range(len(seqs))])
+        out = shard.forward(ids, [BatchEntry(kv, 1) for kv in kvs])
+        rows.append(out[0])
+    return rows
+
+
+@pytest.mark.parametrize("batch", [2, 8, 32])
+def test_a_sequences_logits_are_bit_identical_alone_and_batched(
+    tiny: LocalModel, batch: int
+) -> None:
+    rng = np.random.default_rng(batch)
+    others = [rng.integers(3, 260, rng.integers(1, 20)).tolist() for _ in range(batch - 1)]
+    alone = _logits_in_batch(tiny, PROMPT, [], 4)
+    together = _logits_in_batch(tiny, PROMPT, others, 4)
+    for a, b in zip(alone, together, strict=True):
+        assert np.array_equal(a, b)
