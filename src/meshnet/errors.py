@@ -20,6 +20,8 @@ the API edge::
     ├── CacheMiss                    cache-miss               yes        409
     ├── NoRoute                      no-route                 yes        503
     ├── Overloaded                   overloaded               yes        429
+    ├── KVBudgetExhausted            kv-budget-exhausted      yes        429
+    ├── Cancelled                    cancelled                no         499
     └── NodeFailure                  (kind of the failure)    yes        502
         ├── DeadlineExceeded         deadline-exceeded
         ├── StreamReset              stream-reset
@@ -145,6 +147,21 @@ class Overloaded(MeshnetError):
     kind = "overloaded"
     retryable = True
     http_status = 429
+
+
+class KVBudgetExhausted(MeshnetError):
+    """A node's KV budget cannot hold this session's next positions; nothing was changed."""
+
+    kind = "kv-budget-exhausted"
+    retryable = True
+    http_status = 429
+
+
+class Cancelled(MeshnetError):
+    """The work was cancelled (client gone, explicit cancel, or its session released)."""
+
+    kind = "cancelled"
+    http_status = 499
 
 
 class NodeFailure(MeshnetError):

@@ -59,6 +59,7 @@ class LocalMesh:
     heartbeat_timeout_s: float = 2.0
     extra_env: dict[str, str] = field(default_factory=dict)
     tracker_args: list[str] = field(default_factory=list)  # extra `meshnet tracker` flags
+    node_args: list[str] = field(default_factory=list)  # extra `meshnet node` flags
     tracker: subprocess.Popen[bytes] | None = None
     nodes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     killed: set[str] = field(default_factory=set)  # nodes stopped on purpose
@@ -99,6 +100,7 @@ class LocalMesh:
         args = ["node", "--tracker", self.url, "--node-id", node_id, "--listen", listen]
         args += ["--heartbeat", str(self.heartbeat_s)]
         args += ["--empty"] if layers is None else ["--layers", f"{layers.start}:{layers.end}"]
+        args += self.node_args
         proc = self._spawn(node_id, args, prefix)
         self.nodes[node_id] = proc
         return proc
@@ -156,7 +158,14 @@ class LocalMesh:
     def _spawn(
         self, name: str, args: list[str], prefix: Sequence[str] = ()
     ) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.extra_env}
+        # One kernel thread per process, and idle threads that sleep rather than spin:
+        # several processes share the machine's cores.
+        threads = {
+            "OPENBLAS_NUM_THREADS": "1",
+            "NUMBA_NUM_THREADS": "1",
+            "OMP_WAIT_POLICY": "PASSIVE",
+        }
+        env = {**os.environ, **threads, "PYTHONUNBUFFERED": "1", **self.extra_env}
         cmd = [*prefix, sys.executable, "-m", "meshnet.cli.main", *args]
         if self.model:
             cmd += ["--model", self.model]

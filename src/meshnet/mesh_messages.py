@@ -22,6 +22,10 @@ class NodeLoad(Frozen):
     kv_bytes: int = Field(ge=0)
     queue_depth: int = Field(ge=0)
     steps: int = Field(ge=0)
+    kv_peak_bytes: int = Field(default=0, ge=0)
+    last_batch: int = Field(default=0, ge=0)  # sessions in the node's last forward
+    max_batch: int = Field(default=0, ge=0)  # most sessions in one forward so far
+    tokens_per_s: float = Field(default=0.0, ge=0.0)
 
 
 class NodeAnnouncement(Frozen):

@@ -34,6 +34,15 @@ def _nodes(mesh: LocalMesh) -> dict[str, dict[str, Any]]:
     return {n["node_id"]: n for n in httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]}
 
 
+def _wait_idle(mesh: LocalMesh) -> None:
+    """Until every node's heartbeat reports no sessions (so loads tie)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if all(n["load"]["sessions"] == 0 for n in _nodes(mesh).values()):
+            return
+        time.sleep(0.1)
+
+
 def _route_ids(r: httpx.Response) -> list[str]:
     return [h["node_id"] for h in r.json()["meshnet"]["route"]]
 
@@ -44,14 +53,15 @@ def test_dead_node_is_routed_around_then_503_with_reason(
     mesh = mesh_factory("0:2,0:2,2:4", model=tiny_path)
     first = _chat(mesh)
     assert first.status_code == 200, first.text
-    used = _route_ids(first)[0]
-    spare = ({"node-0", "node-1"} - {used}).pop()
+    _wait_idle(mesh)  # equal loads: the planner picks node-0 again
+    used, spare = "node-0", "node-1"
     mesh.kill_node(used)  # between requests, before any heartbeat is missed
     second = _chat(mesh)
     assert second.status_code == 200, second.text
     assert _route_ids(second) == [spare, "node-2"]
     assert second.json()["meshnet"]["ids"] == first.json()["meshnet"]["ids"]
-    assert _nodes(mesh)[used]["state"] == "down"
+    assert _nodes(mesh)[used]["state"] == "down"  # the failed open marked it at once
+    assert _nodes(mesh)[used]["down_reason"] == "worker-death"
     mesh.kill_node(spare)
     third = _chat(mesh)
     assert third.status_code == 503
@@ -194,4 +204,21 @@ def test_no_capacity_is_429_and_the_mesh_keeps_serving(
             mesh.nodes["node-0"].send_signal(signal.SIGCONT)
         for _ in lines:
             pass
+    assert _chat(mesh).status_code == 200
+
+
+def test_full_kv_budget_is_429_and_the_mesh_keeps_serving(
+    mesh_factory: MeshFactory, tiny_path: Path
+) -> None:
+    # The tiny model's 4 layers hold 1 KiB of KV per position: 100 KiB is about 100 positions.
+    mesh = mesh_factory("0:4", model=tiny_path, node_args=["--kv-budget-mb", "0.1"])
+    long_prompt = list(range(3, 153))
+    for stream in (False, True):
+        r = httpx.post(
+            f"{mesh.url}/v1/completions",
+            timeout=30,
+            json={"model": "tiny", "prompt": long_prompt, "max_tokens": 4, "stream": stream},
+        )
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "kv-budget-exhausted"
     assert _chat(mesh).status_code == 200

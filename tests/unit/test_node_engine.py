@@ -7,9 +7,17 @@ import numpy as np
 import pytest
 
 from meshnet.engine.local import LocalModel
-from meshnet.errors import CacheMiss, DeadlineExceeded, ShardMismatch, StaleEpoch
+from meshnet.errors import (
+    CacheMiss,
+    Cancelled,
+    DeadlineExceeded,
+    KVBudgetExhausted,
+    Overloaded,
+    ShardMismatch,
+    StaleEpoch,
+)
 from meshnet.layer_range import LayerRange
-from meshnet.node.engine import NodeEngine, StepWork
+from meshnet.node.engine import EngineConfig, NodeEngine, StepWork
 
 
 @pytest.fixture
@@ -89,5 +97,64 @@ def test_empty_node_refuses_sessions_until_loaded(tiny_path: Path) -> None:
         e.load(str(tiny_path), LayerRange(2, 4)).result(30)
         assert e.stats().layers == LayerRange(2, 4)
         e.open("s", 1).result(5)
+    finally:
+        e.stop()
+
+
+@pytest.fixture
+def chunky(tiny_path: Path):  # type: ignore[no-untyped-def]
+    e = NodeEngine(EngineConfig(prefill_chunk=4, max_batch_tokens=8, max_queued_steps=2))
+    e.start()
+    e.load(str(tiny_path), LayerRange(0, 4)).result(timeout=30)
+    yield e
+    e.stop()
+
+
+def test_long_prefill_is_chunked_and_decodes_keep_running(
+    chunky: NodeEngine, tiny: LocalModel
+) -> None:
+    chunky.open("a", 1).result(5)
+    chunky.open("b", 1).result(5)
+    _step(chunky, "a", 1, [5, 6, 7])
+    long_prompt = list(range(3, 203))
+    b = chunky.submit(StepWork("b", 1, np.asarray(long_prompt, np.int64), None))
+    a = chunky.submit(StepWork("a", 1, np.asarray([9], np.int64), None))
+    a.result(10)
+    assert not b.done()  # the decode did not wait for the 200-token prompt
+    kv = tiny.chain.new_sequence()
+    whole = tiny.chain.forward(np.asarray(long_prompt), [kv], [len(long_prompt)])
+    assert np.allclose(b.result(30), whole, rtol=1e-4, atol=1e-4)
+
+
+def test_too_many_queued_steps_are_refused_at_once(chunky: NodeEngine) -> None:
+    for sid in "abc":
+        chunky.open(sid, 1).result(5)
+    chunky.submit(StepWork("a", 1, np.arange(3, 203, dtype=np.int64), None))
+    chunky.submit(StepWork("b", 1, np.arange(3, 203, dtype=np.int64), None))
+    with pytest.raises(Overloaded):
+        chunky.submit(StepWork("c", 1, np.asarray([1], np.int64), None))
+
+
+def test_cancel_fails_unfinished_steps_and_frees_kv(chunky: NodeEngine) -> None:
+    chunky.open("a", 1).result(5)
+    work = chunky.submit(StepWork("a", 1, np.arange(3, 203, dtype=np.int64), None))
+    chunky.cancel("a").result(5)
+    with pytest.raises(Cancelled):
+        work.result(5)
+    assert chunky.stats().sessions == 0 and chunky.stats().kv_bytes == 0
+
+
+def test_kv_budget_refuses_growth_and_changes_nothing(tiny_path: Path) -> None:
+    e = NodeEngine(EngineConfig(kv_budget_bytes=100 * 1024))
+    e.start()
+    try:
+        e.load(str(tiny_path), LayerRange(0, 4)).result(30)
+        e.open("a", 1).result(5)
+        _step(e, "a", 1, [5, 6, 7])
+        before = e.stats().kv_bytes
+        with pytest.raises(KVBudgetExhausted):
+            _step(e, "a", 1, list(range(3, 153)))
+        assert e.stats().kv_bytes == before and e.stats().kv_peak_bytes == before
+        _step(e, "a", 1, [9])  # the session is intact and goes on
     finally:
         e.stop()

@@ -78,8 +78,11 @@ async def _complete(
     started = await tracker.start(prompt_ids, body.sampling())
     reply = _Reply(kind, tracker.model.name, started)
     if body.stream:
+        # The prefill runs before the response starts, so its failures (a full KV
+        # budget, a dead node) still get their own HTTP status, not a 200 and an error event.
+        first = await anext(started.events)
         return StreamingResponse(
-            _sse(reply, started.events, body.include_usage),
+            _sse(reply, _prepend(first, started.events), body.include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -161,6 +164,14 @@ class _Reply:
     def usage_chunk(self, done: DoneEvent) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._envelope(obj), "choices": [], "usage": usage(done)}
+
+
+async def _prepend(
+    first: TokenEvent | DoneEvent, rest: AsyncIterator[TokenEvent | DoneEvent]
+) -> AsyncIterator[TokenEvent | DoneEvent]:
+    yield first
+    async for event in rest:
+        yield event
 
 
 async def _sse(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 
 from meshnet.layer_range import LayerRange
+from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
+from meshnet.node.engine import EngineConfig
 from meshnet.node.main import NodeConfig, new_node_id, serve
 
 
@@ -19,6 +21,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     group.add_argument("--empty", action="store_true", help="load nothing; wait for Configure")
     p.add_argument("--node-id", default=None, help="name on the mesh (default: random)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS)
+    p.add_argument("--threads", type=int, default=1, help="kernel threads in this process")
+    p.add_argument("--kv-budget-mb", type=float, default=0.0, help="KV budget; 0 = unlimited")
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="rows per forward")
+    p.add_argument("--prefill-chunk", type=int, default=128, help="prompt rows per forward")
+    p.add_argument("--max-queued-steps", type=int, default=256)
     p.set_defaults(run=run)
 
 
@@ -32,5 +40,13 @@ def run(args: argparse.Namespace) -> int:
             node_id=args.node_id or new_node_id(),
             advertise_host=args.advertise_host,
             heartbeat_s=args.heartbeat,
+            threads=args.threads,
+            engine=EngineConfig(
+                kv_budget_bytes=int(args.kv_budget_mb * 1024 * 1024),
+                max_batch_tokens=args.max_batch_tokens,
+                prefill_chunk=args.prefill_chunk,
+                max_queued_steps=args.max_queued_steps,
+                backend=args.backend,
+            ),
         )
     )

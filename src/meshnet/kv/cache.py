@@ -35,12 +35,25 @@ class SequenceKV:
         """Bytes held by this sequence's cache on this shard (capacity, not length)."""
         return sum(a.nbytes for a in self._keys) + sum(a.nbytes for a in self._values)
 
-    def reserve(self, n_new: int) -> None:
-        """Make room for ``n_new`` positions after ``length``."""
+    def growth_bytes(self, n_new: int) -> int:
+        """Bytes ``reserve(n_new)`` would add to ``nbytes`` (0 when it fits already)."""
+        capacity = self._next_capacity(n_new)
+        if capacity == self._capacity:
+            return 0
+        per_position = 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+        return (capacity - self._capacity) * per_position
+
+    def _next_capacity(self, n_new: int) -> int:
         need = self.length + n_new
         if need <= self._capacity:
+            return self._capacity
+        return max(_MIN_CAPACITY, self._capacity * 2, need)
+
+    def reserve(self, n_new: int) -> None:
+        """Make room for ``n_new`` positions after ``length``."""
+        capacity = self._next_capacity(n_new)
+        if capacity == self._capacity:
             return
-        capacity = max(_MIN_CAPACITY, self._capacity * 2, need)
         shape = (self.n_kv_heads, capacity, self.head_dim)
         self._keys = [self._grown(old, shape) for old in self._keys] or [
             np.zeros(shape, self.dtype) for _ in range(self.n_layers)

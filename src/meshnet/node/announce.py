@@ -101,5 +101,12 @@ class Announcer:
 
 def _load(s: EngineStats) -> NodeLoad:
     return NodeLoad(
-        sessions=s.sessions, kv_bytes=s.kv_bytes, queue_depth=s.queue_depth, steps=s.steps
+        sessions=s.sessions,
+        kv_bytes=s.kv_bytes,
+        queue_depth=s.queue_depth,
+        steps=s.steps,
+        kv_peak_bytes=s.kv_peak_bytes,
+        last_batch=s.last_batch,
+        max_batch=s.max_batch,
+        tokens_per_s=round(s.tokens_per_s, 2),
     )

@@ -1,9 +1,13 @@
 """The node's one loop: every change to its shard and its sessions' KV happens here.
 
-Request threads (gRPC handlers) submit commands and wait on futures; the loop
-thread takes whatever is queued, applies control commands in order (open,
-release, load), and runs all pending steps of different sessions as one
-batched forward. Nothing else touches the shard or the KV.
+Request threads (gRPC handlers) submit commands and steps and wait on
+futures. The loop thread applies control commands in arrival order (load,
+open, release, cancel) and then runs one *iteration*: a single batched
+forward over the decode steps of every runnable session plus a chunk of each
+pending prefill. A prefill is cut into fixed-size chunks counted from the
+start of its own prompt, so a long prompt never stalls running streams and a
+sequence is chunked the same way whatever else is running (its results stay
+bit-identical alone or batched).
 """
 
 from __future__ import annotations
@@ -20,14 +24,32 @@ from typing import Any
 import numpy as np
 
 from meshnet.backends.base import BatchEntry
-from meshnet.errors import CacheMiss, DeadlineExceeded, ShardMismatch, StaleEpoch
+from meshnet.errors import (
+    CacheMiss,
+    Cancelled,
+    DeadlineExceeded,
+    KVBudgetExhausted,
+    Overloaded,
+    ShardMismatch,
+    StaleEpoch,
+)
 from meshnet.kv.cache import SequenceKV
+from meshnet.kv.manager import KVBudget
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
-from meshnet.model.shard import Shard, load_shard
+from meshnet.model.shard import DEFAULT_BACKEND, Shard, load_shard
 from meshnet.model.spec import read_spec
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_budget_bytes: int = 0  # KV all sessions may hold; 0 means unlimited
+    max_batch_tokens: int = 512  # rows in one forward
+    prefill_chunk: int = 128  # prompt rows one session adds to one forward
+    max_queued_steps: int = 256  # submitted but unfinished steps; more are refused
+    backend: str = DEFAULT_BACKEND
 
 
 @dataclass
@@ -38,13 +60,15 @@ class _Slot:
 
 @dataclass
 class StepWork:
-    """One session's step, waiting to join a batch."""
+    """One session's step, waiting for (or part way through) the batches it joins."""
 
     session_id: str
     epoch: int
     x: np.ndarray  # ids [T] on the first shard, hidden [T, d] elsewhere
-    deadline: float | None  # time.monotonic() by which it must have run
+    deadline: float | None  # time.monotonic() by which it must have started
     future: Future[np.ndarray] = field(default_factory=Future)
+    done_rows: int = 0  # prompt rows already run (chunked prefill)
+    outputs: list[np.ndarray] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
@@ -53,7 +77,7 @@ class StepWork:
 
 @dataclass
 class _Control:
-    """A command the loop applies in order between batches."""
+    """A command the loop applies in order between iterations."""
 
     apply: Callable[[], Any]
     future: Future[Any] = field(default_factory=Future)
@@ -66,21 +90,32 @@ class EngineStats:
     fingerprint: str
     sessions: int
     kv_bytes: int
-    queue_depth: int
-    steps: int
-    last_batch: int
+    kv_peak_bytes: int
+    kv_budget_bytes: int
+    queue_depth: int  # steps submitted and not finished
+    steps: int  # steps finished since start
+    last_batch: int  # sessions in the last forward
+    max_batch: int  # most sessions in one forward since start
+    tokens_per_s: float  # rows per second over recent forwards
 
 
 class NodeEngine:
     """Owns one shard (or none, when empty) and the KV of every session on it."""
 
-    def __init__(self, max_batch_tokens: int = 8192) -> None:
-        self.max_batch_tokens = max_batch_tokens
+    def __init__(self, config: EngineConfig = EngineConfig()) -> None:
+        self.config = config
         self._shard: Shard | None = None
         self._slots: dict[str, _Slot] = {}
-        self._queue: queue.Queue[StepWork | _Control | None] = queue.Queue()
+        self._budget = KVBudget(config.kv_budget_bytes)
+        self._inbox: queue.Queue[StepWork | _Control | None] = queue.Queue()
+        self._pending: list[StepWork] = []  # admitted, not finished (loop thread only)
+        self._outstanding = 0  # submitted, not finished (guarded by _lock)
+        self._lock = threading.Lock()
         self._steps = 0
         self._last_batch = 0
+        self._max_batch = 0
+        self._tokens_per_s = 0.0
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="node-engine", daemon=True)
 
     # --- called from any thread -------------------------------------------------
@@ -89,7 +124,7 @@ class NodeEngine:
         self._thread.start()
 
     def stop(self) -> None:
-        self._queue.put(None)
+        self._inbox.put(None)
         self._thread.join(timeout=10)
 
     @property
@@ -98,16 +133,19 @@ class NodeEngine:
 
     def stats(self) -> EngineStats:
         shard = self._shard
-        slots = list(self._slots.values())
         return EngineStats(
             loaded=shard is not None,
             layers=shard.layers if shard else None,
             fingerprint=shard.fingerprint if shard else "",
-            sessions=len(slots),
-            kv_bytes=sum(s.kv.nbytes for s in slots),
-            queue_depth=self._queue.qsize(),
+            sessions=len(self._slots),
+            kv_bytes=self._budget.in_use,
+            kv_peak_bytes=self._budget.peak,
+            kv_budget_bytes=self._budget.budget_bytes,
+            queue_depth=self._outstanding,
             steps=self._steps,
             last_batch=self._last_batch,
+            max_batch=self._max_batch,
+            tokens_per_s=self._tokens_per_s,
         )
 
     def load(self, model_path: str, layers: LayerRange) -> Future[Shard]:
@@ -122,107 +160,177 @@ class NodeEngine:
         """Free a session's KV, unless a newer epoch has taken it over."""
         return self._control(lambda: self._apply_release(session_id, epoch))
 
+    def cancel(self, session_id: str) -> Future[None]:
+        """Free a session's KV whatever its epoch, and fail its unfinished steps."""
+        return self._control(lambda: self._apply_cancel(session_id))
+
     def submit(self, work: StepWork) -> Future[np.ndarray]:
-        self._queue.put(work)
+        """Queue a step; ``Overloaded`` at once when too many are unfinished."""
+        with self._lock:
+            if self._outstanding >= self.config.max_queued_steps:
+                raise Overloaded(f"{self._outstanding} steps queued on this node")
+            self._outstanding += 1
+        work.future.add_done_callback(self._finished)
+        self._inbox.put(work)
         return work.future
+
+    def _finished(self, _: Future[np.ndarray]) -> None:
+        with self._lock:
+            self._outstanding -= 1
 
     def _control(self, apply: Callable[[], Any]) -> Future[Any]:
         c = _Control(apply)
-        self._queue.put(c)
+        self._inbox.put(c)
         return c.future
 
     # --- the loop thread --------------------------------------------------------
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            steps: list[StepWork] = []
-            tokens = 0
-            while item is not None:
-                if isinstance(item, _Control):
-                    self._run_batch(steps)  # earlier steps run before the command
-                    steps, tokens = [], 0
-                    _settle(item.future, item.apply)
-                else:
-                    if steps and tokens + item.n_tokens > self.max_batch_tokens:
-                        self._run_batch(steps)
-                        steps, tokens = [], 0
-                    steps.append(item)
-                    tokens += item.n_tokens
-                item = self._next_nowait()
-            self._run_batch(steps)
+        while not self._stopping:
+            if not self._pending:
+                self._take(self._inbox.get())  # idle: wait for work
+            self._drain()
+            if not self._stopping:
+                self._iteration()
+        for w in self._pending:
+            w.future.set_exception(Cancelled("the node is stopping"))
 
-    def _next_nowait(self) -> StepWork | _Control | None:
-        """The next queued item, or None when the queue is empty or stopping."""
-        try:
-            item = self._queue.get_nowait()
-        except queue.Empty:
-            return None
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._take(item)
+
+    def _take(self, item: StepWork | _Control | None) -> None:
         if item is None:
-            self._queue.put(None)  # the outer loop sees the stop next
-        return item
+            self._stopping = True
+        elif isinstance(item, _Control):
+            _settle(item.future, item.apply)
+        else:
+            self._pending.append(item)
+
+    def _iteration(self) -> None:
+        """One forward over a chunk of every admitted step, within the row budget."""
+        shard = self._shard
+        chosen: list[tuple[StepWork, int]] = []
+        rows = 0
+        growth = 0
+        for w in list(self._pending):
+            n = min(w.n_tokens - w.done_rows, self.config.prefill_chunk)
+            if chosen and rows + n > self.config.max_batch_tokens:
+                break
+            error = self._refusal(w, n, growth)
+            if error is not None:
+                self._pending.remove(w)
+                w.future.set_exception(error)
+                continue
+            growth += self._slots[w.session_id].kv.growth_bytes(n)
+            chosen.append((w, n))
+            rows += n
+        if not chosen or shard is None:
+            return
+        self._forward(shard, chosen)
+
+    def _refusal(self, w: StepWork, n: int, growth: int) -> Exception | None:
+        """Why step ``w`` cannot run ``n`` more rows now, or None when it can."""
+        slot = self._slots.get(w.session_id)
+        if w.done_rows == 0 and w.deadline is not None and time.monotonic() > w.deadline:
+            return DeadlineExceeded("the step's deadline passed in the queue")
+        if self._shard is None:
+            return ShardMismatch("this node is empty")
+        if slot is None:
+            return CacheMiss(f"no KV for session {w.session_id}")
+        if slot.epoch != w.epoch:
+            return StaleEpoch(f"session {w.session_id} is at epoch {slot.epoch}, not {w.epoch}")
+        if not self._budget.fits(growth + slot.kv.growth_bytes(n)):
+            return KVBudgetExhausted(
+                f"KV budget of {self._budget.budget_bytes} bytes is full "
+                f"({self._budget.in_use} in use by {len(self._slots)} sessions)"
+            )
+        return None
+
+    def _forward(self, shard: Shard, chosen: list[tuple[StepWork, int]]) -> None:
+        x = np.concatenate([w.x[w.done_rows : w.done_rows + n] for w, n in chosen])
+        batch = [BatchEntry(self._slots[w.session_id].kv, n) for w, n in chosen]
+        t0 = time.perf_counter()
+        try:
+            out = shard.forward(x, batch)
+        except Exception as e:  # a bug must fail the steps, not kill the loop
+            log.exception("batch of %d steps failed", len(chosen))
+            for w, _ in chosen:
+                self._pending.remove(w)
+                w.future.set_exception(e)
+            self._account()
+            return
+        self._note_speed(x.shape[0], time.perf_counter() - t0, len(chosen))
+        offset = 0
+        for i, (w, n) in enumerate(chosen):
+            w.outputs.append(out[i : i + 1] if shard.is_last else out[offset : offset + n])
+            offset += n
+            w.done_rows += n
+            if w.done_rows == w.n_tokens:
+                self._pending.remove(w)
+                self._steps += 1
+                result = w.outputs[-1] if shard.is_last else np.concatenate(w.outputs)
+                w.future.set_result(result)
+        self._account()
+
+    def _note_speed(self, rows: int, seconds: float, sessions: int) -> None:
+        self._last_batch = sessions
+        self._max_batch = max(self._max_batch, sessions)
+        rate = rows / seconds if seconds > 0 else 0.0
+        old = self._tokens_per_s
+        self._tokens_per_s = rate if not old else 0.8 * old + 0.2 * rate
+
+    def _account(self) -> None:
+        self._budget.update(sum(s.kv.nbytes for s in self._slots.values()))
 
     def _apply_load(self, model_path: str, layers: LayerRange) -> Shard:
         f = open_gguf(model_path)
-        shard = load_shard(f, read_spec(f), layers)
+        shard = load_shard(f, read_spec(f), layers, self.config.backend)
+        for w in self._pending:
+            w.future.set_exception(Cancelled("the node is loading another shard"))
+        self._pending.clear()
         self._slots.clear()
         self._shard = shard
-        log.info("loaded layers %s of %s", layers, f.path.name)
+        self._account()
+        log.info("loaded layers %s of %s on %s", layers, f.path.name, shard.backend.name)
         return shard
 
     def _apply_open(self, session_id: str, epoch: int) -> None:
-        shard = self._require_shard()
+        shard = self._shard
+        if shard is None:
+            raise ShardMismatch("this node is empty: no layers loaded")
         slot = self._slots.get(session_id)
         if slot is not None and slot.epoch > epoch:
             raise StaleEpoch(f"session {session_id} is at epoch {slot.epoch}, not {epoch}")
         if slot is None or slot.epoch < epoch:  # the same epoch keeps its KV
-            self._slots[session_id] = _Slot(epoch, shard.backend.new_kv())
+            kv = shard.backend.new_kv()
+            if not self._budget.fits(kv.growth_bytes(1)):
+                raise KVBudgetExhausted(
+                    f"KV budget of {self._budget.budget_bytes} bytes is full "
+                    f"({self._budget.in_use} in use by {len(self._slots)} sessions)"
+                )
+            self._drop(session_id)
+            self._slots[session_id] = _Slot(epoch, kv)
 
     def _apply_release(self, session_id: str, epoch: int) -> None:
         slot = self._slots.get(session_id)
         if slot is not None and slot.epoch <= epoch:
-            del self._slots[session_id]
+            self._drop(session_id)
 
-    def _require_shard(self) -> Shard:
-        if self._shard is None:
-            raise ShardMismatch("this node is empty: no layers loaded")
-        return self._shard
+    def _apply_cancel(self, session_id: str) -> None:
+        self._drop(session_id)
 
-    def _run_batch(self, steps: list[StepWork]) -> None:
-        ready = [w for w in steps if self._admit(w)]
-        if not ready:
-            return
-        shard = self._require_shard()
-        slots = [self._slots[w.session_id] for w in ready]
-        x = np.concatenate([w.x for w in ready])
-        try:
-            batch = [BatchEntry(s.kv, w.n_tokens) for s, w in zip(slots, ready, strict=True)]
-            out = shard.forward(x, batch)
-        except Exception as e:  # a bug must fail the steps, not kill the loop
-            log.exception("batch of %d steps failed", len(ready))
-            for w in ready:
-                w.future.set_exception(e)
-            return
-        self._steps += len(ready)
-        self._last_batch = len(ready)
-        offsets = np.cumsum([0] + [w.n_tokens for w in ready])
-        for i, w in enumerate(ready):
-            rows = out[i : i + 1] if shard.is_last else out[offsets[i] : offsets[i + 1]]
-            w.future.set_result(rows)
-
-    def _admit(self, w: StepWork) -> bool:
-        """Check a step just before it runs; fail its future instead of running it."""
-        slot = self._slots.get(w.session_id)
-        if w.deadline is not None and time.monotonic() > w.deadline:
-            w.future.set_exception(DeadlineExceeded("the step's deadline passed in the queue"))
-        elif slot is None:
-            w.future.set_exception(CacheMiss(f"no KV for session {w.session_id}"))
-        elif slot.epoch != w.epoch:
-            w.future.set_exception(
-                StaleEpoch(f"session {w.session_id} is at epoch {slot.epoch}, not {w.epoch}")
-            )
-        else:
-            return True
-        return False
+    def _drop(self, session_id: str) -> None:
+        """Forget a session's KV and fail its unfinished steps."""
+        self._slots.pop(session_id, None)
+        for w in [w for w in self._pending if w.session_id == session_id]:
+            self._pending.remove(w)
+            w.future.set_exception(Cancelled(f"session {session_id} was released"))
+        self._account()
 
 
 def _settle(future: Future[Any], apply: Callable[[], Any]) -> None:

@@ -7,15 +7,16 @@ import secrets
 import signal
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
+from meshnet.backends.fast import set_threads
 from meshnet.errors import MeshnetError
 from meshnet.layer_range import LayerRange
 from meshnet.model.bundled import bundled_model_path
 from meshnet.node.announce import Announcer
-from meshnet.node.engine import NodeEngine
+from meshnet.node.engine import EngineConfig, NodeEngine
 from meshnet.node.service import NodeIdentity, NodeService
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.codec import MAX_MESSAGE_BYTES
@@ -35,6 +36,8 @@ class NodeConfig:
     advertise_host: str | None  # host the tracker should dial, when not the listen host
     heartbeat_s: float = 1.0
     grpc_workers: int = 64  # concurrent Forward streams this node can hold
+    threads: int = 1  # kernel threads (one pool per process)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 def new_node_id() -> str:
@@ -43,7 +46,8 @@ def new_node_id() -> str:
 
 def serve(cfg: NodeConfig) -> int:
     """Run the node until SIGTERM or SIGINT; returns the exit status."""
-    engine = NodeEngine()
+    set_threads(cfg.threads)
+    engine = NodeEngine(cfg.engine)
     engine.start()
     model_path = cfg.model_path or str(bundled_model_path())
     if cfg.layers is not None:
@@ -67,7 +71,13 @@ def serve(cfg: NodeConfig) -> int:
     log.info("node %s serving on %s", cfg.node_id, address)
     print(f"meshnet node {cfg.node_id} listening on {address}", flush=True)
     announcer = Announcer(
-        cfg.tracker_url, cfg.node_id, address, "numpy", 0, engine.stats, cfg.heartbeat_s
+        cfg.tracker_url,
+        cfg.node_id,
+        address,
+        cfg.engine.backend,
+        cfg.engine.kv_budget_bytes,
+        engine.stats,
+        cfg.heartbeat_s,
     )
     announcer.start()
     stop = threading.Event()
