@@ -30,6 +30,42 @@ F32 = np.float32
 
 
 @dataclass(frozen=True)
+class _Rows:
+    """How a batch's rows are multiplied: decode rows through the quantized kernel, each
+    prompt chunk (an entry of several rows) on its own through BLAS on dequantized
+    weights. Either way a sequence's rows meet the same arithmetic whatever else is in
+    the batch."""
+
+    decode: np.ndarray  # row indices of single-row entries
+    prompts: tuple[tuple[int, int], ...]  # (first row, rows) of each multi-row entry
+
+    @staticmethod
+    def of(batch: Sequence[BatchEntry]) -> _Rows:
+        decode: list[int] = []
+        prompts: list[tuple[int, int]] = []
+        row = 0
+        for e in batch:
+            if e.n_new == 1:
+                decode.append(row)
+            else:
+                prompts.append((row, e.n_new))
+            row += e.n_new
+        return _Rows(np.asarray(decode, dtype=np.int64), tuple(prompts))
+
+    def matmul(self, x: np.ndarray, w: QuantMatrix) -> np.ndarray:
+        """``x @ w.T`` for x [T, cols]."""
+        if not self.prompts:
+            return quant.matmul(x, w)
+        out = np.empty((x.shape[0], w.rows), dtype=F32)
+        if self.decode.size:
+            out[self.decode] = quant.matmul(x[self.decode], w)
+        dense = quant.dequantize_all(w)  # [rows, cols]
+        for start, n in self.prompts:
+            out[start : start + n] = x[start : start + n] @ dense.T
+        return out
+
+
+@dataclass(frozen=True)
 class _Fused:
     """One block's projections, fused where the layouts allow."""
 
@@ -77,8 +113,9 @@ class FastBackend:
             e.kv.reserve(e.n_new)
         x = np.array(hidden, dtype=F32, copy=True)  # [T, d]
         cos, sin = self._cos[positions], self._sin[positions]  # [T, rope_dim / 2]
+        rows = _Rows.of(batch)
         for i, block in enumerate(self.weights.blocks):
-            x = self._block(i, block, self._fused[i], x, cos, sin, batch)
+            x = self._block(i, block, self._fused[i], x, cos, sin, batch, rows)
         for e in batch:
             e.kv.advance(e.n_new)
         return x
@@ -92,35 +129,36 @@ class FastBackend:
         cos: np.ndarray,
         sin: np.ndarray,
         batch: Sequence[BatchEntry],
+        rows: _Rows,
     ) -> np.ndarray:
         s = self.spec
         t = x.shape[0]
         q_width = s.n_heads * s.head_dim
         h = _rms_norm(x, w.attn_norm, s.rms_eps)  # [T, d]
         if fused.qkv is not None:
-            qkv = quant.matmul(h, fused.qkv)  # [T, q + 2 kv]
+            qkv = rows.matmul(h, fused.qkv)  # [T, q + 2 kv]
             q, k, v = np.split(qkv, [q_width, q_width + s.kv_width], axis=1)
         else:
-            q, k, v = (quant.matmul(h, m) for m in (w.wq, w.wk, w.wv))
+            q, k, v = (rows.matmul(h, m) for m in (w.wq, w.wk, w.wv))
         q = _rope(q.reshape(t, s.n_heads, s.head_dim), cos, sin)  # [T, H, hd]
         k = _rope(k.reshape(t, s.n_kv_heads, s.head_dim), cos, sin)  # [T, Hkv, hd]
         v = np.ascontiguousarray(v).reshape(t, s.n_kv_heads, s.head_dim)
         attn = np.empty((t, q_width), dtype=F32)
         row = 0
         for e in batch:
-            rows = slice(row, row + e.n_new)
-            e.kv.write(layer, k[rows].transpose(1, 0, 2), v[rows].transpose(1, 0, 2))
+            mine = slice(row, row + e.n_new)
+            e.kv.write(layer, k[mine].transpose(1, 0, 2), v[mine].transpose(1, 0, 2))
             keys, values = e.kv.view(layer, e.n_new)
-            attn[rows] = causal_attention(q[rows], keys, values, e.kv.length)
+            attn[mine] = causal_attention(q[mine], keys, values, e.kv.length)
             row += e.n_new
-        x = x + quant.matmul(attn, w.wo)
+        x = x + rows.matmul(attn, w.wo)
         h = _rms_norm(x, w.ffn_norm, s.rms_eps)
         if fused.gate_up is not None:
-            gate_up = quant.matmul(h, fused.gate_up)  # [T, 2 d_ff]
+            gate_up = rows.matmul(h, fused.gate_up)  # [T, 2 d_ff]
             gate, up = gate_up[:, : s.d_ff], gate_up[:, s.d_ff :]
         else:
-            gate, up = quant.matmul(h, w.w_gate), quant.matmul(h, w.w_up)
-        return x + quant.matmul(_swiglu(gate, up), w.w_down)
+            gate, up = rows.matmul(h, w.w_gate), rows.matmul(h, w.w_up)
+        return x + rows.matmul(_swiglu(gate, up), w.w_down)
 
 
 def load_fast_weights(

@@ -84,6 +84,13 @@ def stack_rows(parts: list[QuantMatrix]) -> QuantMatrix:
     )
 
 
+def dequantize_all(w: QuantMatrix) -> np.ndarray:
+    """The whole matrix as float32 [rows, cols] (for many-row matmuls through BLAS)."""
+    if w.kind == "f32":
+        return w.qs
+    return dequantize_rows(w, np.arange(w.rows, dtype=np.int64))
+
+
 def dequantize_rows(w: QuantMatrix, ids: np.ndarray) -> np.ndarray:
     """Float32 rows ``ids`` of ``w`` (the embedding lookup): [len(ids), cols]."""
     out = np.empty((len(ids), w.cols), F32)

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from meshnet.backends.fast import set_threads
 from meshnet.benchmark.engine import bench_engine
 from meshnet.benchmark.llamacpp import PeerFigures, bench_llamacpp, find_llamacpp
 from meshnet.engine.local import load_local_model
@@ -19,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--prompt-tokens", type=int, default=100)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
-    p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    p.add_argument("--threads", type=int, default=2, help="threads for both sides")
     p.add_argument("--llamacpp", help="directory with llama-bench (default: found or skipped)")
     p.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     p.add_argument("--json", action="store_true")
@@ -28,6 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
+    set_threads(args.threads)
     model = load_local_model(args.model, backend=args.backend)
     ours = bench_engine(model, args.prompt_tokens, args.decode_tokens, batches)
     peer: PeerFigures | None = None
