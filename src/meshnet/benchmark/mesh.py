@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from meshnet.backends.fast import set_threads
 from meshnet.engine.generate import generate
 from meshnet.engine.local import load_local_model
 from meshnet.layer_range import split_evenly
@@ -36,18 +37,30 @@ class MeshLatency:
     tokens: int  # decoded tokens per run
     nodes: int
     rounds: int
+    threads: int
 
     @property
     def ratio(self) -> float:
         return self.mesh_ms / self.single_ms
 
 
-def measure(model: str | None, nodes: int, max_tokens: int, rounds: int = 3) -> MeshLatency:
-    """Alternate single-process and mesh runs so both see the same machine conditions."""
+def measure(
+    model: str | None, nodes: int, max_tokens: int, rounds: int = 3, threads: int = 1
+) -> MeshLatency:
+    """Alternate single-process and mesh runs so both see the same machine conditions.
+
+    Both sides get ``threads`` kernel threads per process.
+    """
+    set_threads(threads)
     local = load_local_model(model)
     ids = local.tokenizer.encode(PROMPT)
     with tempfile.TemporaryDirectory(prefix="meshnet-bench-") as tmp:
-        mesh = LocalMesh(data_dir=Path(tmp), model=model)
+        mesh = LocalMesh(
+            data_dir=Path(tmp),
+            model=model,
+            extra_env={"NUMBA_NUM_THREADS": str(threads)},
+            node_args=["--threads", str(threads)],
+        )
         try:
             mesh.start(list(split_evenly(local.spec.n_layers, nodes)))
             name = httpx.get(f"{mesh.url}/v1/models").json()["data"][0]["id"]
@@ -64,7 +77,12 @@ def measure(model: str | None, nodes: int, max_tokens: int, rounds: int = 3) -> 
         finally:
             mesh.stop()
     return MeshLatency(
-        statistics.median(single), statistics.median(meshed), max_tokens - 1, nodes, rounds
+        statistics.median(single),
+        statistics.median(meshed),
+        max_tokens - 1,
+        nodes,
+        rounds,
+        threads,
     )
 
 
