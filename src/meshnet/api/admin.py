@@ -8,15 +8,11 @@ from fastapi import APIRouter, Request
 
 from meshnet.api.openai import route_json
 from meshnet.api.schemas import PinRouteRequest
+from meshnet.api.state import tracker_of
 from meshnet.errors import MeshnetError
 from meshnet.tracker.registry import NodeState
-from meshnet.tracker.service import Tracker
 
 router = APIRouter()
-
-
-def _tracker(request: Request) -> Tracker:
-    return request.app.state.tracker  # type: ignore[no-any-return]
 
 
 @router.get("/admin/nodes")
@@ -35,14 +31,14 @@ async def list_nodes(request: Request) -> dict[str, Any]:
                 "last_seen": n.last_seen,
                 "load": n.load.model_dump(),
             }
-            for n in _tracker(request).store.nodes()
+            for n in tracker_of(request).store.nodes()
         ]
     }
 
 
 @router.get("/admin/routes")
 async def current_route(request: Request) -> dict[str, Any]:
-    tracker = _tracker(request)
+    tracker = tracker_of(request)
     pinned = tracker.store.pinned()
     try:
         route: list[dict[str, Any]] | None = route_json(tracker.route())
@@ -54,19 +50,19 @@ async def current_route(request: Request) -> dict[str, Any]:
 
 @router.post("/admin/routes")
 async def pin_route(body: PinRouteRequest, request: Request) -> dict[str, Any]:
-    route = _tracker(request).pin(body.node_ids)
+    route = tracker_of(request).pin(body.node_ids)
     return {"pinned": body.node_ids, "route": route_json(route)}
 
 
 @router.delete("/admin/routes")
 async def unpin_route(request: Request) -> dict[str, Any]:
-    _tracker(request).store.unpin()
+    tracker_of(request).store.unpin()
     return {"pinned": None}
 
 
 @router.get("/healthz")
 async def healthz(request: Request) -> dict[str, Any]:
-    tracker = _tracker(request)
+    tracker = tracker_of(request)
     try:
         route_json(tracker.route())
         complete, reason = True, None

@@ -22,6 +22,7 @@ from meshnet.api.schemas import (
     _Sampling,
     require_model,
 )
+from meshnet.api.state import tracker_of
 from meshnet.errors import MeshnetError, RequestError
 from meshnet.model.chat import ChatMessage
 from meshnet.tracker.driver import DoneEvent, TokenEvent
@@ -32,13 +33,9 @@ Kind = Literal["chat", "text"]
 router = APIRouter()
 
 
-def _tracker(request: Request) -> Tracker:
-    return request.app.state.tracker  # type: ignore[no-any-return]
-
-
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    model = _tracker(request).model
+    model = tracker_of(request).model
     return {
         "object": "list",
         "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "meshnet"}],
@@ -49,7 +46,7 @@ async def list_models(request: Request) -> dict[str, Any]:
 async def chat_completions(
     body: ChatCompletionRequest, request: Request
 ) -> JSONResponse | StreamingResponse:
-    tracker = _tracker(request)
+    tracker = tracker_of(request)
     require_model(body.model, tracker.model.name)
     messages = [ChatMessage(m.role, m.content) for m in body.messages]
     text = tracker.model.template.render(messages, add_generation_prompt=True)
@@ -61,7 +58,7 @@ async def chat_completions(
 async def completions(
     body: CompletionRequest, request: Request
 ) -> JSONResponse | StreamingResponse:
-    tracker = _tracker(request)
+    tracker = tracker_of(request)
     require_model(body.model, tracker.model.name)
     if isinstance(body.prompt, str):
         prompt_ids = tracker.model.tokenizer.encode(body.prompt)

@@ -245,11 +245,14 @@ class NodeEngine:
         if slot.epoch != w.epoch:
             return StaleEpoch(f"session {w.session_id} is at epoch {slot.epoch}, not {w.epoch}")
         if not self._budget.fits(growth + slot.kv.growth_bytes(n)):
-            return KVBudgetExhausted(
-                f"KV budget of {self._budget.budget_bytes} bytes is full "
-                f"({self._budget.in_use} in use by {len(self._slots)} sessions)"
-            )
+            return self._budget_full()
         return None
+
+    def _budget_full(self) -> KVBudgetExhausted:
+        return KVBudgetExhausted(
+            f"KV budget of {self._budget.budget_bytes} bytes is full "
+            f"({self._budget.in_use} in use by {len(self._slots)} sessions)"
+        )
 
     def _forward(self, shard: Shard, chosen: list[tuple[StepWork, int]]) -> None:
         x = np.concatenate([w.x[w.done_rows : w.done_rows + n] for w, n in chosen])
@@ -309,10 +312,7 @@ class NodeEngine:
         if slot is None or slot.epoch < epoch:  # the same epoch keeps its KV
             kv = shard.backend.new_kv()
             if not self._budget.fits(kv.growth_bytes(1)):
-                raise KVBudgetExhausted(
-                    f"KV budget of {self._budget.budget_bytes} bytes is full "
-                    f"({self._budget.in_use} in use by {len(self._slots)} sessions)"
-                )
+                raise self._budget_full()
             self._drop(session_id)
             self._slots[session_id] = _Slot(epoch, kv)
 
