@@ -91,3 +91,30 @@ def test_errors_are_openai_errors(client: openai.OpenAI) -> None:
         )
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=_model(client), messages=[])
+
+
+def test_a_client_that_hangs_up_frees_every_nodes_kv(mesh: LocalMesh) -> None:
+    import time
+
+    import httpx
+
+    body = {
+        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "prompt": "Once upon a time",
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{mesh.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+    hung_up = time.monotonic()  # 400 tokens would take several more seconds
+
+    def kv_in_use() -> int:
+        nodes = httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]
+        return sum(n["load"]["kv_bytes"] + n["load"]["sessions"] for n in nodes)
+
+    while kv_in_use() and time.monotonic() - hung_up < 3:
+        time.sleep(0.1)
+    assert kv_in_use() == 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -164,11 +164,14 @@ class _Reply:
 
 
 async def _prepend(
-    first: TokenEvent | DoneEvent, rest: AsyncIterator[TokenEvent | DoneEvent]
+    first: TokenEvent | DoneEvent, rest: AsyncGenerator[TokenEvent | DoneEvent, None]
 ) -> AsyncIterator[TokenEvent | DoneEvent]:
-    yield first
-    async for event in rest:
-        yield event
+    try:
+        yield first
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()  # a client that hung up frees the route at once
 
 
 async def _sse(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -94,7 +94,7 @@ class RouteDriver:
 
     async def run(
         self, streams: Sequence[_HopStream], prompt_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[TokenEvent | DoneEvent]:
+    ) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
         """Generate through opened streams; closes them when done or abandoned."""
         state = RequestState(prompt_ids, params, self.tokenizer)
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 from meshnet.engine.generate import check_prompt
@@ -40,7 +40,7 @@ class Started:
 
     route: Route
     epoch: int
-    events: AsyncIterator[TokenEvent | DoneEvent]
+    events: AsyncGenerator[TokenEvent | DoneEvent, None]
 
 
 class Tracker:
@@ -104,8 +104,8 @@ class Tracker:
         raise NoRoute(f"could not open a route: {last}")
 
     async def _accounted(
-        self, route: Route, events: AsyncIterator[TokenEvent | DoneEvent]
-    ) -> AsyncIterator[TokenEvent | DoneEvent]:
+        self, route: Route, events: AsyncGenerator[TokenEvent | DoneEvent, None]
+    ) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
         self._generations += 1
         self._in_flight.update(h.node_id for h in route)
         try:
@@ -117,6 +117,7 @@ class Tracker:
         finally:
             self._generations -= 1
             self._in_flight.subtract(h.node_id for h in route)
+            await events.aclose()  # ends the route's streams now, also when abandoned
 
     async def _node_failed(self, node_id: str, kind: str) -> None:
         if not node_id:
