@@ -132,6 +132,7 @@ class RouteDriver:
 
     async def _step(self, streams: Sequence[_HopStream], step: int, x: np.ndarray) -> np.ndarray:
         rows = x.shape[0]
+        last = len(streams) - 1
         for i, stream in enumerate(streams):
             stream.inputs.append(x)
             budget = self.limits.step_timeout_s
@@ -141,8 +142,8 @@ class RouteDriver:
             reply = await self._exchange(stream, request, budget)
             if reply.WhichOneof("kind") != "result":
                 raise MalformedBundle(f"node {stream.hop.node_id} sent no result")
-            x = codec.decode(reply.result.output, self._output_limits(i == len(streams) - 1))
-            if not i == len(streams) - 1 and x.shape[0] != rows:
+            x = codec.decode(reply.result.output, self._output_limits(i == last))
+            if i != last and x.shape[0] != rows:
                 raise MalformedBundle(f"node {stream.hop.node_id} returned {x.shape[0]} rows")
         return x
 
