@@ -22,7 +22,7 @@ from meshnet.errors import MeshnetError
 from meshnet.kv.cache import SequenceKV
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import GGUFFile
-from meshnet.model.layers import causal_attention, rope_inv_freq
+from meshnet.model.layers import rope_inv_freq
 from meshnet.model.spec import ModelSpec
 from meshnet.model.weights import LayerWeights, ShardWeights, load_shard_weights
 
@@ -149,7 +149,7 @@ class FastBackend:
             mine = slice(row, row + e.n_new)
             e.kv.write(layer, k[mine].transpose(1, 0, 2), v[mine].transpose(1, 0, 2))
             keys, values = e.kv.view(layer, e.n_new)
-            attn[mine] = causal_attention(q[mine], keys, values, e.kv.length)
+            _attend(q[mine], keys, values, e.kv.length, attn[mine])
             row += e.n_new
         x = x + rows.matmul(attn, w.wo)
         h = _rms_norm(x, w.ffn_norm, s.rms_eps)
@@ -230,3 +230,41 @@ def _swiglu_rows(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
         for c in range(gate.shape[1]):
             g = gate[t, c]
             out[t, c] = g / (np.float32(1.0) + np.exp(-g)) * up[t, c]
+
+
+@numba.njit(fastmath=True, cache=True)
+def _attend(
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_pos: int, out: np.ndarray
+) -> None:
+    """Causal grouped-query attention of one sequence's new rows (as ``causal_attention``).
+
+    q [n, H, hd] at positions ``first_pos ..``; keys, values [Hkv, L, hd]; out [n, H * hd].
+    """
+    n, n_heads, hd = q.shape
+    group = n_heads // keys.shape[0]
+    scale = np.float32(1.0 / np.sqrt(hd))
+    scores = np.empty(keys.shape[1], np.float32)
+    for i in range(n):
+        visible = first_pos + i + 1
+        for h in range(n_heads):
+            kv = h // group
+            top = np.float32(-np.inf)
+            for j in range(visible):
+                s = np.float32(0.0)
+                for c in range(hd):
+                    s += q[i, h, c] * keys[kv, j, c]
+                s *= scale
+                scores[j] = s
+                top = max(top, s)
+            total = np.float32(0.0)
+            for j in range(visible):
+                e = np.exp(scores[j] - top)
+                scores[j] = e
+                total += e
+            base = h * hd
+            for c in range(hd):
+                out[i, base + c] = 0.0
+            for j in range(visible):
+                p = scores[j] / total
+                for c in range(hd):
+                    out[i, base + c] += p * values[kv, j, c]
