@@ -63,6 +63,13 @@ class Shard:
         return self.backend.head(hidden)
 
 
+def warm_up(shard: Shard) -> None:
+    """Run one throwaway token through ``shard`` so JIT kernels are compiled (or loaded
+    from their cache) now, not inside the first request's timings."""
+    x = np.zeros(1, np.int64) if shard.is_first else np.zeros((1, shard.spec.d_model), np.float32)
+    shard.forward(x, [BatchEntry(shard.backend.new_kv(), 1)])
+
+
 def load_shard(
     f: GGUFFile, spec: ModelSpec, layers: LayerRange, backend: str = DEFAULT_BACKEND
 ) -> Shard:
@@ -73,4 +80,6 @@ def load_shard(
         compute = FastBackend(spec, load_fast_weights(f, spec, layers))
     else:
         raise ModelError(f"backend {backend!r} is not available (have: {', '.join(BACKENDS)})")
-    return Shard(spec, layers, compute, f.fingerprint())
+    shard = Shard(spec, layers, compute, f.fingerprint())
+    warm_up(shard)
+    return shard
