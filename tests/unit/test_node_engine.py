@@ -158,3 +158,14 @@ def test_kv_budget_refuses_growth_and_changes_nothing(tiny_path: Path) -> None:
         _step(e, "a", 1, [9])  # the session is intact and goes on
     finally:
         e.stop()
+
+
+def test_stop_answers_everything_still_waiting(tiny_path: Path) -> None:
+    e = NodeEngine(EngineConfig(prefill_chunk=1, max_batch_tokens=1))
+    e.start()
+    e.load(str(tiny_path), LayerRange(0, 4)).result(30)
+    e.open("a", 1).result(5)
+    work = e.submit(StepWork("a", 1, np.arange(3, 203, dtype=np.int64), None))
+    e.stop()  # mid-prefill: 200 one-row chunks
+    with pytest.raises(Cancelled):
+        work.result(5)

@@ -192,8 +192,20 @@ class NodeEngine:
             self._drain()
             if not self._stopping:
                 self._iteration()
-        for w in self._pending:
-            w.future.set_exception(Cancelled("the node is stopping"))
+        self._fail_leftovers()
+
+    def _fail_leftovers(self) -> None:
+        """After a stop: whatever still waits is answered, so no caller hangs."""
+        leftovers: list[StepWork | _Control] = list(self._pending)
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                leftovers.append(item)
+        for item in leftovers:
+            item.future.set_exception(Cancelled("the node is stopping"))
 
     def _drain(self) -> None:
         while True:
