@@ -25,6 +25,17 @@ from numba import prange
 
 F32 = np.float32
 QK = 32  # weights per block in every supported block type
+_EMPTY = np.empty(0, F32)
+
+try:  # AVX2 kernels built by `pip install` where a compiler and the CPU allow
+    from meshnet.backends import _qkernels
+except ImportError:
+    _qkernels = None
+
+
+def kernel_name() -> str:
+    """Which kernels multiply quantized blocks in this process."""
+    return "avx2" if _qkernels is not None else "numba"
 
 
 @dataclass(frozen=True)
@@ -98,11 +109,22 @@ def dequantize_rows(w: QuantMatrix, ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def matmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
-    """``x @ w.T`` for x [T, cols] float32 -> [T, rows] float32."""
+def matmul(x: np.ndarray, w: QuantMatrix, native: bool = True) -> np.ndarray:
+    """``x @ w.T`` for x [T, cols] float32 -> [T, rows] float32.
+
+    ``native=False`` forces the numba kernels even where the AVX2 ones are built.
+    """
     x = np.ascontiguousarray(x, dtype=F32)
     out = np.empty((x.shape[0], w.rows), F32)
-    if w.kind == "q4":
+    if native and _qkernels is not None and w.kind in ("q4", "q8"):
+        q8 = w.kind == "q8"
+        sx = _EMPTY if q8 else _block_sums(x)
+        m = _EMPTY if q8 else w.m
+        nb = w.cols // QK
+        _qkernels.matmul(
+            w.qs, w.d, m, x, sx, out, w.rows, nb, x.shape[0], int(q8), numba.get_num_threads()
+        )
+    elif w.kind == "q4":
         _matmul_q4(w.qs, w.d, w.m, x, _block_sums(x), out)
     elif w.kind == "q8":
         _matmul_q8(w.qs, w.d, x, out)

@@ -1,0 +1,39 @@
+"""Both kernel paths (AVX2 extension where built, numba always) against dequantized math,
+and bit-identical for a row alone or anywhere in a batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from meshnet.backends import quant
+from meshnet.model.gguf_file import open_gguf
+
+PATHS = [False, True] if quant.kernel_name() == "avx2" else [False]
+
+
+@pytest.fixture(scope="module", params=[QT.Q4_0, QT.Q4_1, QT.Q8_0], ids=lambda q: q.name)
+def matrix(request, tiny_factory) -> quant.QuantMatrix:  # type: ignore[no-untyped-def]
+    f = open_gguf(tiny_factory(f"k{request.param.name}.gguf", matrix_type=request.param))
+    t = f.tensors["blk.0.ffn_down.weight"]
+    w = quant.from_gguf(t, (64, 128))
+    assert w.kind == ("q8" if request.param == QT.Q8_0 else "q4")
+    return w
+
+
+@pytest.mark.parametrize("native", PATHS, ids=lambda n: "avx2" if n else "numba")
+def test_kernels_match_dequantized_math(matrix: quant.QuantMatrix, native: bool) -> None:
+    x = np.random.default_rng(0).standard_normal((9, matrix.cols)).astype(np.float32)
+    dense = quant.dequantize_all(matrix)
+    assert np.allclose(quant.matmul(x, matrix, native), x @ dense.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("native", PATHS, ids=lambda n: "avx2" if n else "numba")
+def test_a_row_is_bit_identical_alone_and_at_any_place_in_a_batch(
+    matrix: quant.QuantMatrix, native: bool
+) -> None:
+    x = np.random.default_rng(1).standard_normal((9, matrix.cols)).astype(np.float32)
+    alone = np.concatenate([quant.matmul(x[i : i + 1], matrix, native) for i in range(9)])
+    for batch in range(1, 10):  # full tiles of four rows, and every tail length
+        assert np.array_equal(quant.matmul(x[:batch], matrix, native), alone[:batch])
