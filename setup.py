@@ -11,7 +11,7 @@ setup(
         Extension(
             "meshnet.backends._qkernels",
             ["src/meshnet/backends/_qkernels.c"],
-            extra_compile_args=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            extra_compile_args=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             optional=True,
         )

@@ -1,8 +1,8 @@
 /*
  * Quantized matmul kernels for the fast backend, AVX2 + FMA, float32 activations.
  *
- * out[t, r] = W[r] . x[t] for W in GGUF 4-bit (Q4_0 / Q4_1, repacked: qs, d, m) or
- * Q8_0 (qs, d) blocks of 32 weights. Every (r, t) pair runs the same sequence of
+ * out[t, r] = W[r] . x[t] for W in Q4_0, Q4_1 or Q8_0 blocks of 32 weights, read
+ * straight from the GGUF's bytes (f16 scales included: as few bytes as the file). Every (r, t) pair runs the same sequence of
  * vector instructions whatever the batch size T or the thread split (no
  * -ffast-math; explicit intrinsics), so results are bit-identical alone or batched.
  * Rows of the batch are processed four at a time so each unpacked weight block is
@@ -12,6 +12,7 @@
 #include <Python.h>
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #define QK 32
 
@@ -55,67 +56,71 @@ static inline __m256 block_fma(const __m256 w[4], const float *x, __m256 acc) {
     return acc;
 }
 
+/* The GGUF block types read here, straight from the file's bytes. */
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+static const Py_ssize_t BLOCK_BYTES[3] = {18, 20, 34};
+
 typedef struct {
-    const uint8_t *qs; /* q4: rows * nb * 16 bytes; q8: rows * nb * 32 int8 */
-    const float *d;    /* rows * nb */
-    const float *m;    /* rows * nb (q4) or NULL */
-    const float *x;    /* T * cols */
-    const float *sx;   /* T * nb block sums of x (q4) or NULL */
-    float *out;        /* T * rows */
+    const uint8_t *raw; /* rows * nb blocks as stored in the GGUF */
+    const float *x;     /* T * cols */
+    const float *sx;    /* T * nb block sums of x (Q4_1) */
+    float *out;         /* T * rows */
     Py_ssize_t rows, nb, T;
-    int q8;
+    int type;
 } job_t;
 
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
 static void row_kernel(const job_t *j, Py_ssize_t r) {
-    const Py_ssize_t nb = j->nb, cols = nb * QK, rows = j->rows;
-    const float *dr = j->d + r * nb;
-    const float *mr = j->m ? j->m + r * nb : NULL;
-    Py_ssize_t t = 0;
-    for (; t < j->T; t += 4) {
+    const Py_ssize_t nb = j->nb, cols = nb * QK, rows = j->rows, bb = BLOCK_BYTES[j->type];
+    const uint8_t *row = j->raw + r * nb * bb;
+    for (Py_ssize_t t = 0; t < j->T; t += 4) {
         int n = (int)(j->T - t < 4 ? j->T - t : 4);
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                          _mm256_setzero_ps()};
+        float offset[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (Py_ssize_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * bb;
             __m256 w[4];
-            if (j->q8)
-                unpack_q8((const int8_t *)j->qs + (r * nb + b) * QK, dr[b], w);
-            else
-                unpack_q4(j->qs + (r * nb + b) * 16, dr[b], w);
+            if (j->type == Q8_0) {
+                unpack_q8((const int8_t *)(blk + 2), f16(blk), w);
+            } else if (j->type == Q4_1) {
+                unpack_q4(blk + 4, f16(blk), w);
+                float m = f16(blk + 2);
+                for (int k = 0; k < n; k++) offset[k] += m * j->sx[(t + k) * nb + b];
+            } else { /* Q4_0: w = d * (q - 8) = d * q + (-8 d) */
+                float d = f16(blk);
+                unpack_q4(blk + 2, d, w);
+                for (int k = 0; k < n; k++) offset[k] += (-8.0f * d) * j->sx[(t + k) * nb + b];
+            }
             for (int k = 0; k < n; k++)
                 acc[k] = block_fma(w, j->x + (t + k) * cols + b * QK, acc[k]);
         }
-        for (int k = 0; k < n; k++) {
-            float total = hsum256(acc[k]);
-            if (mr) {
-                const float *sx = j->sx + (t + k) * nb;
-                float offset = 0.0f;
-                for (Py_ssize_t b = 0; b < nb; b++) offset += mr[b] * sx[b];
-                total += offset;
-            }
-            j->out[(t + k) * rows + r] = total;
-        }
+        for (int k = 0; k < n; k++) j->out[(t + k) * rows + r] = hsum256(acc[k]) + offset[k];
     }
 }
 
 static PyObject *matmul(PyObject *self, PyObject *args) {
-    Py_buffer qs, d, m, x, sx, out;
+    Py_buffer raw, x, sx, out;
     Py_ssize_t rows, nb, T;
-    int q8, threads;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*nnnii", &qs, &d, &m, &x, &sx, &out, &rows, &nb,
-                          &T, &q8, &threads))
+    int type, threads;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnii", &raw, &x, &sx, &out, &rows, &nb, &T, &type,
+                          &threads))
         return NULL;
     PyObject *result = NULL;
-    Py_ssize_t need_q = rows * nb * (q8 ? QK : 16);
-    if (qs.len < need_q || d.len < (Py_ssize_t)(rows * nb * sizeof(float)) ||
+    if (type < Q4_0 || type > Q8_0 || rows < 0 || nb < 0 || T < 0 ||
+        raw.len < rows * nb * BLOCK_BYTES[type < 0 || type > 2 ? 0 : type] ||
         x.len < (Py_ssize_t)(T * nb * QK * sizeof(float)) ||
         out.len < (Py_ssize_t)(T * rows * sizeof(float)) ||
-        (!q8 && (m.len < (Py_ssize_t)(rows * nb * sizeof(float)) ||
-                 sx.len < (Py_ssize_t)(T * nb * sizeof(float))))) {
+        (type != Q8_0 && sx.len < (Py_ssize_t)(T * nb * sizeof(float)))) {
         PyErr_SetString(PyExc_ValueError, "buffer sizes do not match the shapes");
         goto done;
     }
-    job_t j = {qs.buf, d.buf, q8 ? NULL : m.buf, x.buf, q8 ? NULL : sx.buf, out.buf,
-               rows, nb, T, q8};
+    job_t j = {raw.buf, x.buf, sx.buf, out.buf, rows, nb, T, type};
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (Py_ssize_t r = 0; r < rows; r++) row_kernel(&j, r);
@@ -123,9 +128,7 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
     result = Py_None;
     Py_INCREF(result);
 done:
-    PyBuffer_Release(&qs);
-    PyBuffer_Release(&d);
-    PyBuffer_Release(&m);
+    PyBuffer_Release(&raw);
     PyBuffer_Release(&x);
     PyBuffer_Release(&sx);
     PyBuffer_Release(&out);
@@ -134,7 +137,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"matmul", matmul, METH_VARARGS,
-     "matmul(qs, d, m, x, sx, out, rows, nb, T, q8, threads): out[t, r] = W[r] . x[t]"},
+     "matmul(raw, x, sx, out, rows, nb, T, type, threads): out[t, r] = W[r] . x[t],\n"
+     "W as GGUF blocks (type 0 Q4_0, 1 Q4_1, 2 Q8_0)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qkernels",
@@ -142,8 +146,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qkernels",
 
 PyMODINIT_FUNC PyInit__qkernels(void) {
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
-        PyErr_SetString(PyExc_ImportError, "this CPU lacks AVX2/FMA");
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
+        !__builtin_cpu_supports("f16c")) {
+        PyErr_SetString(PyExc_ImportError, "this CPU lacks AVX2/FMA/F16C");
         return NULL;
     }
     return PyModule_Create(&module);

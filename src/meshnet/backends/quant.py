@@ -26,6 +26,7 @@ from numba import prange
 F32 = np.float32
 QK = 32  # weights per block in every supported block type
 _EMPTY = np.empty(0, F32)
+_RAW_TYPES = {QT.Q4_0: 0, QT.Q4_1: 1, QT.Q8_0: 2}  # as numbered in _qkernels.c
 
 try:  # AVX2 kernels built by `pip install` where a compiler and the CPU allow
     from meshnet.backends import _qkernels
@@ -48,6 +49,8 @@ class QuantMatrix:
     qs: np.ndarray  # packed quants (q4: uint8, q8: int8) or float32 weights (f32)
     d: np.ndarray  # float32 [rows, nb] block scales (empty for f32)
     m: np.ndarray  # float32 [rows, nb] block offsets (q4 only)
+    raw: np.ndarray | None = None  # the GGUF's own blocks (uint8 [rows, bytes]) for AVX2
+    raw_type: int = -1  # _RAW_TYPES code of ``raw``
 
     @property
     def nbytes(self) -> int:
@@ -68,12 +71,22 @@ def from_gguf(t: gguf.ReaderTensor, shape: tuple[int, int]) -> QuantMatrix:
         else:
             m = (d * F32(-8.0)).astype(F32)
         qs = np.ascontiguousarray(blocks[:, :, size - 16 :]).reshape(rows, cols // 2)
-        return QuantMatrix("q4", rows, cols, qs, np.ascontiguousarray(d), np.ascontiguousarray(m))
+        return QuantMatrix(
+            "q4",
+            rows,
+            cols,
+            qs,
+            np.ascontiguousarray(d),
+            np.ascontiguousarray(m),
+            raw,
+            _RAW_TYPES[qtype],
+        )
     if qtype == QT.Q8_0 and cols % QK == 0:
         blocks = raw.reshape(rows, cols // QK, 34)
         d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(F32)
         qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, cols)
-        return QuantMatrix("q8", rows, cols, qs, np.ascontiguousarray(d), np.empty((0, 0), F32))
+        empty = np.empty((0, 0), F32)
+        return QuantMatrix("q8", rows, cols, qs, np.ascontiguousarray(d), empty, raw, 2)
     w = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=F32).reshape(rows, cols)
     empty = np.empty((0, 0), F32)
     return QuantMatrix("f32", rows, cols, np.ascontiguousarray(w), empty, empty)
@@ -85,6 +98,7 @@ def stack_rows(parts: list[QuantMatrix]) -> QuantMatrix:
     cols = {p.cols for p in parts}
     if len(kinds) != 1 or len(cols) != 1:
         raise ValueError("only matrices of one kind and width can be fused")
+    same_raw = all(p.raw is not None and p.raw_type == parts[0].raw_type for p in parts)
     return QuantMatrix(
         parts[0].kind,
         sum(p.rows for p in parts),
@@ -92,6 +106,8 @@ def stack_rows(parts: list[QuantMatrix]) -> QuantMatrix:
         np.concatenate([p.qs for p in parts]),
         np.concatenate([p.d for p in parts]) if parts[0].d.size else parts[0].d,
         np.concatenate([p.m for p in parts]) if parts[0].m.size else parts[0].m,
+        np.concatenate([p.raw for p in parts if p.raw is not None]) if same_raw else None,
+        parts[0].raw_type if same_raw else -1,
     )
 
 
@@ -116,13 +132,11 @@ def matmul(x: np.ndarray, w: QuantMatrix, native: bool = True) -> np.ndarray:
     """
     x = np.ascontiguousarray(x, dtype=F32)
     out = np.empty((x.shape[0], w.rows), F32)
-    if native and _qkernels is not None and w.kind in ("q4", "q8"):
-        q8 = w.kind == "q8"
-        sx = _EMPTY if q8 else _block_sums(x)
-        m = _EMPTY if q8 else w.m
+    if native and _qkernels is not None and w.raw is not None:
+        sx = _EMPTY if w.kind == "q8" else _block_sums(x)
         nb = w.cols // QK
         _qkernels.matmul(
-            w.qs, w.d, m, x, sx, out, w.rows, nb, x.shape[0], int(q8), numba.get_num_threads()
+            w.raw, x, sx, out, w.rows, nb, x.shape[0], w.raw_type, numba.get_num_threads()
         )
     elif w.kind == "q4":
         _matmul_q4(w.qs, w.d, w.m, x, _block_sums(x), out)
