@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from meshnet.backends.fast import set_threads
+from meshnet.backends.quant import kernel_name
 from meshnet.benchmark.engine import bench_engine
 from meshnet.benchmark.llamacpp import PeerFigures, bench_llamacpp, find_llamacpp
 from meshnet.engine.local import load_local_model
@@ -39,9 +40,11 @@ def run(args: argparse.Namespace) -> int:
             bin_dir, model.file.path, args.prompt_tokens, args.decode_tokens, batches, args.threads
         )
     rows = _rows(args.prompt_tokens, ours.prefill_tok_s, ours.decode_tok_s, peer)
+    backend = args.backend + (f" ({kernel_name()} kernels)" if args.backend == "fast" else "")
     if args.json:
-        print(json.dumps({"backend": args.backend, "rows": rows}))
+        print(json.dumps({"backend": backend, "threads": args.threads, "rows": rows}))
         return 0
+    print(f"backend {backend}, {args.threads} threads on each side")
     print(f"{'figure':<22}{'meshnet':>12}{'llama.cpp':>12}{'ratio':>8}")
     for r in rows:
         theirs = f"{r['llamacpp']:.1f}" if r["llamacpp"] else "-"
