@@ -1,10 +1,12 @@
-"""The fast CPU backend: matmuls straight from the GGUF's quantized blocks (numba).
+"""The fast CPU backend: matmuls straight from the GGUF's quantized blocks.
 
 Float32 arithmetic throughout, like the reference, but every row of every
-batch goes through the same fixed-order loops (kernels in ``quant``, the
-row-wise norm and SwiGLU here, rotary tables computed once), so a sequence's
-logits are bit-identical whether it runs alone or among 31 others. Q/K/V and
-gate/up are fused into one matmul each when their blocks share a layout.
+batch goes through the same fixed-order code (the AVX2 or numba kernels in
+``quant``; the row-wise norm, SwiGLU and attention loops here; rotary tables
+computed once), so a sequence's logits are bit-identical whether it runs alone
+or among 31 others. Q/K/V and gate/up are fused into one matmul each when their
+blocks share a layout. Prompt chunks are the exception to the quantized path:
+each goes through BLAS on dequantized weights, on its own rows only.
 """
 
 from __future__ import annotations
