@@ -54,17 +54,35 @@ class _Rows:
             row += e.n_new
         return _Rows(np.asarray(decode, dtype=np.int64), tuple(prompts))
 
-    def matmul(self, x: np.ndarray, w: QuantMatrix) -> np.ndarray:
+    def matmul(self, x: np.ndarray, w: QuantMatrix, dense: _DenseCache) -> np.ndarray:
         """``x @ w.T`` for x [T, cols]."""
         if not self.prompts:
             return quant.matmul(x, w)
         out = np.empty((x.shape[0], w.rows), dtype=F32)
         if self.decode.size:
             out[self.decode] = quant.matmul(x[self.decode], w)
-        dense = quant.dequantize_all(w)  # [rows, cols]
+        weights = dense.get(w)  # [rows, cols]
         for start, n in self.prompts:
-            out[start : start + n] = x[start : start + n] @ dense.T
+            out[start : start + n] = x[start : start + n] @ weights.T
         return out
+
+
+class _DenseCache:
+    """Float32 copies of the matrices, made the first time a prompt chunk needs each.
+
+    Prefill then pays for dequantizing a matrix once per process instead of once
+    per forward; decode never touches these copies.
+    """
+
+    def __init__(self) -> None:
+        self._dense: dict[int, np.ndarray] = {}
+
+    def get(self, w: QuantMatrix) -> np.ndarray:
+        dense = self._dense.get(id(w))
+        if dense is None:
+            dense = quant.dequantize_all(w)
+            self._dense[id(w)] = dense
+        return dense
 
 
 @dataclass(frozen=True)
@@ -84,6 +102,7 @@ class FastBackend:
         self.spec = spec
         self.weights = weights
         self._fused = [_fuse(b) for b in weights.blocks]
+        self._dense = _DenseCache()  # keyed by matrix identity: the matrices live as long
         angles = (
             np.arange(spec.context_length, dtype=F32)[:, None]
             * rope_inv_freq(spec.rope_dim, spec.rope_base)[None, :]
@@ -138,10 +157,10 @@ class FastBackend:
         q_width = s.n_heads * s.head_dim
         h = _rms_norm(x, w.attn_norm, s.rms_eps)  # [T, d]
         if fused.qkv is not None:
-            qkv = rows.matmul(h, fused.qkv)  # [T, q + 2 kv]
+            qkv = rows.matmul(h, fused.qkv, self._dense)  # [T, q + 2 kv]
             q, k, v = np.split(qkv, [q_width, q_width + s.kv_width], axis=1)
         else:
-            q, k, v = (rows.matmul(h, m) for m in (w.wq, w.wk, w.wv))
+            q, k, v = (rows.matmul(h, m, self._dense) for m in (w.wq, w.wk, w.wv))
         q = _rope(q.reshape(t, s.n_heads, s.head_dim), cos, sin)  # [T, H, hd]
         k = _rope(k.reshape(t, s.n_kv_heads, s.head_dim), cos, sin)  # [T, Hkv, hd]
         v = np.ascontiguousarray(v).reshape(t, s.n_kv_heads, s.head_dim)
@@ -153,14 +172,14 @@ class FastBackend:
             keys, values = e.kv.view(layer, e.n_new)
             _attend(q[mine], keys, values, e.kv.length, attn[mine])
             row += e.n_new
-        x = x + rows.matmul(attn, w.wo)
+        x = x + rows.matmul(attn, w.wo, self._dense)
         h = _rms_norm(x, w.ffn_norm, s.rms_eps)
         if fused.gate_up is not None:
-            gate_up = rows.matmul(h, fused.gate_up)  # [T, 2 d_ff]
+            gate_up = rows.matmul(h, fused.gate_up, self._dense)  # [T, 2 d_ff]
             gate, up = gate_up[:, : s.d_ff], gate_up[:, s.d_ff :]
         else:
-            gate, up = rows.matmul(h, w.w_gate), rows.matmul(h, w.w_up)
-        return x + rows.matmul(_swiglu(gate, up), w.w_down)
+            gate, up = rows.matmul(h, w.w_gate, self._dense), rows.matmul(h, w.w_up, self._dense)
+        return x + rows.matmul(_swiglu(gate, up), w.w_down, self._dense)
 
 
 def load_fast_weights(
