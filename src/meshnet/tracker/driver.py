@@ -159,8 +159,9 @@ class RouteDriver:
     ) -> pb.ForwardResponse:
         node = stream.hop.node_id
         try:
-            await stream.call.write(request)
-            reply = await asyncio.wait_for(stream.call.read(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # no extra task per read, unlike wait_for
+                await stream.call.write(request)
+                reply = await stream.call.read()
         except TimeoutError:
             msg = f"node {node} did not answer in {timeout_s:.1f}s"
             raise DeadlineExceeded(msg, node) from None
