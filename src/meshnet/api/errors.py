@@ -28,8 +28,17 @@ _TYPES = {
 }
 
 
+def http_status(e: MeshnetError) -> int:
+    """The status a client sees. A node's complaint (a malformed bundle, a shard
+    mismatch…) is never the client's fault: it is a 502, unless it says there is no
+    capacity (429) or no route (503)."""
+    if e.node_id and e.http_status < 500 and e.http_status != 429:
+        return 502
+    return e.http_status
+
+
 def error_body(e: MeshnetError) -> dict[str, Any]:
-    return _body(e.http_status, e.message, e.kind)
+    return _body(http_status(e), e.message, e.kind)
 
 
 def _body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
@@ -40,9 +49,10 @@ def _body(status: int, message: str, code: str, param: str | None = None) -> dic
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MeshnetError)
     async def _meshnet(request: Request, e: MeshnetError) -> JSONResponse:
-        if e.http_status >= 500:
+        status = http_status(e)
+        if status >= 500:
             log.warning("%s %s failed: %s", request.method, request.url.path, e)
-        return JSONResponse(error_body(e), status_code=e.http_status)
+        return JSONResponse(error_body(e), status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:

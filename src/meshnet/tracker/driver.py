@@ -127,13 +127,14 @@ class RouteDriver:
             stream, pb.ForwardRequest(open=opened), self.limits.open_timeout_s
         )
         if reply.WhichOneof("kind") != "opened":
-            raise MalformedBundle(f"node {hop.node_id} answered Open with {reply}")
+            raise MalformedBundle(f"node {hop.node_id} answered Open with {reply}", hop.node_id)
         return stream
 
     async def _step(self, streams: Sequence[_HopStream], step: int, x: np.ndarray) -> np.ndarray:
         rows = x.shape[0]
         last = len(streams) - 1
         for i, stream in enumerate(streams):
+            node = stream.hop.node_id
             stream.inputs.append(x)
             budget = self.limits.step_timeout_s
             request = pb.ForwardRequest(
@@ -141,10 +142,13 @@ class RouteDriver:
             )
             reply = await self._exchange(stream, request, budget)
             if reply.WhichOneof("kind") != "result":
-                raise MalformedBundle(f"node {stream.hop.node_id} sent no result")
-            x = codec.decode(reply.result.output, self._output_limits(i == last))
+                raise MalformedBundle(f"node {node} sent no result", node)
+            try:
+                x = codec.decode(reply.result.output, self._output_limits(i == last))
+            except MalformedBundle as e:
+                raise MalformedBundle(f"node {node} sent a bad tensor: {e.message}", node) from None
             if i != last and x.shape[0] != rows:
-                raise MalformedBundle(f"node {stream.hop.node_id} returned {x.shape[0]} rows")
+                raise MalformedBundle(f"node {node} returned {x.shape[0]} rows", node)
         return x
 
     def _output_limits(self, last: bool) -> codec.TensorLimits:

@@ -14,7 +14,14 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 from meshnet.engine.generate import check_prompt
-from meshnet.errors import NodeFailure, NoRoute, Overloaded, RequestError, ShardMismatch
+from meshnet.errors import (
+    KVBudgetExhausted,
+    MeshnetError,
+    NodeFailure,
+    NoRoute,
+    Overloaded,
+    RequestError,
+)
 from meshnet.model.sampling import SamplingParams
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.driver import DoneEvent, RouteDriver, TokenEvent
@@ -95,8 +102,12 @@ class Tracker:
             route = self.route()
             try:
                 streams = await self.driver.open(route)
-            except (NodeFailure, ShardMismatch) as e:
-                last = e
+            except (KVBudgetExhausted, Overloaded):
+                raise  # the node is healthy, only full: the client should come back later
+            except MeshnetError as e:
+                if not e.node_id:
+                    raise
+                last = e  # a dead or misbehaving node: route around it
                 await self._node_failed(e.node_id, e.kind)
                 continue
             events = self._accounted(route, self.driver.run(streams, prompt_ids, params))
