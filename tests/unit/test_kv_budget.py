@@ -9,7 +9,10 @@ def test_growth_bytes_predicts_reserve_exactly() -> None:
         kv.reserve(n)
         assert kv.nbytes == expected
         kv.advance(n)
-    assert kv.growth_bytes(1) == 0 or kv.length == kv.nbytes // (2 * 3 * 2 * 8 * 4)
+    per_position = 2 * 3 * 2 * 8 * 4  # k and v, layers, kv heads, head dim, float32
+    assert (kv.length, kv.nbytes // per_position) == (168, 256)  # capacity doubled twice
+    assert kv.growth_bytes(88) == 0  # 256 positions still fit
+    assert kv.growth_bytes(89) == 256 * per_position  # the next doubling
 
 
 def test_budget_refuses_what_does_not_fit_and_tracks_peak() -> None:
