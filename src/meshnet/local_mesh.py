@@ -136,9 +136,6 @@ class LocalMesh:
         if sig in (signal.SIGKILL, signal.SIGTERM):
             proc.wait(timeout=30)
 
-    def pids(self) -> list[int]:
-        return [p.pid for p in [self.tracker, *self.nodes.values()] if p is not None]
-
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every process (nodes first), then SIGKILL what is left."""
         procs = [*self.nodes.values(), *([self.tracker] if self.tracker else [])]

@@ -52,13 +52,10 @@ class QuantMatrix:
     raw: np.ndarray | None = None  # the GGUF's own blocks (uint8 [rows, bytes]) for AVX2
     raw_type: int = -1  # _RAW_TYPES code of ``raw``
 
-    @property
-    def nbytes(self) -> int:
-        return self.qs.nbytes + self.d.nbytes + self.m.nbytes
-
 
 def from_gguf(t: gguf.ReaderTensor, shape: tuple[int, int]) -> QuantMatrix:
-    """Repack a GGUF 2-D tensor's blocks into kernel layout (no float expansion)."""
+    """A GGUF 2-D tensor for the kernels: its own blocks (for AVX2) and a repacked copy
+    of them (for the numba kernels and row gathers); other types are dequantized."""
     rows, cols = shape
     raw = np.asarray(t.data)
     qtype = QT(t.tensor_type)
@@ -86,7 +83,9 @@ def from_gguf(t: gguf.ReaderTensor, shape: tuple[int, int]) -> QuantMatrix:
         d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(F32)
         qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, cols)
         empty = np.empty((0, 0), F32)
-        return QuantMatrix("q8", rows, cols, qs, np.ascontiguousarray(d), empty, raw, 2)
+        return QuantMatrix(
+            "q8", rows, cols, qs, np.ascontiguousarray(d), empty, raw, _RAW_TYPES[qtype]
+        )
     w = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=F32).reshape(rows, cols)
     empty = np.empty((0, 0), F32)
     return QuantMatrix("f32", rows, cols, np.ascontiguousarray(w), empty, empty)

@@ -31,11 +31,6 @@ class ModelSpec:
     eos_id: int
 
     @property
-    def group_size(self) -> int:
-        """Query heads per key/value head."""
-        return self.n_heads // self.n_kv_heads
-
-    @property
     def kv_width(self) -> int:
         return self.n_kv_heads * self.head_dim
 

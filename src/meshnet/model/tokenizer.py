@@ -47,13 +47,6 @@ class TextTokenizer:
         """Text of ``ids``, special tokens spelled out."""
         return self.hf.decode(list(ids), skip_special_tokens=False)
 
-    def token_text(self, token_id: int) -> str:
-        return self.hf.id_to_token(token_id) or ""
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hf.get_vocab_size(with_added_tokens=True)
-
 
 def load_tokenizer(f: GGUFFile) -> TextTokenizer:
     """Build the tokenizer described by ``f``'s ``tokenizer.ggml.*`` metadata."""
