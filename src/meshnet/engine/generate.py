@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshnet.engine.chain import ChainKV, ShardChain
-from meshnet.engine.request import FinishReason, RequestState
-from meshnet.errors import RequestError
+from meshnet.engine.request import FinishReason, RequestState, check_request
 from meshnet.model.sampling import SamplingParams
 from meshnet.model.tokenizer import TextTokenizer
 
@@ -63,7 +62,7 @@ def generate_batch(
 ) -> list[Generation]:
     """Generate for several prompts at once; results in request order."""
     for prompt, params in requests:
-        check_fits(chain, prompt, params)
+        check_request(chain.spec, prompt, params)
     runs = [_Running(RequestState(p, sp, tokenizer), chain.new_sequence()) for p, sp in requests]
     t0 = time.perf_counter()
     logits = chain.forward(
@@ -89,26 +88,6 @@ def generate_batch(
         for _, r in active:
             r.decode_s += elapsed
     return [_result(r) for r in runs]
-
-
-def check_fits(chain: ShardChain, prompt: Sequence[int], params: SamplingParams) -> None:
-    """Raise ``RequestError`` for an empty prompt, a bad id or one too long for the context."""
-    check_prompt(chain.spec.vocab_size, chain.spec.context_length, prompt, params)
-
-
-def check_prompt(
-    vocab_size: int, context_length: int, prompt: Sequence[int], params: SamplingParams
-) -> None:
-    """Raise ``RequestError`` for an empty prompt, a bad id or one too long for the context."""
-    if not prompt:
-        raise RequestError("the prompt is empty")
-    if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise RequestError(f"prompt ids must be in [0, {vocab_size})")
-    if len(prompt) + params.max_tokens > context_length:
-        raise RequestError(
-            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-            f"the context length {context_length}"
-        )
 
 
 def _take(index: int, r: _Running, logits: np.ndarray, on_text: TextCallback | None) -> None:

@@ -12,10 +12,25 @@ from typing import Literal
 import numpy as np
 
 from meshnet.engine.text import TextStream
+from meshnet.errors import RequestError
 from meshnet.model.sampling import Sampler, SamplingParams
+from meshnet.model.spec import ModelSpec
 from meshnet.model.tokenizer import TextTokenizer
 
 FinishReason = Literal["stop", "length"]
+
+
+def check_request(spec: ModelSpec, prompt: Sequence[int], params: SamplingParams) -> None:
+    """Raise ``RequestError`` for an empty prompt, a bad id or one too long for the context."""
+    if not prompt:
+        raise RequestError("the prompt is empty")
+    if min(prompt) < 0 or max(prompt) >= spec.vocab_size:
+        raise RequestError(f"prompt ids must be in [0, {spec.vocab_size})")
+    if len(prompt) + params.max_tokens > spec.context_length:
+        raise RequestError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"the context length {spec.context_length}"
+        )
 
 
 class RequestState:

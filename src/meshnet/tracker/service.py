@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
-from meshnet.engine.generate import check_prompt
+from meshnet.engine.request import check_request
 from meshnet.errors import (
     KVBudgetExhausted,
     MeshnetError,
@@ -93,8 +93,7 @@ class Tracker:
 
     async def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> Started:
         """Open a route for a generation; ``NoRoute`` or ``Overloaded`` when impossible."""
-        spec = self.model.spec
-        check_prompt(spec.vocab_size, spec.context_length, prompt_ids, params)
+        check_request(self.model.spec, prompt_ids, params)
         if self._generations >= self.config.max_in_flight:
             raise Overloaded(f"{self._generations} generations in flight; try again shortly")
         last: Exception | None = None
