@@ -11,7 +11,7 @@ from pathlib import Path
 
 from meshnet.client import stream_chat
 from meshnet.local_mesh import LocalMesh, even_layout, parse_layout
-from meshnet.tracker.model_info import load_model_info
+from meshnet.model.info import load_model_info
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -5,16 +5,15 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from meshnet.engine.chain import ShardChain
 from meshnet.layer_range import split_evenly
-from meshnet.model.bundled import bundled_model_path
-from meshnet.model.chat import ChatTemplate, load_chat_template
-from meshnet.model.gguf_file import GGUFFile, open_gguf
+from meshnet.model.chat import ChatTemplate
+from meshnet.model.gguf_file import GGUFFile
+from meshnet.model.info import load_model_info
 from meshnet.model.shard import DEFAULT_BACKEND, load_shard
-from meshnet.model.spec import ModelSpec, read_spec
-from meshnet.model.tokenizer import TextTokenizer, load_tokenizer
+from meshnet.model.spec import ModelSpec
+from meshnet.model.tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True)
@@ -34,9 +33,8 @@ def load_local_model(
 ) -> LocalModel:
     """Load the model at ``path`` (the bundled one when None) as ``split`` chained shards."""
     t0 = time.perf_counter()
-    f = open_gguf(Path(path) if path is not None else bundled_model_path())
-    spec = read_spec(f)
-    tokenizer = load_tokenizer(f)
-    template = load_chat_template(f, [str(t) for t in f.value("tokenizer.ggml.tokens")])
+    info = load_model_info(path)
+    f, spec = info.file, info.spec
     shards = [load_shard(f, spec, r, backend) for r in split_evenly(spec.n_layers, split)]
-    return LocalModel(f, spec, tokenizer, template, ShardChain(shards), time.perf_counter() - t0)
+    chain = ShardChain(shards)
+    return LocalModel(f, spec, info.tokenizer, info.template, chain, time.perf_counter() - t0)

@@ -15,6 +15,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from meshnet.errors import RequestError, TokenizerError
 from meshnet.model.gguf_file import GGUFFile
+from meshnet.model.tokenizer import TextTokenizer
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -69,7 +70,7 @@ class ChatTemplate:
             raise RequestError(f"the chat template rejected these messages: {e}") from None
 
 
-def load_chat_template(f: GGUFFile, tokens: Sequence[str]) -> ChatTemplate:
+def load_chat_template(f: GGUFFile, tokenizer: TextTokenizer) -> ChatTemplate:
     """Compile ``tokenizer.chat_template`` (ChatML when absent)."""
     source = str(f.value_or("tokenizer.chat_template", _CHATML))
     # Same whitespace handling as the transformers library, whose templates these are.
@@ -79,12 +80,11 @@ def load_chat_template(f: GGUFFile, tokens: Sequence[str]) -> ChatTemplate:
         template = env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise TokenizerError(f"{f.path.name}: chat template does not compile: {e}") from None
-    bos = f.value_or("tokenizer.ggml.bos_token_id", None)
-    eos = f.value_or("tokenizer.ggml.eos_token_id", None)
+    bos = tokenizer.bos_id
     return ChatTemplate(
         template=template,
-        bos_token=tokens[int(bos)] if bos is not None and int(bos) < len(tokens) else "",
-        eos_token=tokens[int(eos)] if eos is not None and int(eos) < len(tokens) else "",
+        bos_token=(tokenizer.hf.id_to_token(bos) or "") if bos is not None else "",
+        eos_token=tokenizer.hf.id_to_token(tokenizer.eos_id) or "",
     )
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import uvicorn
 
 from meshnet.api.app import create_app
+from meshnet.model.info import load_model_info
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.driver import DriverLimits, RouteDriver
-from meshnet.tracker.model_info import load_model_info
 from meshnet.tracker.service import Tracker, TrackerConfig
 from meshnet.tracker.store import Store
 

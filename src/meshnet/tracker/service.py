@@ -22,10 +22,10 @@ from meshnet.errors import (
     Overloaded,
     RequestError,
 )
+from meshnet.model.info import ModelInfo
 from meshnet.model.sampling import SamplingParams
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.driver import DoneEvent, RouteDriver, TokenEvent
-from meshnet.tracker.model_info import ModelInfo
 from meshnet.tracker.routes import Route, pinned_route, plan_route
 from meshnet.tracker.store import Store
 

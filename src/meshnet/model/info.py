@@ -1,22 +1,24 @@
-"""What the tracker knows of the model it serves: identity, shape, tokenizer, template.
+"""What is known of a model without its weights: identity, shape, tokenizer, template.
 
-The tracker reads the GGUF's metadata only; weights stay on the nodes.
+The tracker needs only this; an in-process model adds shards on top of it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from meshnet.model.bundled import bundled_model_path
 from meshnet.model.chat import ChatTemplate, load_chat_template
-from meshnet.model.gguf_file import open_gguf
+from meshnet.model.gguf_file import GGUFFile, open_gguf
 from meshnet.model.spec import ModelSpec, read_spec
 from meshnet.model.tokenizer import TextTokenizer, load_tokenizer
 
 
 @dataclass(frozen=True)
 class ModelInfo:
+    file: GGUFFile  # parsed metadata; tensor data stays memory-mapped, unread
     name: str  # the id clients put in "model"
     path: Path
     fingerprint: str  # sha256 of the GGUF; nodes must serve the same file
@@ -25,15 +27,18 @@ class ModelInfo:
     template: ChatTemplate
 
 
-def load_model_info(path: str | None) -> ModelInfo:
-    p = Path(path) if path else bundled_model_path()
+def load_model_info(path: str | os.PathLike[str] | None = None) -> ModelInfo:
+    """Read the metadata of the GGUF at ``path`` (the bundled model when None)."""
+    p = Path(path) if path is not None else bundled_model_path()
     f = open_gguf(p)
     spec = read_spec(f)
+    tokenizer = load_tokenizer(f)
     return ModelInfo(
+        file=f,
         name=p.name.removesuffix(".gguf"),
         path=p,
         fingerprint=f.fingerprint(),
         spec=spec,
-        tokenizer=load_tokenizer(f),
-        template=load_chat_template(f, [str(t) for t in f.value("tokenizer.ggml.tokens")]),
+        tokenizer=tokenizer,
+        template=load_chat_template(f, tokenizer),
     )
