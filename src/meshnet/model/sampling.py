@@ -67,8 +67,11 @@ class Sampler:
     def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
         """The next token from logits [vocab]; ``history`` is prompt + generated ids."""
         p = self.params
+        penalised = p.repetition_penalty != 1.0 and bool(history)
+        if p.greedy and not penalised:
+            return int(np.argmax(logits))  # float32 -> float64 is exact: same pick, no copy
         scores = logits.astype(np.float64)
-        if p.repetition_penalty != 1.0 and history:
+        if penalised:
             scores = apply_repetition_penalty(scores, history, p.repetition_penalty)
         if p.greedy:
             return int(np.argmax(scores))  # first of equal maxima: lowest id
