@@ -10,13 +10,17 @@ sequences run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from meshnet.errors import MeshnetError
 from meshnet.kv.cache import SequenceKV
+
+# One sequence's attention: (q [n, H, hd], keys [Hkv, L, hd], values, first position) -> [n, H*hd]
+Attention = Callable[[np.ndarray, np.ndarray, np.ndarray, int], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -47,3 +51,44 @@ class Backend(Protocol):
     def head(self, hidden: np.ndarray) -> np.ndarray:
         """Final norm and output head: hidden [N, d] to logits [N, vocab]. Last shard only."""
         ...
+
+
+def start_step(hidden: np.ndarray, batch: Sequence[BatchEntry], context_length: int) -> np.ndarray:
+    """Check a batch against its rows and the context, reserve KV room; positions [T]."""
+    if hidden.shape[0] != sum(e.n_new for e in batch):
+        raise ValueError("batch rows do not match the entries' token counts")
+    positions = np.concatenate([np.arange(e.kv.length, e.kv.length + e.n_new) for e in batch])
+    if positions.size and positions.max() >= context_length:
+        raise MeshnetError(f"position past the context length {context_length}")
+    for e in batch:
+        e.kv.reserve(e.n_new)
+    return positions
+
+
+def finish_step(batch: Sequence[BatchEntry]) -> None:
+    """Commit the positions every layer has written."""
+    for e in batch:
+        e.kv.advance(e.n_new)
+
+
+def attend_each(
+    layer: int,
+    batch: Sequence[BatchEntry],
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    attend: Attention,
+) -> np.ndarray:
+    """Store each sequence's new keys/values in its cache and attend over it; [T, H*hd].
+
+    q [T, H, hd]; k, v [T, Hkv, hd]. Sequences never see each other's rows.
+    """
+    out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
+    row = 0
+    for e in batch:
+        mine = slice(row, row + e.n_new)
+        e.kv.write(layer, k[mine].transpose(1, 0, 2), v[mine].transpose(1, 0, 2))
+        keys, values = e.kv.view(layer, e.n_new)
+        out[mine] = attend(q[mine], keys, values, e.kv.length)
+        row += e.n_new
+    return out

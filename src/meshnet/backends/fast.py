@@ -18,7 +18,7 @@ import numba
 import numpy as np
 
 from meshnet.backends import quant
-from meshnet.backends.base import BatchEntry
+from meshnet.backends.base import BatchEntry, attend_each, finish_step, start_step
 from meshnet.backends.quant import QuantMatrix
 from meshnet.errors import MeshnetError
 from meshnet.kv.cache import SequenceKV
@@ -125,20 +125,13 @@ class FastBackend:
         return quant.matmul(_rms_norm(hidden, w.output_norm, self.spec.rms_eps), w.head)
 
     def run_layers(self, hidden: np.ndarray, batch: Sequence[BatchEntry]) -> np.ndarray:
-        if hidden.shape[0] != sum(e.n_new for e in batch):
-            raise ValueError("batch rows do not match the entries' token counts")
-        positions = np.concatenate([np.arange(e.kv.length, e.kv.length + e.n_new) for e in batch])
-        if positions.size and positions.max() >= self.spec.context_length:
-            raise MeshnetError(f"position past the context length {self.spec.context_length}")
-        for e in batch:
-            e.kv.reserve(e.n_new)
+        positions = start_step(hidden, batch, self.spec.context_length)  # [T]
         x = np.array(hidden, dtype=F32, copy=True)  # [T, d]
         cos, sin = self._cos[positions], self._sin[positions]  # [T, rope_dim / 2]
         rows = _Rows.of(batch)
         for i, block in enumerate(self.weights.blocks):
             x = self._block(i, block, self._fused[i], x, cos, sin, batch, rows)
-        for e in batch:
-            e.kv.advance(e.n_new)
+        finish_step(batch)
         return x
 
     def _block(
@@ -164,14 +157,7 @@ class FastBackend:
         q = _rope(q.reshape(t, s.n_heads, s.head_dim), cos, sin)  # [T, H, hd]
         k = _rope(k.reshape(t, s.n_kv_heads, s.head_dim), cos, sin)  # [T, Hkv, hd]
         v = np.ascontiguousarray(v).reshape(t, s.n_kv_heads, s.head_dim)
-        attn = np.empty((t, q_width), dtype=F32)
-        row = 0
-        for e in batch:
-            mine = slice(row, row + e.n_new)
-            e.kv.write(layer, k[mine].transpose(1, 0, 2), v[mine].transpose(1, 0, 2))
-            keys, values = e.kv.view(layer, e.n_new)
-            _attend(q[mine], keys, values, e.kv.length, attn[mine])
-            row += e.n_new
+        attn = attend_each(layer, batch, q, k, v, _attention)  # [T, H*hd]
         x = x + rows.matmul(attn, w.wo, self._dense)
         h = _rms_norm(x, w.ffn_norm, s.rms_eps)
         if fused.gate_up is not None:
@@ -251,6 +237,12 @@ def _swiglu_rows(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
         for c in range(gate.shape[1]):
             g = gate[t, c]
             out[t, c] = g / (np.float32(1.0) + np.exp(-g)) * up[t, c]
+
+
+def _attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_pos: int) -> np.ndarray:
+    out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
+    _attend(np.ascontiguousarray(q), keys, values, first_pos, out)
+    return out
 
 
 @numba.njit(fastmath=True, cache=True)

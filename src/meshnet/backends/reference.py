@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from meshnet.backends.base import BatchEntry
+from meshnet.backends.base import BatchEntry, attend_each, finish_step, start_step
 from meshnet.errors import MeshnetError
 from meshnet.kv.cache import SequenceKV
 from meshnet.model.layers import causal_attention, rms_norm, rope, rope_inv_freq, swiglu_ffn
@@ -37,18 +37,11 @@ class ReferenceBackend:
         return self.weights.embedding[ids]  # [T, d]
 
     def run_layers(self, hidden: np.ndarray, batch: Sequence[BatchEntry]) -> np.ndarray:
-        if hidden.shape[0] != sum(e.n_new for e in batch):
-            raise ValueError("batch rows do not match the entries' token counts")
-        positions = np.concatenate(
-            [np.arange(e.kv.length, e.kv.length + e.n_new) for e in batch]
-        )  # [T]
-        for e in batch:
-            e.kv.reserve(e.n_new)
+        positions = start_step(hidden, batch, self.spec.context_length)  # [T]
         x = hidden.astype(np.float32, copy=True)  # [T, d]
         for i, block in enumerate(self.weights.blocks):
             x = self._block(i, block, x, positions, batch)
-        for e in batch:
-            e.kv.advance(e.n_new)
+        finish_step(batch)
         return x
 
     def head(self, hidden: np.ndarray) -> np.ndarray:
@@ -73,14 +66,7 @@ class ReferenceBackend:
         v = (h @ w.wv.T).reshape(t, s.n_kv_heads, s.head_dim)  # [T, Hkv, hd]
         q = rope(q, positions, self._inv_freq)
         k = rope(k, positions, self._inv_freq)
-        attn = np.empty((t, s.n_heads * s.head_dim), dtype=np.float32)  # [T, H*hd]
-        row = 0
-        for e in batch:
-            rows = slice(row, row + e.n_new)
-            e.kv.write(layer, k[rows].transpose(1, 0, 2), v[rows].transpose(1, 0, 2))
-            keys, values = e.kv.view(layer, e.n_new)  # [Hkv, L, hd]
-            attn[rows] = causal_attention(q[rows], keys, values, e.kv.length)
-            row += e.n_new
+        attn = attend_each(layer, batch, q, k, v, causal_attention)  # [T, H*hd]
         x = x + attn @ w.wo.T  # [T, d]
         h = rms_norm(x, w.ffn_norm, s.rms_eps)
         return x + swiglu_ffn(h, w.w_gate, w.w_up, w.w_down)  # [T, d]
