@@ -17,7 +17,8 @@ from meshnet.errors import (
     StaleEpoch,
 )
 from meshnet.layer_range import LayerRange
-from meshnet.node.engine import EngineConfig, NodeEngine, StepWork
+from meshnet.node.engine import EngineConfig, NodeEngine
+from meshnet.node.scheduler import StepWork
 
 
 @pytest.fixture

@@ -25,20 +25,17 @@ import numpy as np
 
 from meshnet.backends.base import BatchEntry
 from meshnet.errors import (
-    CacheMiss,
     Cancelled,
-    DeadlineExceeded,
-    KVBudgetExhausted,
     Overloaded,
     ShardMismatch,
     StaleEpoch,
 )
-from meshnet.kv.cache import SequenceKV
 from meshnet.kv.manager import KVBudget
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.shard import DEFAULT_BACKEND, Shard, load_shard
 from meshnet.model.spec import read_spec
+from meshnet.node.scheduler import Slot, StepWork, budget_full, plan_batch
 
 log = logging.getLogger(__name__)
 
@@ -50,29 +47,6 @@ class EngineConfig:
     prefill_chunk: int = 128  # prompt rows one session adds to one forward
     max_queued_steps: int = 256  # submitted but unfinished steps; more are refused
     backend: str = DEFAULT_BACKEND
-
-
-@dataclass
-class _Slot:
-    epoch: int
-    kv: SequenceKV
-
-
-@dataclass
-class StepWork:
-    """One session's step, waiting for (or part way through) the batches it joins."""
-
-    session_id: str
-    epoch: int
-    x: np.ndarray  # ids [T] on the first shard, hidden [T, d] elsewhere
-    deadline: float | None  # time.monotonic() by which it must have started
-    future: Future[np.ndarray] = field(default_factory=Future)
-    done_rows: int = 0  # prompt rows already run (chunked prefill)
-    outputs: list[np.ndarray] = field(default_factory=list)
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.x.shape[0])
 
 
 @dataclass
@@ -105,7 +79,7 @@ class NodeEngine:
     def __init__(self, config: EngineConfig = EngineConfig()) -> None:
         self.config = config
         self._shard: Shard | None = None
-        self._slots: dict[str, _Slot] = {}
+        self._slots: dict[str, Slot] = {}
         self._budget = KVBudget(config.kv_budget_bytes)
         self._inbox: queue.Queue[StepWork | _Control | None] = queue.Queue()
         self._pending: list[StepWork] = []  # admitted, not finished (loop thread only)
@@ -225,46 +199,20 @@ class NodeEngine:
 
     def _iteration(self) -> None:
         """One forward over a chunk of every admitted step, within the row budget."""
-        shard = self._shard
-        chosen: list[tuple[StepWork, int]] = []
-        rows = 0
-        growth = 0
-        for w in list(self._pending):
-            n = min(w.n_tokens - w.done_rows, self.config.prefill_chunk)
-            if chosen and rows + n > self.config.max_batch_tokens:
-                break
-            error = self._refusal(w, n, growth)
-            if error is not None:
-                self._pending.remove(w)
-                w.future.set_exception(error)
-                continue
-            growth += self._slots[w.session_id].kv.growth_bytes(n)
-            chosen.append((w, n))
-            rows += n
-        if not chosen or shard is None:
-            return
-        self._forward(shard, chosen)
-
-    def _refusal(self, w: StepWork, n: int, growth: int) -> Exception | None:
-        """Why step ``w`` cannot run ``n`` more rows now, or None when it can."""
-        slot = self._slots.get(w.session_id)
-        if w.done_rows == 0 and w.deadline is not None and time.monotonic() > w.deadline:
-            return DeadlineExceeded("the step's deadline passed in the queue")
-        if self._shard is None:
-            return ShardMismatch("this node is empty")
-        if slot is None:
-            return CacheMiss(f"no KV for session {w.session_id}")
-        if slot.epoch != w.epoch:
-            return StaleEpoch(f"session {w.session_id} is at epoch {slot.epoch}, not {w.epoch}")
-        if not self._budget.fits(growth + slot.kv.growth_bytes(n)):
-            return self._budget_full()
-        return None
-
-    def _budget_full(self) -> KVBudgetExhausted:
-        return KVBudgetExhausted(
-            f"KV budget of {self._budget.budget_bytes} bytes is full "
-            f"({self._budget.in_use} in use by {len(self._slots)} sessions)"
+        plan = plan_batch(
+            self._pending,
+            self._slots,
+            self._shard is not None,
+            self._budget,
+            self.config.max_batch_tokens,
+            self.config.prefill_chunk,
+            time.monotonic(),
         )
+        for w, error in plan.refused:
+            self._pending.remove(w)
+            w.future.set_exception(error)
+        if plan.chosen and self._shard is not None:
+            self._forward(self._shard, list(plan.chosen))
 
     def _forward(self, shard: Shard, chosen: list[tuple[StepWork, int]]) -> None:
         x = np.concatenate([w.x[w.done_rows : w.done_rows + n] for w, n in chosen])
@@ -324,9 +272,9 @@ class NodeEngine:
         if slot is None or slot.epoch < epoch:  # the same epoch keeps its KV
             kv = shard.backend.new_kv()
             if not self._budget.fits(kv.growth_bytes(1)):
-                raise self._budget_full()
+                raise budget_full(self._budget, len(self._slots))
             self._drop(session_id)
-            self._slots[session_id] = _Slot(epoch, kv)
+            self._slots[session_id] = Slot(epoch, kv)
 
     def _apply_release(self, session_id: str, epoch: int) -> None:
         slot = self._slots.get(session_id)

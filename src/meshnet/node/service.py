@@ -16,7 +16,8 @@ import grpc
 
 from meshnet.errors import DeadlineExceeded, MalformedBundle, MeshnetError, ShardMismatch
 from meshnet.layer_range import LayerRange
-from meshnet.node.engine import NodeEngine, StepWork
+from meshnet.node.engine import NodeEngine
+from meshnet.node.scheduler import StepWork
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc

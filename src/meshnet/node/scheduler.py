@@ -1,0 +1,118 @@
+"""The node's scheduler: which steps join the next forward, and which are refused.
+
+Pure: it reads the pending steps, the sessions' slots and the KV budget, and
+returns a plan; the engine loop carries it out. A step contributes one row
+when decoding and at most ``prefill_chunk`` rows of its prompt, counted from
+the prompt's start, so chunking never depends on what else is running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshnet.errors import (
+    CacheMiss,
+    DeadlineExceeded,
+    KVBudgetExhausted,
+    MeshnetError,
+    ShardMismatch,
+    StaleEpoch,
+)
+from meshnet.kv.cache import SequenceKV
+from meshnet.kv.manager import KVBudget
+
+
+@dataclass
+class Slot:
+    """A session's KV on this node, and the epoch that owns it."""
+
+    epoch: int
+    kv: SequenceKV
+
+
+@dataclass
+class StepWork:
+    """One session's step, waiting for (or part way through) the batches it joins."""
+
+    session_id: str
+    epoch: int
+    x: np.ndarray  # ids [T] on the first shard, hidden [T, d] elsewhere
+    deadline: float | None  # time.monotonic() by which it must have started
+    future: Future[np.ndarray] = field(default_factory=Future)
+    done_rows: int = 0  # prompt rows already run (chunked prefill)
+    outputs: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.x.shape[0])
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    chosen: tuple[tuple[StepWork, int], ...]  # (step, rows it runs now), in queue order
+    refused: tuple[tuple[StepWork, MeshnetError], ...]  # steps to fail, and why
+
+
+def plan_batch(
+    pending: Sequence[StepWork],
+    slots: Mapping[str, Slot],
+    loaded: bool,
+    budget: KVBudget,
+    max_batch_tokens: int,
+    prefill_chunk: int,
+    now: float,
+) -> BatchPlan:
+    """Pick, in queue order, the steps of the next forward within ``max_batch_tokens`` rows."""
+    chosen: list[tuple[StepWork, int]] = []
+    refused: list[tuple[StepWork, MeshnetError]] = []
+    rows = 0
+    growth = 0
+    for w in pending:
+        n = min(w.n_tokens - w.done_rows, prefill_chunk)
+        if chosen and rows + n > max_batch_tokens:
+            break
+        slot = slots.get(w.session_id)
+        error = _refusal(w, slot, n, growth, loaded, budget, len(slots), now)
+        if error is not None:
+            refused.append((w, error))
+            continue
+        assert slot is not None  # _refusal checked it
+        growth += slot.kv.growth_bytes(n)
+        chosen.append((w, n))
+        rows += n
+    return BatchPlan(tuple(chosen), tuple(refused))
+
+
+def budget_full(budget: KVBudget, sessions: int) -> KVBudgetExhausted:
+    return KVBudgetExhausted(
+        f"KV budget of {budget.budget_bytes} bytes is full "
+        f"({budget.in_use} in use by {sessions} sessions)"
+    )
+
+
+def _refusal(
+    w: StepWork,
+    slot: Slot | None,
+    n: int,
+    growth: int,
+    loaded: bool,
+    budget: KVBudget,
+    sessions: int,
+    now: float,
+) -> MeshnetError | None:
+    """Why step ``w`` cannot run ``n`` more rows now, or None when it can."""
+    if w.done_rows == 0 and w.deadline is not None and now > w.deadline:
+        return DeadlineExceeded("the step's deadline passed in the queue")
+    if not loaded:
+        return ShardMismatch("this node is empty")
+    if slot is None:
+        return CacheMiss(f"no KV for session {w.session_id}")
+    if slot.epoch != w.epoch:
+        return StaleEpoch(f"session {w.session_id} is at epoch {slot.epoch}, not {w.epoch}")
+    if not budget.fits(growth + slot.kv.growth_bytes(n)):
+        return budget_full(budget, sessions)
+    return None
