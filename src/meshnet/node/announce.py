@@ -67,17 +67,13 @@ class Announcer:
                 self._stop.wait(self.interval_s if registered else backoff)
 
     def _register(self, http: httpx.Client) -> bool:
-        s = self.stats()
         body = NodeAnnouncement(
             node_id=self.node_id,
             address=self.address,
-            fingerprint=s.fingerprint,
-            layer_start=s.layers.start if s.layers else 0,
-            layer_end=s.layers.end if s.layers else 0,
             backend=self.backend,
             kv_budget_bytes=self.kv_budget_bytes,
             pid=os.getpid(),
-            load=_load(s),
+            **_heartbeat(self.stats()).model_dump(),
         )
         r = http.post(f"{self.tracker_url}/mesh/nodes", json=body.model_dump())
         r.raise_for_status()
@@ -85,18 +81,22 @@ class Announcer:
         return True
 
     def _beat(self, http: httpx.Client) -> bool:
-        s = self.stats()
-        body = Heartbeat(
-            load=_load(s),
-            fingerprint=s.fingerprint,
-            layer_start=s.layers.start if s.layers else 0,
-            layer_end=s.layers.end if s.layers else 0,
-        )
+        body = _heartbeat(self.stats())
         r = http.post(
             f"{self.tracker_url}/mesh/nodes/{self.node_id}/heartbeat", json=body.model_dump()
         )
         r.raise_for_status()
         return HeartbeatReply.model_validate(r.json()).known
+
+
+def _heartbeat(s: EngineStats) -> Heartbeat:
+    """What the node says about itself every beat (and, with more, when registering)."""
+    return Heartbeat(
+        load=_load(s),
+        fingerprint=s.fingerprint,
+        layer_start=s.layers.start if s.layers else 0,
+        layer_end=s.layers.end if s.layers else 0,
+    )
 
 
 def _load(s: EngineStats) -> NodeLoad:
