@@ -24,6 +24,7 @@ the API edge::
     ├── Cancelled                    cancelled                no         499
     └── NodeFailure                  (kind of the failure)    yes        502
         ├── DeadlineExceeded         deadline-exceeded
+        ├── HeartbeatLost            heartbeat-lost
         ├── StreamReset              stream-reset
         └── WorkerDeath              worker-death
 
@@ -173,14 +174,26 @@ class NodeFailure(MeshnetError):
 
 
 class DeadlineExceeded(NodeFailure):
+    """A step, transfer or generation ran past its deadline."""
+
     kind = "deadline-exceeded"
 
 
+class HeartbeatLost(NodeFailure):
+    """The node stopped heartbeating while serving the route."""
+
+    kind = "heartbeat-lost"
+
+
 class StreamReset(NodeFailure):
+    """The stream to a node broke while the node itself still answers."""
+
     kind = "stream-reset"
 
 
 class WorkerDeath(NodeFailure):
+    """The node's process is gone (its address refuses or does not answer)."""
+
     kind = "worker-death"
 
 

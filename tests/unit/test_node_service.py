@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +17,23 @@ from meshnet.protocol import meshnet_pb2 as pb
 
 
 class FakeContext:
-    """What the servicer reads of a gRPC context: the time left on the call."""
+    """What the servicer uses of a gRPC context: the time left, the end-of-call callbacks."""
 
     def __init__(self, remaining: float | None) -> None:
         self.remaining = remaining
+        self.callbacks: list[Callable[[], object]] = []
 
     def time_remaining(self) -> float | None:
         return self.remaining
+
+    def add_callback(self, callback: Callable[[], object]) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def end(self) -> None:
+        """What gRPC does when the call terminates: run the callbacks."""
+        for callback in self.callbacks:
+            callback()
 
 
 @pytest.fixture
@@ -90,3 +100,79 @@ def test_open_for_the_wrong_shard_is_refused(
     replies = list(service.Forward(iter([_open(tiny_path, **changes)]), FakeContext(None)))  # type: ignore[arg-type]
     assert _kinds(replies) == ["failure"]
     assert replies[0].failure.kind in {"shard-mismatch", "malformed-bundle"}
+
+
+def _logits(reply: pb.ForwardResponse) -> np.ndarray:
+    return np.frombuffer(reply.result.output.data, np.float32)
+
+
+def test_a_duplicate_step_returns_the_recorded_result_without_touching_kv(
+    service: NodeService, tiny_path: Path
+) -> None:
+    prompt = np.asarray([5, 6, 7], np.int64)
+    requests = [
+        _open(tiny_path),
+        _step(0, prompt),
+        _step(0, prompt),  # delivered twice
+        _step(1, np.asarray([9], np.int64)),
+        _step(1, np.asarray([9], np.int64)),
+        _step(0, prompt),  # too old: its result is no longer kept
+        _step(5, np.asarray([9], np.int64)),  # steps 2-4 never happened here
+    ]
+    context = FakeContext(None)
+    replies = list(service.Forward(iter(requests), context))  # type: ignore[arg-type]
+    assert _kinds(replies) == [
+        "opened",
+        "result",
+        "result",
+        "result",
+        "result",
+        "failure",
+        "failure",
+    ]
+    assert np.array_equal(_logits(replies[1]), _logits(replies[2]))
+    assert np.array_equal(_logits(replies[3]), _logits(replies[4]))
+    assert replies[5].failure.kind == "malformed-bundle"
+    assert replies[6].failure.kind == "cache-miss"
+
+    # The KV holds 4 positions, not 5 or 8: a fresh session given each input once agrees.
+    once = [_open(tiny_path, session_id="t"), _step(0, prompt), _step(1, np.asarray([9], np.int64))]
+    alone = list(service.Forward(iter(once), FakeContext(None)))  # type: ignore[arg-type]
+    assert np.array_equal(_logits(alone[2]), _logits(replies[3]))
+
+
+def test_resume_moves_the_kv_to_a_new_epoch_and_fences_the_old_one(
+    service: NodeService, tiny_path: Path
+) -> None:
+    first = FakeContext(None)
+    old = iter([_open(tiny_path, epoch=1), _step(0, np.asarray([5, 6, 7], np.int64))])
+    replies = service.Forward(old, first)  # type: ignore[arg-type]
+    assert _kinds([next(replies), next(replies)]) == ["opened", "result"]
+
+    resumed = list(
+        service.Forward(
+            iter([_open(tiny_path, epoch=2, resume=True), _step(1, np.asarray([9], np.int64))]),
+            FakeContext(None),  # type: ignore[arg-type]
+        )
+    )
+    assert _kinds(resumed) == ["opened", "result"]
+    assert (resumed[0].opened.kv_tokens, resumed[0].opened.steps) == (3, 1)
+
+    # The old epoch is fenced: its stream ending frees nothing, a late open is stale.
+    first.end()
+    late = list(service.Forward(iter([_open(tiny_path, epoch=1)]), FakeContext(None)))  # type: ignore[arg-type]
+    assert late[0].failure.kind == "stale-epoch"
+
+
+def test_the_end_of_the_call_frees_the_sessions_kv(service: NodeService, tiny_path: Path) -> None:
+    context = FakeContext(None)
+    replies = service.Forward(
+        iter([_open(tiny_path), _step(0, np.asarray([5, 6, 7], np.int64))]),
+        context,  # type: ignore[arg-type]
+    )
+    next(replies), next(replies)
+    assert service.engine.stats().sessions == 1
+    context.end()  # the driver cancelled the call; the handler has not woken yet
+    service.engine.open("other", 1).result(5)  # the loop has applied the release by now
+    assert service.engine.stats().sessions == 1
+    replies.close()

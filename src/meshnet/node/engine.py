@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import numpy as np
 
 from meshnet.backends.base import BatchEntry
 from meshnet.errors import (
+    CacheMiss,
     Cancelled,
     Overloaded,
     ShardMismatch,
@@ -35,9 +37,11 @@ from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.shard import DEFAULT_BACKEND, Shard, load_shard
 from meshnet.model.spec import read_spec
-from meshnet.node.scheduler import Slot, StepWork, budget_full, plan_batch
+from meshnet.node.scheduler import Slot, StepWork, budget_full, check_step_number, plan_batch
 
 log = logging.getLogger(__name__)
+
+_MAX_FENCES = 65536  # sessions whose newest epoch is remembered after their KV is gone
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,14 @@ class _Control:
 
     apply: Callable[[], Any]
     future: Future[Any] = field(default_factory=Future)
+
+
+@dataclass(frozen=True)
+class OpenedSlot:
+    """A session's state right after an open: what a resuming driver checks."""
+
+    kv_tokens: int  # positions of KV held
+    steps: int  # steps committed
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,7 @@ class NodeEngine:
         self.config = config
         self._shard: Shard | None = None
         self._slots: dict[str, Slot] = {}
+        self._fences: OrderedDict[str, int] = OrderedDict()  # newest epoch seen per session
         self._budget = KVBudget(config.kv_budget_bytes)
         self._inbox: queue.Queue[StepWork | _Control | None] = queue.Queue()
         self._pending: list[StepWork] = []  # admitted, not finished (loop thread only)
@@ -126,12 +139,16 @@ class NodeEngine:
         """Load ``layers`` of the model (tier 3); drops every session's KV."""
         return self._control(lambda: self._apply_load(model_path, layers))
 
-    def open(self, session_id: str, epoch: int) -> Future[None]:
-        """Start (or restart at a newer epoch) a session's KV; an older epoch is stale."""
-        return self._control(lambda: self._apply_open(session_id, epoch))
+    def open(self, session_id: str, epoch: int, resume: bool = False) -> Future[OpenedSlot]:
+        """Start a session at ``epoch``, fencing every older one (their steps become stale).
+
+        A newer epoch starts with empty KV, or with ``resume`` keeps the KV the
+        session holds; the same epoch again keeps its KV; an older one is stale.
+        """
+        return self._control(lambda: self._apply_open(session_id, epoch, resume))
 
     def release(self, session_id: str, epoch: int) -> Future[None]:
-        """Free a session's KV, unless a newer epoch has taken it over."""
+        """Free a session's KV and queued steps, unless a newer epoch has taken it over."""
         return self._control(lambda: self._apply_release(session_id, epoch))
 
     def cancel(self, session_id: str) -> Future[None]:
@@ -195,7 +212,19 @@ class NodeEngine:
         elif isinstance(item, _Control):
             _settle(item.future, item.apply)
         else:
-            self._pending.append(item)
+            self._admit(item)
+
+    def _admit(self, w: StepWork) -> None:
+        """Queue a step, or answer a duplicate with its recorded result, or refuse it."""
+        running = any(p.session_id == w.session_id for p in self._pending)
+        fence = self._fences.get(w.session_id, 0)
+        verdict = check_step_number(w, self._slots.get(w.session_id), fence, running)
+        if isinstance(verdict, np.ndarray):
+            w.future.set_result(verdict)
+        elif verdict is not None:
+            w.future.set_exception(verdict)
+        else:
+            self._pending.append(w)
 
     def _iteration(self) -> None:
         """One forward over a chunk of every admitted step, within the row budget."""
@@ -237,6 +266,9 @@ class NodeEngine:
                 self._pending.remove(w)
                 self._steps += 1
                 result = w.outputs[-1] if shard.is_last else np.concatenate(w.outputs)
+                slot = self._slots[w.session_id]
+                slot.steps += 1
+                slot.last_result = result
                 w.future.set_result(result)
         self._account()
 
@@ -254,7 +286,7 @@ class NodeEngine:
         f = open_gguf(model_path)
         shard = load_shard(f, read_spec(f), layers, self.config.backend)
         for w in self._pending:
-            w.future.set_exception(Cancelled("the node is loading another shard"))
+            w.future.set_exception(CacheMiss("the node loaded another shard; its KV is gone"))
         self._pending.clear()
         self._slots.clear()
         self._shard = shard
@@ -262,19 +294,28 @@ class NodeEngine:
         log.info("loaded layers %s of %s on %s", layers, f.path.name, shard.backend.name)
         return shard
 
-    def _apply_open(self, session_id: str, epoch: int) -> None:
+    def _apply_open(self, session_id: str, epoch: int, resume: bool) -> OpenedSlot:
         shard = self._shard
         if shard is None:
             raise ShardMismatch("this node is empty: no layers loaded")
+        fence = self._fences.get(session_id, 0)
+        if epoch < fence:
+            raise StaleEpoch(f"session {session_id} is at epoch {fence}, not {epoch}")
         slot = self._slots.get(session_id)
-        if slot is not None and slot.epoch > epoch:
-            raise StaleEpoch(f"session {session_id} is at epoch {slot.epoch}, not {epoch}")
-        if slot is None or slot.epoch < epoch:  # the same epoch keeps its KV
+        if slot is not None and slot.epoch < epoch and resume:
+            self._fail_steps(session_id, StaleEpoch(f"epoch {slot.epoch} was fenced by {epoch}"))
+            slot.epoch = epoch
+        elif slot is None or slot.epoch < epoch:  # the same epoch keeps its KV
             kv = shard.backend.new_kv()
             if not self._budget.fits(kv.growth_bytes(1)):
                 raise budget_full(self._budget, len(self._slots))
             self._drop(session_id)
-            self._slots[session_id] = Slot(epoch, kv)
+            slot = self._slots[session_id] = Slot(epoch, kv)
+        self._fences[session_id] = epoch
+        self._fences.move_to_end(session_id)
+        while len(self._fences) > _MAX_FENCES:
+            self._fences.popitem(last=False)
+        return OpenedSlot(slot.kv.length, slot.steps)
 
     def _apply_release(self, session_id: str, epoch: int) -> None:
         slot = self._slots.get(session_id)
@@ -287,10 +328,13 @@ class NodeEngine:
     def _drop(self, session_id: str) -> None:
         """Forget a session's KV and fail its unfinished steps."""
         self._slots.pop(session_id, None)
+        self._fail_steps(session_id, Cancelled(f"session {session_id} was released"))
+        self._account()
+
+    def _fail_steps(self, session_id: str, error: Exception) -> None:
         for w in [w for w in self._pending if w.session_id == session_id]:
             self._pending.remove(w)
-            w.future.set_exception(Cancelled(f"session {session_id} was released"))
-        self._account()
+            w.future.set_exception(error)
 
 
 def _settle(future: Future[Any], apply: Callable[[], Any]) -> None:

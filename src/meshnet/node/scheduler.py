@@ -18,6 +18,7 @@ from meshnet.errors import (
     CacheMiss,
     DeadlineExceeded,
     KVBudgetExhausted,
+    MalformedBundle,
     MeshnetError,
     ShardMismatch,
     StaleEpoch,
@@ -28,10 +29,12 @@ from meshnet.kv.manager import KVBudget
 
 @dataclass
 class Slot:
-    """A session's KV on this node, and the epoch that owns it."""
+    """A session's KV on this node, the epoch that owns it, and its committed steps."""
 
     epoch: int
     kv: SequenceKV
+    steps: int = 0  # steps committed; the next step's number
+    last_result: np.ndarray | None = None  # the last committed step's output, for duplicates
 
 
 @dataclass
@@ -42,6 +45,7 @@ class StepWork:
     epoch: int
     x: np.ndarray  # ids [T] on the first shard, hidden [T, d] elsewhere
     deadline: float | None  # time.monotonic() by which it must have started
+    step: int | None = None  # the step's number in its session; None: not checked
     future: Future[np.ndarray] = field(default_factory=Future)
     done_rows: int = 0  # prompt rows already run (chunked prefill)
     outputs: list[np.ndarray] = field(default_factory=list)
@@ -85,6 +89,35 @@ def plan_batch(
         chosen.append((w, n))
         rows += n
     return BatchPlan(tuple(chosen), tuple(refused))
+
+
+def check_step_number(
+    w: StepWork, slot: Slot | None, fence: int, running: bool
+) -> np.ndarray | MeshnetError | None:
+    """Idempotent steps: a duplicate's recorded result, a refusal, or None when it should run.
+
+    ``fence`` is the newest epoch the node has seen for the session (0 if none);
+    ``running`` says whether another step of the session is already queued.
+    """
+    if w.epoch < fence:
+        return StaleEpoch(f"session {w.session_id} is at epoch {fence}, not {w.epoch}")
+    if w.step is None or slot is None or slot.epoch != w.epoch:
+        return None  # the planner refuses sessions without KV
+    if w.step == slot.steps - 1 and slot.last_result is not None and not running:
+        return slot.last_result
+    if w.step < slot.steps:
+        return MalformedBundle(
+            f"step {w.step} of session {w.session_id} was committed before step "
+            f"{slot.steps - 1}; only the last step's result is kept"
+        )
+    if w.step > slot.steps:
+        return CacheMiss(
+            f"session {w.session_id} has committed {slot.steps} steps; step {w.step} "
+            "needs the ones before it"
+        )
+    if running:
+        return MalformedBundle(f"a step of session {w.session_id} is already running")
+    return None
 
 
 def budget_full(budget: KVBudget, sessions: int) -> KVBudgetExhausted:

@@ -16,7 +16,7 @@ import grpc
 
 from meshnet.errors import DeadlineExceeded, MalformedBundle, MeshnetError, ShardMismatch
 from meshnet.layer_range import LayerRange
-from meshnet.node.engine import NodeEngine
+from meshnet.node.engine import NodeEngine, OpenedSlot
 from meshnet.node.scheduler import StepWork
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
@@ -51,10 +51,14 @@ class NodeService(pb_grpc.NodeServicer):
             return
         opened = first.open
         try:
-            self._open(opened)
+            held = self._open(opened)
         except MeshnetError as e:
             yield _failure(e)
             return
+        # However the call ends (the driver cancels it, the connection drops), the
+        # session's KV and queued steps go at once, not when this handler next wakes.
+        sid, epoch = opened.session_id, opened.epoch
+        context.add_callback(lambda: self.engine.release(sid, epoch))
         shard = self.engine.shard
         assert shard is not None  # _open checked it
         yield pb.ForwardResponse(
@@ -62,6 +66,8 @@ class NodeService(pb_grpc.NodeServicer):
                 node_id=self.identity.node_id,
                 layer_start=shard.layers.start,
                 layer_end=shard.layers.end,
+                kv_tokens=held.kv_tokens,
+                steps=held.steps,
             )
         )
         try:
@@ -70,7 +76,7 @@ class NodeService(pb_grpc.NodeServicer):
         finally:
             self.engine.release(opened.session_id, opened.epoch).result(_CONTROL_TIMEOUT_S)
 
-    def _open(self, o: pb.Open) -> None:
+    def _open(self, o: pb.Open) -> OpenedSlot:
         shard = self.engine.shard
         if not o.session_id or len(o.session_id) > _MAX_SESSION_ID:
             raise MalformedBundle(f"session_id must have 1 to {_MAX_SESSION_ID} characters")
@@ -83,7 +89,7 @@ class NodeService(pb_grpc.NodeServicer):
                 f"node serves layers {shard.layers} of {shard.fingerprint[:12]}, "
                 f"not [{o.layer_start}, {o.layer_end}) of {o.fingerprint[:12]}"
             )
-        self.engine.open(o.session_id, o.epoch).result(timeout=_CONTROL_TIMEOUT_S)
+        return self.engine.open(o.session_id, o.epoch, o.resume).result(_CONTROL_TIMEOUT_S)
 
     def _step(
         self, o: pb.Open, request: pb.ForwardRequest, context: grpc.ServicerContext
@@ -104,7 +110,7 @@ class NodeService(pb_grpc.NodeServicer):
                 raise MalformedBundle(f"token ids must be in [0, {shard.spec.vocab_size})")
             remaining = _remaining_s(step.timeout_ms, context)
             deadline = time.monotonic() + remaining if remaining is not None else None
-            work = StepWork(o.session_id, o.epoch, x, deadline)
+            work = StepWork(o.session_id, o.epoch, x, deadline, step=step.step)
             out = self.engine.submit(work).result(timeout=remaining)
         except TimeoutError:
             return _failure(DeadlineExceeded(f"step {step.step} did not finish in time"))
@@ -121,9 +127,12 @@ class NodeService(pb_grpc.NodeServicer):
         if request.WhichOneof("kind") != "load":
             return pb.ConfigureResponse(applied=False, failure=_fail(MalformedBundle("no command")))
         load = request.load
+        model_path = load.model_path or self.identity.model_path
         try:
+            if not model_path:
+                raise MalformedBundle("no model path given and none configured at start")
             layers = LayerRange(load.layer_start, load.layer_end)
-            shard = self.engine.load(load.model_path, layers).result(timeout=300)
+            shard = self.engine.load(model_path, layers).result(timeout=300)
         except MeshnetError as e:
             return pb.ConfigureResponse(applied=False, failure=_fail(e))
         return pb.ConfigureResponse(

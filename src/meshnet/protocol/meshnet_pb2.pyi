@@ -17,18 +17,20 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("session_id", "epoch", "fingerprint", "layer_start", "layer_end")
+    __slots__ = ("session_id", "epoch", "fingerprint", "layer_start", "layer_end", "resume")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     fingerprint: str
     layer_start: int
     layer_end: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+    resume: bool
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("step", "input", "timeout_ms")
@@ -49,14 +51,18 @@ class ForwardRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("node_id", "layer_start", "layer_end")
+    __slots__ = ("node_id", "layer_start", "layer_end", "kv_tokens", "steps")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     layer_start: int
     layer_end: int
-    def __init__(self, node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+    kv_tokens: int
+    steps: int
+    def __init__(self, node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step", "output", "compute_ms")
