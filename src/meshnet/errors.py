@@ -13,7 +13,8 @@ the API edge::
     │   └── LayerRangeError          layer-range-invalid      no         400
     ├── TokenizerError               tokenizer-invalid        no         400
     ├── RequestError                 bad-request              no         400
-    │   └── ModelNotFound            model-not-found          no         404
+    │   ├── ModelNotFound            model-not-found          no         404
+    │   └── NotFound                 not-found                no         404
     ├── MalformedBundle              malformed-bundle         no         400
     ├── ShardMismatch                shard-mismatch           yes        503
     ├── StaleEpoch                   stale-epoch              no         409
@@ -101,6 +102,13 @@ class ModelNotFound(RequestError):
     """A request names a model this mesh does not serve."""
 
     kind = "model-not-found"
+    http_status = 404
+
+
+class NotFound(RequestError):
+    """A request names something (a generation, a session) that does not exist."""
+
+    kind = "not-found"
     http_status = 404
 
 

@@ -95,12 +95,14 @@ class LocalMesh:
         layers: LayerRange | None,
         listen: str = "127.0.0.1:0",
         prefix: Sequence[str] = (),
+        extra: Sequence[str] = (),
     ) -> subprocess.Popen[bytes]:
-        """Start a node; ``prefix`` wraps the command (e.g. ``ip netns exec NS``)."""
+        """Start a node; ``prefix`` wraps the command (e.g. ``ip netns exec NS``),
+        ``extra`` adds flags for this node only."""
         args = ["node", "--tracker", self.url, "--node-id", node_id, "--listen", listen]
         args += ["--heartbeat", str(self.heartbeat_s)]
         args += ["--empty"] if layers is None else ["--layers", f"{layers.start}:{layers.end}"]
-        args += self.node_args
+        args += [*self.node_args, *extra]
         proc = self._spawn(node_id, args, prefix)
         self.nodes[node_id] = proc
         return proc
@@ -131,7 +133,10 @@ class LocalMesh:
 
     def kill_node(self, node_id: str, sig: int = signal.SIGKILL) -> None:
         proc = self.nodes[node_id]
-        self.killed.add(node_id)
+        if sig != signal.SIGCONT:
+            self.killed.add(node_id)
+        else:
+            self.killed.discard(node_id)
         proc.send_signal(sig)
         if sig in (signal.SIGKILL, signal.SIGTERM):
             proc.wait(timeout=30)

@@ -1,15 +1,16 @@
-"""Admin endpoints: the node registry, pinned routes, health."""
+"""Admin endpoints: the node registry, pinned routes, generations, the ledger, health."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
 from meshnet.api.openai import route_json
 from meshnet.api.schemas import PinRouteRequest
 from meshnet.api.state import tracker_of
-from meshnet.errors import MeshnetError
+from meshnet.errors import MeshnetError, NotFound
 from meshnet.tracker.registry import NodeState
 
 router = APIRouter()
@@ -58,6 +59,45 @@ async def pin_route(body: PinRouteRequest, request: Request) -> dict[str, Any]:
 async def unpin_route(request: Request) -> dict[str, Any]:
     tracker_of(request).store.unpin()
     return {"pinned": None}
+
+
+@router.get("/admin/generations")
+async def list_generations(request: Request) -> dict[str, Any]:
+    return {
+        "generations": [
+            {
+                "id": g.id,
+                "epoch": g.epoch,
+                "route": route_json(g.route),
+                "recoveries": len(g.recoveries),
+            }
+            for g in tracker_of(request).generations()
+        ]
+    }
+
+
+@router.post("/admin/generations/{generation_id}/cancel")
+async def cancel_generation(generation_id: str, request: Request) -> dict[str, Any]:
+    """Stop a running generation; every shard of its route frees its KV and queued steps."""
+    if not tracker_of(request).cancel(generation_id, "cancelled by an admin"):
+        raise NotFound(f"no running generation {generation_id}")
+    return {"id": generation_id, "cancelled": True}
+
+
+@router.get("/admin/ledger")
+async def ledger(
+    request: Request,
+    generation_id: str | None = None,
+    node_id: str | None = None,
+    limit: int = Query(1000, ge=1, le=100_000),
+) -> dict[str, Any]:
+    """Attempts per shard, oldest first, and per-node totals (only completed work bills)."""
+    store = tracker_of(request).store
+    records = store.ledger(generation_id, node_id, limit)
+    return {
+        "records": [{**asdict(r), "tokens": r.tokens, "billable": r.billable} for r in records],
+        "totals": store.ledger_totals(generation_id),
+    }
 
 
 @router.get("/healthz")

@@ -100,12 +100,28 @@ class _Reply:
         self.model = model
         self.route = started.route
         self.epoch = started.epoch
+        self.generation_id = started.generation_id
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         self.id = f"{prefix}-{secrets.token_hex(12)}"
         self.created = int(time.time())
 
     def _meta(self, **extra: Any) -> dict[str, Any]:
-        return {"route": route_json(self.route), "epoch": self.epoch, **extra}
+        return {
+            "generation_id": self.generation_id,
+            "route": route_json(self.route),
+            "epoch": self.epoch,
+            **extra,
+        }
+
+    def _final_meta(self, done: DoneEvent) -> dict[str, Any]:
+        """The route and epoch the generation ended on, and every failover it survived."""
+        return {
+            "generation_id": self.generation_id,
+            "route": route_json(done.route or self.route),
+            "epoch": done.epoch,
+            "ids": done.ids,
+            "recoveries": [r.as_json() for r in done.recoveries],
+        }
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -131,7 +147,7 @@ class _Reply:
             **self._envelope(obj),
             "choices": [choice],
             "usage": usage(done),
-            "meshnet": self._meta(ids=done.ids, recoveries=[]),
+            "meshnet": self._final_meta(done),
         }
 
     def chunk(
@@ -155,8 +171,7 @@ class _Reply:
         return self.chunk(event.text, None, {"ids": [event.token_id]})
 
     def final_chunk(self, done: DoneEvent) -> dict[str, Any]:
-        meta = self._meta(ids=done.ids, recoveries=[])
-        return self.chunk(None, done.finish_reason, meta)
+        return self.chunk(None, done.finish_reason, self._final_meta(done))
 
     def usage_chunk(self, done: DoneEvent) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

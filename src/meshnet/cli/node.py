@@ -15,6 +15,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--tracker", required=True, help="tracker URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--listen", default="127.0.0.1:0", help="gRPC HOST:PORT (port 0: any free)")
     p.add_argument("--advertise-host", help="host the tracker should dial (default: listen host)")
+    p.add_argument(
+        "--advertise-port", type=int, help="port the tracker should dial (behind NAT or a proxy)"
+    )
     p.add_argument("--model", help="GGUF file (default: the bundled model)")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--layers", type=LayerRange.parse, help="START:END, half-open")
@@ -39,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
             layers=None if args.empty else args.layers,
             node_id=args.node_id or new_node_id(),
             advertise_host=args.advertise_host,
+            advertise_port=args.advertise_port,
             heartbeat_s=args.heartbeat,
             threads=args.threads,
             engine=EngineConfig(

@@ -23,6 +23,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="seconds of silence before a node is marked down",
     )
     p.add_argument("--step-timeout", type=float, default=30.0, help="seconds per shard step")
+    p.add_argument(
+        "--generation-timeout", type=float, default=600.0, help="seconds one generation may run"
+    )
+    p.add_argument("--max-recoveries", type=int, default=8, help="failovers per generation")
     p.add_argument("--max-in-flight", type=int, default=64, help="generations at once")
     p.set_defaults(run=run)
 
@@ -37,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
             tracker=TrackerConfig(
                 heartbeat_timeout_s=args.heartbeat_timeout, max_in_flight=args.max_in_flight
             ),
-            driver=DriverLimits(step_timeout_s=args.step_timeout),
+            driver=DriverLimits(
+                step_timeout_s=args.step_timeout,
+                generation_timeout_s=args.generation_timeout,
+                max_recoveries=args.max_recoveries,
+            ),
         )
     )

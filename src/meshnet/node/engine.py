@@ -151,6 +151,10 @@ class NodeEngine:
         """Free a session's KV and queued steps, unless a newer epoch has taken it over."""
         return self._control(lambda: self._apply_release(session_id, epoch))
 
+    def fence(self, session_id: str, epoch: int) -> Future[None]:
+        """The session moved on to ``epoch`` elsewhere: drop older KV, refuse older steps."""
+        return self._control(lambda: self._apply_fence(session_id, epoch))
+
     def cancel(self, session_id: str) -> Future[None]:
         """Free a session's KV whatever its epoch, and fail its unfinished steps."""
         return self._control(lambda: self._apply_cancel(session_id))
@@ -311,11 +315,21 @@ class NodeEngine:
                 raise budget_full(self._budget, len(self._slots))
             self._drop(session_id)
             slot = self._slots[session_id] = Slot(epoch, kv)
+        self._remember_fence(session_id, epoch)
+        return OpenedSlot(slot.kv.length, slot.steps)
+
+    def _apply_fence(self, session_id: str, epoch: int) -> None:
+        slot = self._slots.get(session_id)
+        if slot is not None and slot.epoch < epoch:
+            self._drop(session_id)
+        if epoch > self._fences.get(session_id, 0):
+            self._remember_fence(session_id, epoch)
+
+    def _remember_fence(self, session_id: str, epoch: int) -> None:
         self._fences[session_id] = epoch
         self._fences.move_to_end(session_id)
         while len(self._fences) > _MAX_FENCES:
             self._fences.popitem(last=False)
-        return OpenedSlot(slot.kv.length, slot.steps)
 
     def _apply_release(self, session_id: str, epoch: int) -> None:
         slot = self._slots.get(session_id)

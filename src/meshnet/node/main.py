@@ -34,6 +34,7 @@ class NodeConfig:
     layers: LayerRange | None  # None: start empty and wait for a Configure
     node_id: str  # stable name on the mesh
     advertise_host: str | None  # host the tracker should dial, when not the listen host
+    advertise_port: int | None = None  # port the tracker should dial, when not the bound one
     heartbeat_s: float = 1.0
     grpc_workers: int = 64  # concurrent Forward streams this node can hold
     threads: int = 1  # kernel threads (one pool per process)
@@ -67,7 +68,7 @@ def serve(cfg: NodeConfig) -> int:
         raise MeshnetError(f"cannot listen on {cfg.listen}")
     server.start()
     host = cfg.advertise_host or cfg.listen.rsplit(":", 1)[0]
-    address = f"{host}:{port}"
+    address = f"{host}:{cfg.advertise_port or port}"
     log.info("node %s serving on %s", cfg.node_id, address)
     print(f"meshnet node {cfg.node_id} listening on {address}", flush=True)
     announcer = Announcer(

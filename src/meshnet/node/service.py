@@ -142,6 +142,11 @@ class NodeService(pb_grpc.NodeServicer):
             fingerprint=shard.fingerprint,
         )
 
+    def Fence(self, request: pb.FenceRequest, context: grpc.ServicerContext) -> pb.FenceResponse:
+        if request.session_id and len(request.session_id) <= _MAX_SESSION_ID:
+            self.engine.fence(request.session_id, request.epoch).result(_CONTROL_TIMEOUT_S)
+        return pb.FenceResponse()
+
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         s = self.engine.stats()
         return pb.InfoResponse(

@@ -124,6 +124,18 @@ class ConfigureResponse(_message.Message):
     fingerprint: str
     def __init__(self, applied: _Optional[bool] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
+class FenceRequest(_message.Message):
+    __slots__ = ("session_id", "epoch")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class FenceResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

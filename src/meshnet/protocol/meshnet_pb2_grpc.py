@@ -49,6 +49,11 @@ class NodeStub:
                 request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.InfoRequest.SerializeToString,
                 response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Fence = channel.unary_unary(
+                '/meshnet.v1.Node/Fence',
+                request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.FenceRequest.SerializeToString,
+                response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.FenceResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -73,6 +78,12 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fence(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +101,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.InfoRequest.FromString,
                     response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.InfoResponse.SerializeToString,
+            ),
+            'Fence': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fence,
+                    request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.FenceRequest.FromString,
+                    response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.FenceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +189,33 @@ class Node:
             '/meshnet.v1.Node/Info',
             meshnet_dot_protocol_dot_meshnet__pb2.InfoRequest.SerializeToString,
             meshnet_dot_protocol_dot_meshnet__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnet.v1.Node/Fence',
+            meshnet_dot_protocol_dot_meshnet__pb2.FenceRequest.SerializeToString,
+            meshnet_dot_protocol_dot_meshnet__pb2.FenceResponse.FromString,
             options,
             channel_credentials,
             insecure,

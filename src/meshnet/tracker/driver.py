@@ -1,30 +1,42 @@
-"""The route session driver: runs one generation through a chain of nodes.
+"""The route driver: runs one generation through a chain of nodes, and fails over.
 
-For every step it sends the input through each shard in turn over that
-shard's ``Forward`` stream (token ids to the first, hidden states onward),
-samples from the last shard's logits under the sampling contract, and yields
-each token as it is made. It keeps, per shard, the inputs that shard was sent,
-so a failed span can later be rebuilt by replaying them.
+For every step it sends the input through each hop in turn (token ids to the
+first, hidden states onward), samples from the last hop's logits under the
+sampling contract and yields each token as it is made. Every hop's input is
+logged per layer boundary.
+
+When a hop fails mid-generation the driver asks the tracker (the ``Fabric``)
+for a replacement of the failed span, opens the next epoch on every hop of
+the new route — survivors *resume* it, keeping their KV, which fences the old
+epoch — and replays the logged inputs of the failed span into the
+replacement only, step by step as they were first sent, so the rebuilt KV is
+bit-identical and the output continues exactly. When no survivor keeps its
+KV that is a restart from token zero, by the same code. The uncertain step is
+never resent on the old epoch. Every attempt ends in one ledger record.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+import contextlib
+import time
+from collections.abc import AsyncGenerator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import numpy as np
 
 from meshnet.engine.request import FinishReason, RequestState
 from meshnet.errors import (
+    CacheMiss,
+    Cancelled,
     DeadlineExceeded,
     MalformedBundle,
     MeshnetError,
-    StreamReset,
-    WorkerDeath,
-    error_for_kind,
+    NodeFailure,
+    NoRoute,
+    ShardMismatch,
 )
 from meshnet.model.sampling import SamplingParams
 from meshnet.model.spec import ModelSpec
@@ -32,6 +44,9 @@ from meshnet.model.tokenizer import TextTokenizer
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.channels import ChannelPool
+from meshnet.tracker.generation import Generation, PendingRecovery, Recovery
+from meshnet.tracker.hop_link import HopLink, open_link
+from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
 from meshnet.tracker.routes import Hop, Route
 
 
@@ -47,20 +62,39 @@ class DoneEvent:
     text: str
     finish_reason: FinishReason
     prompt_tokens: int
-
-
-@dataclass
-class _HopStream:
-    hop: Hop
-    call: grpc.aio.StreamStreamCall  # type: ignore[type-arg]
-    inputs: list[np.ndarray] = field(default_factory=list)  # replay log for failover
+    route: Route = ()
+    epoch: int = 1
+    recoveries: tuple[Recovery, ...] = ()
 
 
 @dataclass(frozen=True)
 class DriverLimits:
     step_timeout_s: float = 30.0  # one step through one shard
     open_timeout_s: float = 10.0
-    generation_timeout_s: float = 600.0  # whole stream, as the gRPC deadline
+    generation_timeout_s: float = 600.0  # whole generation, also the streams' gRPC deadline
+    max_recoveries: int = 8  # failovers one generation may take
+    fence_timeout_s: float = 60.0  # how long a failed node is sent its fence
+
+
+@dataclass(frozen=True)
+class Reroute:
+    route: Route  # the new route; hops of the old one it keeps resume their KV
+    healed: str | None = None  # an empty node that was told to load the failed span
+
+
+class Fabric(Protocol):
+    """What the driver needs of the tracker to fail over and to account."""
+
+    async def reroute(self, route: Route, failed: Hop | None, error: MeshnetError) -> Reroute: ...
+
+    def record(self, records: Iterable[LedgerRecord]) -> None: ...
+
+
+def recoverable(e: MeshnetError) -> bool:
+    """Failures another node (or a fresh epoch on the same node) can make good."""
+    if isinstance(e, NodeFailure | CacheMiss):
+        return bool(e.node_id)
+    return isinstance(e, MalformedBundle | ShardMismatch) and bool(e.node_id)
 
 
 class RouteDriver:
@@ -79,77 +113,134 @@ class RouteDriver:
         self.spec = spec
         self.tokenizer = tokenizer
         self.limits = limits
+        self._fencing: set[asyncio.Task[None]] = set()
 
-    async def open(self, route: Route, epoch: int = 1) -> list[_HopStream]:
-        """Open a Forward stream on every hop; raise the first hop's failure."""
-        session_id = uuid.uuid4().hex
-        streams: list[_HopStream] = []
-        try:
-            for hop in route:
-                streams.append(await self._open_hop(hop, session_id, epoch))
-        except BaseException:
-            await close(streams)
-            raise
-        return streams
+    def new_generation(self, generation_id: str, route: Route) -> Generation:
+        deadline = time.monotonic() + self.limits.generation_timeout_s
+        return Generation(generation_id, route, deadline)
+
+    async def open(self, gen: Generation) -> None:
+        """Open the generation's first epoch on every hop; raise the first hop's failure."""
+        gen.links, _ = await self._open_links(gen, gen.route, {})
 
     async def run(
-        self, streams: Sequence[_HopStream], prompt_ids: Sequence[int], params: SamplingParams
+        self,
+        gen: Generation,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        fabric: Fabric,
     ) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
-        """Generate through opened streams; closes them when done or abandoned."""
+        """Generate through an opened generation; closes its streams however it ends."""
         state = RequestState(prompt_ids, params, self.tokenizer)
+        gen.record_input(0, 0, np.asarray(prompt_ids, dtype=np.int64))
+        recorded = False
         try:
-            x = np.asarray(prompt_ids, dtype=np.int64)
             step = 0
             while True:
-                logits = await self._step(streams, step, x)
+                try:
+                    logits = await self._advance(gen, step)
+                except MeshnetError as e:
+                    await self._fail_over(gen, e, fabric)
+                    continue
+                if gen.pending is not None:
+                    gen.recoveries.append(gen.pending.done())
+                    gen.pending = None
                 text = state.take(logits[0])
                 yield TokenEvent(state.ids[-1], text)
                 if state.done:
                     break
-                x = np.asarray([state.ids[-1]], dtype=np.int64)
                 step += 1
-            yield DoneEvent(state.ids, state.text, state.finish or "length", len(prompt_ids))
-        finally:
-            await close(streams)
-
-    async def _open_hop(self, hop: Hop, session_id: str, epoch: int) -> _HopStream:
-        stub = self.channels.stub(hop.address)
-        call = stub.Forward(timeout=self.limits.generation_timeout_s)
-        stream = _HopStream(hop, call)
-        opened = pb.Open(
-            session_id=session_id,
-            epoch=epoch,
-            fingerprint=self.fingerprint,
-            layer_start=hop.layers.start,
-            layer_end=hop.layers.end,
-        )
-        reply = await self._exchange(
-            stream, pb.ForwardRequest(open=opened), self.limits.open_timeout_s
-        )
-        if reply.WhichOneof("kind") != "opened":
-            raise MalformedBundle(f"node {hop.node_id} answered Open with {reply}", hop.node_id)
-        return stream
-
-    async def _step(self, streams: Sequence[_HopStream], step: int, x: np.ndarray) -> np.ndarray:
-        rows = x.shape[0]
-        last = len(streams) - 1
-        for i, stream in enumerate(streams):
-            node = stream.hop.node_id
-            stream.inputs.append(x)
-            budget = self.limits.step_timeout_s
-            request = pb.ForwardRequest(
-                step=pb.Step(step=step, input=codec.encode(x), timeout_ms=int(budget * 1000))
+                gen.record_input(0, step, np.asarray([state.ids[-1]], dtype=np.int64))
+            fabric.record(gen.attempts(gen.links, AttemptStatus.COMPLETED))
+            recorded = True
+            finish = state.finish or "length"
+            yield DoneEvent(
+                state.ids,
+                state.text,
+                finish,
+                len(prompt_ids),
+                gen.route,
+                gen.epoch,
+                tuple(gen.recoveries),
             )
-            reply = await self._exchange(stream, request, budget)
-            if reply.WhichOneof("kind") != "result":
-                raise MalformedBundle(f"node {node} sent no result", node)
-            try:
-                x = codec.decode(reply.result.output, self._output_limits(i == last))
-            except MalformedBundle as e:
-                raise MalformedBundle(f"node {node} sent a bad tensor: {e.message}", node) from None
-            if i != last and x.shape[0] != rows:
-                raise MalformedBundle(f"node {node} returned {x.shape[0]} rows", node)
+        except MeshnetError as e:
+            if not recorded:
+                recorded = True
+                self._record_end(gen, e, fabric)
+            raise
+        finally:
+            if not recorded:  # the client went away, or the task was cancelled
+                fabric.record(gen.attempts(gen.links, AttemptStatus.CANCELLED, Cancelled.kind))
+            for link in gen.links:
+                link.close()
+
+    @staticmethod
+    def _record_end(gen: Generation, e: MeshnetError, fabric: Fabric) -> None:
+        culprit = [link for link in gen.links if e.node_id and link.node_id == e.node_id]
+        others = [link for link in gen.links if link not in culprit]
+        fabric.record(gen.attempts(culprit, AttemptStatus.FAILED, e.kind))
+        fabric.record(gen.attempts(others, AttemptStatus.CANCELLED, e.kind))
+
+    # --- steps --------------------------------------------------------------------
+
+    async def _advance(self, gen: Generation, step: int) -> np.ndarray:
+        """Run ``step``, first replaying earlier steps into hops that lack them."""
+        for s in range(min(link.steps for link in gen.links), step):
+            await self._run_step(gen, s)
+            if gen.pending is not None:
+                gen.pending.replayed_steps += 1
+        logits = await self._run_step(gen, step)
+        assert logits is not None  # no hop holds a step not yet sampled
+        return logits
+
+    async def _run_step(self, gen: Generation, step: int) -> np.ndarray | None:
+        """Send ``step`` through every hop that has not run it; the last hop's output."""
+        x: np.ndarray | None = None
+        last = len(gen.links) - 1
+        for i, link in enumerate(gen.links):
+            start = link.hop.layers.start
+            if link.steps > step:
+                x = None  # this hop holds the step; the next one reads the log
+                continue
+            assert link.steps == step, "steps reach a hop in order"
+            if x is None:
+                x = gen.recorded_input(start, step)
+                if x is None:
+                    raise CacheMiss(f"no logged input for layer {start} at step {step}")
+            else:
+                gen.record_input(start, step, x)
+            rows = int(x.shape[0])
+            x = await self._send(gen, link, step, x, i == last)
+            link.steps = step + 1
+            link.positions += rows
         return x
+
+    async def _send(
+        self, gen: Generation, link: HopLink, step: int, x: np.ndarray, last: bool
+    ) -> np.ndarray:
+        node = link.node_id
+        left = gen.deadline - time.monotonic()
+        budget = min(self.limits.step_timeout_s, left)
+        if budget <= 0:
+            raise DeadlineExceeded("the generation ran past its deadline")
+        request = pb.ForwardRequest(
+            step=pb.Step(step=step, input=codec.encode(x), timeout_ms=max(1, int(budget * 1000)))
+        )
+        try:
+            reply = await link.exchange(request, budget)
+        except DeadlineExceeded:
+            if gen.deadline <= time.monotonic():  # the generation's own deadline, not the node's
+                raise DeadlineExceeded("the generation ran past its deadline") from None
+            raise
+        if reply.WhichOneof("kind") != "result" or reply.result.step != step:
+            raise MalformedBundle(f"node {node} sent no result for step {step}", node)
+        try:
+            out = codec.decode(reply.result.output, self._output_limits(last))
+        except MalformedBundle as e:
+            raise MalformedBundle(f"node {node} sent a bad tensor: {e.message}", node) from None
+        if not last and out.shape[0] != x.shape[0]:
+            raise MalformedBundle(f"node {node} returned {out.shape[0]} rows", node)
+        return out
 
     def _output_limits(self, last: bool) -> codec.TensorLimits:
         """Logits of the last row from the last hop; hidden states of every row otherwise."""
@@ -158,39 +249,127 @@ class RouteDriver:
             return codec.TensorLimits("f32", 2, 1, s.vocab_size)
         return codec.TensorLimits("f32", 2, s.context_length, s.d_model)
 
-    async def _exchange(
-        self, stream: _HopStream, request: pb.ForwardRequest, timeout_s: float
-    ) -> pb.ForwardResponse:
-        node = stream.hop.node_id
+    # --- failover -----------------------------------------------------------------
+
+    async def _fail_over(self, gen: Generation, error: MeshnetError, fabric: Fabric) -> None:
+        """Move the generation to a new epoch on a route without the failed node, or raise.
+
+        A node that fails while the new epoch is being opened is failed over in
+        turn, up to ``max_recoveries`` failovers per generation.
+        """
+        if gen.verdict is not None:
+            raise gen.verdict
+        if gen.pending is None:
+            gen.pending = PendingRecovery(error.node_id, error.kind, time.monotonic())
+        pending = gen.pending
+        route = gen.route
+        failed = next((link.hop for link in gen.links if link.node_id == error.node_id), None)
+        while True:
+            if not recoverable(error) or gen.failovers >= self.limits.max_recoveries:
+                raise error
+            gen.failovers += 1
+            pending.failures[error.node_id] = error.kind
+            try:
+                reroute = await fabric.reroute(route, failed, error)
+            except NoRoute as e:
+                message = f"{error.message}; no replacement: {e.message}"
+                raise type(error)(message, error.node_id) from None
+            survivors = {
+                _key(link.hop): link for link in gen.links if link.node_id not in pending.failures
+            }
+            gen.epoch += 1  # also after a failed try: its partly opened epoch stays fenced
+            try:
+                links, carried = await self._open_links(gen, reroute.route, survivors)
+                break
+            except MeshnetError as e:
+                if gen.verdict is not None:
+                    raise gen.verdict from None
+                error, route = e, reroute.route
+                failed = next((h for h in route if h.node_id == e.node_id), None)
+        self._account_failover(gen, carried, fabric)
+        for link in gen.links:
+            if link.node_id in pending.failures:
+                self._fence_later(link.hop, gen.id, gen.epoch)
+            link.close()  # after the new epoch fenced it: a survivor's KV stays
+        gen.links = links
+        gen.route = reroute.route
+        pending.epoch = gen.epoch
+        pending.method = "replay" if carried else "restart"
+        pending.replacement = tuple(link.node_id for link in links if link.first_position == 0)
+        pending.healed = reroute.healed
+
+    @staticmethod
+    def _account_failover(gen: Generation, carried: list[HopLink], fabric: Fabric) -> None:
+        """Close the old epoch's attempts: kept KV completed, a failed node's work failed."""
+        assert gen.pending is not None
+        failures = gen.pending.failures
+        lost = [link for link in gen.links if link not in carried]
+        fabric.record(gen.attempts(carried, AttemptStatus.COMPLETED))
+        for link in lost:
+            if link.node_id in failures:
+                kind = failures[link.node_id]
+                fabric.record(gen.attempts([link], AttemptStatus.FAILED, kind))
+            else:
+                fabric.record(gen.attempts([link], AttemptStatus.CANCELLED, gen.pending.kind))
+
+    def _fence_later(self, hop: Hop, session_id: str, epoch: int) -> None:
+        """Tell a failed node (if it ever comes back) that the session moved on."""
+        task = asyncio.create_task(self._fence(hop, session_id, epoch))
+        self._fencing.add(task)
+        task.add_done_callback(self._fencing.discard)
+
+    async def _fence(self, hop: Hop, session_id: str, epoch: int) -> None:
+        request = pb.FenceRequest(session_id=session_id, epoch=epoch)
+        # Still gone when it times out: then it holds nothing newer, and its streams are closed.
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            stub = self.channels.stub(hop.address)
+            await stub.Fence(request, timeout=self.limits.fence_timeout_s)
+
+    async def _open_links(
+        self,
+        gen: Generation,
+        route: Route,
+        survivors: dict[tuple[str, int, int], HopLink],
+    ) -> tuple[list[HopLink], list[HopLink]]:
+        """Open the current epoch on every hop; survivors resume their KV.
+
+        Returns the new links and the old links whose KV was carried over.
+        """
+        epoch = gen.epoch
+        links: list[HopLink] = []
+        carried: list[HopLink] = []
         try:
-            async with asyncio.timeout(timeout_s):  # no extra task per read, unlike wait_for
-                await stream.call.write(request)
-                reply = await stream.call.read()
-        except TimeoutError:
-            msg = f"node {node} did not answer in {timeout_s:.1f}s"
-            raise DeadlineExceeded(msg, node) from None
-        except grpc.aio.AioRpcError as e:
-            raise _rpc_failure(e, node) from None
-        except grpc.aio.UsageError as e:
-            raise StreamReset(f"stream to node {node} is unusable: {e}", node) from None
-        if reply is grpc.aio.EOF:
-            raise StreamReset(f"node {node} closed the stream", node)
-        if reply.WhichOneof("kind") == "failure":
-            raise error_for_kind(reply.failure.kind, f"node {node}: {reply.failure.message}", node)
-        return reply
+            for hop in route:
+                old = survivors.get(_key(hop))
+                link, opened = await open_link(
+                    self.channels.stub(hop.address),
+                    hop,
+                    pb.Open(
+                        session_id=gen.id,
+                        epoch=epoch,
+                        fingerprint=self.fingerprint,
+                        layer_start=hop.layers.start,
+                        layer_end=hop.layers.end,
+                        resume=old is not None,
+                    ),
+                    max(gen.deadline - time.monotonic(), 0.001),
+                    self.limits.open_timeout_s,
+                )
+                links.append(link)
+                held = (int(opened.kv_tokens), int(opened.steps))
+                if old is not None and held == (old.positions, old.steps) and held != (0, 0):
+                    link.steps = old.steps
+                    link.positions = link.first_position = old.positions
+                    carried.append(old)
+                elif held != (0, 0):
+                    msg = f"node {hop.node_id} resumed {held[0]} positions, {held[1]} steps"
+                    raise MalformedBundle(msg, hop.node_id)
+        except BaseException:
+            for link in links:
+                link.close()
+            raise
+        return links, carried
 
 
-async def close(streams: Sequence[_HopStream]) -> None:
-    """End every hop's stream; the nodes free the session's KV when it ends."""
-    for s in streams:
-        s.call.cancel()
-
-
-def _rpc_failure(e: grpc.aio.AioRpcError, node: str) -> MeshnetError:
-    code = e.code()
-    detail = f"node {node}: {code.name} {e.details() or ''}".strip()
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return WorkerDeath(detail, node)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DeadlineExceeded(detail, node)
-    return StreamReset(detail, node)
+def _key(hop: Hop) -> tuple[str, int, int]:
+    return (hop.node_id, hop.layers.start, hop.layers.end)

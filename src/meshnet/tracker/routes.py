@@ -8,7 +8,7 @@ sessions a node reports), ties broken by node id so plans are reproducible.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from meshnet.errors import NoRoute, RequestError
@@ -30,15 +30,28 @@ def plan_route(
     nodes: Sequence[NodeRecord], fingerprint: str, n_layers: int, in_flight: Mapping[NodeId, int]
 ) -> Route:
     """The least-loaded complete chain; ``NoRoute`` naming the first uncovered layer."""
-    usable = [n for n in nodes if n.routable and n.fingerprint == fingerprint]
+    return plan_chain(nodes, fingerprint, LayerRange(0, n_layers), in_flight)
+
+
+def plan_chain(
+    nodes: Sequence[NodeRecord],
+    fingerprint: str,
+    span: LayerRange,
+    in_flight: Mapping[NodeId, int],
+    exclude: Set[NodeId] = frozenset(),
+) -> Route:
+    """The least-loaded chain covering exactly ``span`` (a whole route, or a failed hop's)."""
+    usable = [
+        n for n in nodes if n.routable and n.fingerprint == fingerprint and n.node_id not in exclude
+    ]
     by_start: dict[int, list[NodeRecord]] = {}
     for n in usable:
         assert n.layers is not None  # routable
-        if n.layers.end <= n_layers:
+        if n.layers.start >= span.start and n.layers.end <= span.end:
             by_start.setdefault(n.layers.start, []).append(n)
-    # best[p]: (cost, node ids) of the cheapest chain covering [p, n_layers)
-    best: dict[int, tuple[int, tuple[NodeId, ...]]] = {n_layers: (0, ())}
-    for p in range(n_layers - 1, -1, -1):
+    # best[p]: (cost, node ids) of the cheapest chain covering [p, span.end)
+    best: dict[int, tuple[int, tuple[NodeId, ...]]] = {span.end: (0, ())}
+    for p in range(span.end - 1, span.start - 1, -1):
         options = [
             (_cost(n, in_flight) + best[n.layers.end][0], (n.node_id, *best[n.layers.end][1]))
             for n in by_start.get(p, [])
@@ -46,10 +59,10 @@ def plan_route(
         ]
         if options:
             best[p] = min(options)
-    if 0 not in best:
-        raise NoRoute(f"no complete route: {_gap(by_start, n_layers)}")
+    if span.start not in best:
+        raise NoRoute(f"no complete route: {_gap(by_start, span)}")
     index = {n.node_id: n for n in usable}
-    return tuple(_hop(index[i]) for i in best[0][1])
+    return tuple(_hop(index[i]) for i in best[span.start][1])
 
 
 def pinned_route(
@@ -73,6 +86,11 @@ def pinned_route(
     return tuple(_hop(n) for n in chain)
 
 
+def splice(route: Route, index: int, chain: Route) -> Route:
+    """``route`` with its hop at ``index`` replaced by ``chain`` (which covers the same span)."""
+    return (*route[:index], *chain, *route[index + 1 :])
+
+
 def _cost(n: NodeRecord, in_flight: Mapping[NodeId, int]) -> int:
     return in_flight.get(n.node_id, 0) + n.load.sessions
 
@@ -82,15 +100,15 @@ def _hop(n: NodeRecord) -> Hop:
     return Hop(n.node_id, n.address, n.layers)
 
 
-def _gap(by_start: Mapping[int, Sequence[NodeRecord]], n_layers: int) -> str:
-    """Describe the first layer no chain from 0 can reach."""
-    reachable = {0}
-    frontier = [0]
+def _gap(by_start: Mapping[int, Sequence[NodeRecord]], span: LayerRange) -> str:
+    """Describe the first layer no chain from the span's start can reach."""
+    reachable = {span.start}
+    frontier = [span.start]
     while frontier:
         p = frontier.pop()
         for n in by_start.get(p, []):
             if n.layers is not None and n.layers.end not in reachable:
                 reachable.add(n.layers.end)
                 frontier.append(n.layers.end)
-    first_missing = max(p for p in reachable if p < n_layers)
+    first_missing = max(p for p in reachable if p < span.end)
     return f"no live node serves layer {first_missing}"

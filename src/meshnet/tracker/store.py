@@ -1,4 +1,4 @@
-"""The tracker's durable state in SQLite: the node registry and the pinned route.
+"""The tracker's durable state in SQLite: the node registry, the pinned route, the ledger.
 
 All truth lives here, not in process memory, so a restarted tracker (or,
 later, a replica on PostgreSQL) sees the same mesh. Calls are short and
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import Heartbeat, NodeAnnouncement, NodeLoad
+from meshnet.tracker.ledger import BILLABLE, AttemptStatus, LedgerRecord
 from meshnet.tracker.registry import NodeId, NodeRecord, NodeState, is_stale
 
 _SCHEMA = """
@@ -36,7 +37,26 @@ CREATE TABLE IF NOT EXISTS pinned_route (
     id INTEGER PRIMARY KEY CHECK (id = 1),
     node_ids TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS ledger (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    generation_id TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    node_id TEXT NOT NULL,
+    layer_start INTEGER NOT NULL,
+    layer_end INTEGER NOT NULL,
+    token_start INTEGER NOT NULL,
+    token_end INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    recorded REAL NOT NULL,
+    UNIQUE (generation_id, epoch, node_id, layer_start)
+);
+CREATE INDEX IF NOT EXISTS ledger_node ON ledger (node_id);
 """
+
+_LEDGER_COLUMNS = (
+    "generation_id, epoch, node_id, layer_start, layer_end, token_start, token_end, status, kind"
+)
 
 
 class Store:
@@ -124,6 +144,95 @@ class Store:
     def unpin(self) -> None:
         with self._lock:
             self._db.execute("DELETE FROM pinned_route")
+
+    def set_layers(self, node_id: NodeId, layers: LayerRange, fingerprint: str) -> None:
+        """A node was told to load ``layers`` and confirmed it: routable before its next beat."""
+        with self._lock:
+            self._db.execute(
+                "UPDATE nodes SET layer_start = ?, layer_end = ?, fingerprint = ? "
+                "WHERE node_id = ?",
+                (layers.start, layers.end, fingerprint, node_id),
+            )
+
+    def record_attempts(self, records: Sequence[LedgerRecord], now: float) -> None:
+        """Write attempts in one transaction; an attempt already recorded is never rewritten."""
+        rows = [
+            (
+                r.generation_id,
+                r.epoch,
+                r.node_id,
+                r.layer_start,
+                r.layer_end,
+                r.token_start,
+                r.token_end,
+                r.status.value,
+                r.kind,
+                now,
+            )
+            for r in records
+        ]
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            self._db.executemany(
+                f"INSERT OR IGNORE INTO ledger ({_LEDGER_COLUMNS}, recorded) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+
+    def ledger(
+        self, generation_id: str | None = None, node_id: str | None = None, limit: int = 1000
+    ) -> list[LedgerRecord]:
+        where, args = _ledger_filter(generation_id, node_id)
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {_LEDGER_COLUMNS} FROM ledger{where} ORDER BY id LIMIT ?", (*args, limit)
+            ).fetchall()
+        return [_ledger_record(r) for r in rows]
+
+    def ledger_totals(self, generation_id: str | None = None) -> dict[str, dict[str, int]]:
+        """Per node and status: attempts, tokens and layer-tokens."""
+        where, args = _ledger_filter(generation_id, None)
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT node_id, status, COUNT(*), SUM(token_end - token_start), "
+                "SUM((token_end - token_start) * (layer_end - layer_start)) "
+                f"FROM ledger{where} GROUP BY node_id, status ORDER BY node_id, status",
+                args,
+            ).fetchall()
+        totals: dict[str, dict[str, int]] = {}
+        for node_id, status, attempts, tokens, layer_tokens in rows:
+            node = totals.setdefault(node_id, {"billable_layer_tokens": 0})
+            node[f"{status}_attempts"] = attempts
+            node[f"{status}_tokens"] = tokens
+            if AttemptStatus(status) in BILLABLE:
+                node["billable_layer_tokens"] += layer_tokens
+        return totals
+
+
+def _ledger_filter(generation_id: str | None, node_id: str | None) -> tuple[str, tuple[str, ...]]:
+    clauses, args = [], []
+    if generation_id is not None:
+        clauses.append("generation_id = ?")
+        args.append(generation_id)
+    if node_id is not None:
+        clauses.append("node_id = ?")
+        args.append(node_id)
+    return (" WHERE " + " AND ".join(clauses) if clauses else ""), tuple(args)
+
+
+def _ledger_record(r: tuple) -> LedgerRecord:  # type: ignore[type-arg]
+    generation_id, epoch, node_id, start, end, token_start, token_end, status, kind = r
+    return LedgerRecord(
+        generation_id,
+        epoch,
+        node_id,
+        start,
+        end,
+        token_start,
+        token_end,
+        AttemptStatus(status),
+        kind,
+    )
 
 
 def _record(r: tuple) -> NodeRecord:  # type: ignore[type-arg]

@@ -1,0 +1,128 @@
+"""One generation's state in the tracker: its epoch, links, input log and recoveries.
+
+The input log keeps, per layer boundary, what every step fed the hop that
+starts there. It is what failover replays into a replacement, so only the
+failed span is recomputed. The generation can be failed from outside (a node
+of its route lost its heartbeats, a client cancelled it): the verdict is set
+on the affected links and their calls are cancelled, which wakes the step
+waiting on them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshnet.errors import Cancelled, MeshnetError
+from meshnet.tracker.hop_link import HopLink
+from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
+from meshnet.tracker.routes import Route
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What one failover did, as reported to the client and the logs."""
+
+    failed_node: str
+    kind: str  # the failure kind that triggered it
+    method: str  # "replay" (only the failed span recomputed) or "restart" (from token zero)
+    epoch: int  # the epoch it opened
+    replacement: tuple[str, ...]  # nodes that recomputed the lost span
+    healed: str | None  # an empty node told to load the span, if one was
+    replayed_steps: int
+    ms: float  # from the failure to the next token
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "failed_node": self.failed_node,
+            "kind": self.kind,
+            "method": self.method,
+            "epoch": self.epoch,
+            "replacement": list(self.replacement),
+            "healed": self.healed,
+            "replayed_steps": self.replayed_steps,
+            "ms": round(self.ms, 1),
+        }
+
+
+@dataclass
+class PendingRecovery:
+    """A failover whose replacement has not yet produced the next token."""
+
+    failed_node: str
+    kind: str
+    started: float  # time.monotonic() when the failure was seen
+    failures: dict[str, str] = field(default_factory=dict)  # node -> kind, this recovery
+    epoch: int = 0
+    method: str = ""
+    replacement: tuple[str, ...] = ()
+    healed: str | None = None
+    replayed_steps: int = 0
+
+    def done(self) -> Recovery:
+        ms = (time.monotonic() - self.started) * 1000
+        return Recovery(
+            self.failed_node,
+            self.kind,
+            self.method,
+            self.epoch,
+            self.replacement,
+            self.healed,
+            self.replayed_steps,
+            ms,
+        )
+
+
+@dataclass
+class Generation:
+    id: str  # also the session id the nodes key its KV by
+    route: Route
+    deadline: float  # time.monotonic() by which it must end
+    epoch: int = 1
+    links: list[HopLink] = field(default_factory=list)
+    inputs: dict[int, list[np.ndarray]] = field(default_factory=dict)  # layer start -> per step
+    recoveries: list[Recovery] = field(default_factory=list)
+    pending: PendingRecovery | None = None
+    failovers: int = 0  # tries to fail over, counting those whose new epoch failed to open
+    verdict: MeshnetError | None = None  # set when cancelled from outside
+
+    def record_input(self, layer_start: int, step: int, x: np.ndarray) -> None:
+        log = self.inputs.setdefault(layer_start, [])
+        if len(log) == step:
+            log.append(x)
+
+    def recorded_input(self, layer_start: int, step: int) -> np.ndarray | None:
+        log = self.inputs.get(layer_start, [])
+        return log[step] if step < len(log) else None
+
+    def cancel(self, reason: str) -> None:
+        """Stop the generation; its step in flight ends with ``cancelled``."""
+        self.verdict = self.verdict or Cancelled(reason)
+        for link in self.links:
+            link.fail(self.verdict)
+
+    def node_lost(self, node_id: str, verdict: MeshnetError) -> bool:
+        """A node of the route was found dead elsewhere; True if this generation used it."""
+        hit = [link for link in self.links if link.node_id == node_id]
+        for link in hit:
+            link.fail(verdict)
+        return bool(hit)
+
+    def attempts(
+        self, links: list[HopLink], status: AttemptStatus, kind: str = ""
+    ) -> Iterator[LedgerRecord]:
+        for link in links:
+            yield LedgerRecord(
+                generation_id=self.id,
+                epoch=link.epoch,
+                node_id=link.node_id,
+                layer_start=link.hop.layers.start,
+                layer_end=link.hop.layers.end,
+                token_start=link.first_position,
+                token_end=link.positions,
+                status=status,
+                kind=kind,
+            )

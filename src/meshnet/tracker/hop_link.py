@@ -1,0 +1,135 @@
+"""One hop of one generation's epoch: its ``Forward`` stream and what the node holds.
+
+Every exchange runs under a deadline and ends in a result or a typed failure
+naming the node: a timeout is ``deadline-exceeded``; a broken stream is
+``stream-reset`` when the node still answers a probe on a fresh connection
+and ``worker-death`` when it does not; an outside verdict (the tracker saw
+the node's heartbeats stop, or the generation was cancelled) is set on the
+link before its call is cancelled and is what the waiting step raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+import grpc
+
+from meshnet.errors import (
+    DeadlineExceeded,
+    MalformedBundle,
+    MeshnetError,
+    StreamReset,
+    WorkerDeath,
+    error_for_kind,
+)
+from meshnet.protocol import meshnet_pb2 as pb
+from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
+from meshnet.tracker.routes import Hop
+
+_PROBE_TIMEOUT_S = 1.0
+
+
+@dataclass
+class HopLink:
+    """A hop's stream in one epoch, and the session state the node holds for it."""
+
+    hop: Hop
+    call: grpc.aio.StreamStreamCall  # type: ignore[type-arg]
+    epoch: int
+    steps: int = 0  # steps whose KV the node holds (the next step's number)
+    positions: int = 0  # KV positions the node holds
+    first_position: int = 0  # positions it held when this epoch's attempt began
+    verdict: MeshnetError | None = None  # set from outside before the call is cancelled
+
+    @property
+    def node_id(self) -> str:
+        return self.hop.node_id
+
+    def fail(self, verdict: MeshnetError) -> None:
+        """End the link from outside: the step waiting on it raises ``verdict``."""
+        if self.verdict is None:
+            self.verdict = verdict
+        self.call.cancel()
+
+    def close(self) -> None:
+        """End the stream; the node frees the session's KV of this epoch."""
+        self.call.cancel()
+
+    async def exchange(self, request: pb.ForwardRequest, timeout_s: float) -> pb.ForwardResponse:
+        """Send one message and read its answer within ``timeout_s``."""
+        node = self.node_id
+        if self.verdict is not None:
+            raise self.verdict
+        try:
+            async with asyncio.timeout(timeout_s):  # no extra task per read, unlike wait_for
+                await self.call.write(request)
+                reply = await self.call.read()
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"node {node} did not answer in {timeout_s:.1f}s", node
+            ) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.verdict is not None and (task is None or not task.cancelling()):
+                raise self.verdict from None
+            raise
+        except grpc.aio.AioRpcError as e:
+            raise self.verdict or await _rpc_failure(e, self.hop) from None
+        except grpc.aio.UsageError as e:
+            raise self.verdict or StreamReset(f"stream to {node} is unusable: {e}", node) from None
+        if reply is grpc.aio.EOF:
+            raise self.verdict or await _broken(self.hop, "closed the stream")
+        if reply.WhichOneof("kind") == "failure":
+            raise error_for_kind(reply.failure.kind, f"node {node}: {reply.failure.message}", node)
+        return reply
+
+
+async def open_link(
+    stub: pb_grpc.NodeStub,
+    hop: Hop,
+    open_msg: pb.Open,
+    stream_timeout_s: float,
+    open_timeout_s: float,
+) -> tuple[HopLink, pb.Opened]:
+    """Open a hop's stream for one epoch; the node's ``Opened`` says what KV it holds."""
+    call = stub.Forward(timeout=stream_timeout_s)
+    link = HopLink(hop, call, open_msg.epoch)
+    try:
+        reply = await link.exchange(pb.ForwardRequest(open=open_msg), open_timeout_s)
+    except BaseException:
+        link.close()
+        raise
+    if reply.WhichOneof("kind") != "opened":
+        link.close()
+        raise MalformedBundle(f"node {hop.node_id} answered Open with {reply}", hop.node_id)
+    return link, reply.opened
+
+
+async def _rpc_failure(e: grpc.aio.AioRpcError, hop: Hop) -> MeshnetError:
+    code = e.code()
+    detail = f"{code.name} {e.details() or ''}".strip()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"node {hop.node_id}: {detail}", hop.node_id)
+    return await _broken(hop, detail)
+
+
+async def _broken(hop: Hop, detail: str) -> MeshnetError:
+    """A stream broke: the node is alive (``stream-reset``) or dead (``worker-death``)?"""
+    if await _answers(hop):
+        return StreamReset(f"stream to node {hop.node_id} broke: {detail}", hop.node_id)
+    return WorkerDeath(f"node {hop.node_id} is gone: {detail}", hop.node_id)
+
+
+async def _answers(hop: Hop) -> bool:
+    """Probe on a fresh connection, so a dead one's reconnect backoff cannot mislead."""
+    channel = grpc.aio.insecure_channel(hop.address)
+    try:
+        info = await pb_grpc.NodeStub(channel).Info(pb.InfoRequest(), timeout=_PROBE_TIMEOUT_S)
+        return bool(info.node_id == hop.node_id)
+    except grpc.aio.AioRpcError:
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            await channel.close()
