@@ -105,6 +105,7 @@ class LocalMesh:
         args += [*self.node_args, *extra]
         proc = self._spawn(node_id, args, prefix)
         self.nodes[node_id] = proc
+        self.killed.discard(node_id)
         return proc
 
     def wait_ready(

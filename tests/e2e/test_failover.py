@@ -1,0 +1,161 @@
+"""Failover on the tiny model with real processes: kills, healing, freezes, identical output."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import MeshFactory
+from faults import address, assert_billed_once, raw_forward, wait_ledger, wait_until_up
+from streams import Streamed, stream_completion
+
+from meshnet.layer_range import LayerRange
+from meshnet.local_mesh import LocalMesh
+from meshnet.model.gguf_file import sha256_file
+from meshnet.protocol import meshnet_pb2 as pb
+
+PROMPT = [5, 17, 42, 99, 3, 64, 128, 7]
+BODY: dict[str, Any] = {
+    "model": "long",
+    "prompt": PROMPT,
+    "max_tokens": 300,  # long enough that a kill after token 60 lands mid-stream
+    "temperature": 0.7,
+    "seed": 3,  # samples 300 tokens without an eos on the long tiny model
+}
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tiny_factory: Any) -> Path:
+    """The tiny model with room for long generations (it never samples its eos)."""
+    return Path(tiny_factory("long.gguf", context_length=1024))
+
+
+def _reference(mesh: LocalMesh, body: dict[str, Any] = BODY) -> list[int]:
+    r = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return list(r.json()["meshnet"]["ids"])
+
+
+def _in_route(s: Streamed, layers: tuple[int, int]) -> str:
+    return next(h["node_id"] for h in s.route if tuple(h["layers"]) == layers)
+
+
+def _positions(ids: list[int]) -> int:
+    """KV positions a finished generation filled: the prompt and all but the last token."""
+    return len(PROMPT) + len(ids) - 1
+
+
+def test_killing_a_replicated_node_mid_stream_gives_identical_output_20_times(
+    mesh_factory: MeshFactory, long_tiny: Path
+) -> None:
+    mesh = mesh_factory("0:2,2:4,2:4", model=long_tiny)
+    expected = _reference(mesh)
+    assert len(expected) == BODY["max_tokens"]  # every kill point below lands mid-stream
+    rng = random.Random(20261203)
+    for rep in range(20):
+        kill_at = rng.randint(1, 60)
+        killed: list[str] = []
+
+        def kill(n: int, s: Streamed, kill_at: int = kill_at, killed: list[str] = killed) -> None:
+            if n == kill_at:
+                killed.append(_in_route(s, (2, 4)))
+                mesh.kill_node(killed[0])
+
+        result = stream_completion(mesh.url, BODY, kill)
+        assert result.error is None, (rep, kill_at, result.error)
+        assert result.ids == expected, f"repetition {rep}: kill after token {kill_at}"
+        assert result.final is not None and result.final["ids"] == expected
+        (recovery,) = result.final["recoveries"]
+        assert recovery["failed_node"] == killed[0]
+        assert recovery["kind"] == "worker-death"
+        assert recovery["method"] == "replay"  # only the failed span was recomputed
+        assert recovery["replacement"] != [killed[0]]
+        records = wait_ledger(mesh, result.generation_id, hops=2)
+        assert_billed_once(records, 4, _positions(expected))
+        failed = [r for r in records if r["status"] == "failed"]
+        assert [(r["node_id"], r["kind"]) for r in failed] == [(killed[0], "worker-death")]
+        mesh.start_node(killed[0], LayerRange(2, 4))  # back as a replica for the next round
+        wait_until_up(mesh, killed[0])
+
+
+def test_with_no_replica_an_empty_node_is_healed_into_the_route(
+    mesh_factory: MeshFactory, long_tiny: Path
+) -> None:
+    mesh = mesh_factory("0:2,2:4,empty", model=long_tiny)
+    expected = _reference(mesh)
+
+    def kill(n: int, s: Streamed) -> None:
+        if n == 10:
+            mesh.kill_node("node-1")
+
+    result = stream_completion(mesh.url, BODY, kill)
+    assert result.error is None, result.error
+    assert result.ids == expected
+    assert result.final is not None
+    (recovery,) = result.final["recoveries"]
+    assert (recovery["kind"], recovery["healed"], recovery["method"]) == (
+        "worker-death",
+        "node-2",
+        "replay",
+    )
+    assert [h["node_id"] for h in result.final["route"]] == ["node-0", "node-2"]
+    assert_billed_once(wait_ledger(mesh, result.generation_id, hops=2), 4, _positions(expected))
+    # The healed node stays in the mesh: the next request routes through it.
+    again = httpx.post(f"{mesh.url}/v1/completions", json=BODY, timeout=60).json()
+    assert again["meshnet"]["ids"] == expected
+    assert [h["node_id"] for h in again["meshnet"]["route"]] == ["node-0", "node-2"]
+
+
+def test_a_frozen_node_is_failed_by_its_deadline_and_its_late_steps_are_stale(
+    mesh_factory: MeshFactory, long_tiny: Path
+) -> None:
+    mesh = mesh_factory(
+        "0:2,2:4,2:4",
+        model=long_tiny,
+        tracker_args=["--step-timeout", "1.0"],
+        heartbeat_timeout_s=30.0,  # the step deadline, not the heartbeats, must catch it
+    )
+    expected = _reference(mesh)
+    frozen: list[str] = []
+
+    def freeze(n: int, s: Streamed) -> None:
+        if n == 10:
+            frozen.append(_in_route(s, (2, 4)))
+            mesh.kill_node(frozen[0], signal.SIGSTOP)
+
+    t0 = time.monotonic()
+    result = stream_completion(mesh.url, BODY, freeze)
+    took = time.monotonic() - t0
+    assert result.error is None, result.error
+    assert result.ids == expected
+    assert result.final is not None
+    (recovery,) = result.final["recoveries"]
+    assert (recovery["failed_node"], recovery["kind"]) == (frozen[0], "deadline-exceeded")
+    assert took < 20  # the deadline fired; nothing waited for the 30 s heartbeat timeout
+
+    mesh.kill_node(frozen[0], signal.SIGCONT)
+    # The fence sent at failover reaches it when it wakes: the old epoch is refused.
+    fingerprint = sha256_file(long_tiny)
+    old = pb.Open(
+        session_id=result.generation_id,
+        epoch=1,
+        fingerprint=fingerprint,
+        layer_start=2,
+        layer_end=4,
+    )
+    deadline = time.monotonic() + 10
+    while True:
+        replies = raw_forward(address(mesh, frozen[0]), old, [])
+        if replies[0].WhichOneof("kind") == "failure" or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert replies[0].failure.kind == "stale-epoch"
+    records = wait_ledger(mesh, result.generation_id, hops=2)
+    mine = [(r["epoch"], r["status"], r["kind"]) for r in records if r["node_id"] == frozen[0]]
+    assert mine == [(1, "failed", "deadline-exceeded")]
+    assert_billed_once(records, 4, _positions(expected))
