@@ -331,44 +331,51 @@ class RouteDriver:
         route: Route,
         survivors: dict[tuple[str, int, int], HopLink],
     ) -> tuple[list[HopLink], list[HopLink]]:
-        """Open the current epoch on every hop; survivors resume their KV.
+        """Open the current epoch on every hop at once; survivors resume their KV.
 
-        Returns the new links and the old links whose KV was carried over.
+        Returns the new links and the old links whose KV was carried over. On
+        any failure every opened link is closed and the first hop's (in route
+        order) failure is raised.
         """
-        epoch = gen.epoch
-        links: list[HopLink] = []
-        carried: list[HopLink] = []
-        try:
-            for hop in route:
-                old = survivors.get(_key(hop))
-                link, opened = await open_link(
-                    self.channels.stub(hop.address),
-                    hop,
-                    pb.Open(
-                        session_id=gen.id,
-                        epoch=epoch,
-                        fingerprint=self.fingerprint,
-                        layer_start=hop.layers.start,
-                        layer_end=hop.layers.end,
-                        resume=old is not None,
-                    ),
-                    max(gen.deadline - time.monotonic(), 0.001),
-                    self.limits.open_timeout_s,
-                )
-                links.append(link)
-                held = (int(opened.kv_tokens), int(opened.steps))
-                if old is not None and held == (old.positions, old.steps) and held != (0, 0):
-                    link.steps = old.steps
-                    link.positions = link.first_position = old.positions
-                    carried.append(old)
-                elif held != (0, 0):
-                    msg = f"node {hop.node_id} resumed {held[0]} positions, {held[1]} steps"
-                    raise MalformedBundle(msg, hop.node_id)
-        except BaseException:
+        opens = [self._open_hop(gen, hop, survivors.get(_key(hop))) for hop in route]
+        results = await asyncio.gather(*opens, return_exceptions=True)
+        links = [r[0] for r in results if isinstance(r, tuple)]
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
             for link in links:
                 link.close()
-            raise
+            raise failure
+        carried = [r[1] for r in results if isinstance(r, tuple) and r[1] is not None]
         return links, carried
+
+    async def _open_hop(
+        self, gen: Generation, hop: Hop, old: HopLink | None
+    ) -> tuple[HopLink, HopLink | None]:
+        """Open one hop; a survivor ``old`` whose KV the node still holds is carried over."""
+        link, opened = await open_link(
+            self.channels.stub(hop.address),
+            hop,
+            pb.Open(
+                session_id=gen.id,
+                epoch=gen.epoch,
+                fingerprint=self.fingerprint,
+                layer_start=hop.layers.start,
+                layer_end=hop.layers.end,
+                resume=old is not None,
+            ),
+            max(gen.deadline - time.monotonic(), 0.001),
+            self.limits.open_timeout_s,
+        )
+        held = (int(opened.kv_tokens), int(opened.steps))
+        if held == (0, 0):
+            return link, None  # fresh (or the node lost the KV): the log is replayed into it
+        if old is not None and held == (old.positions, old.steps):
+            link.steps = old.steps
+            link.positions = link.first_position = old.positions
+            return link, old
+        link.close()
+        msg = f"node {hop.node_id} resumed {held[0]} positions and {held[1]} steps"
+        raise MalformedBundle(msg, hop.node_id)
 
 
 def _key(hop: Hop) -> tuple[str, int, int]:
