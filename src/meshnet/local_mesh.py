@@ -72,16 +72,20 @@ class LocalMesh:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, layout: Sequence[LayerRange | None], timeout_s: float = 180.0) -> None:
-        """Start the tracker and one node per layout entry; wait for a complete route."""
+    def start(
+        self,
+        layout: Sequence[LayerRange | None],
+        timeout_s: float = 180.0,
+        need_route: bool | None = None,
+    ) -> None:
+        """Start the tracker and one node per layout entry; wait for them (and, unless
+        ``need_route`` is False or every node is empty, for a complete route)."""
         self.start_tracker()
         for i, layers in enumerate(layout):
             self.start_node(f"node-{i}", layers)
-        self.wait_ready(
-            expected_nodes=len(layout),
-            timeout_s=timeout_s,
-            need_route=any(r is not None for r in layout),
-        )
+        if need_route is None:
+            need_route = any(r is not None for r in layout)
+        self.wait_ready(expected_nodes=len(layout), timeout_s=timeout_s, need_route=need_route)
 
     def start_tracker(self) -> None:
         args = ["tracker", "--host", self.host, "--port", str(self.port)]

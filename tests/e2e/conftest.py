@@ -18,13 +18,15 @@ def mesh_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshFacto
     """Start meshes for a test module; every one is stopped when the module ends."""
     started: list[LocalMesh] = []
 
-    def start(layout: str, model: Path | None = None, **kwargs: object) -> LocalMesh:
+    def start(
+        layout: str, model: Path | None = None, need_route: bool | None = None, **kwargs: object
+    ) -> LocalMesh:
         mesh = LocalMesh(
             data_dir=tmp_path_factory.mktemp("mesh"), model=str(model) if model else None, **kwargs
         )  # type: ignore[arg-type]
         started.append(mesh)
         ranges: list[LayerRange | None] = parse_layout(layout)
-        mesh.start(ranges)
+        mesh.start(ranges, need_route=need_route)
         return mesh
 
     yield start

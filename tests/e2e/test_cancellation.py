@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -143,3 +144,20 @@ def test_a_thousand_cancel_cycles_leave_kv_and_memory_flat(
     after = [rss_bytes(p) for p in pids]
     growth = [(a - b) / 2**20 for a, b in zip(after, before, strict=True)]
     assert max(growth) < 16, f"RSS grew by {growth} MiB over 1000 cancels (nodes, tracker)"
+
+
+def test_a_cancelled_unstreamed_request_gets_499(mesh: LocalMesh, client: httpx.Client) -> None:
+    answer: list[httpx.Response] = []
+    worker = threading.Thread(
+        target=lambda: answer.append(client.post(f"{mesh.url}/v1/completions", json=_body(3)))
+    )
+    worker.start()
+    deadline = time.monotonic() + 10
+    running: list[dict[str, Any]] = []
+    while not running and time.monotonic() < deadline:
+        running = client.get(f"{mesh.url}/admin/generations").json()["generations"]
+    assert _cancel(mesh, running[0]["id"], client).status_code == 200
+    worker.join(timeout=30)
+    assert answer[0].status_code == 499
+    assert answer[0].json()["error"]["code"] == "cancelled"
+    wait_kv_idle(_addresses(mesh), within_s=1.0)
