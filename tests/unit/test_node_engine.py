@@ -170,3 +170,26 @@ def test_stop_answers_everything_still_waiting(tiny_path: Path) -> None:
     e.stop()  # mid-prefill: 200 one-row chunks
     with pytest.raises(Cancelled):
         work.result(5)
+
+
+@pytest.mark.parametrize("backend", ["fast", "numpy"])
+def test_a_replay_of_decode_steps_rebuilds_bit_identical_kv(tiny_path: Path, backend: str) -> None:
+    """Failover sends a span's logged decode steps as one message; the KV it builds must
+    equal the one built by the steps sent one by one, or the output would drift."""
+    e = NodeEngine(EngineConfig(backend=backend, prefill_chunk=4))
+    e.start()
+    try:
+        e.load(str(tiny_path), LayerRange(0, 4)).result(30)
+        prompt, decoded = [5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]
+        e.open("alone", 1).result(5)
+        _step(e, "alone", 1, prompt)
+        for i in decoded:
+            _step(e, "alone", 1, [i])
+        e.open("replayed", 1).result(5)
+        _step(e, "replayed", 1, prompt)
+        work = StepWork("replayed", 1, np.asarray(decoded, np.int64), None, step=1, replay=True)
+        e.submit(work).result(10)
+        assert e.open("replayed", 1).result(5).steps == 1 + len(decoded)  # one per row
+        assert np.array_equal(_step(e, "alone", 1, [20]), _step(e, "replayed", 1, [20]))
+    finally:
+        e.stop()

@@ -29,12 +29,16 @@ class BatchEntry:
 
     kv: SequenceKV  # this shard's cache of the sequence; positions start at kv.length
     n_new: int  # rows of the batch that belong to it
+    decoded: bool = False  # compute each row exactly as a one-row decode step would
 
 
 class Backend(Protocol):
     """Math of one layer range. Called from one thread at a time (the shard's owner)."""
 
     name: str
+    # True when rows of an entry marked ``decoded`` come out bit-identical to running
+    # them as one-row steps; otherwise the engine runs such rows one per forward.
+    decodes_rows_exactly: bool
 
     def new_kv(self) -> SequenceKV:
         """An empty cache for a new sequence, shaped for this shard's layers."""

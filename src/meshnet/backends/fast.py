@@ -33,7 +33,8 @@ F32 = np.float32
 
 @dataclass(frozen=True)
 class _Rows:
-    """How a batch's rows are multiplied: decode rows through the quantized kernel, each
+    """How a batch's rows are multiplied: decode rows (one-row entries, and every row of an
+    entry marked ``decoded``) through the quantized kernel, each
     prompt chunk (an entry of several rows) on its own through BLAS on dequantized
     weights. Either way a sequence's rows meet the same arithmetic whatever else is in
     the batch."""
@@ -47,8 +48,8 @@ class _Rows:
         prompts: list[tuple[int, int]] = []
         row = 0
         for e in batch:
-            if e.n_new == 1:
-                decode.append(row)
+            if e.n_new == 1 or e.decoded:
+                decode.extend(range(row, row + e.n_new))
             else:
                 prompts.append((row, e.n_new))
             row += e.n_new
@@ -97,6 +98,7 @@ class FastBackend:
     """Runs one shard's blocks with quantized numba kernels."""
 
     name = "fast"
+    decodes_rows_exactly = True  # decode rows go through the row-wise quantized kernel
 
     def __init__(self, spec: ModelSpec, weights: ShardWeights[QuantMatrix]) -> None:
         self.spec = spec

@@ -240,6 +240,7 @@ class NodeEngine:
             self.config.max_batch_tokens,
             self.config.prefill_chunk,
             time.monotonic(),
+            self._shard is not None and self._shard.backend.decodes_rows_exactly,
         )
         for w, error in plan.refused:
             self._pending.remove(w)
@@ -249,7 +250,7 @@ class NodeEngine:
 
     def _forward(self, shard: Shard, chosen: list[tuple[StepWork, int]]) -> None:
         x = np.concatenate([w.x[w.done_rows : w.done_rows + n] for w, n in chosen])
-        batch = [BatchEntry(self._slots[w.session_id].kv, n) for w, n in chosen]
+        batch = [BatchEntry(self._slots[w.session_id].kv, n, w.replay) for w, n in chosen]
         t0 = time.perf_counter()
         try:
             out = shard.forward(x, batch)
@@ -271,7 +272,8 @@ class NodeEngine:
                 self._steps += 1
                 result = w.outputs[-1] if shard.is_last else np.concatenate(w.outputs)
                 slot = self._slots[w.session_id]
-                slot.steps += 1
+                slot.last_step = slot.steps
+                slot.steps += w.steps
                 slot.last_result = result
                 w.future.set_result(result)
         self._account()

@@ -34,6 +34,7 @@ class Slot:
     epoch: int
     kv: SequenceKV
     steps: int = 0  # steps committed; the next step's number
+    last_step: int = -1  # number of the last committed step (or replay's first step)
     last_result: np.ndarray | None = None  # the last committed step's output, for duplicates
 
 
@@ -46,6 +47,7 @@ class StepWork:
     x: np.ndarray  # ids [T] on the first shard, hidden [T, d] elsewhere
     deadline: float | None  # time.monotonic() by which it must have started
     step: int | None = None  # the step's number in its session; None: not checked
+    replay: bool = False  # each row is a decode step sent again: computed as one, counted as one
     future: Future[np.ndarray] = field(default_factory=Future)
     done_rows: int = 0  # prompt rows already run (chunked prefill)
     outputs: list[np.ndarray] = field(default_factory=list)
@@ -53,6 +55,11 @@ class StepWork:
     @property
     def n_tokens(self) -> int:
         return int(self.x.shape[0])
+
+    @property
+    def steps(self) -> int:
+        """Session steps this work commits."""
+        return self.n_tokens if self.replay else 1
 
 
 @dataclass(frozen=True)
@@ -69,14 +76,20 @@ def plan_batch(
     max_batch_tokens: int,
     prefill_chunk: int,
     now: float,
+    replays_batch: bool = True,
 ) -> BatchPlan:
-    """Pick, in queue order, the steps of the next forward within ``max_batch_tokens`` rows."""
+    """Pick, in queue order, the steps of the next forward within ``max_batch_tokens`` rows.
+
+    Replayed decode rows go ``prefill_chunk`` at a time when the backend computes
+    them exactly as one-row steps (``replays_batch``), else one per forward.
+    """
     chosen: list[tuple[StepWork, int]] = []
     refused: list[tuple[StepWork, MeshnetError]] = []
     rows = 0
     growth = 0
     for w in pending:
-        n = min(w.n_tokens - w.done_rows, prefill_chunk)
+        chunk = 1 if w.replay and not replays_batch else prefill_chunk
+        n = min(w.n_tokens - w.done_rows, chunk)
         if chosen and rows + n > max_batch_tokens:
             break
         slot = slots.get(w.session_id)
@@ -103,12 +116,12 @@ def check_step_number(
         return StaleEpoch(f"session {w.session_id} is at epoch {fence}, not {w.epoch}")
     if w.step is None or slot is None or slot.epoch != w.epoch:
         return None  # the planner refuses sessions without KV
-    if w.step == slot.steps - 1 and slot.last_result is not None and not running:
+    if w.step == slot.last_step and slot.last_result is not None and not running:
         return slot.last_result
     if w.step < slot.steps:
         return MalformedBundle(
             f"step {w.step} of session {w.session_id} was committed before step "
-            f"{slot.steps - 1}; only the last step's result is kept"
+            f"{slot.last_step}; only the last step's result is kept"
         )
     if w.step > slot.steps:
         return CacheMiss(

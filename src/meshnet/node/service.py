@@ -110,7 +110,7 @@ class NodeService(pb_grpc.NodeServicer):
                 raise MalformedBundle(f"token ids must be in [0, {shard.spec.vocab_size})")
             remaining = _remaining_s(step.timeout_ms, context)
             deadline = time.monotonic() + remaining if remaining is not None else None
-            work = StepWork(o.session_id, o.epoch, x, deadline, step=step.step)
+            work = StepWork(o.session_id, o.epoch, x, deadline, step=step.step, replay=step.replay)
             out = self.engine.submit(work).result(timeout=remaining)
         except TimeoutError:
             return _failure(DeadlineExceeded(f"step {step.step} did not finish in time"))

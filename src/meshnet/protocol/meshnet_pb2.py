@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1emeshnet/protocol/meshnet.proto\x12\nmeshnet.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"v\n\x04Open\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x0e\n\x06resume\x18\x06 \x01(\x08\"K\n\x04Step\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12!\n\x05input\x18\x02 \x01(\x0b\x32\x12.meshnet.v1.Tensor\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\"\\\n\x0e\x46orwardRequest\x12 \n\x04open\x18\x01 \x01(\x0b\x32\x10.meshnet.v1.OpenH\x00\x12 \n\x04step\x18\x02 \x01(\x0b\x32\x10.meshnet.v1.StepH\x00\x42\x06\n\x04kind\"c\n\x06Opened\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x11\n\tkv_tokens\x18\x04 \x01(\x04\x12\r\n\x05steps\x18\x05 \x01(\x04\"R\n\nStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\"\n\x06output\x18\x02 \x01(\x0b\x32\x12.meshnet.v1.Tensor\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\";\n\x07\x46\x61ilure\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\"\x91\x01\n\x0f\x46orwardResponse\x12$\n\x06opened\x18\x01 \x01(\x0b\x32\x12.meshnet.v1.OpenedH\x00\x12(\n\x06result\x18\x02 \x01(\x0b\x32\x16.meshnet.v1.StepResultH\x00\x12&\n\x07\x66\x61ilure\x18\x03 \x01(\x0b\x32\x13.meshnet.v1.FailureH\x00\x42\x06\n\x04kind\"G\n\tLoadShard\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\"A\n\x10\x43onfigureRequest\x12%\n\x04load\x18\x01 \x01(\x0b\x32\x15.meshnet.v1.LoadShardH\x00\x42\x06\n\x04kind\"\x87\x01\n\x11\x43onfigureResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12$\n\x07\x66\x61ilure\x18\x02 \x01(\x0b\x32\x13.meshnet.v1.Failure\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\"1\n\x0c\x46\x65nceRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x0f\n\rFenceResponse\"\r\n\x0bInfoRequest\"\x90\x01\n\x0cInfoResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0e\n\x06loaded\x18\x03 \x01(\x08\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x10\n\x08sessions\x18\x06 \x01(\r\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x32\x91\x02\n\x04Node\x12\x46\n\x07\x46orward\x12\x1a.meshnet.v1.ForwardRequest\x1a\x1b.meshnet.v1.ForwardResponse(\x01\x30\x01\x12H\n\tConfigure\x12\x1c.meshnet.v1.ConfigureRequest\x1a\x1d.meshnet.v1.ConfigureResponse\x12\x39\n\x04Info\x12\x17.meshnet.v1.InfoRequest\x1a\x18.meshnet.v1.InfoResponse\x12<\n\x05\x46\x65nce\x12\x18.meshnet.v1.FenceRequest\x1a\x19.meshnet.v1.FenceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1emeshnet/protocol/meshnet.proto\x12\nmeshnet.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"v\n\x04Open\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x0e\n\x06resume\x18\x06 \x01(\x08\"[\n\x04Step\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12!\n\x05input\x18\x02 \x01(\x0b\x32\x12.meshnet.v1.Tensor\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\x12\x0e\n\x06replay\x18\x04 \x01(\x08\"\\\n\x0e\x46orwardRequest\x12 \n\x04open\x18\x01 \x01(\x0b\x32\x10.meshnet.v1.OpenH\x00\x12 \n\x04step\x18\x02 \x01(\x0b\x32\x10.meshnet.v1.StepH\x00\x42\x06\n\x04kind\"c\n\x06Opened\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x11\n\tkv_tokens\x18\x04 \x01(\x04\x12\r\n\x05steps\x18\x05 \x01(\x04\"R\n\nStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\"\n\x06output\x18\x02 \x01(\x0b\x32\x12.meshnet.v1.Tensor\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\";\n\x07\x46\x61ilure\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\"\x91\x01\n\x0f\x46orwardResponse\x12$\n\x06opened\x18\x01 \x01(\x0b\x32\x12.meshnet.v1.OpenedH\x00\x12(\n\x06result\x18\x02 \x01(\x0b\x32\x16.meshnet.v1.StepResultH\x00\x12&\n\x07\x66\x61ilure\x18\x03 \x01(\x0b\x32\x13.meshnet.v1.FailureH\x00\x42\x06\n\x04kind\"G\n\tLoadShard\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\"A\n\x10\x43onfigureRequest\x12%\n\x04load\x18\x01 \x01(\x0b\x32\x15.meshnet.v1.LoadShardH\x00\x42\x06\n\x04kind\"\x87\x01\n\x11\x43onfigureResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12$\n\x07\x66\x61ilure\x18\x02 \x01(\x0b\x32\x13.meshnet.v1.Failure\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\"1\n\x0c\x46\x65nceRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x0f\n\rFenceResponse\"\r\n\x0bInfoRequest\"\x90\x01\n\x0cInfoResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0e\n\x06loaded\x18\x03 \x01(\x08\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x10\n\x08sessions\x18\x06 \x01(\r\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x32\x91\x02\n\x04Node\x12\x46\n\x07\x46orward\x12\x1a.meshnet.v1.ForwardRequest\x1a\x1b.meshnet.v1.ForwardResponse(\x01\x30\x01\x12H\n\tConfigure\x12\x1c.meshnet.v1.ConfigureRequest\x1a\x1d.meshnet.v1.ConfigureResponse\x12\x39\n\x04Info\x12\x17.meshnet.v1.InfoRequest\x1a\x18.meshnet.v1.InfoResponse\x12<\n\x05\x46\x65nce\x12\x18.meshnet.v1.FenceRequest\x1a\x19.meshnet.v1.FenceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,31 +36,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPEN']._serialized_start=100
   _globals['_OPEN']._serialized_end=218
   _globals['_STEP']._serialized_start=220
-  _globals['_STEP']._serialized_end=295
-  _globals['_FORWARDREQUEST']._serialized_start=297
-  _globals['_FORWARDREQUEST']._serialized_end=389
-  _globals['_OPENED']._serialized_start=391
-  _globals['_OPENED']._serialized_end=490
-  _globals['_STEPRESULT']._serialized_start=492
-  _globals['_STEPRESULT']._serialized_end=574
-  _globals['_FAILURE']._serialized_start=576
-  _globals['_FAILURE']._serialized_end=635
-  _globals['_FORWARDRESPONSE']._serialized_start=638
-  _globals['_FORWARDRESPONSE']._serialized_end=783
-  _globals['_LOADSHARD']._serialized_start=785
-  _globals['_LOADSHARD']._serialized_end=856
-  _globals['_CONFIGUREREQUEST']._serialized_start=858
-  _globals['_CONFIGUREREQUEST']._serialized_end=923
-  _globals['_CONFIGURERESPONSE']._serialized_start=926
-  _globals['_CONFIGURERESPONSE']._serialized_end=1061
-  _globals['_FENCEREQUEST']._serialized_start=1063
-  _globals['_FENCEREQUEST']._serialized_end=1112
-  _globals['_FENCERESPONSE']._serialized_start=1114
-  _globals['_FENCERESPONSE']._serialized_end=1129
-  _globals['_INFOREQUEST']._serialized_start=1131
-  _globals['_INFOREQUEST']._serialized_end=1144
-  _globals['_INFORESPONSE']._serialized_start=1147
-  _globals['_INFORESPONSE']._serialized_end=1291
-  _globals['_NODE']._serialized_start=1294
-  _globals['_NODE']._serialized_end=1567
+  _globals['_STEP']._serialized_end=311
+  _globals['_FORWARDREQUEST']._serialized_start=313
+  _globals['_FORWARDREQUEST']._serialized_end=405
+  _globals['_OPENED']._serialized_start=407
+  _globals['_OPENED']._serialized_end=506
+  _globals['_STEPRESULT']._serialized_start=508
+  _globals['_STEPRESULT']._serialized_end=590
+  _globals['_FAILURE']._serialized_start=592
+  _globals['_FAILURE']._serialized_end=651
+  _globals['_FORWARDRESPONSE']._serialized_start=654
+  _globals['_FORWARDRESPONSE']._serialized_end=799
+  _globals['_LOADSHARD']._serialized_start=801
+  _globals['_LOADSHARD']._serialized_end=872
+  _globals['_CONFIGUREREQUEST']._serialized_start=874
+  _globals['_CONFIGUREREQUEST']._serialized_end=939
+  _globals['_CONFIGURERESPONSE']._serialized_start=942
+  _globals['_CONFIGURERESPONSE']._serialized_end=1077
+  _globals['_FENCEREQUEST']._serialized_start=1079
+  _globals['_FENCEREQUEST']._serialized_end=1128
+  _globals['_FENCERESPONSE']._serialized_start=1130
+  _globals['_FENCERESPONSE']._serialized_end=1145
+  _globals['_INFOREQUEST']._serialized_start=1147
+  _globals['_INFOREQUEST']._serialized_end=1160
+  _globals['_INFORESPONSE']._serialized_start=1163
+  _globals['_INFORESPONSE']._serialized_end=1307
+  _globals['_NODE']._serialized_start=1310
+  _globals['_NODE']._serialized_end=1583
 # @@protoc_insertion_point(module_scope)

@@ -33,14 +33,16 @@ class Open(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("step", "input", "timeout_ms")
+    __slots__ = ("step", "input", "timeout_ms", "replay")
     STEP_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
     step: int
     input: Tensor
     timeout_ms: int
-    def __init__(self, step: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    replay: bool
+    def __init__(self, step: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., replay: _Optional[bool] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("open", "step")

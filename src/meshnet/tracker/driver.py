@@ -9,8 +9,10 @@ When a hop fails mid-generation the driver asks the tracker (the ``Fabric``)
 for a replacement of the failed span, opens the next epoch on every hop of
 the new route — survivors *resume* it, keeping their KV, which fences the old
 epoch — and replays the logged inputs of the failed span into the
-replacement only, step by step as they were first sent, so the rebuilt KV is
-bit-identical and the output continues exactly. When no survivor keeps its
+replacement only: the prompt as it was first sent, then every logged decode
+step in one message whose rows the node computes exactly as the one-row
+steps they were, so the rebuilt KV is bit-identical and the output
+continues exactly. When no survivor keeps its
 KV that is a restart from token zero, by the same code. The uncertain step is
 never resent on the old epoch. Every attempt ends in one ledger record.
 """
@@ -185,13 +187,43 @@ class RouteDriver:
 
     async def _advance(self, gen: Generation, step: int) -> np.ndarray:
         """Run ``step``, first replaying earlier steps into hops that lack them."""
-        for s in range(min(link.steps for link in gen.links), step):
-            await self._run_step(gen, s)
+        first = min(link.steps for link in gen.links)
+        if first < step:
+            if first == 0:
+                await self._run_step(gen, 0)  # the prompt, chunked as it was first sent
+            await self._replay(gen, max(first, 1), step)
             if gen.pending is not None:
-                gen.pending.replayed_steps += 1
+                gen.pending.replayed_steps += step - first
         logits = await self._run_step(gen, step)
         assert logits is not None  # no hop holds a step not yet sampled
         return logits
+
+    async def _replay(self, gen: Generation, first: int, end: int) -> None:
+        """Send decode steps ``[first, end)`` to the hops lacking them as one message each;
+        the node computes every row exactly as the step it was, so the KV is identical."""
+        behind = [link for link in gen.links if link.steps < end]
+        if any(link.steps != first for link in behind):
+            for s in range(first, end):  # hops at different points: step by step
+                await self._run_step(gen, s)
+            return
+        x: np.ndarray | None = None
+        for i, link in enumerate(gen.links):
+            start = link.hop.layers.start
+            if link.steps >= end:
+                x = None
+                continue
+            if x is None:
+                logged = [gen.recorded_input(start, s) for s in range(first, end)]
+                if any(row is None for row in logged):
+                    raise CacheMiss(f"no logged input for layer {start} in steps {first}-{end}")
+                x = np.concatenate([row for row in logged if row is not None])
+            else:
+                for row, s in enumerate(range(first, end)):
+                    gen.record_input(start, s, x[row : row + 1])
+            rows = int(x.shape[0])
+            x = await self._send(gen, link, first, x, i == len(gen.links) - 1, replay=True)
+            link.steps = end
+            link.positions += rows
 
     async def _run_step(self, gen: Generation, step: int) -> np.ndarray | None:
         """Send ``step`` through every hop that has not run it; the last hop's output."""
@@ -216,7 +248,13 @@ class RouteDriver:
         return x
 
     async def _send(
-        self, gen: Generation, link: HopLink, step: int, x: np.ndarray, last: bool
+        self,
+        gen: Generation,
+        link: HopLink,
+        step: int,
+        x: np.ndarray,
+        last: bool,
+        replay: bool = False,
     ) -> np.ndarray:
         node = link.node_id
         left = gen.deadline - time.monotonic()
@@ -224,7 +262,12 @@ class RouteDriver:
         if budget <= 0:
             raise DeadlineExceeded("the generation ran past its deadline")
         request = pb.ForwardRequest(
-            step=pb.Step(step=step, input=codec.encode(x), timeout_ms=max(1, int(budget * 1000)))
+            step=pb.Step(
+                step=step,
+                input=codec.encode(x),
+                timeout_ms=max(1, int(budget * 1000)),
+                replay=replay,
+            )
         )
         try:
             reply = await link.exchange(request, budget)
