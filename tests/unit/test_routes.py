@@ -6,7 +6,7 @@ from meshnet.errors import NoRoute, RequestError
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import NodeLoad
 from meshnet.tracker.registry import NodeRecord, NodeState, is_stale
-from meshnet.tracker.routes import pinned_route, plan_route
+from meshnet.tracker.routes import pinned_route, plan_chain, plan_route, splice
 
 FP = "f" * 64
 
@@ -88,3 +88,20 @@ def test_pinned_route_validation() -> None:
 def test_staleness() -> None:
     n = node("a", 0, 30)
     assert is_stale(n, now=10.0, timeout_s=3.0) and not is_stale(n, now=2.0, timeout_s=3.0)
+
+
+def test_a_failed_span_is_replaced_by_a_chain_covering_exactly_it() -> None:
+    nodes = [
+        node("a", 0, 10),
+        node("b", 10, 30),  # the failed hop
+        node("c1", 10, 20),
+        node("c2", 20, 30),
+        node("wide", 0, 30),  # covers the span but starts outside it: unusable
+        node("dead", 10, 30, up=False),
+    ]
+    chain = plan_chain(nodes, FP, LayerRange(10, 30), {}, exclude={"b"})
+    assert ids(chain) == ["c1", "c2"]
+    route = plan_route([nodes[0], nodes[1]], FP, 30, {})
+    assert ids(splice(route, 1, chain)) == ["a", "c1", "c2"]
+    with pytest.raises(NoRoute, match="layer 10"):
+        plan_chain(nodes[:2], FP, LayerRange(10, 30), {}, exclude={"b"})

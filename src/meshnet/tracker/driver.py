@@ -139,6 +139,8 @@ class RouteDriver:
         try:
             step = 0
             while True:
+                if gen.verdict is not None:  # cancelled while no step was waiting
+                    raise gen.verdict
                 try:
                     logits = await self._advance(gen, step)
                 except MeshnetError as e:
@@ -329,6 +331,10 @@ class RouteDriver:
                     raise gen.verdict from None
                 error, route = e, reroute.route
                 failed = next((h for h in route if h.node_id == e.node_id), None)
+        if gen.verdict is not None:  # cancelled while the new epoch was opening
+            for link in links:
+                link.close()
+            raise gen.verdict
         self._account_failover(gen, carried, fabric)
         for link in gen.links:
             if link.node_id in pending.failures:

@@ -168,6 +168,8 @@ class Tracker:
             del self._generations[gen.id]
             self._in_flight.subtract(h.node_id for h in route)
             await events.aclose()  # ends the route's streams now, also when abandoned
+            for link in gen.links:  # and when the driver never started
+                link.close()
 
     # --- the driver's fabric -------------------------------------------------------
 
