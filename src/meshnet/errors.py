@@ -23,6 +23,7 @@ the API edge::
     ├── Overloaded                   overloaded               yes        429
     ├── KVBudgetExhausted            kv-budget-exhausted      yes        429
     ├── Cancelled                    cancelled                no         499
+    ├── KVImportFailed               kv-import-failed         yes        502
     └── NodeFailure                  (kind of the failure)    yes        502
         ├── DeadlineExceeded         deadline-exceeded
         ├── HeartbeatLost            heartbeat-lost
@@ -173,6 +174,19 @@ class Cancelled(MeshnetError):
     http_status = 499
 
 
+class KVImportFailed(MeshnetError):
+    """A KV stream was short, stalled, corrupt, mismatched or over a limit; nothing of it
+    was kept. ``reason`` says which, for the tracker to pick another source or re-prefill."""
+
+    kind = "kv-import-failed"
+    retryable = True
+    http_status = 502
+
+    def __init__(self, message: str, reason: str = "invalid", node_id: str = "") -> None:
+        super().__init__(message, node_id)
+        self.reason = reason
+
+
 class NodeFailure(MeshnetError):
     """A node of the route failed while serving a step."""
 
@@ -211,6 +225,6 @@ def error_for_kind(kind: str, message: str, node_id: str = "") -> MeshnetError:
     while stack:
         cls = stack.pop()
         if cls.kind == kind:
-            return cls(message, node_id)
+            return cls(message, node_id=node_id)
         stack.extend(cls.__subclasses__())
     return MeshnetError(message, node_id)

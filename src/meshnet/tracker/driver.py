@@ -318,7 +318,7 @@ class RouteDriver:
                 reroute = await fabric.reroute(route, failed, error)
             except NoRoute as e:
                 message = f"{error.message}; no replacement: {e.message}"
-                raise type(error)(message, error.node_id) from None
+                raise type(error)(message, node_id=error.node_id) from None
             survivors = {
                 _key(link.hop): link for link in gen.links if link.node_id not in pending.failures
             }
