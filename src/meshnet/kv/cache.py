@@ -85,6 +85,30 @@ class SequenceKV:
         """Commit the ``n_new`` positions every layer has written."""
         self.length += n_new
 
+    def payload_bytes(self, length: int) -> int:
+        """Size of ``export_bytes`` for ``length`` positions."""
+        per_position = 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+        return per_position * length
+
+    def export_bytes(self) -> bytes:
+        """The committed positions: every layer's keys, then every layer's values, C order."""
+        parts = [a[:, : self.length] for a in (*self._keys, *self._values)]
+        return b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
+
+    def load_bytes(self, length: int, payload: bytes) -> None:
+        """Fill this empty cache with ``length`` positions made by ``export_bytes``."""
+        if self.length:
+            raise ValueError("load_bytes needs an empty cache")
+        if len(payload) != self.payload_bytes(length):
+            raise ValueError(f"{len(payload)} bytes do not hold {length} positions")
+        self.reserve(length)
+        shape = (2, self.n_layers, self.n_kv_heads, length, self.head_dim)
+        data = np.frombuffer(payload, self.dtype).reshape(shape)
+        for layer in range(self.n_layers):
+            self._keys[layer][:, :length] = data[0, layer]
+            self._values[layer][:, :length] = data[1, layer]
+        self.length = length
+
     def truncate(self, length: int) -> None:
         """Forget every position from ``length`` on (e.g. to re-run a suffix)."""
         if not 0 <= length <= self.length:

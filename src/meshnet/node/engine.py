@@ -70,6 +70,16 @@ class OpenedSlot:
 
 
 @dataclass(frozen=True)
+class ExportedKV:
+    """A copy of one session's KV on this shard, taken between iterations."""
+
+    epoch: int
+    steps: int
+    tokens: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
 class EngineStats:
     loaded: bool
     layers: LayerRange | None
@@ -154,6 +164,20 @@ class NodeEngine:
     def fence(self, session_id: str, epoch: int) -> Future[None]:
         """The session moved on to ``epoch`` elsewhere: drop older KV, refuse older steps."""
         return self._control(lambda: self._apply_fence(session_id, epoch))
+
+    def export_kv(self, session_id: str) -> Future[ExportedKV]:
+        """Copy a session's KV (consistent: no step runs while it is copied)."""
+        return self._control(lambda: self._apply_export(session_id))
+
+    def import_kv(
+        self, session_id: str, epoch: int, steps: int, tokens: int, payload: bytes
+    ) -> Future[OpenedSlot]:
+        """Make verified KV a session's (replacing what it held); visible only once loaded."""
+        return self._control(lambda: self._apply_import(session_id, epoch, steps, tokens, payload))
+
+    def quarantine(self, session_id: str) -> Future[None]:
+        """After a failed import: the session holds nothing (KV, steps, queued work)."""
+        return self._control(lambda: self._drop(session_id))
 
     def cancel(self, session_id: str) -> Future[None]:
         """Free a session's KV whatever its epoch, and fail its unfinished steps."""
@@ -319,6 +343,31 @@ class NodeEngine:
             slot = self._slots[session_id] = Slot(epoch, kv)
         self._remember_fence(session_id, epoch)
         return OpenedSlot(slot.kv.length, slot.steps)
+
+    def _apply_export(self, session_id: str) -> ExportedKV:
+        slot = self._slots.get(session_id)
+        if slot is None:
+            raise CacheMiss(f"no KV for session {session_id}")
+        return ExportedKV(slot.epoch, slot.steps, slot.kv.length, slot.kv.export_bytes())
+
+    def _apply_import(
+        self, session_id: str, epoch: int, steps: int, tokens: int, payload: bytes
+    ) -> OpenedSlot:
+        shard = self._shard
+        if shard is None:
+            raise ShardMismatch("this node is empty: no layers loaded")
+        fence = self._fences.get(session_id, 0)
+        if epoch < fence:
+            raise StaleEpoch(f"session {session_id} is at epoch {fence}, not {epoch}")
+        self._drop(session_id)  # whatever it held is replaced, or quarantined on failure
+        kv = shard.backend.new_kv()
+        if not self._budget.fits(kv.growth_bytes(tokens)):
+            raise budget_full(self._budget, len(self._slots))
+        kv.load_bytes(tokens, payload)
+        self._slots[session_id] = Slot(epoch, kv, steps=steps)
+        self._remember_fence(session_id, epoch)
+        self._account()
+        return OpenedSlot(tokens, steps)
 
     def _apply_fence(self, session_id: str, epoch: int) -> None:
         slot = self._slots.get(session_id)

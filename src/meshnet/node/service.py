@@ -8,14 +8,23 @@ session's KV) usable; the KV is released when the stream ends, however it ends.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
 
-from meshnet.errors import DeadlineExceeded, MalformedBundle, MeshnetError, ShardMismatch
+from meshnet.errors import (
+    DeadlineExceeded,
+    KVImportFailed,
+    MalformedBundle,
+    MeshnetError,
+    ShardMismatch,
+)
+from meshnet.kv.transfer import KVShape, check_header, export_frames, read_stream
 from meshnet.layer_range import LayerRange
+from meshnet.model.shard import Shard
 from meshnet.node.engine import NodeEngine, OpenedSlot
 from meshnet.node.scheduler import StepWork
 from meshnet.protocol import codec
@@ -27,6 +36,7 @@ log = logging.getLogger(__name__)
 _CONTROL_TIMEOUT_S = 30.0
 _MAX_SESSION_ID = 128
 _NO_DEADLINE_S = 7 * 24 * 3600.0
+_TRANSFER_TIMEOUT_S = 60.0  # one KV import, whole stream
 
 
 @dataclass(frozen=True)
@@ -147,6 +157,68 @@ class NodeService(pb_grpc.NodeServicer):
             self.engine.fence(request.session_id, request.epoch).result(_CONTROL_TIMEOUT_S)
         return pb.FenceResponse()
 
+    def StateGet(
+        self, request: pb.StateGetRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.KVFrame]:
+        shard = self.engine.shard
+        if shard is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is empty")
+        assert shard is not None
+        try:
+            kv = self.engine.export_kv(request.session_id).result(_CONTROL_TIMEOUT_S)
+        except MeshnetError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        shape = kv_shape(shard)
+        header = pb.KVHeader(
+            fingerprint=shape.fingerprint,
+            layer_start=shape.layer_start,
+            layer_end=shape.layer_end,
+            session_id=request.session_id,
+            epoch=kv.epoch,
+            tokens=kv.tokens,
+            steps=kv.steps,
+            token_prefix_hash=request.token_prefix_hash,
+            dtype=shape.dtype,
+            n_kv_heads=shape.n_kv_heads,
+            head_dim=shape.head_dim,
+        )
+        yield from export_frames(header, kv.payload)
+
+    def StatePut(
+        self, request_iterator: Iterator[pb.KVFrame], context: grpc.ServicerContext
+    ) -> pb.StatePutResponse:
+        """Import a KV stream; on any failure the session is left holding nothing."""
+        shard = self.engine.shard
+        if shard is None:
+            return _put_failed(KVImportFailed("this node is empty", "wrong-layers"))
+        left = _remaining_s(0, context)
+        limit = min(left, _TRANSFER_TIMEOUT_S) if left is not None else _TRANSFER_TIMEOUT_S
+        deadline = time.monotonic() + limit
+        # One deadline for the whole transfer: a stalled or trickling peer is cut off.
+        timer = threading.Timer(limit, context.cancel)
+        timer.start()
+        shape = kv_shape(shard)
+        seen: list[pb.KVHeader] = []
+
+        def check(h: pb.KVHeader) -> None:
+            if not h.session_id or len(h.session_id) > _MAX_SESSION_ID:
+                raise KVImportFailed("bad session id", "invalid")
+            seen.append(h)
+            check_header(h, shape, None)
+
+        try:
+            header, payload = read_stream(_frames(request_iterator), check, deadline)
+            held = self.engine.import_kv(
+                header.session_id, header.epoch, header.steps, header.tokens, payload
+            ).result(_CONTROL_TIMEOUT_S)
+        except MeshnetError as e:
+            if seen:
+                self.engine.quarantine(seen[0].session_id).result(_CONTROL_TIMEOUT_S)
+            return _put_failed(e)
+        finally:
+            timer.cancel()
+        return pb.StatePutResponse(imported=True, tokens=held.kv_tokens)
+
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         s = self.engine.stats()
         return pb.InfoResponse(
@@ -171,6 +243,34 @@ def _remaining_s(timeout_ms: int, context: grpc.ServicerContext) -> float | None
     if left is not None and left < _NO_DEADLINE_S:
         limits.append(max(left, 0.0))
     return min(limits) if limits else None
+
+
+def kv_shape(shard: Shard) -> KVShape:
+    kv = shard.backend.new_kv()
+    return KVShape(
+        fingerprint=shard.fingerprint,
+        layer_start=shard.layers.start,
+        layer_end=shard.layers.end,
+        n_kv_heads=kv.n_kv_heads,
+        head_dim=kv.head_dim,
+        dtype=kv.dtype.name,
+        itemsize=kv.dtype.itemsize,
+        max_tokens=shard.spec.context_length,
+    )
+
+
+def _frames(frames: Iterator[pb.KVFrame]) -> Iterator[pb.KVFrame]:
+    """The peer's frames; a call cut off (deadline, hang-up) reads as a deadline failure."""
+    try:
+        yield from frames
+    except Exception as e:  # grpc raises its own types when the call ends under us
+        raise KVImportFailed(f"the transfer was cut off: {e}", "deadline") from None
+
+
+def _put_failed(e: MeshnetError) -> pb.StatePutResponse:
+    log.info("KV import failed: %s", e)
+    reason = e.reason if isinstance(e, KVImportFailed) else e.kind
+    return pb.StatePutResponse(imported=False, failure=_fail(e), reason=reason)
 
 
 def _fail(e: MeshnetError) -> pb.Failure:

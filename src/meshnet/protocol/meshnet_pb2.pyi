@@ -138,6 +138,84 @@ class FenceResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class KVHeader(_message.Message):
+    __slots__ = ("version", "fingerprint", "layer_start", "layer_end", "session_id", "epoch", "tokens", "steps", "token_prefix_hash", "dtype", "n_kv_heads", "head_dim", "chunk_bytes", "total_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    N_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    fingerprint: str
+    layer_start: int
+    layer_end: int
+    session_id: str
+    epoch: int
+    tokens: int
+    steps: int
+    token_prefix_hash: str
+    dtype: str
+    n_kv_heads: int
+    head_dim: int
+    chunk_bytes: int
+    total_bytes: int
+    def __init__(self, version: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., token_prefix_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("index", "data", "sha256")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    data: bytes
+    sha256: bytes
+    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+
+class KVTrailer(_message.Message):
+    __slots__ = ("root_hash",)
+    ROOT_HASH_FIELD_NUMBER: _ClassVar[int]
+    root_hash: bytes
+    def __init__(self, root_hash: _Optional[bytes] = ...) -> None: ...
+
+class KVFrame(_message.Message):
+    __slots__ = ("header", "chunk", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: KVHeader
+    chunk: KVChunk
+    trailer: KVTrailer
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ...) -> None: ...
+
+class StateGetRequest(_message.Message):
+    __slots__ = ("session_id", "token_prefix_hash")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    token_prefix_hash: str
+    def __init__(self, session_id: _Optional[str] = ..., token_prefix_hash: _Optional[str] = ...) -> None: ...
+
+class StatePutResponse(_message.Message):
+    __slots__ = ("imported", "failure", "reason", "tokens")
+    IMPORTED_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    imported: bool
+    failure: Failure
+    reason: str
+    tokens: int
+    def __init__(self, imported: _Optional[bool] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., reason: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

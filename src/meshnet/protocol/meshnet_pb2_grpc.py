@@ -54,6 +54,16 @@ class NodeStub:
                 request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.FenceRequest.SerializeToString,
                 response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.FenceResponse.FromString,
                 _registered_method=True)
+        self.StateGet = channel.unary_stream(
+                '/meshnet.v1.Node/StateGet',
+                request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.StateGetRequest.SerializeToString,
+                response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.KVFrame.FromString,
+                _registered_method=True)
+        self.StatePut = channel.stream_unary(
+                '/meshnet.v1.Node/StatePut',
+                request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.KVFrame.SerializeToString,
+                response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.StatePutResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -84,6 +94,19 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StateGet(self, request, context):
+        """Export a session's KV on this shard; import one (verified before it becomes visible).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StatePut(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +129,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Fence,
                     request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.FenceRequest.FromString,
                     response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.FenceResponse.SerializeToString,
+            ),
+            'StateGet': grpc.unary_stream_rpc_method_handler(
+                    servicer.StateGet,
+                    request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.StateGetRequest.FromString,
+                    response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.KVFrame.SerializeToString,
+            ),
+            'StatePut': grpc.stream_unary_rpc_method_handler(
+                    servicer.StatePut,
+                    request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.KVFrame.FromString,
+                    response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.StatePutResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +249,60 @@ class Node:
             '/meshnet.v1.Node/Fence',
             meshnet_dot_protocol_dot_meshnet__pb2.FenceRequest.SerializeToString,
             meshnet_dot_protocol_dot_meshnet__pb2.FenceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StateGet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/meshnet.v1.Node/StateGet',
+            meshnet_dot_protocol_dot_meshnet__pb2.StateGetRequest.SerializeToString,
+            meshnet_dot_protocol_dot_meshnet__pb2.KVFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StatePut(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/meshnet.v1.Node/StatePut',
+            meshnet_dot_protocol_dot_meshnet__pb2.KVFrame.SerializeToString,
+            meshnet_dot_protocol_dot_meshnet__pb2.StatePutResponse.FromString,
             options,
             channel_credentials,
             insecure,
