@@ -95,7 +95,7 @@ class SequenceKV:
         parts = [a[:, : self.length] for a in (*self._keys, *self._values)]
         return b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
 
-    def load_bytes(self, length: int, payload: bytes) -> None:
+    def load_bytes(self, length: int, payload: bytes | bytearray) -> None:
         """Fill this empty cache with ``length`` positions made by ``export_bytes``."""
         if self.length:
             raise ValueError("load_bytes needs an empty cache")

@@ -25,8 +25,8 @@ from meshnet.errors import KVImportFailed
 from meshnet.protocol import meshnet_pb2 as pb
 
 FORMAT_VERSION = 1
-CHUNK_BYTES = 1 << 20  # what we write; readers accept up to MAX_CHUNK_BYTES
-MAX_CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 4 << 20  # what we write; readers accept up to MAX_CHUNK_BYTES
+MAX_CHUNK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,11 @@ def export_frames(
         data = bytes(view[start : start + chunk_bytes])
         digest = hashlib.sha256(data).digest()
         hashes.append(digest)
-        yield pb.KVFrame(chunk=pb.KVChunk(index=index, data=data, sha256=digest))
+        frame = pb.KVFrame()  # set in place: a nested constructor would copy the data again
+        frame.chunk.index = index
+        frame.chunk.data = data
+        frame.chunk.sha256 = digest
+        yield frame
     yield pb.KVFrame(trailer=pb.KVTrailer(root_hash=root_hash(header, hashes)))
 
 
@@ -103,7 +107,7 @@ def read_stream(
     frames: Iterator[pb.KVFrame],
     check: Callable[[pb.KVHeader], None],
     deadline: float,
-) -> tuple[pb.KVHeader, bytes]:
+) -> tuple[pb.KVHeader, bytearray]:
     """Read and verify one whole stream; the payload only when everything checks out."""
     header = _next(frames, deadline, "header").header
     check(header)
@@ -129,7 +133,7 @@ def read_stream(
         raise KVImportFailed("more chunks than the header says", "out-of-order")
     if trailer.trailer.root_hash != root_hash(header, hashes):
         raise KVImportFailed("the root hash does not match", "root-hash")
-    return header, bytes(payload)
+    return header, payload
 
 
 def _next(frames: Iterator[pb.KVFrame], deadline: float, wanted: str) -> pb.KVFrame:

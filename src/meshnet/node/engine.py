@@ -170,7 +170,7 @@ class NodeEngine:
         return self._control(lambda: self._apply_export(session_id))
 
     def import_kv(
-        self, session_id: str, epoch: int, steps: int, tokens: int, payload: bytes
+        self, session_id: str, epoch: int, steps: int, tokens: int, payload: bytes | bytearray
     ) -> Future[OpenedSlot]:
         """Make verified KV a session's (replacing what it held); visible only once loaded."""
         return self._control(lambda: self._apply_import(session_id, epoch, steps, tokens, payload))
@@ -351,7 +351,7 @@ class NodeEngine:
         return ExportedKV(slot.epoch, slot.steps, slot.kv.length, slot.kv.export_bytes())
 
     def _apply_import(
-        self, session_id: str, epoch: int, steps: int, tokens: int, payload: bytes
+        self, session_id: str, epoch: int, steps: int, tokens: int, payload: bytes | bytearray
     ) -> OpenedSlot:
         shard = self._shard
         if shard is None:

@@ -30,6 +30,7 @@ from meshnet.node.scheduler import StepWork
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
+from meshnet.protocol.codec import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,11 @@ _CONTROL_TIMEOUT_S = 30.0
 _MAX_SESSION_ID = 128
 _NO_DEADLINE_S = 7 * 24 * 3600.0
 _TRANSFER_TIMEOUT_S = 60.0  # one KV import, whole stream
+_MAX_ADDRESS = 256
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
 
 
 @dataclass(frozen=True)
@@ -184,15 +190,42 @@ class NodeService(pb_grpc.NodeServicer):
         )
         yield from export_frames(header, kv.payload)
 
+    def StatePull(
+        self, request: pb.StatePullRequest, context: grpc.ServicerContext
+    ) -> pb.StatePutResponse:
+        """Fetch a session's KV straight from another node and import it (node to node)."""
+        if not request.source or len(request.source) > _MAX_ADDRESS:
+            return _put_failed(KVImportFailed("no source address", "invalid"))
+        left = _remaining_s(0, context)
+        limit = min(left, _TRANSFER_TIMEOUT_S) if left is not None else _TRANSFER_TIMEOUT_S
+        get = pb.StateGetRequest(
+            session_id=request.session_id, token_prefix_hash=request.token_prefix_hash
+        )
+        with grpc.insecure_channel(request.source, options=_CHANNEL_OPTIONS) as channel:
+            frames = pb_grpc.NodeStub(channel).StateGet(get, timeout=limit)
+            try:
+                return self._import(frames, limit, context, request.token_prefix_hash or None)
+            finally:
+                frames.cancel()
+
     def StatePut(
         self, request_iterator: Iterator[pb.KVFrame], context: grpc.ServicerContext
     ) -> pb.StatePutResponse:
         """Import a KV stream; on any failure the session is left holding nothing."""
+        left = _remaining_s(0, context)
+        limit = min(left, _TRANSFER_TIMEOUT_S) if left is not None else _TRANSFER_TIMEOUT_S
+        return self._import(request_iterator, limit, context, None)
+
+    def _import(
+        self,
+        frames: Iterator[pb.KVFrame],
+        limit: float,
+        context: grpc.ServicerContext,
+        prefix_hash: str | None,
+    ) -> pb.StatePutResponse:
         shard = self.engine.shard
         if shard is None:
             return _put_failed(KVImportFailed("this node is empty", "wrong-layers"))
-        left = _remaining_s(0, context)
-        limit = min(left, _TRANSFER_TIMEOUT_S) if left is not None else _TRANSFER_TIMEOUT_S
         deadline = time.monotonic() + limit
         # One deadline for the whole transfer: a stalled or trickling peer is cut off.
         timer = threading.Timer(limit, context.cancel)
@@ -204,10 +237,10 @@ class NodeService(pb_grpc.NodeServicer):
             if not h.session_id or len(h.session_id) > _MAX_SESSION_ID:
                 raise KVImportFailed("bad session id", "invalid")
             seen.append(h)
-            check_header(h, shape, None)
+            check_header(h, shape, prefix_hash)
 
         try:
-            header, payload = read_stream(_frames(request_iterator), check, deadline)
+            header, payload = read_stream(_frames(frames), check, deadline)
             held = self.engine.import_kv(
                 header.session_id, header.epoch, header.steps, header.tokens, payload
             ).result(_CONTROL_TIMEOUT_S)
@@ -263,6 +296,11 @@ def _frames(frames: Iterator[pb.KVFrame]) -> Iterator[pb.KVFrame]:
     """The peer's frames; a call cut off (deadline, hang-up) reads as a deadline failure."""
     try:
         yield from frames
+    except grpc.RpcError as e:  # a source node's answer (StatePull)
+        if isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.NOT_FOUND:
+            message = f"the source has no such KV: {e.details()}"
+            raise KVImportFailed(message, "source-missing") from None
+        raise KVImportFailed(f"the transfer was cut off: {e}", "deadline") from None
     except Exception as e:  # grpc raises its own types when the call ends under us
         raise KVImportFailed(f"the transfer was cut off: {e}", "deadline") from None
 

@@ -204,6 +204,16 @@ class StateGetRequest(_message.Message):
     token_prefix_hash: str
     def __init__(self, session_id: _Optional[str] = ..., token_prefix_hash: _Optional[str] = ...) -> None: ...
 
+class StatePullRequest(_message.Message):
+    __slots__ = ("source", "session_id", "token_prefix_hash")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    session_id: str
+    token_prefix_hash: str
+    def __init__(self, source: _Optional[str] = ..., session_id: _Optional[str] = ..., token_prefix_hash: _Optional[str] = ...) -> None: ...
+
 class StatePutResponse(_message.Message):
     __slots__ = ("imported", "failure", "reason", "tokens")
     IMPORTED_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class NodeStub:
                 request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.KVFrame.SerializeToString,
                 response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.StatePutResponse.FromString,
                 _registered_method=True)
+        self.StatePull = channel.unary_unary(
+                '/meshnet.v1.Node/StatePull',
+                request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.StatePullRequest.SerializeToString,
+                response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.StatePutResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -107,6 +112,12 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StatePull(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +149,11 @@ def add_NodeServicer_to_server(servicer, server):
             'StatePut': grpc.stream_unary_rpc_method_handler(
                     servicer.StatePut,
                     request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.KVFrame.FromString,
+                    response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.StatePutResponse.SerializeToString,
+            ),
+            'StatePull': grpc.unary_unary_rpc_method_handler(
+                    servicer.StatePull,
+                    request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.StatePullRequest.FromString,
                     response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.StatePutResponse.SerializeToString,
             ),
     }
@@ -302,6 +318,33 @@ class Node:
             target,
             '/meshnet.v1.Node/StatePut',
             meshnet_dot_protocol_dot_meshnet__pb2.KVFrame.SerializeToString,
+            meshnet_dot_protocol_dot_meshnet__pb2.StatePutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StatePull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnet.v1.Node/StatePull',
+            meshnet_dot_protocol_dot_meshnet__pb2.StatePullRequest.SerializeToString,
             meshnet_dot_protocol_dot_meshnet__pb2.StatePutResponse.FromString,
             options,
             channel_credentials,
