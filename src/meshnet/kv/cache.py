@@ -90,10 +90,14 @@ class SequenceKV:
         per_position = 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.itemsize
         return per_position * length
 
-    def export_bytes(self) -> bytes:
+    def export_bytes(self) -> memoryview:
         """The committed positions: every layer's keys, then every layer's values, C order."""
-        parts = [a[:, : self.length] for a in (*self._keys, *self._values)]
-        return b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
+        n = self.length
+        out = np.empty((2, self.n_layers, self.n_kv_heads, n, self.head_dim), self.dtype)
+        for layer in range(self.n_layers):  # one copy, straight into the result
+            out[0, layer] = self._keys[layer][:, :n]
+            out[1, layer] = self._values[layer][:, :n]
+        return memoryview(out.reshape(-1).view(np.uint8))
 
     def load_bytes(self, length: int, payload: bytes | bytearray) -> None:
         """Fill this empty cache with ``length`` positions made by ``export_bytes``."""

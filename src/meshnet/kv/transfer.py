@@ -55,16 +55,16 @@ def root_hash(header: pb.KVHeader, chunk_hashes: Iterable[bytes]) -> bytes:
 
 
 def export_frames(
-    header: pb.KVHeader, payload: bytes, chunk_bytes: int = CHUNK_BYTES
+    header: pb.KVHeader, payload: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[pb.KVFrame]:
     """The frames of one stream; ``header`` gets its sizes filled in."""
     header.version = FORMAT_VERSION
     header.chunk_bytes = chunk_bytes
-    header.total_bytes = len(payload)
+    header.total_bytes = memoryview(payload).nbytes
     yield pb.KVFrame(header=header)
     hashes: list[bytes] = []
     view = memoryview(payload)
-    for index, start in enumerate(range(0, len(payload), chunk_bytes)):
+    for index, start in enumerate(range(0, header.total_bytes, chunk_bytes)):
         data = bytes(view[start : start + chunk_bytes])
         digest = hashlib.sha256(data).digest()
         hashes.append(digest)

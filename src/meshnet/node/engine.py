@@ -76,7 +76,7 @@ class ExportedKV:
     epoch: int
     steps: int
     tokens: int
-    payload: bytes
+    payload: memoryview  # bytes, as SequenceKV.export_bytes lays them out
 
 
 @dataclass(frozen=True)
