@@ -29,12 +29,7 @@ from meshnet.local_mesh import LocalMesh
 from meshnet.model.info import load_model_info
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
-from meshnet.protocol.codec import MAX_MESSAGE_BYTES
-
-_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
+from meshnet.protocol.codec import MESSAGE_OPTIONS
 
 
 @dataclass(frozen=True)
@@ -83,8 +78,8 @@ def measure_kv_stream(model: str | None, tokens: int, rounds: int) -> KVStreamTh
             nodes = httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]
             a, b = (n["address"] for n in sorted(nodes, key=lambda n: n["node_id"]))
             with (
-                grpc.insecure_channel(a, options=_OPTIONS) as ca,
-                grpc.insecure_channel(b, options=_OPTIONS) as cb,
+                grpc.insecure_channel(a, options=MESSAGE_OPTIONS) as ca,
+                grpc.insecure_channel(b, options=MESSAGE_OPTIONS) as cb,
             ):
                 to_a, to_b = pb_grpc.NodeStub(ca), pb_grpc.NodeStub(cb)
                 put = to_a.StatePut(export_frames(header, payload), timeout=120)

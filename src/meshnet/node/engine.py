@@ -324,13 +324,18 @@ class NodeEngine:
         log.info("loaded layers %s of %s on %s", layers, f.path.name, shard.backend.name)
         return shard
 
-    def _apply_open(self, session_id: str, epoch: int, resume: bool) -> OpenedSlot:
+    def _admissible(self, session_id: str, epoch: int) -> Shard:
+        """The shard a session at ``epoch`` may use, unless the node is empty or it is fenced."""
         shard = self._shard
         if shard is None:
             raise ShardMismatch("this node is empty: no layers loaded")
         fence = self._fences.get(session_id, 0)
         if epoch < fence:
             raise StaleEpoch(f"session {session_id} is at epoch {fence}, not {epoch}")
+        return shard
+
+    def _apply_open(self, session_id: str, epoch: int, resume: bool) -> OpenedSlot:
+        shard = self._admissible(session_id, epoch)
         slot = self._slots.get(session_id)
         if slot is not None and slot.epoch < epoch and resume:
             self._fail_steps(session_id, StaleEpoch(f"epoch {slot.epoch} was fenced by {epoch}"))
@@ -353,12 +358,7 @@ class NodeEngine:
     def _apply_import(
         self, session_id: str, epoch: int, steps: int, tokens: int, payload: bytes | bytearray
     ) -> OpenedSlot:
-        shard = self._shard
-        if shard is None:
-            raise ShardMismatch("this node is empty: no layers loaded")
-        fence = self._fences.get(session_id, 0)
-        if epoch < fence:
-            raise StaleEpoch(f"session {session_id} is at epoch {fence}, not {epoch}")
+        shard = self._admissible(session_id, epoch)
         self._drop(session_id)  # whatever it held is replaced, or quarantined on failure
         kv = shard.backend.new_kv()
         if not self._budget.fits(kv.growth_bytes(tokens)):

@@ -19,7 +19,7 @@ from meshnet.node.announce import Announcer
 from meshnet.node.engine import EngineConfig, NodeEngine
 from meshnet.node.service import NodeIdentity, NodeService
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
-from meshnet.protocol.codec import MAX_MESSAGE_BYTES
+from meshnet.protocol.codec import MESSAGE_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +55,7 @@ def serve(cfg: NodeConfig) -> int:
         engine.load(model_path, cfg.layers).result()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="grpc"),
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ],
+        options=MESSAGE_OPTIONS,
     )
     pb_grpc.add_NodeServicer_to_server(
         NodeService(NodeIdentity(cfg.node_id, model_path), engine), server

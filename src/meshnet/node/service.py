@@ -30,7 +30,7 @@ from meshnet.node.scheduler import StepWork
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
-from meshnet.protocol.codec import MAX_MESSAGE_BYTES
+from meshnet.protocol.codec import MESSAGE_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,6 @@ _MAX_SESSION_ID = 128
 _NO_DEADLINE_S = 7 * 24 * 3600.0
 _TRANSFER_TIMEOUT_S = 60.0  # one KV import, whole stream
 _MAX_ADDRESS = 256
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
 
 
 @dataclass(frozen=True)
@@ -201,7 +197,7 @@ class NodeService(pb_grpc.NodeServicer):
         get = pb.StateGetRequest(
             session_id=request.session_id, token_prefix_hash=request.token_prefix_hash
         )
-        with grpc.insecure_channel(request.source, options=_CHANNEL_OPTIONS) as channel:
+        with grpc.insecure_channel(request.source, options=MESSAGE_OPTIONS) as channel:
             frames = pb_grpc.NodeStub(channel).StateGet(get, timeout=limit)
             try:
                 return self._import(frames, limit, context, request.token_prefix_hash or None)

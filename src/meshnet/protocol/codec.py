@@ -21,6 +21,11 @@ _NAMES = {np.dtype(np.float32): "f32", np.dtype(np.int64): "i64"}
 
 # gRPC refuses messages over this many bytes in either direction.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# gRPC channel and server options every peer of the data plane uses.
+MESSAGE_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
 
 
 @dataclass(frozen=True)

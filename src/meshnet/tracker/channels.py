@@ -5,11 +5,10 @@ from __future__ import annotations
 import grpc
 
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
-from meshnet.protocol.codec import MAX_MESSAGE_BYTES
+from meshnet.protocol.codec import MESSAGE_OPTIONS
 
 _OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    *MESSAGE_OPTIONS,
     # Fail fast on a dead address instead of waiting for reconnect backoff.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
