@@ -7,6 +7,7 @@ ids; recoveries on the final one); OpenAI clients ignore it.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -31,6 +32,7 @@ from meshnet.tracker.service import Started, Tracker
 
 Kind = Literal["chat", "text"]
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 
 @router.get("/v1/models")
@@ -203,6 +205,9 @@ async def _sse(
                     yield _data(reply.usage_chunk(event))
     except MeshnetError as e:
         yield _data(error_body(e))
+    except Exception:  # a bug: the client still gets a well-formed end of stream
+        log.exception("generation %s failed", reply.generation_id)
+        yield _data(error_body(MeshnetError("internal error; see the tracker's log")))
     yield "data: [DONE]\n\n"
 
 

@@ -79,6 +79,8 @@ class HopLink:
             raise self.verdict or await _rpc_failure(e, self.hop) from None
         except grpc.aio.UsageError as e:
             raise self.verdict or StreamReset(f"stream to {node} is unusable: {e}", node) from None
+        except asyncio.InvalidStateError:  # the call ended (e.g. reset) before this write
+            raise self.verdict or await _broken(self.hop, "the call had ended") from None
         if reply is grpc.aio.EOF:
             raise self.verdict or await _broken(self.hop, "closed the stream")
         if reply.WhichOneof("kind") == "failure":

@@ -183,8 +183,8 @@ class Tracker:
         if error.kind in _DEAD_KINDS:
             await self._node_failed(failed.node_id, error.kind)
             exclude = frozenset({failed.node_id})
-        else:
-            await self.channels.drop(failed.address)  # dial it afresh
+        # A live node (stream reset, lost KV) keeps its channel: other generations use it,
+        # and gRPC reconnects a broken one by itself.
         span = failed.layers
         chain = self._replicas(span, exclude)
         if chain is not None:
