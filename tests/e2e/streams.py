@@ -68,6 +68,21 @@ def stream_completion(
     return out
 
 
+def at(token: int, action: Callable[[Streamed], object]) -> OnToken:
+    """A hook that runs ``action`` once, right after the ``token``-th token arrives."""
+
+    def hook(n: int, s: Streamed) -> None:
+        if n == token:
+            action(s)
+
+    return hook
+
+
+def serving(s: Streamed, layers: tuple[int, int]) -> str:
+    """The node of the stream's route that serves ``layers``."""
+    return next(str(h["node_id"]) for h in s.route if tuple(h["layers"]) == layers)
+
+
 def node_info(address: str) -> pb.InfoResponse:
     with grpc.insecure_channel(address) as channel:
         return pb_grpc.NodeStub(channel).Info(pb.InfoRequest(), timeout=5)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from conftest import MeshFactory
 from faults import address, assert_billed_once, raw_forward, wait_ledger, wait_until_up
-from streams import Streamed, stream_completion
+from streams import Streamed, serving, stream_completion
 
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
@@ -41,10 +41,6 @@ def _reference(mesh: LocalMesh, body: dict[str, Any] = BODY) -> list[int]:
     return list(r.json()["meshnet"]["ids"])
 
 
-def _in_route(s: Streamed, layers: tuple[int, int]) -> str:
-    return next(h["node_id"] for h in s.route if tuple(h["layers"]) == layers)
-
-
 def _positions(ids: list[int]) -> int:
     """KV positions a finished generation filled: the prompt and all but the last token."""
     return len(PROMPT) + len(ids) - 1
@@ -63,7 +59,7 @@ def test_killing_a_replicated_node_mid_stream_gives_identical_output_20_times(
 
         def kill(n: int, s: Streamed, kill_at: int = kill_at, killed: list[str] = killed) -> None:
             if n == kill_at:
-                killed.append(_in_route(s, (2, 4)))
+                killed.append(serving(s, (2, 4)))
                 mesh.kill_node(killed[0])
 
         result = stream_completion(mesh.url, BODY, kill)
@@ -125,7 +121,7 @@ def test_a_frozen_node_is_failed_by_its_deadline_and_its_late_steps_are_stale(
 
     def freeze(n: int, s: Streamed) -> None:
         if n == 10:
-            frozen.append(_in_route(s, (2, 4)))
+            frozen.append(serving(s, (2, 4)))
             mesh.kill_node(frozen[0], signal.SIGSTOP)
 
     t0 = time.monotonic()

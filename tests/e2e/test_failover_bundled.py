@@ -22,7 +22,7 @@ from faults import (
     wait_ledger,
     wait_until_up,
 )
-from streams import Streamed, stream_completion
+from streams import Streamed, at, serving, stream_completion
 
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
@@ -54,11 +54,7 @@ def body(mesh: LocalMesh, case: dict[str, Any]) -> dict[str, Any]:
 
 
 def _b(s: Streamed) -> str:
-    return next(h["node_id"] for h in s.route if h["layers"] == [15, 30])
-
-
-def _at(token: int, action: Any) -> Any:
-    return lambda n, s: action(s) if n == token else None
+    return serving(s, (15, 30))
 
 
 def _check(mesh: LocalMesh, s: Streamed, case: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -75,7 +71,7 @@ def _check(mesh: LocalMesh, s: Streamed, case: dict[str, Any], kind: str) -> dic
 def test_1_kill_9_of_a_replicated_node(
     mesh: LocalMesh, body: dict[str, Any], case: dict[str, Any]
 ) -> None:
-    s = stream_completion(mesh.url, body, _at(10, lambda s: mesh.kill_node(_b(s))))
+    s = stream_completion(mesh.url, body, at(10, lambda s: mesh.kill_node(_b(s))))
     assert _check(mesh, s, case, "worker-death")["method"] == "replay"
 
 
@@ -83,7 +79,7 @@ def test_2_healing_onto_the_empty_node(
     mesh: LocalMesh, body: dict[str, Any], case: dict[str, Any]
 ) -> None:
     # One server of 15:30 is left; killing it leaves only E to heal.
-    s = stream_completion(mesh.url, body, _at(5, lambda s: mesh.kill_node(_b(s))))
+    s = stream_completion(mesh.url, body, at(5, lambda s: mesh.kill_node(_b(s))))
     assert _check(mesh, s, case, "worker-death")["healed"] == "node-3"
 
 
@@ -98,7 +94,7 @@ def test_3_a_frozen_node_meets_its_deadline(
         frozen.append(_b(s))
         mesh.kill_node(frozen[0], signal.SIGSTOP)
 
-    s = stream_completion(mesh.url, body, _at(5, freeze))
+    s = stream_completion(mesh.url, body, at(5, freeze))
     mesh.kill_node(frozen[0], signal.SIGCONT)
     _check(mesh, s, case, "deadline-exceeded")
 
@@ -107,7 +103,7 @@ def test_4_a_cancel_frees_every_shard(mesh: LocalMesh, body: dict[str, Any]) -> 
     def cancel(s: Streamed) -> None:
         httpx.post(f"{mesh.url}/admin/generations/{s.generation_id}/cancel").raise_for_status()
 
-    s = stream_completion(mesh.url, body, _at(3, cancel))
+    s = stream_completion(mesh.url, body, at(3, cancel))
     assert s.error is not None and s.error["code"] == "cancelled"
     live = [n for n in ("node-0", "node-1", "node-3") if n in mesh.nodes]
     wait_kv_idle([address(mesh, n) for n in live], within_s=1.0)

@@ -9,7 +9,7 @@ cover each layer's positions exactly once.
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import httpx
 import pytest
 from conftest import MeshFactory
 from faults import address, assert_billed_once, raw_forward, wait_ledger
-from streams import Streamed, stream_completion
+from streams import Streamed, at, serving, stream_completion
 from tcp_proxy import TcpProxy
 
 from meshnet.engine.generate import generate
@@ -55,16 +55,8 @@ def expected(model: Path) -> list[int]:
     return ids
 
 
-def _at(token: int, action: Callable[[Streamed], None]) -> Callable[[int, Streamed], None]:
-    def hook(n: int, s: Streamed) -> None:
-        if n == token:
-            action(s)
-
-    return hook
-
-
 def _b(s: Streamed) -> str:
-    return next(h["node_id"] for h in s.route if h["layers"] == [2, 4])
+    return serving(s, (2, 4))
 
 
 def _ledger(mesh: LocalMesh, s: Streamed, hops: int = 2) -> tuple[list[dict[str, Any]], Ledger]:
@@ -130,7 +122,7 @@ def test_a_frozen_node(
         frozen.append(_b(s))
         mesh.kill_node(frozen[0], signal.SIGSTOP)
 
-    s = stream_completion(mesh.url, BODY, _at(10, freeze))
+    s = stream_completion(mesh.url, BODY, at(10, freeze))
     mesh.kill_node(frozen[0], signal.SIGCONT)
     other = "node-2" if frozen[0] == "node-1" else "node-1"
     _failed_over(mesh, s, expected, kind, frozen[0], other)
@@ -142,7 +134,7 @@ def test_cancel(mesh_factory: MeshFactory, model: Path) -> None:
     def cancel(s: Streamed) -> None:
         httpx.post(f"{mesh.url}/admin/generations/{s.generation_id}/cancel").raise_for_status()
 
-    s = stream_completion(mesh.url, BODY, _at(10, cancel))
+    s = stream_completion(mesh.url, BODY, at(10, cancel))
     assert s.final is None and s.error is not None and s.error["code"] == "cancelled"
     records, ledger = _ledger(mesh, s)
     assert ledger == {
@@ -160,7 +152,7 @@ def test_worker_death(mesh_factory: MeshFactory, model: Path, expected: list[int
         killed.append(_b(s))
         mesh.kill_node(killed[0])
 
-    s = stream_completion(mesh.url, BODY, _at(10, kill))
+    s = stream_completion(mesh.url, BODY, at(10, kill))
     other = "node-2" if killed[0] == "node-1" else "node-1"
     _failed_over(mesh, s, expected, "worker-death", killed[0], other)
 
@@ -184,7 +176,7 @@ def proxy_mesh(mesh_factory: MeshFactory, model: Path) -> Iterator[tuple[LocalMe
 
 def test_stream_reset(proxy_mesh: tuple[LocalMesh, TcpProxy], expected: list[int]) -> None:
     mesh, proxy = proxy_mesh
-    s = stream_completion(mesh.url, BODY, _at(10, lambda _: proxy.reset()))
+    s = stream_completion(mesh.url, BODY, at(10, lambda _: proxy.reset()))
     _failed_over(mesh, s, expected, "stream-reset", "node-1", "node-1")  # B is alive: reused
 
 
@@ -203,7 +195,7 @@ def test_stale_epoch(mesh_factory: MeshFactory, model: Path, expected: list[int]
         )
         answers.extend(raw_forward(address(mesh, "node-1"), old, []))
 
-    s = stream_completion(mesh.url, BODY, _at(10, late_message))
+    s = stream_completion(mesh.url, BODY, at(10, late_message))
     assert [a.failure.kind for a in answers] == ["stale-epoch"]
     assert s.ids == expected and s.final is not None and s.final["recoveries"] == []
     _, ledger = _ledger(mesh, s)
@@ -219,7 +211,7 @@ def test_cache_miss(mesh_factory: MeshFactory, model: Path, expected: list[int])
             reply = pb_grpc.NodeStub(channel).Configure(load, timeout=30)
         assert reply.applied
 
-    s = stream_completion(mesh.url, BODY, _at(10, reload_b))
+    s = stream_completion(mesh.url, BODY, at(10, reload_b))
     _failed_over(mesh, s, expected, "cache-miss", "node-1", "node-1")
 
 
@@ -227,7 +219,7 @@ def test_failover_heals_an_empty_node(
     mesh_factory: MeshFactory, model: Path, expected: list[int]
 ) -> None:
     mesh = mesh_factory("0:2,2:4,empty", model=model)
-    s = stream_completion(mesh.url, BODY, _at(10, lambda _: mesh.kill_node("node-1")))
+    s = stream_completion(mesh.url, BODY, at(10, lambda _: mesh.kill_node("node-1")))
     recovery = _survived(s, expected, "worker-death")
     assert recovery["healed"] == "node-2"
     _failed_over(mesh, s, expected, "worker-death", "node-1", "node-2")
