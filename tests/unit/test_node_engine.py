@@ -193,3 +193,68 @@ def test_a_replay_of_decode_steps_rebuilds_bit_identical_kv(tiny_path: Path, bac
         assert np.array_equal(_step(e, "alone", 1, [20]), _step(e, "replayed", 1, [20]))
     finally:
         e.stop()
+
+
+def test_a_parked_session_leaves_the_budget_and_resumes_bit_identical(
+    tiny_path: Path, tmp_path: Path
+) -> None:
+    engine = NodeEngine(EngineConfig(park_dir=str(tmp_path)))
+    engine.start()
+    try:
+        engine.load(str(tiny_path), LayerRange(0, 4)).result(timeout=30)
+        for sid in ("hot", "parked"):
+            engine.open(sid, 1).result(5)
+            _step(engine, sid, 1, [5, 6, 7])
+        bytes_hot = engine.stats().kv_bytes
+        assert engine.park("parked").result(5) == 3
+        stats = engine.stats()
+        assert (stats.sessions, stats.parked) == (1, 1)
+        assert stats.kv_bytes == bytes_hot // 2
+        assert len(list(tmp_path.glob("*.kv"))) == 1
+        with pytest.raises(CacheMiss):  # a parked session runs no step until resumed
+            _step(engine, "parked", 1, [9])
+        opened = engine.open("parked", 2, resume=True).result(5)
+        assert (opened.kv_tokens, opened.steps) == (3, 1)
+        assert engine.stats().parked == 0 and not list(tmp_path.glob("*.kv"))
+        engine.open("hot", 2, resume=True).result(5)
+        assert np.array_equal(_step(engine, "parked", 2, [9]), _step(engine, "hot", 2, [9]))
+    finally:
+        engine.stop()
+
+
+def test_a_corrupt_parked_file_resumes_empty(tiny_path: Path, tmp_path: Path) -> None:
+    engine = NodeEngine(EngineConfig(park_dir=str(tmp_path)))
+    engine.start()
+    try:
+        engine.load(str(tiny_path), LayerRange(0, 4)).result(timeout=30)
+        engine.open("s", 1).result(5)
+        _step(engine, "s", 1, [5, 6, 7])
+        engine.park("s").result(5)
+        (path,) = tmp_path.glob("*.kv")
+        data = bytearray(path.read_bytes())
+        data[10] ^= 1
+        path.write_bytes(bytes(data))
+        opened = engine.open("s", 2, resume=True).result(5)
+        assert (opened.kv_tokens, opened.steps) == (0, 0)  # the driver rebuilds it
+    finally:
+        engine.stop()
+
+
+def test_release_frees_parked_kv_and_rewind_cuts_an_unfinished_turn(
+    engine: NodeEngine,
+) -> None:
+    engine.open("s", 1).result(5)
+    _step(engine, "s", 1, [5, 6, 7])
+    before = _step(engine, "s", 1, [9])
+    _step(engine, "s", 1, [11])  # a turn that never committed on the tracker
+    opened = engine.open("s", 2, resume=True, rewind=(4, 2)).result(5)
+    assert (opened.kv_tokens, opened.steps) == (4, 2)
+    again = engine.open("s", 3, resume=True, rewind=(3, 1)).result(5)
+    assert (again.kv_tokens, again.steps) == (3, 1)
+    assert np.array_equal(
+        engine.submit(StepWork("s", 3, np.asarray([9], np.int64), None, step=1)).result(10), before
+    )
+    engine.park("s").result(5)
+    assert engine.release("s", 3).result(5) is True
+    assert engine.stats().parked == 0 and engine.stats().sessions == 0
+    assert engine.release("s", 3).result(5) is False

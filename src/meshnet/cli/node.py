@@ -30,6 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--max-batch-tokens", type=int, default=512, help="rows per forward")
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt rows per forward")
     p.add_argument("--max-queued-steps", type=int, default=256)
+    p.add_argument("--park-dir", help="where parked KV is kept (default: a temp directory)")
     p.set_defaults(run=run)
 
 
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
                 prefill_chunk=args.prefill_chunk,
                 max_queued_steps=args.max_queued_steps,
                 backend=args.backend,
+                park_dir=args.park_dir,
             ),
         )
     )

@@ -37,6 +37,7 @@ from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.shard import DEFAULT_BACKEND, Shard, load_shard
 from meshnet.model.spec import read_spec
+from meshnet.node.parking import ParkedKV, ParkStore
 from meshnet.node.scheduler import Slot, StepWork, budget_full, check_step_number, plan_batch
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class EngineConfig:
     prefill_chunk: int = 128  # prompt rows one session adds to one forward
     max_queued_steps: int = 256  # submitted but unfinished steps; more are refused
     backend: str = DEFAULT_BACKEND
+    park_dir: str | None = None  # where parked KV goes; None: a fresh temp directory
 
 
 @dataclass
@@ -85,6 +87,7 @@ class EngineStats:
     layers: LayerRange | None
     fingerprint: str
     sessions: int
+    parked: int  # sessions whose KV is parked on disk
     kv_bytes: int
     kv_peak_bytes: int
     kv_budget_bytes: int
@@ -102,6 +105,8 @@ class NodeEngine:
         self.config = config
         self._shard: Shard | None = None
         self._slots: dict[str, Slot] = {}
+        self._parked: dict[str, ParkedKV] = {}
+        self._park_store = ParkStore(config.park_dir)
         self._fences: OrderedDict[str, int] = OrderedDict()  # newest epoch seen per session
         self._budget = KVBudget(config.kv_budget_bytes)
         self._inbox: queue.Queue[StepWork | _Control | None] = queue.Queue()
@@ -135,6 +140,7 @@ class NodeEngine:
             layers=shard.layers if shard else None,
             fingerprint=shard.fingerprint if shard else "",
             sessions=len(self._slots),
+            parked=len(self._parked),
             kv_bytes=self._budget.in_use,
             kv_peak_bytes=self._budget.peak,
             kv_budget_bytes=self._budget.budget_bytes,
@@ -149,16 +155,29 @@ class NodeEngine:
         """Load ``layers`` of the model (tier 3); drops every session's KV."""
         return self._control(lambda: self._apply_load(model_path, layers))
 
-    def open(self, session_id: str, epoch: int, resume: bool = False) -> Future[OpenedSlot]:
+    def open(
+        self,
+        session_id: str,
+        epoch: int,
+        resume: bool = False,
+        rewind: tuple[int, int] | None = None,
+    ) -> Future[OpenedSlot]:
         """Start a session at ``epoch``, fencing every older one (their steps become stale).
 
         A newer epoch starts with empty KV, or with ``resume`` keeps the KV the
-        session holds; the same epoch again keeps its KV; an older one is stale.
+        session holds (reloading it when parked); the same epoch again keeps its
+        KV; an older one is stale. ``rewind`` (positions, steps) cuts a resumed
+        session that holds more back to them: the rest was an unfinished turn.
         """
-        return self._control(lambda: self._apply_open(session_id, epoch, resume))
+        return self._control(lambda: self._apply_open(session_id, epoch, resume, rewind))
 
-    def release(self, session_id: str, epoch: int) -> Future[None]:
-        """Free a session's KV and queued steps, unless a newer epoch has taken it over."""
+    def park(self, session_id: str) -> Future[int]:
+        """Move an idle session's KV to local disk, out of the budget; its positions."""
+        return self._control(lambda: self._apply_park(session_id))
+
+    def release(self, session_id: str, epoch: int) -> Future[bool]:
+        """Free a session's KV (hot or parked) and queued steps, unless a newer epoch
+        has taken it over; True when something was freed."""
         return self._control(lambda: self._apply_release(session_id, epoch))
 
     def fence(self, session_id: str, epoch: int) -> Future[None]:
@@ -319,6 +338,9 @@ class NodeEngine:
             w.future.set_exception(CacheMiss("the node loaded another shard; its KV is gone"))
         self._pending.clear()
         self._slots.clear()
+        for parked in self._parked.values():
+            self._park_store.remove(parked)
+        self._parked.clear()
         self._shard = shard
         self._account()
         log.info("loaded layers %s of %s on %s", layers, f.path.name, shard.backend.name)
@@ -334,8 +356,12 @@ class NodeEngine:
             raise StaleEpoch(f"session {session_id} is at epoch {fence}, not {epoch}")
         return shard
 
-    def _apply_open(self, session_id: str, epoch: int, resume: bool) -> OpenedSlot:
+    def _apply_open(
+        self, session_id: str, epoch: int, resume: bool, rewind: tuple[int, int] | None
+    ) -> OpenedSlot:
         shard = self._admissible(session_id, epoch)
+        if resume and session_id not in self._slots and session_id in self._parked:
+            self._unpark(shard, session_id)
         slot = self._slots.get(session_id)
         if slot is not None and slot.epoch < epoch and resume:
             self._fail_steps(session_id, StaleEpoch(f"epoch {slot.epoch} was fenced by {epoch}"))
@@ -346,8 +372,44 @@ class NodeEngine:
                 raise budget_full(self._budget, len(self._slots))
             self._drop(session_id)
             slot = self._slots[session_id] = Slot(epoch, kv)
+        if resume and rewind is not None:
+            _rewind(slot, *rewind)
         self._remember_fence(session_id, epoch)
         return OpenedSlot(slot.kv.length, slot.steps)
+
+    def _apply_park(self, session_id: str) -> int:
+        slot = self._slots.get(session_id)
+        if slot is None:
+            parked = self._parked.get(session_id)
+            if parked is None:
+                raise CacheMiss(f"no KV for session {session_id}")
+            return parked.tokens  # parked already
+        if any(w.session_id == session_id for w in self._pending):
+            raise Overloaded(f"session {session_id} is running a step; park it when idle")
+        payload = slot.kv.export_bytes()
+        parked = self._park_store.write(session_id, slot.epoch, slot.steps, slot.kv.length, payload)
+        del self._slots[session_id]
+        self._parked[session_id] = parked
+        self._account()
+        return parked.tokens
+
+    def _unpark(self, shard: Shard, session_id: str) -> None:
+        """Make parked KV hot again; a file that fails its check is dropped (KV rebuilt)."""
+        parked = self._parked.pop(session_id)
+        try:
+            data = self._park_store.read(parked)
+            kv = shard.backend.new_kv()
+            if not self._budget.fits(kv.growth_bytes(parked.tokens)):
+                self._parked[session_id] = parked  # still parked; the open is refused
+                raise budget_full(self._budget, len(self._slots))
+            kv.load_bytes(parked.tokens, data)
+        except CacheMiss as e:
+            log.warning("session %s: %s; it starts empty", session_id, e)
+            self._park_store.remove(parked)
+            return
+        self._park_store.remove(parked)
+        self._slots[session_id] = Slot(parked.epoch, kv, steps=parked.steps)
+        self._account()
 
     def _apply_export(self, session_id: str) -> ExportedKV:
         slot = self._slots.get(session_id)
@@ -371,7 +433,8 @@ class NodeEngine:
 
     def _apply_fence(self, session_id: str, epoch: int) -> None:
         slot = self._slots.get(session_id)
-        if slot is not None and slot.epoch < epoch:
+        parked = self._parked.get(session_id)
+        if (slot is not None and slot.epoch < epoch) or (parked and parked.epoch < epoch):
             self._drop(session_id)
         if epoch > self._fences.get(session_id, 0):
             self._remember_fence(session_id, epoch)
@@ -382,17 +445,23 @@ class NodeEngine:
         while len(self._fences) > _MAX_FENCES:
             self._fences.popitem(last=False)
 
-    def _apply_release(self, session_id: str, epoch: int) -> None:
+    def _apply_release(self, session_id: str, epoch: int) -> bool:
         slot = self._slots.get(session_id)
-        if slot is not None and slot.epoch <= epoch:
+        parked = self._parked.get(session_id)
+        if (slot is not None and slot.epoch <= epoch) or (parked and parked.epoch <= epoch):
             self._drop(session_id)
+            return True
+        return False
 
     def _apply_cancel(self, session_id: str) -> None:
         self._drop(session_id)
 
     def _drop(self, session_id: str) -> None:
-        """Forget a session's KV and fail its unfinished steps."""
+        """Forget a session's KV (hot and parked) and fail its unfinished steps."""
         self._slots.pop(session_id, None)
+        parked = self._parked.pop(session_id, None)
+        if parked is not None:
+            self._park_store.remove(parked)
         self._fail_steps(session_id, Cancelled(f"session {session_id} was released"))
         self._account()
 
@@ -400,6 +469,15 @@ class NodeEngine:
         for w in [w for w in self._pending if w.session_id == session_id]:
             self._pending.remove(w)
             w.future.set_exception(error)
+
+
+def _rewind(slot: Slot, tokens: int, steps: int) -> None:
+    """Cut a resumed session back to a committed point it has passed."""
+    if slot.kv.length > tokens and slot.steps > steps:
+        slot.kv.truncate(tokens)
+        slot.steps = steps
+        slot.last_step = -1
+        slot.last_result = None
 
 
 def _settle(future: Future[Any], apply: Callable[[], Any]) -> None:

@@ -2,7 +2,9 @@
 
 A ``Forward`` stream serves one (session, epoch): an ``Open`` first, then steps
 in order. A failed step answers a ``Failure`` and leaves the stream (and the
-session's KV) usable; the KV is released when the stream ends, however it ends.
+session's KV) usable; the KV is released when the stream ends, however it ends,
+unless the open asked to ``keep`` it (a session between turns), in which case
+it stays until a ``Release``, and can be ``Park``ed on local disk meanwhile.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ class NodeService(pb_grpc.NodeServicer):
         # However the call ends (the driver cancels it, the connection drops), the
         # session's KV and queued steps go at once, not when this handler next wakes.
         sid, epoch = opened.session_id, opened.epoch
-        context.add_callback(lambda: self.engine.release(sid, epoch))
+        if not opened.keep:
+            context.add_callback(lambda: self.engine.release(sid, epoch))
         shard = self.engine.shard
         assert shard is not None  # _open checked it
         yield pb.ForwardResponse(
@@ -86,7 +89,8 @@ class NodeService(pb_grpc.NodeServicer):
             for request in request_iterator:
                 yield self._step(opened, request, context)
         finally:
-            self.engine.release(opened.session_id, opened.epoch).result(_CONTROL_TIMEOUT_S)
+            if not opened.keep:
+                self.engine.release(sid, epoch).result(_CONTROL_TIMEOUT_S)
 
     def _open(self, o: pb.Open) -> OpenedSlot:
         shard = self.engine.shard
@@ -101,7 +105,9 @@ class NodeService(pb_grpc.NodeServicer):
                 f"node serves layers {shard.layers} of {shard.fingerprint[:12]}, "
                 f"not [{o.layer_start}, {o.layer_end}) of {o.fingerprint[:12]}"
             )
-        return self.engine.open(o.session_id, o.epoch, o.resume).result(_CONTROL_TIMEOUT_S)
+        rewind = (o.rewind_tokens, o.rewind_steps) if o.rewind else None
+        opened = self.engine.open(o.session_id, o.epoch, o.resume, rewind)
+        return opened.result(_CONTROL_TIMEOUT_S)
 
     def _step(
         self, o: pb.Open, request: pb.ForwardRequest, context: grpc.ServicerContext
@@ -158,6 +164,23 @@ class NodeService(pb_grpc.NodeServicer):
         if request.session_id and len(request.session_id) <= _MAX_SESSION_ID:
             self.engine.fence(request.session_id, request.epoch).result(_CONTROL_TIMEOUT_S)
         return pb.FenceResponse()
+
+    def Release(
+        self, request: pb.ReleaseRequest, context: grpc.ServicerContext
+    ) -> pb.ReleaseResponse:
+        if not request.session_id or len(request.session_id) > _MAX_SESSION_ID:
+            return pb.ReleaseResponse(released=False)
+        freed = self.engine.release(request.session_id, request.epoch).result(_CONTROL_TIMEOUT_S)
+        return pb.ReleaseResponse(released=freed)
+
+    def Park(self, request: pb.ParkRequest, context: grpc.ServicerContext) -> pb.ParkResponse:
+        try:
+            if not request.session_id or len(request.session_id) > _MAX_SESSION_ID:
+                raise MalformedBundle(f"session_id must have 1 to {_MAX_SESSION_ID} characters")
+            tokens = self.engine.park(request.session_id).result(_CONTROL_TIMEOUT_S)
+        except MeshnetError as e:
+            return pb.ParkResponse(parked=False, failure=_fail(e))
+        return pb.ParkResponse(parked=True, tokens=tokens)
 
     def StateGet(
         self, request: pb.StateGetRequest, context: grpc.ServicerContext
@@ -258,6 +281,7 @@ class NodeService(pb_grpc.NodeServicer):
             layer_end=s.layers.end if s.layers else 0,
             sessions=s.sessions,
             kv_bytes=s.kv_bytes,
+            parked=s.parked,
         )
 
 

@@ -17,20 +17,28 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("session_id", "epoch", "fingerprint", "layer_start", "layer_end", "resume")
+    __slots__ = ("session_id", "epoch", "fingerprint", "layer_start", "layer_end", "resume", "keep", "rewind", "rewind_tokens", "rewind_steps")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    REWIND_FIELD_NUMBER: _ClassVar[int]
+    REWIND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REWIND_STEPS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     fingerprint: str
     layer_start: int
     layer_end: int
     resume: bool
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., resume: _Optional[bool] = ...) -> None: ...
+    keep: bool
+    rewind: bool
+    rewind_tokens: int
+    rewind_steps: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., resume: _Optional[bool] = ..., keep: _Optional[bool] = ..., rewind: _Optional[bool] = ..., rewind_tokens: _Optional[int] = ..., rewind_steps: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("step", "input", "timeout_ms", "replay")
@@ -226,12 +234,42 @@ class StatePutResponse(_message.Message):
     tokens: int
     def __init__(self, imported: _Optional[bool] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., reason: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id", "epoch")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class ParkRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ParkResponse(_message.Message):
+    __slots__ = ("parked", "failure", "tokens")
+    PARKED_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    parked: bool
+    failure: Failure
+    tokens: int
+    def __init__(self, parked: _Optional[bool] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("node_id", "fingerprint", "loaded", "layer_start", "layer_end", "sessions", "kv_bytes")
+    __slots__ = ("node_id", "fingerprint", "loaded", "layer_start", "layer_end", "sessions", "kv_bytes", "parked")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LOADED_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +277,7 @@ class InfoResponse(_message.Message):
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARKED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     fingerprint: str
     loaded: bool
@@ -246,4 +285,5 @@ class InfoResponse(_message.Message):
     layer_end: int
     sessions: int
     kv_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., loaded: _Optional[bool] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    parked: int
+    def __init__(self, node_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., loaded: _Optional[bool] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., parked: _Optional[int] = ...) -> None: ...

@@ -69,6 +69,16 @@ class NodeStub:
                 request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.StatePullRequest.SerializeToString,
                 response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.StatePutResponse.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/meshnet.v1.Node/Release',
+                request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
+        self.Park = channel.unary_unary(
+                '/meshnet.v1.Node/Park',
+                request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.ParkRequest.SerializeToString,
+                response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.ParkResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -118,6 +128,18 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Park(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +177,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.StatePull,
                     request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.StatePullRequest.FromString,
                     response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.StatePutResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.ReleaseRequest.FromString,
+                    response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Park': grpc.unary_unary_rpc_method_handler(
+                    servicer.Park,
+                    request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.ParkRequest.FromString,
+                    response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.ParkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -346,6 +378,60 @@ class Node:
             '/meshnet.v1.Node/StatePull',
             meshnet_dot_protocol_dot_meshnet__pb2.StatePullRequest.SerializeToString,
             meshnet_dot_protocol_dot_meshnet__pb2.StatePutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnet.v1.Node/Release',
+            meshnet_dot_protocol_dot_meshnet__pb2.ReleaseRequest.SerializeToString,
+            meshnet_dot_protocol_dot_meshnet__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Park(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnet.v1.Node/Park',
+            meshnet_dot_protocol_dot_meshnet__pb2.ParkRequest.SerializeToString,
+            meshnet_dot_protocol_dot_meshnet__pb2.ParkResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,73 @@
+"""Parked KV: a session's cache moved out of the hot budget onto the node's local disk.
+
+A parked session costs no KV budget; resuming it reads the file back, checks
+its sha256 and makes it the session's KV again, which is far cheaper than
+recomputing it. Files are written to a temp name and renamed, so a file under
+its final name is always whole; one that fails its hash is discarded and the
+session is rebuilt by its driver.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshnet.errors import CacheMiss
+
+
+@dataclass(frozen=True)
+class ParkedKV:
+    epoch: int
+    steps: int
+    tokens: int
+    path: Path
+    sha256: str
+    nbytes: int
+
+
+class ParkStore:
+    """One directory of parked sessions; created on first use."""
+
+    def __init__(self, directory: str | None) -> None:
+        self._configured = Path(directory) if directory else None
+        self._directory: Path | None = None
+
+    @property
+    def directory(self) -> Path:
+        if self._directory is None:
+            if self._configured is not None:
+                self._configured.mkdir(parents=True, exist_ok=True)
+                self._directory = self._configured
+            else:
+                self._directory = Path(tempfile.mkdtemp(prefix="meshnet-parked-"))
+        return self._directory
+
+    def write(
+        self, session_id: str, epoch: int, steps: int, tokens: int, payload: memoryview
+    ) -> ParkedKV:
+        name = hashlib.sha256(session_id.encode()).hexdigest()[:32]  # ids may hold any character
+        path = self.directory / f"{name}.kv"
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(payload)
+        os.replace(tmp, path)
+        digest = hashlib.sha256(payload).hexdigest()
+        return ParkedKV(epoch, steps, tokens, path, digest, len(payload))
+
+    @staticmethod
+    def read(parked: ParkedKV) -> bytes:
+        """The parked bytes; ``CacheMiss`` when the file is gone or not what was written."""
+        try:
+            data = parked.path.read_bytes()
+        except OSError as e:
+            raise CacheMiss(f"parked KV unreadable: {e}") from None
+        if len(data) != parked.nbytes or hashlib.sha256(data).hexdigest() != parked.sha256:
+            raise CacheMiss(f"parked KV at {parked.path} is corrupt")
+        return data
+
+    @staticmethod
+    def remove(parked: ParkedKV) -> None:
+        parked.path.unlink(missing_ok=True)
