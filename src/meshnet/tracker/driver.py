@@ -125,19 +125,40 @@ class RouteDriver:
         """Open the generation's first epoch on every hop; raise the first hop's failure."""
         gen.links, _ = await self._open_links(gen, gen.route, {})
 
+    async def resume(self, gen: Generation, held: tuple[int, int]) -> bool:
+        """Open a session's turn, every hop resuming the KV of ``held`` (positions, steps).
+
+        True when every hop holds exactly that (more is cut back: an unfinished
+        turn). Otherwise every hop is opened afresh on the next epoch and the
+        history, logged at the first layer, is replayed into all of them.
+        """
+        gen.links, _ = await self._open_links(gen, gen.route, {}, held)
+        if all((link.positions, link.steps) == held for link in gen.links):
+            return True
+        for link in gen.links:
+            link.close()
+        gen.epoch += 1
+        gen.links, _ = await self._open_links(gen, gen.route, {})
+        return False
+
     async def run(
         self,
         gen: Generation,
         prompt_ids: Sequence[int],
         params: SamplingParams,
         fabric: Fabric,
+        history: Sequence[int] = (),
     ) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
-        """Generate through an opened generation; closes its streams however it ends."""
-        state = RequestState(prompt_ids, params, self.tokenizer)
-        gen.record_input(0, 0, np.asarray(prompt_ids, dtype=np.int64))
+        """Generate through an opened generation; closes its streams however it ends.
+
+        ``history`` is what a session fed before (its steps already logged):
+        the sampler sees it as part of the prompt.
+        """
+        state = RequestState([*history, *prompt_ids], params, self.tokenizer)
+        gen.record_input(0, gen.first_step, np.asarray(prompt_ids, dtype=np.int64))
         recorded = False
         try:
-            step = 0
+            step = gen.first_step
             while True:
                 if gen.verdict is not None:  # cancelled while no step was waiting
                     raise gen.verdict
@@ -191,9 +212,7 @@ class RouteDriver:
         """Run ``step``, first replaying earlier steps into hops that lack them."""
         first = min(link.steps for link in gen.links)
         if first < step:
-            if first == 0:
-                await self._run_step(gen, 0)  # the prompt, chunked as it was first sent
-            await self._replay(gen, max(first, 1), step)
+            await self._replay(gen, first, step)
             if gen.pending is not None:
                 gen.pending.replayed_steps += step - first
         logits = await self._run_step(gen, step)
@@ -201,6 +220,21 @@ class RouteDriver:
         return logits
 
     async def _replay(self, gen: Generation, first: int, end: int) -> None:
+        """Send logged steps ``[first, end)`` to the hops lacking them: each prompt as it
+        was first sent, each run of decode steps as one message."""
+        s = first
+        while s < end:
+            if gen.step_rows(s) != 1:
+                await self._run_step(gen, s)
+                s += 1
+                continue
+            run_end = s + 1
+            while run_end < end and gen.step_rows(run_end) == 1:
+                run_end += 1
+            await self._replay_decodes(gen, s, run_end)
+            s = run_end
+
+    async def _replay_decodes(self, gen: Generation, first: int, end: int) -> None:
         """Send decode steps ``[first, end)`` to the hops lacking them as one message each;
         the node computes every row exactly as the step it was, so the KV is identical."""
         behind = [link for link in gen.links if link.steps < end]
@@ -322,6 +356,10 @@ class RouteDriver:
             survivors = {
                 _key(link.hop): link for link in gen.links if link.node_id not in pending.failures
             }
+            steps = max(link.steps for link in gen.links)
+            rebuilt = [h for h in reroute.route if _key(h) not in survivors]
+            if not all(gen.has_inputs(h.layers.start, steps) for h in rebuilt):
+                survivors = {}  # a span's inputs were never logged: restart from token zero
             gen.epoch += 1  # also after a failed try: its partly opened epoch stays fenced
             try:
                 links, carried = await self._open_links(gen, reroute.route, survivors)
@@ -338,7 +376,7 @@ class RouteDriver:
         self._account_failover(gen, carried, fabric)
         for link in gen.links:
             if link.node_id in pending.failures:
-                self._fence_later(link.hop, gen.id, gen.epoch)
+                self._fence_later(link.hop, gen.kv_key, gen.epoch)
             link.close()  # after the new epoch fenced it: a survivor's KV stays
         gen.links = links
         gen.route = reroute.route
@@ -379,6 +417,7 @@ class RouteDriver:
         gen: Generation,
         route: Route,
         survivors: dict[tuple[str, int, int], HopLink],
+        held: tuple[int, int] | None = None,
     ) -> tuple[list[HopLink], list[HopLink]]:
         """Open the current epoch on every hop at once; survivors resume their KV.
 
@@ -386,7 +425,7 @@ class RouteDriver:
         any failure every opened link is closed and the first hop's (in route
         order) failure is raised.
         """
-        opens = [self._open_hop(gen, hop, survivors.get(_key(hop))) for hop in route]
+        opens = [self._open_hop(gen, hop, survivors.get(_key(hop)), held) for hop in route]
         results = await asyncio.gather(*opens, return_exceptions=True)
         links = [r[0] for r in results if isinstance(r, tuple)]
         failure = next((r for r in results if isinstance(r, BaseException)), None)
@@ -398,32 +437,42 @@ class RouteDriver:
         return links, carried
 
     async def _open_hop(
-        self, gen: Generation, hop: Hop, old: HopLink | None
+        self, gen: Generation, hop: Hop, old: HopLink | None, held: tuple[int, int] | None
     ) -> tuple[HopLink, HopLink | None]:
-        """Open one hop; a survivor ``old`` whose KV the node still holds is carried over."""
+        """Open one hop; a survivor ``old`` whose KV the node still holds is carried over,
+        and so is a session's KV of ``held`` (positions, steps) left by its last turn."""
+        rewind = held if old is None else None
         link, opened = await open_link(
             self.channels.stub(hop.address),
             hop,
             pb.Open(
-                session_id=gen.id,
+                session_id=gen.kv_key,
                 epoch=gen.epoch,
                 fingerprint=self.fingerprint,
                 layer_start=hop.layers.start,
                 layer_end=hop.layers.end,
-                resume=old is not None,
+                resume=old is not None or rewind is not None,
+                keep=gen.keep,
+                rewind=rewind is not None,
+                rewind_tokens=rewind[0] if rewind else 0,
+                rewind_steps=rewind[1] if rewind else 0,
             ),
             max(gen.deadline - time.monotonic(), 0.001),
             self.limits.open_timeout_s,
         )
-        held = (int(opened.kv_tokens), int(opened.steps))
-        if held == (0, 0):
+        held_now = (int(opened.kv_tokens), int(opened.steps))
+        if held_now == (0, 0):
             return link, None  # fresh (or the node lost the KV): the log is replayed into it
-        if old is not None and held == (old.positions, old.steps):
+        if rewind is not None:
+            link.steps, link.positions = held_now[1], held_now[0]
+            link.first_position = held_now[0]
+            return link, None  # the caller checks it holds what the session committed
+        if old is not None and held_now == (old.positions, old.steps):
             link.steps = old.steps
             link.positions = link.first_position = old.positions
             return link, old
         link.close()
-        msg = f"node {hop.node_id} resumed {held[0]} positions and {held[1]} steps"
+        msg = f"node {hop.node_id} resumed {held_now[0]} positions and {held_now[1]} steps"
         raise MalformedBundle(msg, hop.node_id)
 
 

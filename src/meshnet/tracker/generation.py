@@ -2,7 +2,9 @@
 
 The input log keeps, per layer boundary, what every step fed the hop that
 starts there. It is what failover replays into a replacement, so only the
-failed span is recomputed. The generation can be failed from outside (a node
+failed span is recomputed. A session's turn starts with the log of the first
+layer filled with the session's history (its earlier steps), so any hop that
+lacks the KV can be rebuilt from token zero. The generation can be failed from outside (a node
 of its route lost its heartbeats, a client cancelled it): the verdict is set
 on the affected links and their calls are cancelled, which wakes the step
 waiting on them.
@@ -78,25 +80,39 @@ class PendingRecovery:
 
 @dataclass
 class Generation:
-    id: str  # also the session id the nodes key its KV by
+    id: str
     route: Route
     deadline: float  # time.monotonic() by which it must end
     epoch: int = 1
+    session_id: str = ""  # what the nodes key the KV by; the generation id when empty
+    keep: bool = False  # the nodes keep the KV after the generation (a session's turn)
+    first_step: int = 0  # steps of the session before this generation
     links: list[HopLink] = field(default_factory=list)
-    inputs: dict[int, list[np.ndarray]] = field(default_factory=dict)  # layer start -> per step
+    inputs: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)  # layer -> step -> x
     recoveries: list[Recovery] = field(default_factory=list)
     pending: PendingRecovery | None = None
     failovers: int = 0  # tries to fail over, counting those whose new epoch failed to open
     verdict: MeshnetError | None = None  # set when cancelled from outside
 
+    @property
+    def kv_key(self) -> str:
+        return self.session_id or self.id
+
     def record_input(self, layer_start: int, step: int, x: np.ndarray) -> None:
-        log = self.inputs.setdefault(layer_start, [])
-        if len(log) == step:
-            log.append(x)
+        self.inputs.setdefault(layer_start, {}).setdefault(step, x)
 
     def recorded_input(self, layer_start: int, step: int) -> np.ndarray | None:
-        log = self.inputs.get(layer_start, [])
-        return log[step] if step < len(log) else None
+        return self.inputs.get(layer_start, {}).get(step)
+
+    def has_inputs(self, layer_start: int, steps: int) -> bool:
+        """Whether every step before ``steps`` is logged at ``layer_start``."""
+        log = self.inputs.get(layer_start, {})
+        return all(s in log for s in range(steps))
+
+    def step_rows(self, step: int) -> int:
+        """Rows (tokens) of a step, read off the first layer's log."""
+        x = self.recorded_input(0, step)
+        return 0 if x is None else int(x.shape[0])
 
     def cancel(self, reason: str) -> None:
         """Stop the generation; its step in flight ends with ``cancelled``."""
