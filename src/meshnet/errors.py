@@ -14,7 +14,9 @@ the API edge::
     ├── TokenizerError               tokenizer-invalid        no         400
     ├── RequestError                 bad-request              no         400
     │   ├── ModelNotFound            model-not-found          no         404
-    │   └── NotFound                 not-found                no         404
+    │   ├── NotFound                 not-found                no         404
+    │   ├── SessionGone              session-gone             no         410
+    │   └── IdempotencyConflict      idempotency-conflict     no         422
     ├── MalformedBundle              malformed-bundle         no         400
     ├── ShardMismatch                shard-mismatch           yes        503
     ├── StaleEpoch                   stale-epoch              no         409
@@ -24,6 +26,7 @@ the API edge::
     ├── KVBudgetExhausted            kv-budget-exhausted      yes        429
     ├── Cancelled                    cancelled                no         499
     ├── KVImportFailed               kv-import-failed         yes        502
+    ├── DatabaseUnavailable          database-unavailable     yes        503
     └── NodeFailure                  (kind of the failure)    yes        502
         ├── DeadlineExceeded         deadline-exceeded
         ├── HeartbeatLost            heartbeat-lost
@@ -113,6 +116,20 @@ class NotFound(RequestError):
     http_status = 404
 
 
+class SessionGone(RequestError):
+    """The session has ended (deleted or failed); it takes no more turns."""
+
+    kind = "session-gone"
+    http_status = 410
+
+
+class IdempotencyConflict(RequestError):
+    """An ``Idempotency-Key`` already used with a different request body."""
+
+    kind = "idempotency-conflict"
+    http_status = 422
+
+
 class MalformedBundle(MeshnetError):
     """An activation bundle breaks the wire contract (dtype, shape, size)."""
 
@@ -185,6 +202,14 @@ class KVImportFailed(MeshnetError):
     def __init__(self, message: str, reason: str = "invalid", node_id: str = "") -> None:
         super().__init__(message, node_id)
         self.reason = reason
+
+
+class DatabaseUnavailable(MeshnetError):
+    """The tracker's database cannot be opened or reached."""
+
+    kind = "database-unavailable"
+    retryable = True
+    http_status = 503
 
 
 class NodeFailure(MeshnetError):

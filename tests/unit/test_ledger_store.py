@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from meshnet.tracker.database import SQLiteDatabase
 from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
 from meshnet.tracker.store import Store
 
@@ -12,7 +13,7 @@ def record(node: str, epoch: int, start: int, end: int, status: AttemptStatus) -
 
 
 def test_attempts_are_recorded_once_and_only_completed_work_bills(tmp_path: Path) -> None:
-    store = Store(tmp_path / "t.db")
+    store = Store(SQLiteDatabase(tmp_path / "t.db"))
     first = [
         record("a", 1, 0, 40, AttemptStatus.FAILED),
         record("b", 2, 0, 60, AttemptStatus.COMPLETED),
@@ -28,4 +29,4 @@ def test_attempts_are_recorded_once_and_only_completed_work_bills(tmp_path: Path
     assert totals["b"]["billable_layer_tokens"] == 60 * 15
     store.close()
     # It is durable: a restarted tracker reads the same records.
-    assert Store(tmp_path / "t.db").ledger("g1") == first
+    assert Store(SQLiteDatabase(tmp_path / "t.db")).ledger("g1") == first

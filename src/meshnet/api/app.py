@@ -9,29 +9,37 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from meshnet.api import admin, mesh, openai
+from meshnet.api import admin, mesh, openai, sessions
 from meshnet.api.errors import install_error_handlers
+from meshnet.api.state import SessionServices
 from meshnet.tracker.service import Tracker
 
 log = logging.getLogger(__name__)
 
 
-def create_app(tracker: Tracker) -> FastAPI:
+def create_app(tracker: Tracker, services: SessionServices) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        sweeper = asyncio.create_task(_sweep_forever(tracker))
+        loops = [
+            asyncio.create_task(_sweep_forever(tracker)),
+            asyncio.create_task(services.outbox.run_forever()),
+            asyncio.create_task(services.sessions.run_policy_forever()),
+        ]
         try:
             yield
         finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+            for loop in loops:
+                loop.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+            await services.outbox.stop()
             await tracker.channels.close()
 
     app = FastAPI(title="meshnet tracker", lifespan=lifespan)
     app.state.tracker = tracker
+    app.state.sessions = services
     install_error_handlers(app)
     app.include_router(openai.router)
+    app.include_router(sessions.router)
     app.include_router(admin.router)
     app.include_router(mesh.router)
     return app

@@ -22,6 +22,8 @@ _TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
     409: "conflict_error",
+    410: "gone_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
     502: "upstream_error",
     503: "service_unavailable",

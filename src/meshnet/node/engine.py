@@ -69,6 +69,7 @@ class OpenedSlot:
 
     kv_tokens: int  # positions of KV held
     steps: int  # steps committed
+    unparked: bool = False  # read back from local disk by this open
 
 
 @dataclass(frozen=True)
@@ -171,9 +172,10 @@ class NodeEngine:
         """
         return self._control(lambda: self._apply_open(session_id, epoch, resume, rewind))
 
-    def park(self, session_id: str) -> Future[int]:
-        """Move an idle session's KV to local disk, out of the budget; its positions."""
-        return self._control(lambda: self._apply_park(session_id))
+    def park(self, session_id: str, epoch: int | None = None) -> Future[int]:
+        """Move an idle session's KV (of ``epoch`` or older) to local disk, out of the
+        budget; its positions."""
+        return self._control(lambda: self._apply_park(session_id, epoch))
 
     def release(self, session_id: str, epoch: int) -> Future[bool]:
         """Free a session's KV (hot or parked) and queued steps, unless a newer epoch
@@ -360,8 +362,9 @@ class NodeEngine:
         self, session_id: str, epoch: int, resume: bool, rewind: tuple[int, int] | None
     ) -> OpenedSlot:
         shard = self._admissible(session_id, epoch)
+        unparked = False
         if resume and session_id not in self._slots and session_id in self._parked:
-            self._unpark(shard, session_id)
+            unparked = self._unpark(shard, session_id)
         slot = self._slots.get(session_id)
         if slot is not None and slot.epoch < epoch and resume:
             self._fail_steps(session_id, StaleEpoch(f"epoch {slot.epoch} was fenced by {epoch}"))
@@ -375,15 +378,17 @@ class NodeEngine:
         if resume and rewind is not None:
             _rewind(slot, *rewind)
         self._remember_fence(session_id, epoch)
-        return OpenedSlot(slot.kv.length, slot.steps)
+        return OpenedSlot(slot.kv.length, slot.steps, unparked)
 
-    def _apply_park(self, session_id: str) -> int:
+    def _apply_park(self, session_id: str, epoch: int | None) -> int:
         slot = self._slots.get(session_id)
         if slot is None:
             parked = self._parked.get(session_id)
             if parked is None:
                 raise CacheMiss(f"no KV for session {session_id}")
             return parked.tokens  # parked already
+        if epoch is not None and slot.epoch > epoch:
+            raise StaleEpoch(f"session {session_id} moved on to epoch {slot.epoch}")
         if any(w.session_id == session_id for w in self._pending):
             raise Overloaded(f"session {session_id} is running a step; park it when idle")
         payload = slot.kv.export_bytes()
@@ -393,7 +398,7 @@ class NodeEngine:
         self._account()
         return parked.tokens
 
-    def _unpark(self, shard: Shard, session_id: str) -> None:
+    def _unpark(self, shard: Shard, session_id: str) -> bool:
         """Make parked KV hot again; a file that fails its check is dropped (KV rebuilt)."""
         parked = self._parked.pop(session_id)
         try:
@@ -406,10 +411,11 @@ class NodeEngine:
         except CacheMiss as e:
             log.warning("session %s: %s; it starts empty", session_id, e)
             self._park_store.remove(parked)
-            return
+            return False
         self._park_store.remove(parked)
         self._slots[session_id] = Slot(parked.epoch, kv, steps=parked.steps)
         self._account()
+        return True
 
     def _apply_export(self, session_id: str) -> ExportedKV:
         slot = self._slots.get(session_id)

@@ -83,6 +83,7 @@ class NodeService(pb_grpc.NodeServicer):
                 layer_end=shard.layers.end,
                 kv_tokens=held.kv_tokens,
                 steps=held.steps,
+                unparked=held.unparked,
             )
         )
         try:
@@ -177,7 +178,8 @@ class NodeService(pb_grpc.NodeServicer):
         try:
             if not request.session_id or len(request.session_id) > _MAX_SESSION_ID:
                 raise MalformedBundle(f"session_id must have 1 to {_MAX_SESSION_ID} characters")
-            tokens = self.engine.park(request.session_id).result(_CONTROL_TIMEOUT_S)
+            epoch = request.epoch or None
+            tokens = self.engine.park(request.session_id, epoch).result(_CONTROL_TIMEOUT_S)
         except MeshnetError as e:
             return pb.ParkResponse(parked=False, failure=_fail(e))
         return pb.ParkResponse(parked=True, tokens=tokens)

@@ -61,18 +61,20 @@ class ForwardRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("node_id", "layer_start", "layer_end", "kv_tokens", "steps")
+    __slots__ = ("node_id", "layer_start", "layer_end", "kv_tokens", "steps", "unparked")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    UNPARKED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     layer_start: int
     layer_end: int
     kv_tokens: int
     steps: int
-    def __init__(self, node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+    unparked: bool
+    def __init__(self, node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., unparked: _Optional[bool] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step", "output", "compute_ms")
@@ -249,10 +251,12 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class ParkRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "epoch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ParkResponse(_message.Message):
     __slots__ = ("parked", "failure", "tokens")

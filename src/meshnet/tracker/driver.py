@@ -215,6 +215,8 @@ class RouteDriver:
             await self._replay(gen, first, step)
             if gen.pending is not None:
                 gen.pending.replayed_steps += step - first
+        if gen.ready_at is None:
+            gen.ready_at = time.monotonic()
         logits = await self._run_step(gen, step)
         assert logits is not None  # no hop holds a step not yet sampled
         return logits
@@ -461,6 +463,7 @@ class RouteDriver:
             self.limits.open_timeout_s,
         )
         held_now = (int(opened.kv_tokens), int(opened.steps))
+        link.unparked = bool(opened.unparked)
         if held_now == (0, 0):
             return link, None  # fresh (or the node lost the KV): the log is replayed into it
         if rewind is not None:

@@ -93,6 +93,7 @@ class Generation:
     pending: PendingRecovery | None = None
     failovers: int = 0  # tries to fail over, counting those whose new epoch failed to open
     verdict: MeshnetError | None = None  # set when cancelled from outside
+    ready_at: float | None = None  # time.monotonic() when every hop held the history
 
     @property
     def kv_key(self) -> str:

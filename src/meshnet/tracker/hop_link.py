@@ -41,6 +41,7 @@ class HopLink:
     steps: int = 0  # steps whose KV the node holds (the next step's number)
     positions: int = 0  # KV positions the node holds
     first_position: int = 0  # positions it held when this epoch's attempt began
+    unparked: bool = False  # the node read the session's KV back from its disk to open it
     verdict: MeshnetError | None = None  # set from outside before the call is cancelled
 
     @property

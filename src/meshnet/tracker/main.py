@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
 
 from meshnet.api.app import create_app
+from meshnet.api.state import SessionServices
 from meshnet.model.info import load_model_info
 from meshnet.tracker.channels import ChannelPool
+from meshnet.tracker.database import open_database
 from meshnet.tracker.driver import DriverLimits, RouteDriver
+from meshnet.tracker.outbox import Outbox, OutboxConfig
 from meshnet.tracker.service import Tracker, TrackerConfig
+from meshnet.tracker.session_store import SessionStore
+from meshnet.tracker.sessions import SessionPolicy, Sessions
+from meshnet.tracker.snapshots import SnapshotStore
 from meshnet.tracker.store import Store
+from meshnet.tracker.turns import TurnRunner
 
 log = logging.getLogger(__name__)
 
@@ -22,18 +29,29 @@ log = logging.getLogger(__name__)
 class TrackerProcessConfig:
     host: str  # interface the HTTP API listens on
     port: int
-    data_dir: Path  # SQLite database (and, later, snapshots) live here
+    data_dir: Path  # snapshots, and the SQLite database unless ``database`` names another
+    database: str | None  # postgresql://... or an SQLite path; None: data_dir/tracker.db
     model_path: str | None  # None: the bundled model
     tracker: TrackerConfig
     driver: DriverLimits
+    outbox: OutboxConfig = field(default_factory=OutboxConfig)
+    policy: SessionPolicy = field(default_factory=SessionPolicy)
 
 
 def serve(cfg: TrackerProcessConfig) -> int:
     model = load_model_info(cfg.model_path)
-    store = Store(cfg.data_dir / "tracker.db")
+    store = Store(open_database(cfg.database or cfg.data_dir / "tracker.db"))
     channels = ChannelPool()
     driver = RouteDriver(channels, model.fingerprint, model.spec, model.tokenizer, cfg.driver)
-    app = create_app(Tracker(store, model, channels, driver, cfg.tracker))
+    tracker = Tracker(store, model, channels, driver, cfg.tracker)
+    session_store = SessionStore(store.db)
+    snapshots = SnapshotStore(cfg.data_dir / "snapshots")
+    runner = TurnRunner(tracker, session_store, snapshots)
+    services = SessionServices(
+        Sessions(tracker, session_store, snapshots, cfg.policy),
+        Outbox(session_store, runner, snapshots, cfg.outbox),
+    )
+    app = create_app(tracker, services)
     log.info("tracker serving %s on http://%s:%d", model.name, cfg.host, cfg.port)
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False)

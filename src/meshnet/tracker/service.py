@@ -123,8 +123,7 @@ class Tracker:
     async def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> Started:
         """Open a route for a generation; ``NoRoute`` or ``Overloaded`` when impossible."""
         check_request(self.model.spec, prompt_ids, params)
-        if len(self._generations) >= self.config.max_in_flight:
-            raise Overloaded(f"{len(self._generations)} generations in flight; try again shortly")
+        self.admit()
         last: Exception | None = None
         for _ in range(_OPEN_ATTEMPTS):
             route = self.route()
@@ -142,6 +141,40 @@ class Tracker:
             events = self._accounted(gen, self.driver.run(gen, prompt_ids, params, self))
             return Started(gen.id, route, gen.epoch, events)
         raise NoRoute(f"could not open a route: {last}")
+
+    def admit(self) -> None:
+        """``Overloaded`` when the tracker already drives as many generations as it may."""
+        if len(self._generations) >= self.config.max_in_flight:
+            raise Overloaded(f"{len(self._generations)} generations in flight; try again shortly")
+
+    def drive(
+        self,
+        gen: Generation,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        history: Sequence[int] = (),
+    ) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
+        """Run an opened generation (a session's turn), accounted, cancellable, failed over."""
+        return self._accounted(gen, self.driver.run(gen, prompt_ids, params, self, history))
+
+    def usable(self, route: Route) -> bool:
+        """Whether every hop's node is up and still serves that hop's layers of this model."""
+        nodes = {n.node_id: n for n in self.store.nodes()}
+        for hop in route:
+            n = nodes.get(hop.node_id)
+            if n is None or not n.routable or n.layers != hop.layers or n.address != hop.address:
+                return False
+            if n.fingerprint != self.model.fingerprint:
+                return False
+        return bool(route)
+
+    def single_hop_for(self, span: LayerRange) -> Hop | None:
+        """One node serving exactly ``span`` (the least loaded), or None."""
+        chain = self._replicas(span, frozenset())
+        return chain[0] if chain is not None and len(chain) == 1 else None
+
+    async def node_failed(self, node_id: str, kind: str) -> None:
+        await self._node_failed(node_id, kind)
 
     def cancel(self, generation_id: str, reason: str = "cancelled by request") -> bool:
         """Cancel a running generation on every hop; False when none has that id."""

@@ -1,20 +1,18 @@
-"""The tracker's durable state in SQLite: the node registry, the pinned route, the ledger.
+"""The tracker's durable mesh state: the node registry, the pinned route, the ledger.
 
-All truth lives here, not in process memory, so a restarted tracker (or,
-later, a replica on PostgreSQL) sees the same mesh. Calls are short and
-serialised by one lock; the connection is shared by the event loop's threads.
+All truth lives in the database (SQLite, or PostgreSQL shared by several
+trackers), not in process memory, so a restarted tracker or a replica sees
+the same mesh.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
-import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import Heartbeat, NodeAnnouncement, NodeLoad
+from meshnet.tracker.database import Database
 from meshnet.tracker.ledger import BILLABLE, AttemptStatus, LedgerRecord
 from meshnet.tracker.registry import NodeId, NodeRecord, NodeState, is_stale
 
@@ -26,10 +24,10 @@ CREATE TABLE IF NOT EXISTS nodes (
     layer_start INTEGER NOT NULL,
     layer_end INTEGER NOT NULL,
     backend TEXT NOT NULL,
-    kv_budget_bytes INTEGER NOT NULL,
+    kv_budget_bytes BIGINT NOT NULL,
     pid INTEGER NOT NULL,
     state TEXT NOT NULL,
-    last_seen REAL NOT NULL,
+    last_seen DOUBLE PRECISION NOT NULL,
     load TEXT NOT NULL,
     down_reason TEXT NOT NULL DEFAULT ''
 );
@@ -38,7 +36,7 @@ CREATE TABLE IF NOT EXISTS pinned_route (
     node_ids TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS ledger (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    id {serial},
     generation_id TEXT NOT NULL,
     epoch INTEGER NOT NULL,
     node_id TEXT NOT NULL,
@@ -48,7 +46,7 @@ CREATE TABLE IF NOT EXISTS ledger (
     token_end INTEGER NOT NULL,
     status TEXT NOT NULL,
     kind TEXT NOT NULL,
-    recorded REAL NOT NULL,
+    recorded DOUBLE PRECISION NOT NULL,
     UNIQUE (generation_id, epoch, node_id, layer_start)
 );
 CREATE INDEX IF NOT EXISTS ledger_node ON ledger (node_id);
@@ -59,64 +57,68 @@ _LEDGER_COLUMNS = (
 )
 
 
-class Store:
-    """SQLite-backed registry; one file under the tracker's data dir."""
+_NODE_COLUMNS = (
+    "node_id, address, fingerprint, layer_start, layer_end, backend, kv_budget_bytes, pid, "
+    "state, last_seen, load, down_reason"
+)
 
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
-        self._lock = threading.Lock()
+
+class Store:
+    """The registry and the ledger in one database."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        db.create_schema(_SCHEMA)
+
+    @property
+    def db(self) -> Database:
+        return self._db
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._db.close()
 
     def register(self, a: NodeAnnouncement, now: float) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '')",
-                (
-                    a.node_id,
-                    a.address,
-                    a.fingerprint,
-                    a.layer_start,
-                    a.layer_end,
-                    a.backend,
-                    a.kv_budget_bytes,
-                    a.pid,
-                    NodeState.UP.value,
-                    now,
-                    a.load.model_dump_json(),
-                ),
-            )
+        updates = ", ".join(f"{c} = excluded.{c}" for c in _NODE_COLUMNS.split(", ")[1:])
+        self._db.run(
+            f"INSERT INTO nodes ({_NODE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '') "
+            f"ON CONFLICT (node_id) DO UPDATE SET {updates}",
+            (
+                a.node_id,
+                a.address,
+                a.fingerprint,
+                a.layer_start,
+                a.layer_end,
+                a.backend,
+                a.kv_budget_bytes,
+                a.pid,
+                NodeState.UP.value,
+                now,
+                a.load.model_dump_json(),
+            ),
+        )
 
     def heartbeat(self, node_id: NodeId, hb: Heartbeat, now: float) -> bool:
         """Record a heartbeat; False when the node is unknown or was marked down."""
-        with self._lock:
-            cur = self._db.execute(
-                "UPDATE nodes SET last_seen = ?, load = ?, fingerprint = ?, layer_start = ?, "
-                "layer_end = ? WHERE node_id = ? AND state = ?",
-                (
-                    now,
-                    hb.load.model_dump_json(),
-                    hb.fingerprint,
-                    hb.layer_start,
-                    hb.layer_end,
-                    node_id,
-                    NodeState.UP.value,
-                ),
-            )
-            return cur.rowcount == 1
+        changed = self._db.run(
+            "UPDATE nodes SET last_seen = ?, load = ?, fingerprint = ?, layer_start = ?, "
+            "layer_end = ? WHERE node_id = ? AND state = ?",
+            (
+                now,
+                hb.load.model_dump_json(),
+                hb.fingerprint,
+                hb.layer_start,
+                hb.layer_end,
+                node_id,
+                NodeState.UP.value,
+            ),
+        )
+        return changed == 1
 
     def mark_down(self, node_id: NodeId, reason: str) -> None:
-        with self._lock:
-            self._db.execute(
-                "UPDATE nodes SET state = ?, down_reason = ? WHERE node_id = ?",
-                (NodeState.DOWN.value, reason, node_id),
-            )
+        self._db.run(
+            "UPDATE nodes SET state = ?, down_reason = ? WHERE node_id = ?",
+            (NodeState.DOWN.value, reason, node_id),
+        )
 
     def sweep(self, now: float, timeout_s: float) -> list[NodeId]:
         """Mark down every up node silent for ``timeout_s``; return their ids."""
@@ -126,33 +128,29 @@ class Store:
         return stale
 
     def nodes(self) -> list[NodeRecord]:
-        with self._lock:
-            rows = self._db.execute("SELECT * FROM nodes ORDER BY node_id").fetchall()
+        rows = self._db.query(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node_id")
         return [_record(r) for r in rows]
 
     def pinned(self) -> list[NodeId] | None:
-        with self._lock:
-            row = self._db.execute("SELECT node_ids FROM pinned_route WHERE id = 1").fetchone()
-        return list(json.loads(row[0])) if row else None
+        rows = self._db.query("SELECT node_ids FROM pinned_route WHERE id = 1")
+        return list(json.loads(rows[0][0])) if rows else None
 
     def pin(self, node_ids: Sequence[NodeId]) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO pinned_route VALUES (1, ?)", (json.dumps(list(node_ids)),)
-            )
+        self._db.run(
+            "INSERT INTO pinned_route (id, node_ids) VALUES (1, ?) "
+            "ON CONFLICT (id) DO UPDATE SET node_ids = excluded.node_ids",
+            (json.dumps(list(node_ids)),),
+        )
 
     def unpin(self) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM pinned_route")
+        self._db.run("DELETE FROM pinned_route")
 
     def set_layers(self, node_id: NodeId, layers: LayerRange, fingerprint: str) -> None:
         """A node was told to load ``layers`` and confirmed it: routable before its next beat."""
-        with self._lock:
-            self._db.execute(
-                "UPDATE nodes SET layer_start = ?, layer_end = ?, fingerprint = ? "
-                "WHERE node_id = ?",
-                (layers.start, layers.end, fingerprint, node_id),
-            )
+        self._db.run(
+            "UPDATE nodes SET layer_start = ?, layer_end = ?, fingerprint = ? WHERE node_id = ?",
+            (layers.start, layers.end, fingerprint, node_id),
+        )
 
     def record_attempts(self, records: Sequence[LedgerRecord], now: float) -> None:
         """Write attempts in one transaction; an attempt already recorded is never rewritten."""
@@ -171,41 +169,39 @@ class Store:
             )
             for r in records
         ]
-        with self._lock, self._db:
-            self._db.execute("BEGIN")
-            self._db.executemany(
-                f"INSERT OR IGNORE INTO ledger ({_LEDGER_COLUMNS}, recorded) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                rows,
-            )
+        with self._db.transaction() as tx:
+            for row in rows:
+                tx.run(
+                    f"INSERT INTO ledger ({_LEDGER_COLUMNS}, recorded) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    row,
+                )
 
     def ledger(
         self, generation_id: str | None = None, node_id: str | None = None, limit: int = 1000
     ) -> list[LedgerRecord]:
         where, args = _ledger_filter(generation_id, node_id)
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT {_LEDGER_COLUMNS} FROM ledger{where} ORDER BY id LIMIT ?", (*args, limit)
-            ).fetchall()
+        rows = self._db.query(
+            f"SELECT {_LEDGER_COLUMNS} FROM ledger{where} ORDER BY id LIMIT ?", (*args, limit)
+        )
         return [_ledger_record(r) for r in rows]
 
     def ledger_totals(self, generation_id: str | None = None) -> dict[str, dict[str, int]]:
         """Per node and status: attempts, tokens and layer-tokens."""
         where, args = _ledger_filter(generation_id, None)
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT node_id, status, COUNT(*), SUM(token_end - token_start), "
-                "SUM((token_end - token_start) * (layer_end - layer_start)) "
-                f"FROM ledger{where} GROUP BY node_id, status ORDER BY node_id, status",
-                args,
-            ).fetchall()
+        rows = self._db.query(
+            "SELECT node_id, status, COUNT(*), SUM(token_end - token_start), "
+            "SUM((token_end - token_start) * (layer_end - layer_start)) "
+            f"FROM ledger{where} GROUP BY node_id, status ORDER BY node_id, status",
+            args,
+        )
         totals: dict[str, dict[str, int]] = {}
         for node_id, status, attempts, tokens, layer_tokens in rows:
             node = totals.setdefault(node_id, {"billable_layer_tokens": 0})
-            node[f"{status}_attempts"] = attempts
-            node[f"{status}_tokens"] = tokens
+            node[f"{status}_attempts"] = int(attempts)
+            node[f"{status}_tokens"] = int(tokens)
             if AttemptStatus(status) in BILLABLE:
-                node["billable_layer_tokens"] += layer_tokens
+                node["billable_layer_tokens"] += int(layer_tokens)
         return totals
 
 

@@ -1,0 +1,163 @@
+"""The sessions API: stateful conversations whose KV the mesh keeps between turns.
+
+``POST /v1/sessions`` starts one; ``POST /v1/sessions/{id}/turns`` adds a
+user turn and answers the reply (``Idempotency-Key`` makes a retried request
+return the first turn's result); ``park`` and ``evict`` move its KV down the
+ladder; ``GET`` describes it; ``DELETE`` ends it, after which turns get 410.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from meshnet.api.errors import error_body
+from meshnet.api.schemas import DEFAULT_MAX_TOKENS, MAX_PROMPT_CHARS
+from meshnet.api.state import outbox_of, sessions_of
+from meshnet.errors import MeshnetError, NotFound, RequestError, SessionGone, error_for_kind
+from meshnet.model.sampling import MAX_STOP_STRINGS
+from meshnet.tracker.driver import TokenEvent
+from meshnet.tracker.outbox import Outbox
+from meshnet.tracker.session_store import TurnRecord, TurnStatus
+
+router = APIRouter()
+
+_MAX_KEY = 256
+_TURN_WAIT_S = 900.0  # a turn not final by then is answered 202 with its id
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NewSession(_Strict):
+    system: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+
+
+class TurnRequest(_Strict):
+    content: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stream: bool = False
+
+
+@router.post("/v1/sessions")
+async def create_session(request: Request, body: NewSession | None = None) -> dict[str, Any]:
+    session = sessions_of(request).create(body.system if body else None)
+    return {"id": session.id, "state": session.state.value}
+
+
+@router.get("/v1/sessions/{session_id}")
+async def get_session(session_id: str, request: Request) -> dict[str, Any]:
+    sessions = sessions_of(request)
+    return sessions.describe(sessions.store.get(session_id))
+
+
+@router.delete("/v1/sessions/{session_id}")
+async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
+    session = await sessions_of(request).end(session_id)
+    return {"id": session.id, "state": session.state.value}
+
+
+@router.post("/v1/sessions/{session_id}/park")
+async def park_session(session_id: str, request: Request) -> dict[str, Any]:
+    sessions = sessions_of(request)
+    return sessions.describe(await sessions.park(session_id))
+
+
+@router.post("/v1/sessions/{session_id}/evict")
+async def evict_session(session_id: str, request: Request) -> dict[str, Any]:
+    sessions = sessions_of(request)
+    return sessions.describe(await sessions.evict(session_id))
+
+
+@router.get("/v1/sessions/{session_id}/turns/{turn_id}", response_model=None)
+async def get_turn(session_id: str, turn_id: str, request: Request) -> JSONResponse:
+    turn = sessions_of(request).store.turn(turn_id)
+    if turn.session_id != session_id:
+        raise NotFound(f"no turn {turn_id!r} in session {session_id!r}")
+    return _answer(turn)
+
+
+@router.post("/v1/sessions/{session_id}/turns", response_model=None)
+async def add_turn(
+    session_id: str,
+    body: TurnRequest,
+    request: Request,
+    idempotency_key: str | None = Header(default=None, max_length=_MAX_KEY),
+) -> JSONResponse | StreamingResponse:
+    outbox = outbox_of(request)
+    fields = body.model_dump(exclude={"stream"})
+    turn = outbox.accept(session_id, idempotency_key, fields)
+    if turn.status.final:  # a repeated Idempotency-Key: the first turn's outcome
+        return _answer(turn)
+    if body.stream:
+        return StreamingResponse(
+            _stream(outbox, turn),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    outbox.start_delivery(turn)
+    return _answer(await outbox.wait(turn.id, _TURN_WAIT_S))
+
+
+def _answer(turn: TurnRecord) -> JSONResponse:
+    """A final turn's result (or its typed error); a turn still pending is 202."""
+    if turn.status is TurnStatus.DONE and turn.result is not None:
+        return JSONResponse(turn.result)
+    if turn.status.final:
+        raise _turn_error(turn)
+    body = {"turn_id": turn.id, "status": turn.status.value, "attempts": turn.attempts}
+    return JSONResponse(body, status_code=202)
+
+
+def _turn_error(turn: TurnRecord) -> MeshnetError:
+    error = turn.error or {}
+    if turn.status is TurnStatus.DROPPED:
+        return SessionGone(error.get("message", "the session ended before this turn ran"))
+    kind, message = error.get("kind", "internal"), error.get("message", "the turn failed")
+    e = error_for_kind(kind, message)
+    return e if type(e) is not MeshnetError else RequestError(message)
+
+
+async def _stream(outbox: Outbox, turn: TurnRecord) -> AsyncIterator[str]:
+    """Tokens as the delivering attempt makes them, then the turn's result."""
+    tokens: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
+
+    async def on_token(event: TokenEvent) -> None:
+        await tokens.put(event)
+
+    async def deliver() -> None:
+        try:
+            await outbox.deliver(turn, on_token)
+        finally:
+            await tokens.put(None)
+
+    # A client that hangs up does not cancel the turn: it was accepted, it completes.
+    task = asyncio.create_task(deliver())
+    while (event := await tokens.get()) is not None:
+        yield _data({"type": "token", "id": event.token_id, "text": event.text})
+    await task
+    final = await outbox.wait(turn.id, _TURN_WAIT_S)
+    if final.status is TurnStatus.DONE and final.result is not None:
+        yield _data({"type": "done", **final.result})
+    elif final.status.final:
+        yield _data(error_body(_turn_error(final)))
+    else:
+        yield _data({"type": "pending", "turn_id": final.id, "attempts": final.attempts})
+    yield "data: [DONE]\n\n"
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

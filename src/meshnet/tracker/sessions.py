@@ -1,0 +1,227 @@
+"""Sessions' lifecycle off the turn path: create, describe, park, evict, end, and the policy.
+
+The ladder: ``idle`` (KV hot on its route) → ``parked`` (each node moved the
+KV to its local disk, out of its hot budget) → ``evicted`` (the KV of every
+hop written to the snapshot store and indexed, node memory freed). Moves are
+made by explicit call or by the policy: idle longer than ``park_after_s``,
+parked longer than ``evict_after_s``, and idle sessions on a node whose KV
+use passed ``pressure`` of its budget, least recently used first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from meshnet.errors import KVImportFailed, MeshnetError, RequestError, SessionGone
+from meshnet.protocol import meshnet_pb2 as pb
+from meshnet.tracker.routes import Hop
+from meshnet.tracker.service import Tracker
+from meshnet.tracker.session_store import (
+    SessionRecord,
+    SessionState,
+    SessionStore,
+    SnapshotFile,
+)
+from meshnet.tracker.snapshots import SnapshotStore, SnapshotTarget
+from meshnet.tracker.turns import history_hash, route_json
+
+log = logging.getLogger(__name__)
+
+_CONTROL_TIMEOUT_S = 30.0
+_EXPORT_TIMEOUT_S = 60.0
+_MAX_SYSTEM_CHARS = 100_000
+
+
+@dataclass(frozen=True)
+class SessionPolicy:
+    park_after_s: float = 300.0  # idle this long: parked (0 disables)
+    evict_after_s: float = 1800.0  # parked this long: evicted (0 disables)
+    pressure: float = 0.9  # a node's KV use over this share of its budget parks idle sessions
+    interval_s: float = 5.0
+
+
+class Sessions:
+    """Session use cases over the tracker, the session store and the snapshot store."""
+
+    def __init__(
+        self,
+        tracker: Tracker,
+        store: SessionStore,
+        snapshots: SnapshotStore,
+        policy: SessionPolicy = SessionPolicy(),
+    ) -> None:
+        self.tracker = tracker
+        self.store = store
+        self.snapshots = snapshots
+        self.policy = policy
+
+    def create(self, system: str | None) -> SessionRecord:
+        if system is not None and len(system) > _MAX_SYSTEM_CHARS:
+            raise RequestError(f"system must be at most {_MAX_SYSTEM_CHARS} characters")
+        return self.store.create(f"sess-{uuid.uuid4().hex}", system, time.time())
+
+    def describe(self, session: SessionRecord) -> dict[str, Any]:
+        files = self.store.snapshot(session.snapshot_id) if session.snapshot_id else []
+        return {
+            "id": session.id,
+            "state": session.state.value,
+            "tokens": session.kv_tokens,
+            "steps": session.steps,
+            "turns": session.turns,
+            "epoch": session.kv_epoch,
+            "route": route_json(session.route),
+            "snapshot": {
+                "id": session.snapshot_id,
+                "files": [
+                    {
+                        "layers": [f.layers.start, f.layers.end],
+                        "bytes": f.nbytes,
+                        "sha256": f.file_sha256,
+                        "root_hash": f.root_hash,
+                    }
+                    for f in files
+                ],
+            }
+            if session.snapshot_id
+            else None,
+        }
+
+    async def park(self, session_id: str) -> SessionRecord:
+        """Idle → parked: every hop moves the KV to its disk (a hop that cannot keeps it
+        hot or has lost it; the next turn resumes whatever is left the cheapest way)."""
+        session = self.store.get(session_id)
+        _require_live(session)
+        if session.state is SessionState.PARKED:
+            return session
+        if session.state is not SessionState.IDLE or not session.route:
+            raise RequestError(f"only an idle session with KV can be parked ({session.state})")
+        request = pb.ParkRequest(session_id=session.id, epoch=session.kv_epoch)
+        for hop in session.route:
+            try:
+                reply = await self.tracker.channels.stub(hop.address).Park(
+                    request, timeout=_CONTROL_TIMEOUT_S
+                )
+            except grpc.aio.AioRpcError as e:
+                log.warning("park of %s on %s: %s", session.id, hop.node_id, e.code().name)
+                continue
+            if not reply.parked:
+                log.warning("park of %s on %s: %s", session.id, hop.node_id, reply.failure)
+        self.store.set_state(session.id, SessionState.PARKED, (SessionState.IDLE,))
+        return self.store.get(session_id)
+
+    async def evict(self, session_id: str) -> SessionRecord:
+        """Idle or parked → evicted: each hop's KV written to the snapshot store, indexed,
+        then freed on the nodes. Nothing changes unless every hop's snapshot is whole."""
+        session = self.store.get(session_id)
+        _require_live(session)
+        if session.state is SessionState.EVICTED:
+            return session
+        if session.state not in (SessionState.IDLE, SessionState.PARKED) or not session.route:
+            raise RequestError(f"only an idle or parked session can be evicted ({session.state})")
+        snapshot_id = uuid.uuid4().hex[:16]
+        prefix = history_hash(session.history)
+        files: list[SnapshotFile] = []
+        try:
+            for hop in session.route:
+                files.append(await self._export(session, hop, snapshot_id, prefix))
+            indexed = self.store.index_snapshot(session, files, time.time())
+        except BaseException:
+            for f in files:
+                self.snapshots.remove(f)
+            raise
+        if not indexed:
+            for f in files:
+                self.snapshots.remove(f)
+            raise RequestError("the session moved on while it was being evicted; try again")
+        await self._release(session)
+        return self.store.get(session_id)
+
+    async def _export(
+        self, session: SessionRecord, hop: Hop, snapshot_id: str, prefix: str
+    ) -> SnapshotFile:
+        stub = self.tracker.channels.stub(hop.address)
+        call = stub.StateGet(
+            pb.StateGetRequest(session_id=session.id, token_prefix_hash=prefix),
+            timeout=_EXPORT_TIMEOUT_S,
+        )
+        target = SnapshotTarget(snapshot_id, session.id, hop.layers)
+        try:
+            return await self.snapshots.write(target, call.__aiter__(), prefix)
+        except grpc.aio.AioRpcError as e:
+            message = f"node {hop.node_id} could not export the KV: {e.code().name} {e.details()}"
+            raise KVImportFailed(message, "source-missing", hop.node_id) from None
+        finally:
+            call.cancel()
+
+    async def end(self, session_id: str) -> SessionRecord:
+        """End a session: later turns get 410; its KV and snapshots are freed."""
+        session = self.store.end(session_id, SessionState.COMPLETED)
+        await self._release(session)
+        for f in self.store.snapshots_of(session.id):
+            self.snapshots.remove(f)
+        self.store.forget_snapshots(session.id, keep=None)
+        return self.store.get(session_id)
+
+    async def _release(self, session: SessionRecord) -> None:
+        request = pb.ReleaseRequest(session_id=session.id, epoch=session.kv_epoch)
+        for hop in session.route:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self.tracker.channels.stub(hop.address).Release(
+                    request, timeout=_CONTROL_TIMEOUT_S
+                )
+
+    # --- policy ---------------------------------------------------------------------
+
+    async def apply_policy(self, now: float) -> list[tuple[str, str]]:
+        """One pass of the policy; the (session, new state) moves it made."""
+        moves: list[tuple[str, str]] = []
+        p = self.policy
+        pressed = self._pressed_nodes()
+        for s in self.store.sessions((SessionState.IDLE,)):
+            on_pressed = any(h.node_id in pressed for h in s.route)
+            if (p.park_after_s and now - s.last_used > p.park_after_s) or on_pressed:
+                moves += await self._try(self.park, s.id, "parked")
+                pressed -= {h.node_id for h in s.route}
+        if p.evict_after_s:
+            for s in self.store.sessions((SessionState.PARKED,)):
+                if now - s.last_used > p.evict_after_s:
+                    moves += await self._try(self.evict, s.id, "evicted")
+        return moves
+
+    def _pressed_nodes(self) -> set[str]:
+        return {
+            n.node_id
+            for n in self.tracker.store.nodes()
+            if n.kv_budget_bytes > 0 and n.load.kv_bytes > self.policy.pressure * n.kv_budget_bytes
+        }
+
+    @staticmethod
+    async def _try(move: Any, session_id: str, state: str) -> list[tuple[str, str]]:
+        try:
+            await move(session_id)
+        except MeshnetError as e:
+            log.info("policy could not move %s to %s: %s", session_id, state, e)
+            return []
+        return [(session_id, state)]
+
+    async def run_policy_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.policy.interval_s)
+            try:
+                for session_id, state in await self.apply_policy(time.time()):
+                    log.info("policy: session %s %s", session_id, state)
+            except MeshnetError as e:
+                log.warning("session policy: %s", e)
+
+
+def _require_live(session: SessionRecord) -> None:
+    if session.state.terminal:
+        raise SessionGone(f"session {session.id} has ended")
