@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import postgres_server
 import pytest
 from tinymodel import TinyConfig, write_tiny_gguf
 
@@ -43,3 +46,23 @@ def oracle() -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def bundled() -> LocalModel:
     return load_local_model()
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A PostgreSQL server for the whole run (installed by .ci/run; skipped where absent)."""
+    if not postgres_server.available():
+        pytest.skip("PostgreSQL is not installed here; .ci/run installs it")
+    with postgres_server.postgres() as url:
+        yield url
+
+
+@pytest.fixture
+def fresh_postgres(postgres_url: str) -> str:
+    """A new, empty database on the test server; its URL."""
+    import psycopg
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return postgres_url.rsplit("/", 1)[0] + f"/{name}"

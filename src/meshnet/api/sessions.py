@@ -115,7 +115,7 @@ async def add_turn(
 def _answer(turn: TurnRecord) -> JSONResponse:
     """A final turn's result (or its typed error); a turn still pending is 202."""
     if turn.status is TurnStatus.DONE and turn.result is not None:
-        return JSONResponse(turn.result)
+        return JSONResponse({**turn.result, "attempts": turn.attempts})
     if turn.status.final:
         raise _turn_error(turn)
     body = {"turn_id": turn.id, "status": turn.status.value, "attempts": turn.attempts}

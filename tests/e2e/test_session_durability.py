@@ -1,0 +1,137 @@
+"""Sessions outlive their tracker: pending turns survive a kill -9, and two trackers on one
+PostgreSQL serve one session alternately (tiny model, real processes)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import MeshFactory
+from session_client import TURNS, describe, new_session, op, reference_turns, turn
+
+from meshnet.local_mesh import LocalMesh, free_port
+
+QUIET = ["--park-after", "0", "--evict-after", "0", "--policy-interval", "3600"]
+LONG = 300  # tokens: a turn long enough to be cut by a kill
+
+
+@pytest.fixture(scope="module")
+def chat_tiny(tiny_factory: Any) -> Path:
+    return Path(tiny_factory("chat.gguf", context_length=1024))
+
+
+def test_a_tracker_killed_with_a_pending_turn_delivers_it_once_after_restart(
+    mesh_factory: MeshFactory, chat_tiny: Path
+) -> None:
+    mesh = mesh_factory("0:2,2:4", model=chat_tiny, tracker_args=[*QUIET, "--turn-lease", "2"])
+    ref = new_session(mesh.url)
+    want = [turn(mesh.url, ref, TURNS[0])["ids"], turn(mesh.url, ref, TURNS[1], max_tokens=LONG)]
+    sid = new_session(mesh.url)
+    assert turn(mesh.url, sid, TURNS[0])["ids"] == want[0]
+
+    cut: list[BaseException] = []
+
+    def post() -> None:
+        try:
+            turn(mesh.url, sid, TURNS[1], key="turn-2", max_tokens=LONG)
+        except BaseException as e:  # the tracker dies under this request
+            cut.append(e)
+
+    client = threading.Thread(target=post)
+    client.start()
+    _wait_kv_growing(mesh)
+    assert mesh.tracker is not None
+    mesh.tracker.send_signal(signal.SIGKILL)
+    mesh.tracker.wait(timeout=10)
+    client.join(timeout=30)
+    assert cut, "the request should have been cut off by the kill"
+
+    mesh.start_tracker()
+    mesh.wait_ready(expected_nodes=2, timeout_s=60)
+    # The client retries with its key: the same turn, delivered once, after the lease lapsed.
+    again = turn(mesh.url, sid, TURNS[1], key="turn-2", max_tokens=LONG)
+    reference = want[1]
+    assert again["ids"] == reference["ids"]
+    assert again["attempts"] == 2  # the one the kill cut off, and the one after the restart
+    state = describe(mesh.url, sid)
+    assert state["turns"] == 2
+    assert state["tokens"] == describe(mesh.url, ref)["tokens"]  # the turn's tokens once
+    assert turn(mesh.url, sid, TURNS[2])["ids"] == turn(mesh.url, ref, TURNS[2])["ids"]
+
+
+def _wait_kv_growing(mesh: LocalMesh, timeout_s: float = 30) -> None:
+    """Until the turn is visibly running: a node's KV positions rise."""
+    deadline = time.monotonic() + timeout_s
+    first: int | None = None
+    while time.monotonic() < deadline:
+        nodes = httpx.get(f"{mesh.url}/admin/nodes", timeout=5).json()["nodes"]
+        steps = sum(n["load"]["steps"] for n in nodes)
+        if first is None:
+            first = steps
+        elif steps > first + 20:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the turn never started")
+
+
+def test_two_trackers_on_one_postgresql_serve_one_session_alternately(
+    mesh_factory: MeshFactory, chat_tiny: Path, fresh_postgres: str
+) -> None:
+    mesh = mesh_factory(
+        "0:2,2:4", model=chat_tiny, tracker_args=[*QUIET, "--database", fresh_postgres]
+    )
+    want = reference_turns(mesh.url)
+    with _second_tracker(mesh, fresh_postgres) as other:
+        sid = new_session(other)
+        paths = []
+        for i, content in enumerate(TURNS):
+            url = mesh.url if i % 2 == 0 else other
+            result = turn(url, sid, content)
+            assert result["ids"] == want[i], f"turn {i} via {url}"
+            paths.append(result["resume_path"])
+            if i == 1:
+                op(mesh.url, sid, "evict")  # evicted by one tracker, resumed by the other
+        assert paths == ["hot", "hot", "snapshot", "hot"]
+        assert describe(other, sid)["turns"] == describe(mesh.url, sid)["turns"] == 4
+
+
+@contextlib.contextmanager
+def _second_tracker(mesh: LocalMesh, database: str) -> Iterator[str]:
+    """Another tracker process on the same database and snapshot directory."""
+    port = free_port()
+    assert mesh.model is not None
+    cmd = [sys.executable, "-m", "meshnet.cli.main", "tracker", "--port", str(port)]
+    cmd += ["--data-dir", str(mesh.data_dir), "--database", database, "--model", mesh.model]
+    cmd += QUIET
+    log = (mesh.data_dir / "logs" / "tracker-2.log").open("ab")
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/healthz", timeout=2).json()["route_complete"]:
+                    break
+            assert proc.poll() is None, "the second tracker exited"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+        log.close()
