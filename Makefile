@@ -22,6 +22,7 @@ demo: setup
 	$(BIN)/meshnet up --nodes 3 --port 0 --once "What is the capital of France?"
 
 test: setup
+	@bash scripts/install_postgres.sh || echo "PostgreSQL could not be installed: its tests will be skipped"
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
