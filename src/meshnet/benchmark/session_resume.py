@@ -1,0 +1,107 @@
+"""Resuming an evicted session from its snapshot against re-prefilling its history.
+
+A tracker and two node processes serve the bundled model. One session is
+built up to about ``target_tokens`` positions by chat turns (each turn's
+prompt and reply become its history). Each round then evicts it (its KV
+written to the snapshot store, the nodes' copy freed) and takes two short
+turns: the first resumes from the snapshot; before the second the session is
+evicted again and its snapshot files removed, so the tracker re-prefills the
+whole history. Both figures are the tracker's own ``resume_ms``: from the
+start of the turn's delivery until every hop holds the session's history,
+ready for the new prompt. Parked and hot resumes are measured the same way.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from meshnet.layer_range import LayerRange
+from meshnet.local_mesh import LocalMesh
+from meshnet.model.info import load_model_info
+
+_QUIET = ["--park-after", "0", "--evict-after", "0", "--policy-interval", "3600"]
+_FILLER = (
+    "Here is some background for the question I will ask later. The history of the river "
+    "valley covers farming, trade routes, the founding of towns, floods and the bridges "
+    "built after them, the markets that grew around the bridges, and the schools and "
+    "libraries that the market towns paid for. "
+)
+
+
+@dataclass(frozen=True)
+class ResumeCost:
+    tokens: list[int]  # session positions at each snapshot resume
+    snapshot_ms: list[float]
+    reprefill_ms: list[float]
+    parked_ms: list[float]
+    hot_ms: list[float]
+
+    @property
+    def ratio(self) -> float:
+        """Snapshot resume time as a share of re-prefill time (medians)."""
+        return statistics.median(self.snapshot_ms) / statistics.median(self.reprefill_ms)
+
+
+def measure_resume(model: str | None, target_tokens: int, rounds: int) -> ResumeCost:
+    n_layers = load_model_info(model).spec.n_layers
+    half = n_layers // 2
+    with tempfile.TemporaryDirectory(prefix="meshnet-resume-") as tmp:
+        mesh = LocalMesh(Path(tmp), model=model, tracker_args=_QUIET)
+        try:
+            mesh.start([LayerRange(0, half), LayerRange(half, n_layers)])
+            return _measure(mesh, target_tokens, rounds)
+        finally:
+            mesh.stop()
+
+
+def _measure(mesh: LocalMesh, target_tokens: int, rounds: int) -> ResumeCost:
+    url = mesh.url
+    sid = _post(url, "/v1/sessions", {"system": "You answer in one short paragraph."})["id"]
+    tokens = 0
+    turn = 0
+    while tokens < target_tokens:  # build the history: long prompts, real replies
+        _turn(url, sid, f"{_FILLER} Part {turn}: summarise it.", 60)
+        tokens = _get(url, sid)["tokens"]
+        turn += 1
+    cost = ResumeCost([], [], [], [], [])
+    for r in range(rounds):
+        _post(url, f"/v1/sessions/{sid}/park", None)
+        parked = _turn(url, sid, f"Round {r}: one word.", 1)
+        hot = _turn(url, sid, f"Round {r}: another word.", 1)
+        _post(url, f"/v1/sessions/{sid}/evict", None)
+        cost.tokens.append(_get(url, sid)["tokens"])
+        snap = _turn(url, sid, f"Round {r}: a third word.", 1)
+        _post(url, f"/v1/sessions/{sid}/evict", None)
+        for path in (mesh.data_dir / "snapshots").glob(f"{sid}.*.snap"):
+            path.unlink()  # the snapshot is lost: the history must be recomputed
+        full = _turn(url, sid, f"Round {r}: a fourth word.", 1)
+        paths = [t["resume_path"] for t in (parked, hot, snap, full)]
+        if paths != ["parked", "hot", "snapshot", "reprefill"]:
+            raise RuntimeError(f"round {r} took resume paths {paths}")
+        cost.parked_ms.append(parked["resume_ms"])
+        cost.hot_ms.append(hot["resume_ms"])
+        cost.snapshot_ms.append(snap["resume_ms"])
+        cost.reprefill_ms.append(full["resume_ms"])
+    return cost
+
+
+def _turn(url: str, sid: str, content: str, max_tokens: int) -> dict[str, Any]:
+    body = {"content": content, "max_tokens": max_tokens, "temperature": 0.0}
+    return _post(url, f"/v1/sessions/{sid}/turns", body)
+
+
+def _post(url: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+    r = httpx.post(f"{url}{path}", json=body, timeout=600)
+    if r.status_code != 200:
+        raise RuntimeError(f"{path}: {r.status_code} {r.text}")
+    return dict(r.json())
+
+
+def _get(url: str, sid: str) -> dict[str, Any]:
+    return dict(httpx.get(f"{url}/v1/sessions/{sid}", timeout=30).json())
