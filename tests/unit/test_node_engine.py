@@ -258,3 +258,19 @@ def test_release_frees_parked_kv_and_rewind_cuts_an_unfinished_turn(
     assert engine.release("s", 3).result(5) is True
     assert engine.stats().parked == 0 and engine.stats().sessions == 0
     assert engine.release("s", 3).result(5) is False
+
+
+def test_a_parked_session_exports_the_kv_it_had(tiny_path: Path, tmp_path: Path) -> None:
+    engine = NodeEngine(EngineConfig(park_dir=str(tmp_path)))
+    engine.start()
+    try:
+        engine.load(str(tiny_path), LayerRange(0, 4)).result(timeout=30)
+        engine.open("s", 1).result(5)
+        _step(engine, "s", 1, [5, 6, 7])
+        hot = engine.export_kv("s").result(5)
+        engine.park("s").result(5)
+        parked = engine.export_kv("s").result(5)
+        assert (parked.epoch, parked.steps, parked.tokens) == (hot.epoch, hot.steps, hot.tokens)
+        assert bytes(parked.payload) == bytes(hot.payload)
+    finally:
+        engine.stop()

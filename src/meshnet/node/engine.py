@@ -419,6 +419,10 @@ class NodeEngine:
 
     def _apply_export(self, session_id: str) -> ExportedKV:
         slot = self._slots.get(session_id)
+        parked = self._parked.get(session_id)
+        if slot is None and parked is not None:  # read back from disk, checked
+            data = memoryview(self._park_store.read(parked))
+            return ExportedKV(parked.epoch, parked.steps, parked.tokens, data)
         if slot is None:
             raise CacheMiss(f"no KV for session {session_id}")
         return ExportedKV(slot.epoch, slot.steps, slot.kv.length, slot.kv.export_bytes())

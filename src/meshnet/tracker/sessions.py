@@ -3,9 +3,9 @@
 The ladder: ``idle`` (KV hot on its route) → ``parked`` (each node moved the
 KV to its local disk, out of its hot budget) → ``evicted`` (the KV of every
 hop written to the snapshot store and indexed, node memory freed). Moves are
-made by explicit call or by the policy: idle longer than ``park_after_s``,
-parked longer than ``evict_after_s``, and idle sessions on a node whose KV
-use passed ``pressure`` of its budget, least recently used first.
+made by explicit call or by the policy: unused for ``park_after_s`` (parked),
+unused for ``evict_after_s`` once parked (evicted), and idle sessions on a
+node whose KV use passed ``pressure`` of its budget, least recently used first.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ _MAX_SYSTEM_CHARS = 100_000
 
 @dataclass(frozen=True)
 class SessionPolicy:
-    park_after_s: float = 300.0  # idle this long: parked (0 disables)
-    evict_after_s: float = 1800.0  # parked this long: evicted (0 disables)
+    park_after_s: float = 300.0  # unused this long since the last turn: parked (0: never)
+    evict_after_s: float = 1800.0  # unused this long and parked: evicted (0: never)
     pressure: float = 0.9  # a node's KV use over this share of its budget parks idle sessions
     interval_s: float = 5.0
 
@@ -62,6 +62,7 @@ class Sessions:
         self.store = store
         self.snapshots = snapshots
         self.policy = policy
+        self._relieved: dict[str, float] = {}  # node -> when the policy last parked on it
 
     def create(self, system: str | None) -> SessionRecord:
         if system is not None and len(system) > _MAX_SYSTEM_CHARS:
@@ -186,10 +187,12 @@ class Sessions:
         p = self.policy
         pressed = self._pressed_nodes()
         for s in self.store.sessions((SessionState.IDLE,)):
-            on_pressed = any(h.node_id in pressed for h in s.route)
+            on_pressed = {h.node_id for h in s.route} & pressed
             if (p.park_after_s and now - s.last_used > p.park_after_s) or on_pressed:
                 moves += await self._try(self.park, s.id, "parked")
-                pressed -= {h.node_id for h in s.route}
+            for node_id in on_pressed:  # one session per node until its load is reported anew
+                self._relieved[node_id] = now
+            pressed -= on_pressed
         if p.evict_after_s:
             for s in self.store.sessions((SessionState.PARKED,)):
                 if now - s.last_used > p.evict_after_s:
@@ -197,10 +200,14 @@ class Sessions:
         return moves
 
     def _pressed_nodes(self) -> set[str]:
+        """Nodes whose last reported KV use is over the pressure line, reported after the
+        policy last parked a session there."""
         return {
             n.node_id
             for n in self.tracker.store.nodes()
-            if n.kv_budget_bytes > 0 and n.load.kv_bytes > self.policy.pressure * n.kv_budget_bytes
+            if n.kv_budget_bytes > 0
+            and n.load.kv_bytes > self.policy.pressure * n.kv_budget_bytes
+            and n.last_seen > self._relieved.get(n.node_id, 0.0)
         }
 
     @staticmethod
@@ -220,6 +227,8 @@ class Sessions:
                     log.info("policy: session %s %s", session_id, state)
             except MeshnetError as e:
                 log.warning("session policy: %s", e)
+            except Exception:  # a bug must not stop the policy for good
+                log.exception("session policy pass failed")
 
 
 def _require_live(session: SessionRecord) -> None:
