@@ -65,6 +65,7 @@ def test_a_session_pulled_to_another_node_continues_identically(
                 pb.StatePullRequest(source=a, session_id="moved"), timeout=30
             )
         assert pulled.imported, pulled.failure
+        assert pulled.transport == "tcp"  # over the bulk port, not gRPC frames
         assert pulled.tokens == 5
         on_b = Session(b, open_msg())  # the same epoch: it keeps the imported KV
         try:

@@ -1,7 +1,7 @@
 """Parked KV: a session's cache moved out of the hot budget onto the node's local disk.
 
 A parked session costs no KV budget; resuming it reads the file back, checks
-its sha256 and makes it the session's KV again, which is far cheaper than
+its hash and makes it the session's KV again, which is far cheaper than
 recomputing it. Files are written to a temp name and renamed, so a file under
 its final name is always whole; one that fails its hash is discarded and the
 session is rebuilt by its driver.
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshnet.errors import CacheMiss
+from meshnet.kv.transfer import digest
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class ParkedKV:
     steps: int
     tokens: int
     path: Path
-    sha256: str
+    digest: str  # BLAKE3 of the file's bytes
     nbytes: int
 
 
@@ -54,8 +55,7 @@ class ParkStore:
         with open(tmp, "wb") as f:
             f.write(payload)
         os.replace(tmp, path)
-        digest = hashlib.sha256(payload).hexdigest()
-        return ParkedKV(epoch, steps, tokens, path, digest, len(payload))
+        return ParkedKV(epoch, steps, tokens, path, digest(payload).hex(), len(payload))
 
     @staticmethod
     def read(parked: ParkedKV) -> bytes:
@@ -64,7 +64,7 @@ class ParkStore:
             data = parked.path.read_bytes()
         except OSError as e:
             raise CacheMiss(f"parked KV unreadable: {e}") from None
-        if len(data) != parked.nbytes or hashlib.sha256(data).hexdigest() != parked.sha256:
+        if len(data) != parked.nbytes or digest(data).hex() != parked.digest:
             raise CacheMiss(f"parked KV at {parked.path} is corrupt")
         return data
 

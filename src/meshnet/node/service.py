@@ -10,9 +10,10 @@ it stays until a ``Release``, and can be ``Park``ed on local disk meanwhile.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -24,10 +25,12 @@ from meshnet.errors import (
     MeshnetError,
     ShardMismatch,
 )
+from meshnet.kv.bulk import recv_stream
 from meshnet.kv.transfer import KVShape, check_header, export_frames, read_stream
 from meshnet.layer_range import LayerRange
 from meshnet.model.shard import Shard
-from meshnet.node.engine import NodeEngine, OpenedSlot
+from meshnet.node.engine import ExportedKV, NodeEngine, OpenedSlot
+from meshnet.node.kv_offers import KVOffers
 from meshnet.node.scheduler import StepWork
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
@@ -41,6 +44,7 @@ _MAX_SESSION_ID = 128
 _NO_DEADLINE_S = 7 * 24 * 3600.0
 _TRANSFER_TIMEOUT_S = 60.0  # one KV import, whole stream
 _MAX_ADDRESS = 256
+_CONNECT_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,12 @@ class NodeIdentity:
 class NodeService(pb_grpc.NodeServicer):
     """Serves Forward, Configure and Info for one ``NodeEngine``."""
 
-    def __init__(self, identity: NodeIdentity, engine: NodeEngine) -> None:
+    def __init__(
+        self, identity: NodeIdentity, engine: NodeEngine, offers: KVOffers | None = None
+    ) -> None:
         self.identity = identity
         self.engine = engine
+        self.offers = offers  # the bulk TCP port, when this node runs one
 
     def Forward(
         self, request_iterator: Iterator[pb.ForwardRequest], context: grpc.ServicerContext
@@ -187,6 +194,23 @@ class NodeService(pb_grpc.NodeServicer):
     def StateGet(
         self, request: pb.StateGetRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.KVFrame]:
+        header, kv = self._export(request, context)
+        yield from export_frames(header, kv.payload)
+
+    def StateOffer(
+        self, request: pb.StateGetRequest, context: grpc.ServicerContext
+    ) -> pb.StateOfferResponse:
+        """Copy a session's KV for one fetch over the bulk TCP port (node-to-node moves)."""
+        if self.offers is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node has no bulk port")
+        assert self.offers is not None
+        header, kv = self._export(request, context)
+        ticket = self.offers.offer(header, kv.payload)
+        return pb.StateOfferResponse(address=self.offers.address, ticket=ticket, tokens=kv.tokens)
+
+    def _export(
+        self, request: pb.StateGetRequest, context: grpc.ServicerContext
+    ) -> tuple[pb.KVHeader, ExportedKV]:
         shard = self.engine.shard
         if shard is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is empty")
@@ -209,7 +233,7 @@ class NodeService(pb_grpc.NodeServicer):
             n_kv_heads=shape.n_kv_heads,
             head_dim=shape.head_dim,
         )
-        yield from export_frames(header, kv.payload)
+        return header, kv
 
     def StatePull(
         self, request: pb.StatePullRequest, context: grpc.ServicerContext
@@ -222,10 +246,23 @@ class NodeService(pb_grpc.NodeServicer):
         get = pb.StateGetRequest(
             session_id=request.session_id, token_prefix_hash=request.token_prefix_hash
         )
+        prefix = request.token_prefix_hash or None
         with grpc.insecure_channel(request.source, options=MESSAGE_OPTIONS) as channel:
-            frames = pb_grpc.NodeStub(channel).StateGet(get, timeout=limit)
+            stub = pb_grpc.NodeStub(channel)
             try:
-                return self._import(frames, limit, context, request.token_prefix_hash or None)
+                offer = stub.StateOffer(get, timeout=limit)
+            except grpc.RpcError as e:
+                code = e.code() if isinstance(e, grpc.Call) else None
+                if code == grpc.StatusCode.NOT_FOUND:
+                    return _put_failed(KVImportFailed(str(e.details()), "source-missing"))
+                if code != grpc.StatusCode.UNIMPLEMENTED:
+                    return _put_failed(KVImportFailed(f"the source failed: {e}", "source-missing"))
+            else:
+                return self._import(_fetcher(offer), limit, context, prefix, "tcp")
+            # A source without a bulk port streams the frames over gRPC.
+            frames = stub.StateGet(get, timeout=limit)
+            try:
+                return self._import(_reader(frames), limit, context, prefix, "grpc")
             finally:
                 frames.cancel()
 
@@ -235,14 +272,15 @@ class NodeService(pb_grpc.NodeServicer):
         """Import a KV stream; on any failure the session is left holding nothing."""
         left = _remaining_s(0, context)
         limit = min(left, _TRANSFER_TIMEOUT_S) if left is not None else _TRANSFER_TIMEOUT_S
-        return self._import(request_iterator, limit, context, None)
+        return self._import(_reader(request_iterator), limit, context, None, "grpc")
 
     def _import(
         self,
-        frames: Iterator[pb.KVFrame],
+        read: _Read,
         limit: float,
         context: grpc.ServicerContext,
         prefix_hash: str | None,
+        transport: str,
     ) -> pb.StatePutResponse:
         shard = self.engine.shard
         if shard is None:
@@ -261,7 +299,7 @@ class NodeService(pb_grpc.NodeServicer):
             check_header(h, shape, prefix_hash)
 
         try:
-            header, payload = read_stream(_frames(frames), check, deadline)
+            header, payload = read(check, deadline)
             held = self.engine.import_kv(
                 header.session_id, header.epoch, header.steps, header.tokens, payload
             ).result(_CONTROL_TIMEOUT_S)
@@ -271,7 +309,7 @@ class NodeService(pb_grpc.NodeServicer):
             return _put_failed(e)
         finally:
             timer.cancel()
-        return pb.StatePutResponse(imported=True, tokens=held.kv_tokens)
+        return pb.StatePutResponse(imported=True, tokens=held.kv_tokens, transport=transport)
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         s = self.engine.stats()
@@ -312,6 +350,32 @@ def kv_shape(shard: Shard) -> KVShape:
         itemsize=kv.dtype.itemsize,
         max_tokens=shard.spec.context_length,
     )
+
+
+_Check = Callable[[pb.KVHeader], None]
+_Read = Callable[[_Check, float], tuple[pb.KVHeader, bytearray]]
+
+
+def _reader(frames: Iterator[pb.KVFrame]) -> _Read:
+    """Reads a stream of gRPC frames."""
+    return lambda check, deadline: read_stream(_frames(frames), check, deadline)
+
+
+def _fetcher(offer: pb.StateOfferResponse) -> _Read:
+    """Fetches an offered stream from the source's bulk port."""
+
+    def read(check: _Check, deadline: float) -> tuple[pb.KVHeader, bytearray]:
+        host, _, port = offer.address.rpartition(":")
+        try:
+            conn = socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_S)
+        except (OSError, ValueError) as e:
+            message = f"cannot reach the source's bulk port: {e}"
+            raise KVImportFailed(message, "source-missing") from None
+        with conn:
+            conn.sendall(offer.ticket)
+            return recv_stream(conn, check, deadline)
+
+    return read
 
 
 def _frames(frames: Iterator[pb.KVFrame]) -> Iterator[pb.KVFrame]:

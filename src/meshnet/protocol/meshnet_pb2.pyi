@@ -149,7 +149,7 @@ class FenceResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("version", "fingerprint", "layer_start", "layer_end", "session_id", "epoch", "tokens", "steps", "token_prefix_hash", "dtype", "n_kv_heads", "head_dim", "chunk_bytes", "total_bytes")
+    __slots__ = ("version", "fingerprint", "layer_start", "layer_end", "session_id", "epoch", "tokens", "steps", "token_prefix_hash", "dtype", "n_kv_heads", "head_dim", "chunk_bytes", "total_bytes", "hash")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class KVHeader(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
     version: int
     fingerprint: str
     layer_start: int
@@ -178,17 +179,18 @@ class KVHeader(_message.Message):
     head_dim: int
     chunk_bytes: int
     total_bytes: int
-    def __init__(self, version: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., token_prefix_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    hash: str
+    def __init__(self, version: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., token_prefix_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., hash: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("index", "data", "sha256")
+    __slots__ = ("index", "data", "digest")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     index: int
     data: bytes
-    sha256: bytes
-    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class KVTrailer(_message.Message):
     __slots__ = ("root_hash",)
@@ -214,6 +216,16 @@ class StateGetRequest(_message.Message):
     token_prefix_hash: str
     def __init__(self, session_id: _Optional[str] = ..., token_prefix_hash: _Optional[str] = ...) -> None: ...
 
+class StateOfferResponse(_message.Message):
+    __slots__ = ("address", "ticket", "tokens")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    ticket: bytes
+    tokens: int
+    def __init__(self, address: _Optional[str] = ..., ticket: _Optional[bytes] = ..., tokens: _Optional[int] = ...) -> None: ...
+
 class StatePullRequest(_message.Message):
     __slots__ = ("source", "session_id", "token_prefix_hash")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -225,16 +237,18 @@ class StatePullRequest(_message.Message):
     def __init__(self, source: _Optional[str] = ..., session_id: _Optional[str] = ..., token_prefix_hash: _Optional[str] = ...) -> None: ...
 
 class StatePutResponse(_message.Message):
-    __slots__ = ("imported", "failure", "reason", "tokens")
+    __slots__ = ("imported", "failure", "reason", "tokens", "transport")
     IMPORTED_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     imported: bool
     failure: Failure
     reason: str
     tokens: int
-    def __init__(self, imported: _Optional[bool] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., reason: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+    transport: str
+    def __init__(self, imported: _Optional[bool] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., reason: _Optional[str] = ..., tokens: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "epoch")

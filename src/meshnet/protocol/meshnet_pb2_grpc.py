@@ -69,6 +69,11 @@ class NodeStub:
                 request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.StatePullRequest.SerializeToString,
                 response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.StatePutResponse.FromString,
                 _registered_method=True)
+        self.StateOffer = channel.unary_unary(
+                '/meshnet.v1.Node/StateOffer',
+                request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.StateGetRequest.SerializeToString,
+                response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.StateOfferResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/meshnet.v1.Node/Release',
                 request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.ReleaseRequest.SerializeToString,
@@ -128,6 +133,12 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StateOffer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -177,6 +188,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.StatePull,
                     request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.StatePullRequest.FromString,
                     response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.StatePutResponse.SerializeToString,
+            ),
+            'StateOffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.StateOffer,
+                    request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.StateGetRequest.FromString,
+                    response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.StateOfferResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -378,6 +394,33 @@ class Node:
             '/meshnet.v1.Node/StatePull',
             meshnet_dot_protocol_dot_meshnet__pb2.StatePullRequest.SerializeToString,
             meshnet_dot_protocol_dot_meshnet__pb2.StatePutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StateOffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnet.v1.Node/StateOffer',
+            meshnet_dot_protocol_dot_meshnet__pb2.StateGetRequest.SerializeToString,
+            meshnet_dot_protocol_dot_meshnet__pb2.StateOfferResponse.FromString,
             options,
             channel_credentials,
             insecure,
