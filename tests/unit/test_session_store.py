@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,3 +140,33 @@ def test_full_jitter_backoff_stays_within_its_cap() -> None:
         limit = min(4.0, 0.5 * 2**attempts)
         assert all(0.0 <= w <= limit for w in waits)
         assert max(waits) > limit * 0.8  # jittered over the whole range
+
+
+def test_concurrent_accepts_through_two_connections_get_distinct_turns(
+    db: Database, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Two trackers accepting turns of one session at once: each gets its own place."""
+    target = (
+        tmp_path / "t.db" if db.dialect == "sqlite" else request.getfixturevalue("fresh_postgres")
+    )
+    first, second = open_database(target), open_database(target)
+    try:
+        SessionStore(first).create("s", None, 0.0)
+        stores = [SessionStore(first), SessionStore(second)]
+        seqs: list[int] = []
+
+        def accept(i: int) -> None:
+            for j in range(10):
+                turn = stores[i % 2].accept_turn("s", f"t{i}-{j}", None, "h", REQUEST, 1.0)
+                seqs.append(turn.seq)
+
+        threads = [threading.Thread(target=accept, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(seqs) == list(range(1, 41))
+        assert SessionStore(first).get("s").turns == 40
+    finally:
+        first.close()
+        second.close()

@@ -48,7 +48,7 @@ def serve(cfg: TrackerProcessConfig) -> int:
     snapshots = SnapshotStore(cfg.data_dir / "snapshots")
     runner = TurnRunner(tracker, session_store, snapshots)
     services = SessionServices(
-        Sessions(tracker, session_store, snapshots, cfg.policy),
+        Sessions(tracker, session_store, snapshots, runner, cfg.policy),
         Outbox(session_store, runner, snapshots, cfg.outbox),
     )
     app = create_app(tracker, services)

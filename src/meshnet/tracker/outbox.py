@@ -119,10 +119,13 @@ class Outbox:
             renewing.cancel()
             self._wake.set()
         old = self.store.snapshots_of(session.id) if session.snapshot_id else []
-        if self.store.complete_turn(turn.id, self.owner, outcome.result, outcome.session, now):
+        after = outcome.session
+        if self.store.complete_turn(turn.id, self.owner, outcome.result, after, time.time()):
             self.store.forget_snapshots(session.id, keep=None)
             for f in old:  # the KV moved on: its snapshot is stale
                 self.snapshots.remove(f)
+        elif self.store.get(session.id).state.terminal:  # ended while this turn ran
+            await self.runner.release(after.route, session.id)
         return True
 
     async def _renew(self, turn_id: str) -> None:

@@ -261,11 +261,13 @@ class SessionStore:
         with another body); ``SessionGone`` when the session has ended."""
         try:
             with self._db.transaction() as tx:
+                # Taking the row first serialises accepts of one session across trackers;
+                # what is read after it is what the previous accept committed.
+                if not tx.run("UPDATE sessions SET turns = turns + 1 WHERE id = ?", (session_id,)):
+                    raise NotFound(f"no session {session_id!r}")
                 session = self.get(session_id, tx)
                 if session.state.terminal:
                     raise SessionGone(f"session {session_id} has ended ({session.state.value})")
-                # Taking the row first serialises accepts of one session across trackers.
-                tx.run("UPDATE sessions SET turns = turns + 1 WHERE id = ?", (session_id,))
                 if key is not None:
                     rows = tx.query(
                         f"SELECT {_TURN_COLUMNS}, body_hash FROM turns "
@@ -284,7 +286,7 @@ class SessionStore:
                     (
                         turn_id,
                         session_id,
-                        session.turns + 1,
+                        session.turns,
                         key,
                         body_hash,
                         json.dumps(request),

@@ -11,7 +11,6 @@ node whose KV use passed ``pressure`` of its budget, least recently used first.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -31,7 +30,7 @@ from meshnet.tracker.session_store import (
     SnapshotFile,
 )
 from meshnet.tracker.snapshots import SnapshotStore, SnapshotTarget
-from meshnet.tracker.turns import history_hash, route_json
+from meshnet.tracker.turns import TurnRunner, history_hash, route_json
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +55,13 @@ class Sessions:
         tracker: Tracker,
         store: SessionStore,
         snapshots: SnapshotStore,
+        runner: TurnRunner,
         policy: SessionPolicy = SessionPolicy(),
     ) -> None:
         self.tracker = tracker
         self.store = store
         self.snapshots = snapshots
+        self.runner = runner
         self.policy = policy
         self._relieved: dict[str, float] = {}  # node -> when the policy last parked on it
 
@@ -142,7 +143,7 @@ class Sessions:
             for f in files:
                 self.snapshots.remove(f)
             raise RequestError("the session moved on while it was being evicted; try again")
-        await self._release(session)
+        await self.runner.release(session.route, session.id, session.kv_epoch)
         return self.store.get(session_id)
 
     async def _export(
@@ -165,19 +166,11 @@ class Sessions:
     async def end(self, session_id: str) -> SessionRecord:
         """End a session: later turns get 410; its KV and snapshots are freed."""
         session = self.store.end(session_id, SessionState.COMPLETED)
-        await self._release(session)
+        await self.runner.release(session.route, session.id)
         for f in self.store.snapshots_of(session.id):
             self.snapshots.remove(f)
         self.store.forget_snapshots(session.id, keep=None)
         return self.store.get(session_id)
-
-    async def _release(self, session: SessionRecord) -> None:
-        request = pb.ReleaseRequest(session_id=session.id, epoch=session.kv_epoch)
-        for hop in session.route:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await self.tracker.channels.stub(hop.address).Release(
-                    request, timeout=_CONTROL_TIMEOUT_S
-                )
 
     # --- policy ---------------------------------------------------------------------
 

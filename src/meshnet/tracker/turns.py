@@ -44,6 +44,7 @@ from meshnet.tracker.snapshots import SnapshotStore
 log = logging.getLogger(__name__)
 
 _SENTINEL = "\x00meshnet-reply\x00"
+ALL_EPOCHS = 2**63 - 1  # a release of a session that has ended
 _IMPORT_TIMEOUT_S = 60.0
 _RELEASE_TIMEOUT_S = 10.0
 
@@ -169,6 +170,10 @@ class TurnRunner:
         }
         self._release_elsewhere(session, done.route, done.epoch)
         return TurnOutcome(result, after)
+
+    async def release(self, route: Route, session_id: str, epoch: int = ALL_EPOCHS) -> None:
+        """Every hop frees what it holds of the session (hot or parked), up to ``epoch``."""
+        await asyncio.gather(*(self._release(hop, session_id, epoch) for hop in route))
 
     async def _place(
         self, session: SessionRecord, epoch: int
