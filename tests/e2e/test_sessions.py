@@ -176,7 +176,7 @@ def test_bad_session_requests_are_refused_and_change_nothing(mesh: LocalMesh) ->
         r = httpx.post(f"{mesh.url}/v1/sessions/{sid}/turns", json=body, timeout=60)
         assert r.status_code == 400, (body, r.text)
     state = describe(mesh.url, sid)
-    assert (state["tokens"], state["state"]) == (0, "idle")
+    assert (state["tokens"], state["state"], state["turns"]) == (0, "idle", 0)
     r = httpx.post(f"{mesh.url}/v1/sessions/{sid}/evict", timeout=30)  # nothing to evict
     assert r.status_code == 400
 

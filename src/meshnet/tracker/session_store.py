@@ -310,11 +310,12 @@ class SessionStore:
             raise NotFound(f"no turn {turn_id!r}")
         return _turn(rows[0])
 
-    def turns(self, session_id: str) -> list[TurnRecord]:
+    def turn_by_key(self, session_id: str, key: str) -> TurnRecord | None:
         rows = self._db.query(
-            f"SELECT {_TURN_COLUMNS} FROM turns WHERE session_id = ? ORDER BY seq", (session_id,)
+            f"SELECT {_TURN_COLUMNS} FROM turns WHERE session_id = ? AND idempotency_key = ?",
+            (session_id, key),
         )
-        return [_turn(r) for r in rows]
+        return _turn(rows[0]) if rows else None
 
     def deliverable(self, now: float, limit: int = 16) -> list[TurnRecord]:
         """Turns due for delivery: pending and due, or running under a lapsed lease;
@@ -514,11 +515,9 @@ class SessionStore:
         )
         return [_snapshot(r) for r in rows]
 
-    def forget_snapshots(self, session_id: str, keep: str | None) -> None:
-        self._db.run(
-            "DELETE FROM snapshots WHERE session_id = ? AND snapshot_id <> ?",
-            (session_id, keep or ""),
-        )
+    def forget_snapshots(self, session_id: str) -> None:
+        """Drop a session's snapshots from the index (before their files are removed)."""
+        self._db.run("DELETE FROM snapshots WHERE session_id = ?", (session_id,))
 
 
 def _route_json(route: Route) -> str:

@@ -167,9 +167,10 @@ class Sessions:
         """End a session: later turns get 410; its KV and snapshots are freed."""
         session = self.store.end(session_id, SessionState.COMPLETED)
         await self.runner.release(session.route, session.id)
-        for f in self.store.snapshots_of(session.id):
+        files = self.store.snapshots_of(session.id)
+        self.store.forget_snapshots(session.id)  # the index first: it never names a lost file
+        for f in files:
             self.snapshots.remove(f)
-        self.store.forget_snapshots(session.id, keep=None)
         return self.store.get(session_id)
 
     # --- policy ---------------------------------------------------------------------

@@ -101,12 +101,11 @@ class TurnRunner:
             text = text[len(template.eos_token) :]  # the reply's final token closed it already
         return [*session.tail, *model.tokenizer.encode(text)]
 
-    async def run(
-        self, session: SessionRecord, turn: TurnRecord, on_token: OnToken | None = None
-    ) -> TurnOutcome:
-        """Deliver ``turn`` (one attempt); raises a typed error when it cannot."""
-        t0 = time.monotonic()
-        request = turn.request
+    def check(
+        self, session: SessionRecord, request: dict[str, Any]
+    ) -> tuple[list[int], SamplingParams]:
+        """The turn's input ids and sampling; ``RequestError`` when the session cannot
+        take it (bad sampling values, or past the context length)."""
         params = sampling_params(request)
         ids = self.input_ids(session, request["content"])
         context = session.kv_tokens + len(ids) + params.max_tokens
@@ -116,6 +115,14 @@ class TurnRunner:
                 f"max_tokens {params.max_tokens} exceed the context length "
                 f"{self.tracker.model.spec.context_length}"
             )
+        return ids, params
+
+    async def run(
+        self, session: SessionRecord, turn: TurnRecord, on_token: OnToken | None = None
+    ) -> TurnOutcome:
+        """Deliver ``turn`` (one attempt); raises a typed error when it cannot."""
+        t0 = time.monotonic()
+        ids, params = self.check(session, turn.request)
         self.tracker.admit()
         epoch = self.store.next_epoch(session.id)
         route, path, failures = await self._place(session, epoch)
