@@ -195,49 +195,49 @@ def test_a_replay_of_decode_steps_rebuilds_bit_identical_kv(tiny_path: Path, bac
         e.stop()
 
 
+@pytest.fixture
+def parking(tiny_path: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """An engine that parks KV under ``tmp_path``."""
+    e = NodeEngine(EngineConfig(park_dir=str(tmp_path)))
+    e.start()
+    e.load(str(tiny_path), LayerRange(0, 4)).result(timeout=30)
+    yield e
+    e.stop()
+
+
 def test_a_parked_session_leaves_the_budget_and_resumes_bit_identical(
-    tiny_path: Path, tmp_path: Path
+    parking: NodeEngine, tmp_path: Path
 ) -> None:
-    engine = NodeEngine(EngineConfig(park_dir=str(tmp_path)))
-    engine.start()
-    try:
-        engine.load(str(tiny_path), LayerRange(0, 4)).result(timeout=30)
-        for sid in ("hot", "parked"):
-            engine.open(sid, 1).result(5)
-            _step(engine, sid, 1, [5, 6, 7])
-        bytes_hot = engine.stats().kv_bytes
-        assert engine.park("parked").result(5) == 3
-        stats = engine.stats()
-        assert (stats.sessions, stats.parked) == (1, 1)
-        assert stats.kv_bytes == bytes_hot // 2
-        assert len(list(tmp_path.glob("*.kv"))) == 1
-        with pytest.raises(CacheMiss):  # a parked session runs no step until resumed
-            _step(engine, "parked", 1, [9])
-        opened = engine.open("parked", 2, resume=True).result(5)
-        assert (opened.kv_tokens, opened.steps) == (3, 1)
-        assert engine.stats().parked == 0 and not list(tmp_path.glob("*.kv"))
-        engine.open("hot", 2, resume=True).result(5)
-        assert np.array_equal(_step(engine, "parked", 2, [9]), _step(engine, "hot", 2, [9]))
-    finally:
-        engine.stop()
+    engine = parking
+    for sid in ("hot", "parked"):
+        engine.open(sid, 1).result(5)
+        _step(engine, sid, 1, [5, 6, 7])
+    bytes_hot = engine.stats().kv_bytes
+    assert engine.park("parked").result(5) == 3
+    stats = engine.stats()
+    assert (stats.sessions, stats.parked) == (1, 1)
+    assert stats.kv_bytes == bytes_hot // 2
+    assert len(list(tmp_path.glob("*.kv"))) == 1
+    with pytest.raises(CacheMiss):  # a parked session runs no step until resumed
+        _step(engine, "parked", 1, [9])
+    opened = engine.open("parked", 2, resume=True).result(5)
+    assert (opened.kv_tokens, opened.steps) == (3, 1)
+    assert engine.stats().parked == 0 and not list(tmp_path.glob("*.kv"))
+    engine.open("hot", 2, resume=True).result(5)
+    assert np.array_equal(_step(engine, "parked", 2, [9]), _step(engine, "hot", 2, [9]))
 
 
-def test_a_corrupt_parked_file_resumes_empty(tiny_path: Path, tmp_path: Path) -> None:
-    engine = NodeEngine(EngineConfig(park_dir=str(tmp_path)))
-    engine.start()
-    try:
-        engine.load(str(tiny_path), LayerRange(0, 4)).result(timeout=30)
-        engine.open("s", 1).result(5)
-        _step(engine, "s", 1, [5, 6, 7])
-        engine.park("s").result(5)
-        (path,) = tmp_path.glob("*.kv")
-        data = bytearray(path.read_bytes())
-        data[10] ^= 1
-        path.write_bytes(bytes(data))
-        opened = engine.open("s", 2, resume=True).result(5)
-        assert (opened.kv_tokens, opened.steps) == (0, 0)  # the driver rebuilds it
-    finally:
-        engine.stop()
+def test_a_corrupt_parked_file_resumes_empty(parking: NodeEngine, tmp_path: Path) -> None:
+    engine = parking
+    engine.open("s", 1).result(5)
+    _step(engine, "s", 1, [5, 6, 7])
+    engine.park("s").result(5)
+    (path,) = tmp_path.glob("*.kv")
+    data = bytearray(path.read_bytes())
+    data[10] ^= 1
+    path.write_bytes(bytes(data))
+    opened = engine.open("s", 2, resume=True).result(5)
+    assert (opened.kv_tokens, opened.steps) == (0, 0)  # the driver rebuilds it
 
 
 def test_release_frees_parked_kv_and_rewind_cuts_an_unfinished_turn(
@@ -260,17 +260,12 @@ def test_release_frees_parked_kv_and_rewind_cuts_an_unfinished_turn(
     assert engine.release("s", 3).result(5) is False
 
 
-def test_a_parked_session_exports_the_kv_it_had(tiny_path: Path, tmp_path: Path) -> None:
-    engine = NodeEngine(EngineConfig(park_dir=str(tmp_path)))
-    engine.start()
-    try:
-        engine.load(str(tiny_path), LayerRange(0, 4)).result(timeout=30)
-        engine.open("s", 1).result(5)
-        _step(engine, "s", 1, [5, 6, 7])
-        hot = engine.export_kv("s").result(5)
-        engine.park("s").result(5)
-        parked = engine.export_kv("s").result(5)
-        assert (parked.epoch, parked.steps, parked.tokens) == (hot.epoch, hot.steps, hot.tokens)
-        assert bytes(parked.payload) == bytes(hot.payload)
-    finally:
-        engine.stop()
+def test_a_parked_session_exports_the_kv_it_had(parking: NodeEngine) -> None:
+    engine = parking
+    engine.open("s", 1).result(5)
+    _step(engine, "s", 1, [5, 6, 7])
+    hot = engine.export_kv("s").result(5)
+    engine.park("s").result(5)
+    parked = engine.export_kv("s").result(5)
+    assert (parked.epoch, parked.steps, parked.tokens) == (hot.epoch, hot.steps, hot.tokens)
+    assert bytes(parked.payload) == bytes(hot.payload)

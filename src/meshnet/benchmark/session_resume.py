@@ -9,12 +9,18 @@ evicted again and its snapshot files removed, so the tracker re-prefills the
 whole history. Both figures are the tracker's own ``resume_ms``: from the
 start of the turn's delivery until every hop holds the session's history,
 ready for the new prompt. Parked and hot resumes are measured the same way.
+
+For scale, a plain one-shot prefill of a prompt as long as the session
+(``/v1/completions``, one token) is timed too: cheaper than the re-prefill,
+which must recompute each generated token as the decode step it was so that
+the KV, and so the next reply, is bit-identical.
 """
 
 from __future__ import annotations
 
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +47,7 @@ class ResumeCost:
     reprefill_ms: list[float]
     parked_ms: list[float]
     hot_ms: list[float]
+    plain_prefill_ms: list[float]  # a fresh prompt of the session's length, to its first token
 
     @property
     def ratio(self) -> float:
@@ -49,18 +56,22 @@ class ResumeCost:
 
 
 def measure_resume(model: str | None, target_tokens: int, rounds: int) -> ResumeCost:
-    n_layers = load_model_info(model).spec.n_layers
+    info = load_model_info(model)
+    n_layers = info.spec.n_layers
     half = n_layers // 2
+    filler = info.tokenizer.encode(_FILLER)
     with tempfile.TemporaryDirectory(prefix="meshnet-resume-") as tmp:
         mesh = LocalMesh(Path(tmp), model=model, tracker_args=_QUIET)
         try:
             mesh.start([LayerRange(0, half), LayerRange(half, n_layers)])
-            return _measure(mesh, target_tokens, rounds)
+            return _measure(mesh, target_tokens, rounds, filler, info.name)
         finally:
             mesh.stop()
 
 
-def _measure(mesh: LocalMesh, target_tokens: int, rounds: int) -> ResumeCost:
+def _measure(
+    mesh: LocalMesh, target_tokens: int, rounds: int, filler: list[int], model: str
+) -> ResumeCost:
     url = mesh.url
     sid = _post(url, "/v1/sessions", {"system": "You answer in one short paragraph."})["id"]
     tokens = 0
@@ -69,7 +80,7 @@ def _measure(mesh: LocalMesh, target_tokens: int, rounds: int) -> ResumeCost:
         _turn(url, sid, f"{_FILLER} Part {turn}: summarise it.", 60)
         tokens = _get(url, sid)["tokens"]
         turn += 1
-    cost = ResumeCost([], [], [], [], [])
+    cost = ResumeCost([], [], [], [], [], [])
     for r in range(rounds):
         _post(url, f"/v1/sessions/{sid}/park", None)
         parked = _turn(url, sid, f"Round {r}: one word.", 1)
@@ -88,6 +99,10 @@ def _measure(mesh: LocalMesh, target_tokens: int, rounds: int) -> ResumeCost:
         cost.hot_ms.append(hot["resume_ms"])
         cost.snapshot_ms.append(snap["resume_ms"])
         cost.reprefill_ms.append(full["resume_ms"])
+        prompt = (filler * (cost.tokens[-1] // len(filler) + 1))[: cost.tokens[-1]]
+        t0 = time.perf_counter()
+        _post(url, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1})
+        cost.plain_prefill_ms.append((time.perf_counter() - t0) * 1000)
     return cost
 
 

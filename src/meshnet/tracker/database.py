@@ -34,7 +34,19 @@ class Tx(ABC):
 
 
 class Database(Tx):
+    """A connection shared by the tracker's threads; each call holds it alone."""
+
     dialect: str
+    _tx: Tx
+    _lock: threading.RLock
+
+    def query(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
+        with self._lock:
+            return self._tx.query(sql, args)
+
+    def run(self, sql: str, args: Sequence[Any] = ()) -> int:
+        with self._lock:
+            return self._tx.run(sql, args)
 
     @abstractmethod
     def transaction(self) -> contextlib.AbstractContextManager[Tx]: ...
@@ -80,14 +92,6 @@ class SQLiteDatabase(Database):
         self._tx = _SQLiteTx(self._db)
         self._lock = threading.RLock()
 
-    def query(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
-        with self._lock:
-            return self._tx.query(sql, args)
-
-    def run(self, sql: str, args: Sequence[Any] = ()) -> int:
-        with self._lock:
-            return self._tx.run(sql, args)
-
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Tx]:
         with self._lock:
@@ -131,14 +135,6 @@ class PostgresDatabase(Database):
             raise DatabaseUnavailable(f"cannot connect to PostgreSQL: {e}") from None
         self._tx = _PostgresTx(self._conn)
         self._lock = threading.RLock()
-
-    def query(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
-        with self._lock:
-            return self._tx.query(sql, args)
-
-    def run(self, sql: str, args: Sequence[Any] = ()) -> int:
-        with self._lock:
-            return self._tx.run(sql, args)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Tx]:
