@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 from conftest import MeshFactory
-from faults import address, wait_until_up
+from faults import address, ledger, wait_until_up
 from session_client import (
     CORRUPTIONS,
     TURNS,
@@ -93,6 +93,13 @@ def test_turns_are_identical_hot_parked_and_from_a_snapshot_on_other_nodes(
     fourth = turn(mesh.url, sid, TURNS[3])
     assert (fourth["resume_path"], fourth["ids"]) == ("hot", reference[3])
     assert describe(mesh.url, sid)["turns"] == 4
+    # A hot turn's nodes are billed for its new positions only, once per layer span.
+    records = ledger(mesh, fourth["turn_id"])
+    assert {r["status"] for r in records} == {"completed"} and len(records) == 2
+    start = describe(mesh.url, sid)["tokens"] - len(fourth["ids"]) + 1
+    assert {(r["token_start"], r["token_end"]) for r in records} == {
+        (start - fourth["usage"]["prompt_tokens"], start + len(fourth["ids"]) - 1)
+    }
     _revive(mesh, used)
 
 

@@ -23,7 +23,6 @@ import contextlib
 import hashlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -126,7 +125,7 @@ class TurnRunner:
         self.tracker.admit()
         epoch = self.store.next_epoch(session.id)
         route, path, failures = await self._place(session, epoch)
-        gen = self.tracker.driver.new_generation(uuid.uuid4().hex, route)
+        gen = self.tracker.driver.new_generation(turn.id, route)  # its ledger records
         gen.session_id, gen.keep, gen.epoch = session.id, True, epoch
         gen.first_step = session.steps
         for step, step_ids in enumerate(session.history):
