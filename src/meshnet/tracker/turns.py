@@ -124,7 +124,7 @@ class TurnRunner:
         ids, params = self.check(session, turn.request)
         self.tracker.admit()
         epoch = self.store.next_epoch(session.id)
-        route, path, failures = await self._place(session, epoch)
+        route, path, failures = await self._place(session)
         gen = self.tracker.driver.new_generation(turn.id, route)  # its ledger records
         gen.session_id, gen.keep, gen.epoch = session.id, True, epoch
         gen.first_step = session.steps
@@ -181,9 +181,7 @@ class TurnRunner:
         """Every hop frees what it holds of the session (hot or parked), up to ``epoch``."""
         await asyncio.gather(*(self._release(hop, session_id, epoch) for hop in route))
 
-    async def _place(
-        self, session: SessionRecord, epoch: int
-    ) -> tuple[Route, str, list[dict[str, Any]]]:
+    async def _place(self, session: SessionRecord) -> tuple[Route, str, list[dict[str, Any]]]:
         """The route for the turn and the resume path it starts on."""
         if session.snapshot_id is not None:
             files = self.store.snapshot(session.snapshot_id)
