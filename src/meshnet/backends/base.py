@@ -82,10 +82,13 @@ def attend_each(
     k: np.ndarray,
     v: np.ndarray,
     attend: Attention,
+    attend_prompt: Attention | None = None,
 ) -> np.ndarray:
     """Store each sequence's new keys/values in its cache and attend over it; [T, H*hd].
 
-    q [T, H, hd]; k, v [T, Hkv, hd]. Sequences never see each other's rows.
+    q [T, H, hd]; k, v [T, Hkv, hd]. Sequences never see each other's rows. A
+    prompt chunk (several rows, not decode rows sent again) uses ``attend_prompt``
+    when given: it only ever meets other prompt chunks of the same shape.
     """
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
     row = 0
@@ -93,6 +96,8 @@ def attend_each(
         mine = slice(row, row + e.n_new)
         e.kv.write(layer, k[mine].transpose(1, 0, 2), v[mine].transpose(1, 0, 2))
         keys, values = e.kv.view(layer, e.n_new)
-        out[mine] = attend(q[mine], keys, values, e.kv.length)
+        prompt = attend_prompt is not None and e.n_new > 1 and not e.decoded
+        fn = attend_prompt if prompt and attend_prompt is not None else attend
+        out[mine] = fn(q[mine], keys, values, e.kv.length)
         row += e.n_new
     return out

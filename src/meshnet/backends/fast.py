@@ -159,7 +159,7 @@ class FastBackend:
         q = _rope(q.reshape(t, s.n_heads, s.head_dim), cos, sin)  # [T, H, hd]
         k = _rope(k.reshape(t, s.n_kv_heads, s.head_dim), cos, sin)  # [T, Hkv, hd]
         v = np.ascontiguousarray(v).reshape(t, s.n_kv_heads, s.head_dim)
-        attn = attend_each(layer, batch, q, k, v, _attention)  # [T, H*hd]
+        attn = attend_each(layer, batch, q, k, v, _attention, _prompt_attention)  # [T, H*hd]
         x = x + rows.matmul(attn, w.wo, self._dense)
         h = _rms_norm(x, w.ffn_norm, s.rms_eps)
         if fused.gate_up is not None:
@@ -239,6 +239,35 @@ def _swiglu_rows(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
         for c in range(gate.shape[1]):
             g = gate[t, c]
             out[t, c] = g / (np.float32(1.0) + np.exp(-g)) * up[t, c]
+
+
+def _prompt_attention(
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_pos: int
+) -> np.ndarray:
+    """Causal attention of a prompt chunk through BLAS, one matmul pair per KV head.
+
+    q [n, H, hd] at positions ``first_pos ..``; keys, values [Hkv, L, hd]; [n, H * hd].
+    The chunk's rows are only ever computed together, chunked the same way
+    whatever else runs, so this is as repeatable as the row kernel decode uses.
+    """
+    n, n_heads, hd = q.shape
+    n_kv, length = keys.shape[0], keys.shape[1]
+    group = n_heads // n_kv
+    hidden = np.arange(length)[None, :] > (first_pos + np.arange(n))[:, None]  # [n, L]
+    out = np.empty((n, n_heads * hd), dtype=F32)
+    scale = F32(1.0 / np.sqrt(hd))
+    for kv in range(n_kv):
+        qg = q[:, kv * group : (kv + 1) * group, :].transpose(1, 0, 2).reshape(group * n, hd)
+        scores = (qg @ keys[kv].T).reshape(group, n, length)
+        scores *= scale
+        scores[:, hidden] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        heads = scores.reshape(group * n, length) @ values[kv]  # [group * n, hd]
+        block = heads.reshape(group, n, hd).transpose(1, 0, 2).reshape(n, group * hd)
+        out[:, kv * group * hd : (kv + 1) * group * hd] = block
+    return out
 
 
 def _attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_pos: int) -> np.ndarray:
