@@ -22,7 +22,7 @@ from session_client import TURNS, describe, new_session, op, reference_turns, tu
 from meshnet.local_mesh import LocalMesh, free_port
 
 QUIET = ["--park-after", "0", "--evict-after", "0", "--policy-interval", "3600"]
-LONG = 300  # tokens: a turn long enough to be cut by a kill
+LONG = 600  # tokens: a turn long enough to be cut by a kill (seconds on any machine)
 
 
 @pytest.fixture(scope="module")
