@@ -7,11 +7,11 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request
 
-from meshnet.api.openai import route_json
 from meshnet.api.schemas import PinRouteRequest
 from meshnet.api.state import tracker_of
 from meshnet.errors import MeshnetError, NotFound
 from meshnet.tracker.registry import NodeState
+from meshnet.tracker.routes import route_json
 
 router = APIRouter()
 

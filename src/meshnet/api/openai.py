@@ -27,7 +27,7 @@ from meshnet.api.state import tracker_of
 from meshnet.errors import MeshnetError, RequestError
 from meshnet.model.chat import ChatMessage
 from meshnet.tracker.driver import DoneEvent, TokenEvent
-from meshnet.tracker.routes import Route
+from meshnet.tracker.routes import route_json
 from meshnet.tracker.service import Started, Tracker
 
 Kind = Literal["chat", "text"]
@@ -221,7 +221,3 @@ def usage(done: DoneEvent) -> dict[str, int]:
         "completion_tokens": len(done.ids),
         "total_tokens": done.prompt_tokens + len(done.ids),
     }
-
-
-def route_json(route: Route) -> list[dict[str, Any]]:
-    return [{"node_id": h.node_id, "layers": [h.layers.start, h.layers.end]} for h in route]

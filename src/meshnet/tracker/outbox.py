@@ -75,16 +75,18 @@ class Outbox:
     def accept(self, session_id: str, key: str | None, body: dict[str, Any]) -> TurnRecord:
         """Durably accept a turn (or find the first one of this ``Idempotency-Key``); a
         turn the session could never take is refused here, before anything is written."""
-        session = self.store.get(session_id)
-        repeated = key is not None and self.store.turn_by_key(session_id, key) is not None
-        if not session.state.terminal and not repeated:
-            self.runner.check(session, body)
         request = dict(body)
         if request.get("seed") is None and request["temperature"] > 0:
             # Fixed now, so a turn delivered again (after a crash) samples the same tokens.
             request["seed"] = self._rng.randrange(2**63)
         turn = self.store.accept_turn(
-            session_id, uuid.uuid4().hex, key, body_hash(body), request, time.time()
+            session_id,
+            uuid.uuid4().hex,
+            key,
+            body_hash(body),
+            request,
+            time.time(),
+            validate=lambda session: self.runner.check(session, body),
         )
         self._wake.set()
         return turn
@@ -123,12 +125,10 @@ class Outbox:
         finally:
             renewing.cancel()
             self._wake.set()
-        old = self.store.snapshots_of(session.id) if session.snapshot_id else []
         after = outcome.session
         if self.store.complete_turn(turn.id, self.owner, outcome.result, after, time.time()):
-            self.store.forget_snapshots(session.id)  # the index first, then the files
-            for f in old:  # the KV moved on: its snapshot is stale
-                self.snapshots.remove(f)
+            if session.snapshot_id:  # the KV moved on: its snapshot is stale
+                self.snapshots.forget(self.store, session.id)
         elif self.store.get(session.id).state.terminal:  # ended while this turn ran
             await self.runner.release(after.route, session.id)
         return True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
+from typing import Any
 
 from meshnet.errors import NoRoute, RequestError
 from meshnet.layer_range import LayerRange, covers_exactly
@@ -24,6 +25,11 @@ class Hop:
 
 
 Route = tuple[Hop, ...]
+
+
+def route_json(route: Route) -> list[dict[str, Any]]:
+    """A route as the APIs show it: each hop's node and layers."""
+    return [{"node_id": h.node_id, "layers": [h.layers.start, h.layers.end]} for h in route]
 
 
 def plan_route(

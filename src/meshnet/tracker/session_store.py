@@ -12,6 +12,7 @@ a turn is applied to a session exactly once however often it is delivered.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -137,7 +138,6 @@ class TurnRecord:
     request: dict[str, Any]
     result: dict[str, Any] | None
     error: dict[str, Any] | None
-    next_at: float
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ _SESSION_COLUMNS = (
     "id, state, system_prompt, epoch, kv_epoch, route, history, tail, closed, turns, "
     "snapshot_id, last_used"
 )
-_TURN_COLUMNS = "id, session_id, seq, status, attempts, request, result, error, next_at"
+_TURN_COLUMNS = "id, session_id, seq, status, attempts, request, result, error"
 _SNAPSHOT_COLUMNS = (
     "snapshot_id, session_id, layer_start, layer_end, epoch, tokens, steps, path, bytes, "
     "file_sha256, root_hash, prefix_hash"
@@ -255,10 +255,13 @@ class SessionStore:
         body_hash: str,
         request: dict[str, Any],
         now: float,
+        validate: Callable[[SessionRecord], object] | None = None,
     ) -> TurnRecord:
         """Write a turn and the session's update in one transaction; the first turn of
         an ``Idempotency-Key`` again when the key was used (``IdempotencyConflict`` when
-        with another body); ``SessionGone`` when the session has ended."""
+        with another body); ``SessionGone`` when the session has ended. A new turn is
+        first given to ``validate`` with the session as it stands: what it raises
+        refuses the turn and writes nothing."""
         try:
             with self._db.transaction() as tx:
                 # Taking the row first serialises accepts of one session across trackers;
@@ -280,6 +283,8 @@ class SessionStore:
                                 "this Idempotency-Key was used with a different request"
                             )
                         raise _Rollback(_turn(rows[0][:-1]))
+                if validate is not None:
+                    validate(session)
                 tx.run(
                     "INSERT INTO turns (id, session_id, seq, idempotency_key, body_hash, request, "
                     "status, attempts, next_at, created) VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?, ?)",
@@ -309,13 +314,6 @@ class SessionStore:
         if not rows:
             raise NotFound(f"no turn {turn_id!r}")
         return _turn(rows[0])
-
-    def turn_by_key(self, session_id: str, key: str) -> TurnRecord | None:
-        rows = self._db.query(
-            f"SELECT {_TURN_COLUMNS} FROM turns WHERE session_id = ? AND idempotency_key = ?",
-            (session_id, key),
-        )
-        return _turn(rows[0]) if rows else None
 
     def deliverable(self, now: float, limit: int = 16) -> list[TurnRecord]:
         """Turns due for delivery: pending and due, or running under a lapsed lease;
@@ -544,7 +542,7 @@ def _session(r: Row) -> SessionRecord:
 
 
 def _turn(r: Row) -> TurnRecord:
-    tid, sid, seq, status, attempts, request, result, error, next_at = r
+    tid, sid, seq, status, attempts, request, result, error = r
     return TurnRecord(
         id=tid,
         session_id=sid,
@@ -554,7 +552,6 @@ def _turn(r: Row) -> TurnRecord:
         request=json.loads(request),
         result=json.loads(result) if result else None,
         error=json.loads(error) if error else None,
-        next_at=float(next_at),
     )
 
 

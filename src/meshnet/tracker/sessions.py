@@ -21,7 +21,7 @@ import grpc
 
 from meshnet.errors import KVImportFailed, MeshnetError, RequestError, SessionGone
 from meshnet.protocol import meshnet_pb2 as pb
-from meshnet.tracker.routes import Hop
+from meshnet.tracker.routes import Hop, route_json
 from meshnet.tracker.service import Tracker
 from meshnet.tracker.session_store import (
     SessionRecord,
@@ -30,7 +30,7 @@ from meshnet.tracker.session_store import (
     SnapshotFile,
 )
 from meshnet.tracker.snapshots import SnapshotStore, SnapshotTarget
-from meshnet.tracker.turns import TurnRunner, history_hash, route_json
+from meshnet.tracker.turns import TurnRunner, history_hash
 
 log = logging.getLogger(__name__)
 
@@ -131,17 +131,16 @@ class Sessions:
         snapshot_id = uuid.uuid4().hex[:16]
         prefix = history_hash(session.history)
         files: list[SnapshotFile] = []
+        indexed = False
         try:
             for hop in session.route:
                 files.append(await self._export(session, hop, snapshot_id, prefix))
             indexed = self.store.index_snapshot(session, files, time.time())
-        except BaseException:
-            for f in files:
-                self.snapshots.remove(f)
-            raise
+        finally:
+            if not indexed:  # no file the index does not name is kept
+                for f in files:
+                    self.snapshots.remove(f)
         if not indexed:
-            for f in files:
-                self.snapshots.remove(f)
             raise RequestError("the session moved on while it was being evicted; try again")
         await self.runner.release(session.route, session.id, session.kv_epoch)
         return self.store.get(session_id)
@@ -167,10 +166,7 @@ class Sessions:
         """End a session: later turns get 410; its KV and snapshots are freed."""
         session = self.store.end(session_id, SessionState.COMPLETED)
         await self.runner.release(session.route, session.id)
-        files = self.store.snapshots_of(session.id)
-        self.store.forget_snapshots(session.id)  # the index first: it never names a lost file
-        for f in files:
-            self.snapshots.remove(f)
+        self.snapshots.forget(self.store, session.id)
         return self.store.get(session_id)
 
     # --- policy ---------------------------------------------------------------------

@@ -25,7 +25,7 @@ from meshnet.errors import KVImportFailed
 from meshnet.kv.transfer import MAX_CHUNK_BYTES
 from meshnet.layer_range import LayerRange
 from meshnet.protocol import meshnet_pb2 as pb
-from meshnet.tracker.session_store import SnapshotFile
+from meshnet.tracker.session_store import SessionStore, SnapshotFile
 
 _LENGTH = struct.Struct(">I")
 _MAX_FRAME = MAX_CHUNK_BYTES + 4096  # a chunk's data plus its index and hash
@@ -136,6 +136,14 @@ class SnapshotStore:
 
     def remove(self, snapshot: SnapshotFile) -> None:
         Path(snapshot.path).unlink(missing_ok=True)
+
+    def forget(self, index: SessionStore, session_id: str) -> None:
+        """Drop a session's snapshots: from the index first, so that it never names a
+        missing file, then the files."""
+        files = index.snapshots_of(session_id)
+        index.forget_snapshots(session_id)
+        for f in files:
+            self.remove(f)
 
 
 def _check_header(h: pb.KVHeader, snapshot: SnapshotFile, prefix_hash: str) -> None:

@@ -35,7 +35,7 @@ from meshnet.model.chat import ChatMessage
 from meshnet.model.sampling import SamplingParams
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.driver import DoneEvent, TokenEvent
-from meshnet.tracker.routes import Hop, Route
+from meshnet.tracker.routes import Hop, Route, route_json
 from meshnet.tracker.service import Tracker
 from meshnet.tracker.session_store import SessionRecord, SessionStore, SnapshotFile, TurnRecord
 from meshnet.tracker.snapshots import SnapshotStore
@@ -63,10 +63,6 @@ def history_hash(history: Sequence[Sequence[int]]) -> str:
         h.update(len(step).to_bytes(8, "little"))
         h.update(np.asarray(step, dtype="<i8").tobytes())
     return h.hexdigest()
-
-
-def route_json(route: Route) -> list[dict[str, Any]]:
-    return [{"node_id": h.node_id, "layers": [h.layers.start, h.layers.end]} for h in route]
 
 
 class TurnRunner:
