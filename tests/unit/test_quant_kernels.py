@@ -3,6 +3,8 @@ and bit-identical for a row alone or anywhere in a batch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -37,3 +39,32 @@ def test_a_row_is_bit_identical_alone_and_at_any_place_in_a_batch(
     alone = np.concatenate([quant.matmul(x[i : i + 1], matrix, native) for i in range(9)])
     for batch in range(1, 10):  # full tiles of four rows, and every tail length
         assert np.array_equal(quant.matmul(x[:batch], matrix, native), alone[:batch])
+
+
+def _first_rows(w: quant.QuantMatrix, n: int) -> quant.QuantMatrix:
+    """The matrix's first ``n`` rows, as its own matrix."""
+    return dataclasses.replace(
+        w,
+        rows=n,
+        qs=w.qs[:n],
+        d=w.d[:n] if w.d.size else w.d,
+        m=w.m[:n] if w.m.size else w.m,
+        raw=None if w.raw is None else w.raw[:n],
+    )
+
+
+@pytest.mark.parametrize("native", PATHS, ids=lambda n: "avx2" if n else "numba")
+@pytest.mark.parametrize("rows", [64, 61, 7, 1])
+def test_every_tile_shape_gives_a_row_the_same_bits(
+    matrix: quant.QuantMatrix, native: bool, rows: int
+) -> None:
+    """Batches the kernels split into register tiles of every width (and partial row
+    groups) give each token exactly what it gets alone, and the dequantized math."""
+    w = _first_rows(matrix, rows)
+    x = np.random.default_rng(2).standard_normal((40, w.cols)).astype(np.float32)
+    alone = np.concatenate([quant.matmul(x[i : i + 1], w, native) for i in range(40)])
+    assert np.allclose(alone, x @ quant.dequantize_all(w).T, rtol=1e-4, atol=1e-4)
+    for batch in (2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 17, 32, 33, 40):
+        assert np.array_equal(quant.matmul(x[:batch], w, native), alone[:batch])
+        shifted = quant.matmul(x[40 - batch :], w, native)  # the same rows at other places
+        assert np.array_equal(shifted, alone[40 - batch :])

@@ -12,6 +12,8 @@
 #include <Python.h>
 #include <immintrin.h>
 #include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define QK 32
@@ -75,32 +77,175 @@ static inline float f16(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-static void row_kernel(const job_t *j, Py_ssize_t r) {
-    const Py_ssize_t nb = j->nb, cols = nb * QK, rows = j->rows, bb = BLOCK_BYTES[j->type];
-    const uint8_t *row = j->raw + r * nb * bb;
-    for (Py_ssize_t t = 0; t < j->T; t += 4) {
-        int n = (int)(j->T - t < 4 ? j->T - t : 4);
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                         _mm256_setzero_ps()};
-        float offset[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (Py_ssize_t b = 0; b < nb; b++) {
-            const uint8_t *blk = row + b * bb;
-            __m256 w[4];
-            if (j->type == Q8_0) {
-                unpack_q8((const int8_t *)(blk + 2), f16(blk), w);
-            } else if (j->type == Q4_1) {
-                unpack_q4(blk + 4, f16(blk), w);
-                float m = f16(blk + 2);
-                for (int k = 0; k < n; k++) offset[k] += m * j->sx[(t + k) * nb + b];
-            } else { /* Q4_0: w = d * (q - 8) = d * q + (-8 d) */
-                float d = f16(blk);
-                unpack_q4(blk + 2, d, w);
-                for (int k = 0; k < n; k++) offset[k] += (-8.0f * d) * j->sx[(t + k) * nb + b];
-            }
-            for (int k = 0; k < n; k++)
-                acc[k] = block_fma(w, j->x + (t + k) * cols + b * QK, acc[k]);
+/*
+ * Every (row, token) pair has one 8-lane accumulator that takes one FMA per 8
+ * weights, blocks in order, then the fixed horizontal sum ``hsum256``; Q4 rows add
+ * their block offsets ``sum_b m_b * sx_b`` (an FMA chain over the blocks, in order).
+ * Everything below only chooses how many pairs run side by side, to hide FMA latency
+ * and reuse unpacked weights, and never that order: results do not depend on the
+ * batch size, a row's place in it or the thread split.
+ */
+
+#define ROW_GROUP 8   /* rows one task covers */
+#define TILE_TOKENS 6 /* tokens per register tile of unpacked rows */
+
+static inline __attribute__((always_inline)) void unpack_block(const int type,
+                                                               const uint8_t *blk, __m256 w[4]) {
+    if (type == Q8_0)
+        unpack_q8((const int8_t *)(blk + 2), f16(blk), w);
+    else
+        unpack_q4(blk + (type == Q4_1 ? 4 : 2), f16(blk), w);
+}
+
+/* out[t, r0 + i] = the block offsets of rows r0 .. r0 + n (n <= ROW_GROUP), all tokens:
+ * eight rows per vector, so each lane runs the scalar chain of its own row. */
+static void group_offsets(const job_t *j, Py_ssize_t r0, int n) {
+    const Py_ssize_t nb = j->nb, bb = BLOCK_BYTES[j->type];
+    float m[nb][ROW_GROUP] __attribute__((aligned(32)));
+    for (Py_ssize_t b = 0; b < nb; b++)
+        for (int i = 0; i < ROW_GROUP; i++) {
+            const uint8_t *blk = j->raw + ((r0 + (i < n ? i : 0)) * nb + b) * bb;
+            m[b][i] = j->type == Q4_1 ? f16(blk + 2) : -8.0f * f16(blk);
         }
-        for (int k = 0; k < n; k++) j->out[(t + k) * rows + r] = hsum256(acc[k]) + offset[k];
+    for (Py_ssize_t t = 0; t < j->T; t++) {
+        const float *sx = j->sx + t * nb;
+        __m256 acc = _mm256_setzero_ps();
+        for (Py_ssize_t b = 0; b < nb; b++)
+            acc = _mm256_fmadd_ps(_mm256_load_ps(m[b]), _mm256_set1_ps(sx[b]), acc);
+        float lanes[ROW_GROUP];
+        _mm256_storeu_ps(lanes, acc);
+        memcpy(j->out + t * j->rows + r0, lanes, n * sizeof(float));
+    }
+}
+
+/* Adds the finished sum of (row r, token t) to what ``group_offsets`` left there. */
+static inline void finish(const job_t *j, Py_ssize_t r, Py_ssize_t t, __m256 acc) {
+    float *o = j->out + t * j->rows + r;
+    *o = hsum256(acc) + (j->type == Q8_0 ? 0.0f : *o);
+}
+
+/* RG rows x TT tokens (TT <= 3) with each block unpacked in registers: small batches. */
+static inline __attribute__((always_inline)) void tile_direct(const job_t *j, const int type,
+                                                              Py_ssize_t r0, const int RG,
+                                                              Py_ssize_t t0, const int TT) {
+    const Py_ssize_t nb = j->nb, cols = nb * QK, bb = BLOCK_BYTES[type];
+    const uint8_t *base = j->raw + r0 * nb * bb;
+    const float *x = j->x + t0 * cols;
+    __m256 acc[ROW_GROUP][3];
+    for (int i = 0; i < RG; i++)
+        for (int t = 0; t < TT; t++) acc[i][t] = _mm256_setzero_ps();
+    for (Py_ssize_t b = 0; b < nb; b++)
+        for (int i = 0; i < RG; i++) {
+            __m256 w[4];
+            _mm_prefetch((const char *)(base + (i * nb + b) * bb + 512), _MM_HINT_T0);
+            unpack_block(type, base + (i * nb + b) * bb, w);
+            for (int t = 0; t < TT; t++) acc[i][t] = block_fma(w, x + t * cols + b * QK, acc[i][t]);
+        }
+    for (int i = 0; i < RG; i++)
+        for (int t = 0; t < TT; t++) finish(j, r0 + i, t0 + t, acc[i][t]);
+}
+
+static inline __attribute__((always_inline)) void rows_direct_typed(const job_t *j,
+                                                                    const int type,
+                                                                    Py_ssize_t r0, int n) {
+    int i = 0;
+    for (Py_ssize_t t = 0; t < j->T; t += 3) {
+        const int tt = (int)(j->T - t < 3 ? j->T - t : 3);
+        for (i = 0; i + 2 <= n; i += 2) {
+            if (tt == 1) tile_direct(j, type, r0 + i, 2, t, 1);
+            else if (tt == 2) tile_direct(j, type, r0 + i, 2, t, 2);
+            else tile_direct(j, type, r0 + i, 2, t, 3);
+        }
+        for (; i < n; i++) {
+            if (tt == 1) tile_direct(j, type, r0 + i, 1, t, 1);
+            else if (tt == 2) tile_direct(j, type, r0 + i, 1, t, 2);
+            else tile_direct(j, type, r0 + i, 1, t, 3);
+        }
+    }
+}
+
+static void rows_direct(const job_t *j, Py_ssize_t r0, int n) {
+    switch (j->type) {
+    case Q4_0: rows_direct_typed(j, Q4_0, r0, n); break;
+    case Q4_1: rows_direct_typed(j, Q4_1, r0, n); break;
+    default: rows_direct_typed(j, Q8_0, r0, n); break;
+    }
+}
+
+/* One row's weights as float32 (each d * q is exact), reused across many tokens. */
+static inline __attribute__((always_inline)) void unpack_row_typed(const int type,
+                                                                   const uint8_t *row,
+                                                                   Py_ssize_t nb, float *w) {
+    const Py_ssize_t bb = BLOCK_BYTES[type];
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        __m256 v[4];
+        unpack_block(type, row + b * bb, v);
+        for (int k = 0; k < 4; k++) _mm256_store_ps(w + b * QK + 8 * k, v[k]);
+    }
+}
+
+static void unpack_row(int type, const uint8_t *row, Py_ssize_t nb, float *w) {
+    switch (type) {
+    case Q4_0: unpack_row_typed(Q4_0, row, nb, w); break;
+    case Q4_1: unpack_row_typed(Q4_1, row, nb, w); break;
+    default: unpack_row_typed(Q8_0, row, nb, w); break;
+    }
+}
+
+/* Two unpacked rows (w0, w1) x TT tokens, 2 * TT accumulators in registers. A missing
+ * second row is fed the first again and its sums dropped. */
+static inline __attribute__((always_inline)) void tile_unpacked(const job_t *j, const float *w0,
+                                                                const float *w1, Py_ssize_t r0,
+                                                                int nr, Py_ssize_t t0,
+                                                                const int TT) {
+    const Py_ssize_t cols = j->nb * QK;
+    const float *x = j->x + t0 * cols;
+    __m256 a[TILE_TOKENS], b[TILE_TOKENS];
+    for (int t = 0; t < TT; t++) a[t] = b[t] = _mm256_setzero_ps();
+    for (Py_ssize_t c = 0; c < cols; c += 8) {
+        const __m256 u = _mm256_load_ps(w0 + c), v = _mm256_load_ps(w1 + c);
+        for (int t = 0; t < TT; t++) {
+            const __m256 xv = _mm256_loadu_ps(x + t * cols + c);
+            a[t] = _mm256_fmadd_ps(u, xv, a[t]);
+            b[t] = _mm256_fmadd_ps(v, xv, b[t]);
+        }
+    }
+    for (int t = 0; t < TT; t++) {
+        finish(j, r0, t0 + t, a[t]);
+        if (nr == 2) finish(j, r0 + 1, t0 + t, b[t]);
+    }
+}
+
+/* Two unpacked rows against every token: tiles of six, then one tile of the rest. */
+static void tokens_unpacked(const job_t *j, const float *w0, const float *w1, Py_ssize_t r0,
+                            int nr) {
+    Py_ssize_t t = 0;
+    for (; t + TILE_TOKENS <= j->T; t += TILE_TOKENS)
+        tile_unpacked(j, w0, w1, r0, nr, t, TILE_TOKENS);
+    switch (j->T - t) {
+    case 5: tile_unpacked(j, w0, w1, r0, nr, t, 5); break;
+    case 4: tile_unpacked(j, w0, w1, r0, nr, t, 4); break;
+    case 3: tile_unpacked(j, w0, w1, r0, nr, t, 3); break;
+    case 2: tile_unpacked(j, w0, w1, r0, nr, t, 2); break;
+    case 1: tile_unpacked(j, w0, w1, r0, nr, t, 1); break;
+    default: break;
+    }
+}
+
+/* Rows [r0, r0 + n) for every token of the batch; n <= ROW_GROUP. ``scratch`` holds two
+ * unpacked rows (NULL: unpack in registers whatever the batch). */
+static void row_group(const job_t *j, Py_ssize_t r0, int n, float *scratch) {
+    if (j->type != Q8_0) group_offsets(j, r0, n);
+    if (j->T < 4 || scratch == NULL) {
+        rows_direct(j, r0, n);
+        return;
+    }
+    const Py_ssize_t cols = j->nb * QK, bb = BLOCK_BYTES[j->type];
+    for (int i = 0; i < n; i += 2) {
+        const int nr = n - i < 2 ? 1 : 2;
+        unpack_row(j->type, j->raw + (r0 + i) * j->nb * bb, j->nb, scratch);
+        if (nr == 2) unpack_row(j->type, j->raw + (r0 + i + 1) * j->nb * bb, j->nb, scratch + cols);
+        tokens_unpacked(j, scratch, nr == 2 ? scratch + cols : scratch, r0 + i, nr);
     }
 }
 
@@ -121,9 +266,18 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
         goto done;
     }
     job_t j = {raw.buf, x.buf, sx.buf, out.buf, rows, nb, T, type};
+    const Py_ssize_t groups = (rows + ROW_GROUP - 1) / ROW_GROUP;
     Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (Py_ssize_t r = 0; r < rows; r++) row_kernel(&j, r);
+#pragma omp parallel num_threads(threads)
+    {
+        float *scratch = T >= 4 ? aligned_alloc(32, 2 * nb * QK * sizeof(float)) : NULL;
+#pragma omp for schedule(static)
+        for (Py_ssize_t g = 0; g < groups; g++) {
+            Py_ssize_t r0 = g * ROW_GROUP;
+            row_group(&j, r0, (int)(rows - r0 < ROW_GROUP ? rows - r0 : ROW_GROUP), scratch);
+        }
+        free(scratch);
+    }
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
