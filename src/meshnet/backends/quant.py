@@ -135,7 +135,17 @@ def matmul(x: np.ndarray, w: QuantMatrix, native: bool = True) -> np.ndarray:
         sx = _EMPTY if w.kind == "q8" else _block_sums(x)
         nb = w.cols // QK
         _qkernels.matmul(
-            w.raw, x, sx, out, w.rows, nb, x.shape[0], w.raw_type, numba.get_num_threads()
+            w.raw,
+            w.d,
+            w.m if w.m.size else _EMPTY,
+            x,
+            sx,
+            out,
+            w.rows,
+            nb,
+            x.shape[0],
+            w.raw_type,
+            numba.get_num_threads(),
         )
     elif w.kind == "q4":
         _matmul_q4(w.qs, w.d, w.m, x, _block_sums(x), out)
