@@ -1,6 +1,6 @@
-"""Builds the optional AVX2 kernel extension; everything else is in pyproject.toml.
+"""Builds the optional AVX2 kernel extensions; everything else is in pyproject.toml.
 
-The extension is optional: where it cannot be compiled (no compiler, no x86-64),
+The extensions are optional: where they cannot be compiled (no compiler, no x86-64),
 the fast backend falls back to its numba kernels.
 """
 
@@ -14,6 +14,13 @@ setup(
             extra_compile_args=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             optional=True,
-        )
+        ),
+        Extension(
+            "meshnet.backends._attention",
+            ["src/meshnet/backends/_attention.c"],
+            extra_compile_args=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        ),
     ]
 )

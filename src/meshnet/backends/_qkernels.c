@@ -1,12 +1,12 @@
 /*
  * Quantized matmul kernels for the fast backend, AVX2 + FMA, float32 activations.
  *
- * out[t, r] = W[r] . x[t] for W in Q4_0, Q4_1 or Q8_0 blocks of 32 weights, read
- * straight from the GGUF's bytes (f16 scales included: as few bytes as the file). Every (r, t) pair runs the same sequence of
- * vector instructions whatever the batch size T or the thread split (no
- * -ffast-math; explicit intrinsics), so results are bit-identical alone or batched.
- * Rows of the batch are processed four at a time so each unpacked weight block is
- * reused from registers; a tail row runs the very same per-row operations.
+ * out[t, r] = W[r] . x[t] for W in Q4_0, Q4_1 or Q8_0 blocks of 32 weights, the quants
+ * read straight from the GGUF's bytes and the block scales (and offsets) from float32
+ * copies. Every (r, t) pair runs the same sequence of vector operations whatever the
+ * batch size T or the thread split (no -ffast-math; explicit intrinsics), so results
+ * are bit-identical alone or batched; how many pairs share registers changes with T
+ * only to keep the FMA units busy (see "Every (row, token) pair" below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

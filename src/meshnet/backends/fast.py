@@ -30,6 +30,11 @@ from meshnet.model.weights import LayerWeights, ShardWeights, load_shard_weights
 
 F32 = np.float32
 
+try:  # AVX2 decode attention built by `pip install` where a compiler and the CPU allow
+    from meshnet.backends import _attention as _native_attention
+except ImportError:
+    _native_attention = None
+
 
 @dataclass(frozen=True)
 class _Rows:
@@ -159,7 +164,7 @@ class FastBackend:
         q = _rope(q.reshape(t, s.n_heads, s.head_dim), cos, sin)  # [T, H, hd]
         k = _rope(k.reshape(t, s.n_kv_heads, s.head_dim), cos, sin)  # [T, Hkv, hd]
         v = np.ascontiguousarray(v).reshape(t, s.n_kv_heads, s.head_dim)
-        attn = attend_each(layer, batch, q, k, v, _attention, _prompt_attention)  # [T, H*hd]
+        attn = _attend_batch(layer, batch, q, k, v)  # [T, H*hd]
         x = x + rows.matmul(attn, w.wo, self._dense)
         h = _rms_norm(x, w.ffn_norm, s.rms_eps)
         if fused.gate_up is not None:
@@ -239,6 +244,37 @@ def _swiglu_rows(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
         for c in range(gate.shape[1]):
             g = gate[t, c]
             out[t, c] = g / (np.float32(1.0) + np.exp(-g)) * up[t, c]
+
+
+def _attend_batch(
+    layer: int, batch: Sequence[BatchEntry], q: np.ndarray, k: np.ndarray, v: np.ndarray
+) -> np.ndarray:
+    """Store the batch's new keys/values and attend each sequence's rows; [T, H*hd].
+
+    Prompt chunks go through BLAS one by one; every decode row (one-row entries and
+    rows marked ``decoded``) through one call of the native kernel where it is built.
+    """
+    if _native_attention is None:
+        return attend_each(layer, batch, q, k, v, _attention, _prompt_attention)
+    t, n_heads, hd = q.shape
+    out = np.empty((t, n_heads * hd), dtype=F32)
+    decode: list[tuple[np.ndarray, np.ndarray, int, int, int]] = []
+    row = 0
+    for e in batch:
+        if e.n_new > 1 and not e.decoded:
+            mine = slice(row, row + e.n_new)
+            e.kv.write(layer, k[mine].transpose(1, 0, 2), v[mine].transpose(1, 0, 2))
+            keys, values = e.kv.view(layer, e.n_new)
+            out[mine] = _prompt_attention(q[mine], keys, values, e.kv.length)
+        else:
+            keys, values = e.kv.buffers(layer)
+            decode.append((keys, values, e.kv.length, e.n_new, row))
+        row += e.n_new
+    if decode:
+        _native_attention.attend(
+            q, k, v, out, decode, t, n_heads, k.shape[1], hd, numba.get_num_threads()
+        )
+    return out
 
 
 def _prompt_attention(

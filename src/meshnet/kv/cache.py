@@ -76,6 +76,11 @@ class SequenceKV:
         self._keys[layer][:, self.length : self.length + n] = k
         self._values[layer][:, self.length : self.length + n] = v
 
+    def buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """A layer's whole key and value arrays ``[n_kv_heads, capacity, head_dim]``, for
+        kernels that write new positions after ``length`` themselves."""
+        return self._keys[layer], self._values[layer]
+
     def view(self, layer: int, n_new: int) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values of the committed positions plus ``n_new`` just written."""
         end = self.length + n_new
