@@ -9,7 +9,7 @@ import pytest
 from meshnet.backends import fast
 from meshnet.model.layers import causal_attention
 
-native = pytest.importorskip("meshnet.backends._attention")
+native = pytest.importorskip("meshnet.backends._native")
 
 H, HKV, HD = 6, 2, 16
 

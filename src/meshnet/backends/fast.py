@@ -19,6 +19,7 @@ import numpy as np
 
 from meshnet.backends import quant
 from meshnet.backends.base import BatchEntry, attend_each, finish_step, start_step
+from meshnet.backends.native_blocks import NativeBlocks
 from meshnet.backends.quant import QuantMatrix
 from meshnet.errors import MeshnetError
 from meshnet.kv.cache import SequenceKV
@@ -29,11 +30,6 @@ from meshnet.model.spec import ModelSpec
 from meshnet.model.weights import LayerWeights, ShardWeights, load_shard_weights
 
 F32 = np.float32
-
-try:  # AVX2 decode attention built by `pip install` where a compiler and the CPU allow
-    from meshnet.backends import _attention as _native_attention
-except ImportError:
-    _native_attention = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +112,10 @@ class FastBackend:
         )
         self._cos = np.cos(angles)  # [ctx, rope_dim / 2], computed once for every position
         self._sin = np.sin(angles)
+        self._native = NativeBlocks.of(
+            spec, weights.blocks, [(f.qkv, f.gate_up) for f in self._fused]
+        )
+        self.native_decode = self._native is not None  # decode rows: one native call per block
 
     def new_kv(self) -> SequenceKV:
         return SequenceKV(len(self.weights.layers), self.spec.n_kv_heads, self.spec.head_dim)
@@ -135,10 +135,28 @@ class FastBackend:
         positions = start_step(hidden, batch, self.spec.context_length)  # [T]
         x = np.array(hidden, dtype=F32, copy=True)  # [T, d]
         cos, sin = self._cos[positions], self._sin[positions]  # [T, rope_dim / 2]
+        if self._native is None:
+            x = self._layers(x, cos, sin, batch)
+        else:  # decode rows one native call per block, prompt chunks as below
+            decode, prompts = _split(batch)
+            for part, native in ((decode, True), (prompts, False)):
+                if not part.entries:
+                    continue
+                xs, cs, ss = x[part.rows], cos[part.rows], sin[part.rows]
+                if native:
+                    self._native.run(xs, part.entries, cs, ss)
+                else:
+                    xs = self._layers(xs, cs, ss, part.entries)
+                x[part.rows] = xs
+        finish_step(batch)
+        return x
+
+    def _layers(
+        self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, batch: Sequence[BatchEntry]
+    ) -> np.ndarray:
         rows = _Rows.of(batch)
         for i, block in enumerate(self.weights.blocks):
             x = self._block(i, block, self._fused[i], x, cos, sin, batch, rows)
-        finish_step(batch)
         return x
 
     def _block(
@@ -173,6 +191,26 @@ class FastBackend:
         else:
             gate, up = rows.matmul(h, w.w_gate, self._dense), rows.matmul(h, w.w_up, self._dense)
         return x + rows.matmul(_swiglu(gate, up), w.w_down, self._dense)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Some entries of a batch, and their rows in it (in order)."""
+
+    entries: list[BatchEntry]
+    rows: list[int]
+
+
+def _split(batch: Sequence[BatchEntry]) -> tuple[_Part, _Part]:
+    """The batch's decode entries (one row, or rows marked ``decoded``) and prompt chunks."""
+    decode, prompts = _Part([], []), _Part([], [])
+    row = 0
+    for e in batch:
+        part = decode if e.n_new == 1 or e.decoded else prompts
+        part.entries.append(e)
+        part.rows.extend(range(row, row + e.n_new))
+        row += e.n_new
+    return decode, prompts
 
 
 def load_fast_weights(
@@ -254,7 +292,8 @@ def _attend_batch(
     Prompt chunks go through BLAS one by one; every decode row (one-row entries and
     rows marked ``decoded``) through one call of the native kernel where it is built.
     """
-    if _native_attention is None:
+    native = quant._native
+    if native is None:
         return attend_each(layer, batch, q, k, v, _attention, _prompt_attention)
     t, n_heads, hd = q.shape
     out = np.empty((t, n_heads * hd), dtype=F32)
@@ -271,9 +310,7 @@ def _attend_batch(
             decode.append((keys, values, e.kv.length, e.n_new, row))
         row += e.n_new
     if decode:
-        _native_attention.attend(
-            q, k, v, out, decode, t, n_heads, k.shape[1], hd, numba.get_num_threads()
-        )
+        native.attend(q, k, v, out, decode, t, n_heads, k.shape[1], hd, numba.get_num_threads())
     return out
 
 

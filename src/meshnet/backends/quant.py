@@ -26,17 +26,17 @@ from numba import prange
 F32 = np.float32
 QK = 32  # weights per block in every supported block type
 _EMPTY = np.empty(0, F32)
-_RAW_TYPES = {QT.Q4_0: 0, QT.Q4_1: 1, QT.Q8_0: 2}  # as numbered in _qkernels.c
+_RAW_TYPES = {QT.Q4_0: 0, QT.Q4_1: 1, QT.Q8_0: 2}  # as numbered in native/native.h
 
 try:  # AVX2 kernels built by `pip install` where a compiler and the CPU allow
-    from meshnet.backends import _qkernels
+    from meshnet.backends import _native
 except ImportError:
-    _qkernels = None
+    _native = None
 
 
 def kernel_name() -> str:
     """Which kernels multiply quantized blocks in this process."""
-    return "avx2" if _qkernels is not None else "numba"
+    return "avx2" if _native is not None else "numba"
 
 
 @dataclass(frozen=True)
@@ -131,22 +131,9 @@ def matmul(x: np.ndarray, w: QuantMatrix, native: bool = True) -> np.ndarray:
     """
     x = np.ascontiguousarray(x, dtype=F32)
     out = np.empty((x.shape[0], w.rows), F32)
-    if native and _qkernels is not None and w.raw is not None:
-        sx = _EMPTY if w.kind == "q8" else _block_sums(x)
-        nb = w.cols // QK
-        _qkernels.matmul(
-            w.raw,
-            w.d,
-            w.m if w.m.size else _EMPTY,
-            x,
-            sx,
-            out,
-            w.rows,
-            nb,
-            x.shape[0],
-            w.raw_type,
-            numba.get_num_threads(),
-        )
+    if native and _native is not None and w.raw is not None:
+        raw, d, m, rows, nb, kind = native_args(w)
+        _native.matmul(raw, d, m, x, out, rows, nb, x.shape[0], kind, numba.get_num_threads())
     elif w.kind == "q4":
         _matmul_q4(w.qs, w.d, w.m, x, _block_sums(x), out)
     elif w.kind == "q8":
@@ -154,6 +141,13 @@ def matmul(x: np.ndarray, w: QuantMatrix, native: bool = True) -> np.ndarray:
     else:
         _matmul_f32(w.qs, x, out)
     return out
+
+
+def native_args(w: QuantMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int]:
+    """``w`` as the native kernels take a matrix: (raw, d, m, rows, nb, type)."""
+    if w.raw is None:
+        raise ValueError("only matrices in their GGUF blocks have native kernels")
+    return w.raw, w.d, w.m if w.m.size else _EMPTY, w.rows, w.cols // QK, w.raw_type
 
 
 @numba.njit(cache=True)

@@ -1,33 +1,16 @@
 /*
- * Quantized matmul kernels for the fast backend, AVX2 + FMA, float32 activations.
- *
- * out[t, r] = W[r] . x[t] for W in Q4_0, Q4_1 or Q8_0 blocks of 32 weights, the quants
- * read straight from the GGUF's bytes and the block scales (and offsets) from float32
- * copies. Every (r, t) pair runs the same sequence of vector operations whatever the
- * batch size T or the thread split (no -ffast-math; explicit intrinsics), so results
- * are bit-identical alone or batched; how many pairs share registers changes with T
- * only to keep the FMA units busy (see "Every (row, token) pair" below).
+ * Quantized matmul: out[t, r] = W[r] . x[t] for W in Q4_0, Q4_1 or Q8_0 blocks of 32
+ * weights, the quants read straight from the GGUF's bytes and the block scales (and
+ * offsets) from float32 copies. How many (row, token) pairs share registers changes
+ * with the batch size only to keep the FMA units busy (see "Every (row, token) pair").
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <immintrin.h>
-#include <stdint.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define QK 32
+#include "native.h"
 
-static inline float hsum256(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v);
-    __m128 hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    __m128 sh = _mm_movehdup_ps(lo);
-    __m128 s = _mm_add_ps(lo, sh);
-    sh = _mm_movehl_ps(sh, s);
-    s = _mm_add_ss(s, sh);
-    return _mm_cvtss_f32(s);
-}
+const Py_ssize_t BLOCK_BYTES[3] = {18, 20, 34};
 
 /*
  * Unpacking uses only in-lane byte shuffles of the block broadcast to both 128-bit
@@ -71,26 +54,13 @@ static inline void unpack_q8(const int8_t *q, const float *d, __m256 w[4]) {
 #undef TOP
 #undef Z
 
-/* The GGUF block types read here, straight from the file's bytes. */
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
-static const Py_ssize_t BLOCK_BYTES[3] = {18, 20, 34};
-
 typedef struct {
-    const uint8_t *raw; /* rows * nb blocks as stored in the GGUF */
-    const float *d;     /* rows * nb block scales, as float32 */
-    const float *m;     /* rows * nb block offsets (Q4_0: -8 d), as float32 */
-    const float *x;     /* T * cols */
-    const float *sx;    /* T * nb block sums of x (Q4_1) */
-    float *out;         /* T * rows */
-    Py_ssize_t rows, nb, T;
-    int type;
+    const qmat_t *w;
+    const float *x;  /* T * cols */
+    const float *sx; /* T * nb block sums of x (Q4 only) */
+    float *out;      /* T * rows */
+    Py_ssize_t T;
 } job_t;
-
-static inline float f16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
 
 /*
  * Every (row, token) pair has four 8-lane accumulators, one per eighth k of a block
@@ -113,8 +83,8 @@ static inline float fold(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 static inline __attribute__((always_inline)) void unpack_block(const job_t *j, const int type,
                                                                Py_ssize_t r, Py_ssize_t b,
                                                                __m256 w[4]) {
-    const uint8_t *blk = j->raw + (r * j->nb + b) * BLOCK_BYTES[type];
-    const float *d = j->d + r * j->nb + b;
+    const uint8_t *blk = j->w->raw + (r * j->w->nb + b) * BLOCK_BYTES[type];
+    const float *d = j->w->d + r * j->w->nb + b;
     _mm_prefetch((const char *)blk + 512, _MM_HINT_T0);
     if (type == Q8_0)
         unpack_q8((const int8_t *)(blk + 2), d, w);
@@ -125,10 +95,10 @@ static inline __attribute__((always_inline)) void unpack_block(const job_t *j, c
 /* out[t, r0 + i] = the block offsets of rows r0 .. r0 + n (n <= ROW_GROUP), all tokens:
  * eight rows per vector, so each lane runs the scalar chain of its own row. */
 static void group_offsets(const job_t *j, Py_ssize_t r0, int n) {
-    const Py_ssize_t nb = j->nb;
+    const Py_ssize_t nb = j->w->nb;
     float m[nb][ROW_GROUP] __attribute__((aligned(32)));
     for (int i = 0; i < ROW_GROUP; i++) {
-        const float *row = j->m + (r0 + (i < n ? i : 0)) * nb;
+        const float *row = j->w->m + (r0 + (i < n ? i : 0)) * nb;
         for (Py_ssize_t b = 0; b < nb; b++) m[b][i] = row[b];
     }
     for (Py_ssize_t t = 0; t < j->T; t++) {
@@ -138,21 +108,21 @@ static void group_offsets(const job_t *j, Py_ssize_t r0, int n) {
             acc = _mm256_fmadd_ps(_mm256_load_ps(m[b]), _mm256_set1_ps(sx[b]), acc);
         float lanes[ROW_GROUP];
         _mm256_storeu_ps(lanes, acc);
-        memcpy(j->out + t * j->rows + r0, lanes, n * sizeof(float));
+        memcpy(j->out + t * j->w->rows + r0, lanes, n * sizeof(float));
     }
 }
 
 /* Adds the folded sums of (row r, token t) to what ``group_offsets`` left there. */
 static inline void finish(const job_t *j, Py_ssize_t r, Py_ssize_t t, float sum) {
-    float *o = j->out + t * j->rows + r;
-    *o = sum + (j->type == Q8_0 ? 0.0f : *o);
+    float *o = j->out + t * j->w->rows + r;
+    *o = sum + (j->w->type == Q8_0 ? 0.0f : *o);
 }
 
 /* RG rows x TT tokens (RG * TT <= 2), each block unpacked in registers: small batches. */
 static inline __attribute__((always_inline)) void tile_direct(const job_t *j, const int type,
                                                               Py_ssize_t r0, const int RG,
                                                               Py_ssize_t t0, const int TT) {
-    const Py_ssize_t nb = j->nb, cols = nb * QK;
+    const Py_ssize_t nb = j->w->nb, cols = nb * QK;
     const float *x = j->x + t0 * cols;
     __m256 acc[2][2][4];
     for (int i = 0; i < RG; i++)
@@ -186,7 +156,7 @@ static inline __attribute__((always_inline)) void rows_direct_typed(const job_t 
 }
 
 static void rows_direct(const job_t *j, Py_ssize_t r0, int n) {
-    switch (j->type) {
+    switch (j->w->type) {
     case Q4_0: rows_direct_typed(j, Q4_0, r0, n); break;
     case Q4_1: rows_direct_typed(j, Q4_1, r0, n); break;
     default: rows_direct_typed(j, Q8_0, r0, n); break;
@@ -203,7 +173,7 @@ static void rows_direct(const job_t *j, Py_ssize_t r0, int n) {
 static inline __attribute__((always_inline)) void unpack_row_typed(const job_t *j,
                                                                    const int type, Py_ssize_t r,
                                                                    float *w) {
-    const Py_ssize_t nb = j->nb;
+    const Py_ssize_t nb = j->w->nb;
     for (Py_ssize_t b = 0; b < nb; b++) {
         __m256 v[4];
         unpack_block(j, type, r, b, v);
@@ -212,7 +182,7 @@ static inline __attribute__((always_inline)) void unpack_row_typed(const job_t *
 }
 
 static void unpack_row(const job_t *j, Py_ssize_t r, float *w) {
-    switch (j->type) {
+    switch (j->w->type) {
     case Q4_0: unpack_row_typed(j, Q4_0, r, w); break;
     case Q4_1: unpack_row_typed(j, Q4_1, r, w); break;
     default: unpack_row_typed(j, Q8_0, r, w); break;
@@ -221,7 +191,7 @@ static void unpack_row(const job_t *j, Py_ssize_t r, float *w) {
 
 /* The batch's tokens by eighth, [T, cols]. */
 static void tokens_by_eighth(const job_t *j, float *xe) {
-    const Py_ssize_t nb = j->nb, cols = nb * QK;
+    const Py_ssize_t nb = j->w->nb, cols = nb * QK;
     for (Py_ssize_t t = 0; t < j->T; t++)
         for (Py_ssize_t b = 0; b < nb; b++)
             for (int k = 0; k < 4; k++)
@@ -236,7 +206,7 @@ static inline __attribute__((always_inline)) void tile_unpacked(const job_t *j, 
                                                                 const float *w1, Py_ssize_t r0,
                                                                 int nr, Py_ssize_t t0,
                                                                 const int TT) {
-    const Py_ssize_t run = j->nb * 8, cols = j->nb * QK;
+    const Py_ssize_t run = j->w->nb * 8, cols = j->w->nb * QK;
     const float *x = xe + t0 * cols;
     __m256 part[4][2][TILE_TOKENS];
     for (int k = 0; k < 4; k++) {
@@ -280,12 +250,12 @@ static void tokens_unpacked(const job_t *j, const float *xe, const float *w0, co
 /* Rows [r0, r0 + n) for every token of the batch; n <= ROW_GROUP. With ``xe`` (the tokens
  * by eighth) rows are unpacked two at a time into ``scratch``. */
 static void row_group(const job_t *j, Py_ssize_t r0, int n, const float *xe, float *scratch) {
-    if (j->type != Q8_0) group_offsets(j, r0, n);
+    if (j->w->type != Q8_0) group_offsets(j, r0, n);
     if (xe == NULL || scratch == NULL) {
         rows_direct(j, r0, n);
         return;
     }
-    const Py_ssize_t cols = j->nb * QK;
+    const Py_ssize_t cols = j->w->nb * QK;
     for (int i = 0; i < n; i += 2) {
         const int nr = n - i < 2 ? 1 : 2;
         unpack_row(j, r0 + i, scratch);
@@ -294,27 +264,26 @@ static void row_group(const job_t *j, Py_ssize_t r0, int n, const float *xe, flo
     }
 }
 
-static PyObject *matmul(PyObject *self, PyObject *args) {
-    Py_buffer raw, d, m, x, sx, out;
-    Py_ssize_t rows, nb, T;
-    int type, threads;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*nnnii", &raw, &d, &m, &x, &sx, &out, &rows, &nb,
-                          &T, &type, &threads))
-        return NULL;
-    PyObject *result = NULL;
-    if (type < Q4_0 || type > Q8_0 || rows < 0 || nb < 0 || T < 0 ||
-        raw.len < rows * nb * BLOCK_BYTES[type < 0 || type > 2 ? 0 : type] ||
-        d.len < (Py_ssize_t)(rows * nb * sizeof(float)) ||
-        (type != Q8_0 && m.len < (Py_ssize_t)(rows * nb * sizeof(float))) ||
-        x.len < (Py_ssize_t)(T * nb * QK * sizeof(float)) ||
-        out.len < (Py_ssize_t)(T * rows * sizeof(float)) ||
-        (type != Q8_0 && sx.len < (Py_ssize_t)(T * nb * sizeof(float)))) {
-        PyErr_SetString(PyExc_ValueError, "buffer sizes do not match the shapes");
-        goto done;
+/* Per token, the sums of x over each block, in order (the Q4 offsets multiply them). */
+static void block_sums(const float *x, Py_ssize_t T, Py_ssize_t nb, float *sx) {
+    for (Py_ssize_t t = 0; t < T; t++)
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            const float *v = x + (t * nb + b) * QK;
+            float s = 0.0f;
+            for (int i = 0; i < QK; i++) s += v[i];
+            sx[t * nb + b] = s;
+        }
+}
+
+int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads) {
+    const Py_ssize_t nb = w->nb, groups = (w->rows + ROW_GROUP - 1) / ROW_GROUP;
+    float *sx = NULL;
+    if (w->type != Q8_0) {
+        sx = malloc((T * nb + 1) * sizeof(float));
+        if (sx == NULL) return -1;
+        block_sums(x, T, nb, sx);
     }
-    job_t j = {raw.buf, d.buf, m.buf, x.buf, sx.buf, out.buf, rows, nb, T, type};
-    const Py_ssize_t groups = (rows + ROW_GROUP - 1) / ROW_GROUP;
-    Py_BEGIN_ALLOW_THREADS
+    job_t j = {w, x, sx, out, T};
     /* batches this large unpack each row once (below: in registers, block by block) */
     float *xe = T >= 4 ? aligned_alloc(32, T * nb * QK * sizeof(float) + 32) : NULL;
     if (xe != NULL) tokens_by_eighth(&j, xe);
@@ -324,40 +293,12 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
 #pragma omp for schedule(static)
         for (Py_ssize_t g = 0; g < groups; g++) {
             Py_ssize_t r0 = g * ROW_GROUP;
-            int n = (int)(rows - r0 < ROW_GROUP ? rows - r0 : ROW_GROUP);
+            int n = (int)(w->rows - r0 < ROW_GROUP ? w->rows - r0 : ROW_GROUP);
             row_group(&j, r0, n, xe, scratch);
         }
         free(scratch);
     }
     free(xe);
-    Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    PyBuffer_Release(&raw);
-    PyBuffer_Release(&d);
-    PyBuffer_Release(&m);
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&sx);
-    PyBuffer_Release(&out);
-    return result;
-}
-
-static PyMethodDef methods[] = {
-    {"matmul", matmul, METH_VARARGS,
-     "matmul(raw, d, m, x, sx, out, rows, nb, T, type, threads): out[t, r] = W[r] . x[t],\n"
-     "W as GGUF blocks (type 0 Q4_0, 1 Q4_1, 2 Q8_0)"},
-    {NULL, NULL, 0, NULL}};
-
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qkernels",
-                                    "AVX2 quantized matmul kernels", -1, methods};
-
-PyMODINIT_FUNC PyInit__qkernels(void) {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
-        !__builtin_cpu_supports("f16c")) {
-        PyErr_SetString(PyExc_ImportError, "this CPU lacks AVX2/FMA/F16C");
-        return NULL;
-    }
-    return PyModule_Create(&module);
+    free(sx);
+    return 0;
 }

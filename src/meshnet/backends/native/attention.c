@@ -1,0 +1,99 @@
+/*
+ * Decode-row attention: every decode row of a batch (rows of several sequences, each
+ * with its own KV cache) in one call. Each (row, head) pair attends causally over its
+ * sequence's positions with one fixed sequence of operations, whatever else is in the
+ * batch, how many rows its sequence sends at once or how pairs are split among
+ * threads: a row's output is bit-identical alone, batched, or replayed.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native.h"
+
+/* q . k over hd (a multiple of 8): one 8-lane FMA chain, then the fixed horizontal sum. */
+static inline float dot(const float *q, const float *k, int hd) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int c = 0; c < hd; c += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), acc);
+    return hsum256(acc);
+}
+
+/* Row ``i`` of sequence ``s``, head ``h``: softmax(q K^T / sqrt(hd)) V over positions
+ * 0 .. first + i. ``scores`` has room for every visible position. */
+static void attend_pair(const heads_t *sh, const float *qs, float *outs, const seq_t *s,
+                        Py_ssize_t i, int h, float *scores) {
+    const int hd = sh->hd, kv = h / (sh->n_heads / sh->n_kv);
+    const Py_ssize_t visible = s->first + i + 1, row = s->row + i;
+    const float *q = qs + (row * sh->n_heads + h) * hd;
+    const float *keys = s->keys + kv * s->capacity * hd;
+    const float *values = s->values + kv * s->capacity * hd;
+    const float scale = 1.0f / sqrtf((float)hd);
+    float top = -INFINITY;
+    for (Py_ssize_t j = 0; j < visible; j++) {
+        scores[j] = dot(q, keys + j * hd, hd) * scale;
+        top = scores[j] > top ? scores[j] : top;
+    }
+    float total = 0.0f;
+    for (Py_ssize_t j = 0; j < visible; j++) {
+        scores[j] = expf(scores[j] - top);
+        total += scores[j];
+    }
+    float *out = outs + (row * sh->n_heads + h) * hd;
+    for (int c = 0; c < hd; c += 8) _mm256_storeu_ps(out + c, _mm256_setzero_ps());
+    for (Py_ssize_t j = 0; j < visible; j++) {
+        const __m256 p = _mm256_set1_ps(scores[j] / total);
+        const float *v = values + j * hd;
+        for (int c = 0; c < hd; c += 8)
+            _mm256_storeu_ps(out + c, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + c),
+                                                      _mm256_loadu_ps(out + c)));
+    }
+}
+
+/* Copies the sequence's new rows of k and v ([T, n_kv, hd]) to positions first .. */
+static void store_rows(const seq_t *s, const float *k, const float *v, int n_kv, int hd) {
+    for (Py_ssize_t i = 0; i < s->count; i++)
+        for (int h = 0; h < n_kv; h++) {
+            const Py_ssize_t src = ((s->row + i) * n_kv + h) * hd;
+            const Py_ssize_t dst = (h * s->capacity + s->first + i) * hd;
+            memcpy(s->keys + dst, k + src, hd * sizeof(float));
+            memcpy(s->values + dst, v + src, hd * sizeof(float));
+        }
+}
+
+int attend_rows(const heads_t *h, const float *q, const float *k, const float *v, float *out,
+                const seq_t *seqs, Py_ssize_t n, int threads) {
+    Py_ssize_t pairs = 0, longest = 1;
+    for (Py_ssize_t e = 0; e < n; e++) {
+        pairs += seqs[e].count * h->n_heads;
+        if (seqs[e].first + seqs[e].count > longest) longest = seqs[e].first + seqs[e].count;
+    }
+    /* each pair: its sequence, and its index among that sequence's pairs */
+    Py_ssize_t *pair = malloc((2 * pairs + 1) * sizeof(Py_ssize_t));
+    if (pair == NULL) return -1;
+    for (Py_ssize_t e = 0, p = 0; e < n; e++)
+        for (Py_ssize_t i = 0; i < seqs[e].count * h->n_heads; i++, p++) {
+            pair[2 * p] = e;
+            pair[2 * p + 1] = i;
+        }
+    for (Py_ssize_t e = 0; e < n; e++) store_rows(&seqs[e], k, v, h->n_kv, h->hd);
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = malloc(longest * sizeof(float));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 4)
+        for (Py_ssize_t p = 0; p < pairs; p++) {
+            if (scores == NULL) continue;
+            const Py_ssize_t local = pair[2 * p + 1];
+            attend_pair(h, q, out, &seqs[pair[2 * p]], local / h->n_heads,
+                        (int)(local % h->n_heads), scores);
+        }
+        free(scores);
+    }
+    free(pair);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,303 @@
+/*
+ * The Python face of the native kernels: argument checks and buffer handling only.
+ * Every size is checked against the shapes before any kernel runs, so a bad call
+ * raises ValueError and writes nothing.
+ */
+#include "native.h"
+
+static int check_matrix(const qmat_t *w, const Py_buffer *raw, const Py_buffer *d,
+                        const Py_buffer *m) {
+    const Py_ssize_t blocks = w->rows * w->nb;
+    if (w->type < Q4_0 || w->type > Q8_0 || w->rows < 0 || w->nb < 0 ||
+        raw->len < blocks * BLOCK_BYTES[w->type] || d->len < blocks * (Py_ssize_t)sizeof(float) ||
+        (w->type != Q8_0 && m->len < blocks * (Py_ssize_t)sizeof(float))) {
+        PyErr_SetString(PyExc_ValueError, "a matrix's buffers do not match its shape");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *matmul(PyObject *self, PyObject *args) {
+    Py_buffer raw, d, m, x, out;
+    qmat_t w;
+    Py_ssize_t T;
+    int threads;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*nnnii", &raw, &d, &m, &x, &out, &w.rows, &w.nb, &T,
+                          &w.type, &threads))
+        return NULL;
+    PyObject *result = NULL;
+    w.raw = raw.buf;
+    w.d = d.buf;
+    w.m = m.buf;
+    if (check_matrix(&w, &raw, &d, &m) < 0) goto done;
+    if (T < 0 || x.len != T * w.nb * QK * (Py_ssize_t)sizeof(float) ||
+        out.len != T * w.rows * (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "buffer sizes do not match the shapes");
+        goto done;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = qmatmul(&w, x.buf, T, out.buf, threads);
+    Py_END_ALLOW_THREADS
+    if (status < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&raw);
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&m);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* The decode rows' sequences: (keys, values, first, count, row) each, keys and values
+ * [n_kv, capacity, hd] float32. Holds 2 n views on success (release them), none on error. */
+typedef struct {
+    seq_t *seqs;
+    Py_buffer *views;
+    Py_ssize_t n;
+} entries_t;
+
+static void release_entries(entries_t *es) {
+    for (Py_ssize_t e = 0; e < es->n; e++) {
+        PyBuffer_Release(&es->views[2 * e]);
+        PyBuffer_Release(&es->views[2 * e + 1]);
+    }
+    PyMem_Free(es->seqs);
+    PyMem_Free(es->views);
+    es->seqs = NULL;
+    es->views = NULL;
+    es->n = 0;
+}
+
+static int read_entries(PyObject *obj, Py_ssize_t T, const heads_t *h, entries_t *es) {
+    *es = (entries_t){NULL, NULL, 0};
+    PyObject *list = PySequence_Fast(obj, "entries must be a sequence");
+    if (list == NULL) return -1;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(list);
+    es->seqs = PyMem_Calloc(n + 1, sizeof(seq_t));
+    es->views = PyMem_Calloc(2 * n + 1, sizeof(Py_buffer));
+    if (es->seqs == NULL || es->views == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    const Py_ssize_t per_position = (Py_ssize_t)h->n_kv * h->hd * sizeof(float);
+    Py_ssize_t rows = 0;
+    for (Py_ssize_t e = 0; e < n; e++) {
+        PyObject *keys, *values;
+        Py_ssize_t first, count, row;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(list, e), "OOnnn", &keys, &values, &first,
+                              &count, &row))
+            goto fail;
+        Py_buffer *kv = &es->views[2 * e];
+        if (PyObject_GetBuffer(keys, &kv[0], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto fail;
+        if (PyObject_GetBuffer(values, &kv[1], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(&kv[0]);
+            goto fail;
+        }
+        es->n = e + 1;
+        const Py_ssize_t capacity = kv[0].len / per_position;
+        if (kv[1].len != kv[0].len || kv[0].len % per_position || first < 0 || count < 1 ||
+            row != rows || row + count > T || first + count > capacity) {
+            PyErr_SetString(PyExc_ValueError, "a sequence's cache or rows do not fit the batch");
+            goto fail;
+        }
+        es->seqs[e] = (seq_t){kv[0].buf, kv[1].buf, capacity, first, count, row};
+        rows += count;
+    }
+    if (rows != T) {
+        PyErr_SetString(PyExc_ValueError, "the sequences' rows do not cover the batch");
+        goto fail;
+    }
+    Py_DECREF(list);
+    return 0;
+fail:
+    Py_DECREF(list);
+    release_entries(es);
+    return -1;
+}
+
+static int check_heads(const heads_t *h) {
+    if (h->n_heads < 1 || h->n_kv < 1 || h->n_heads % h->n_kv || h->hd < 8 || h->hd % 8) {
+        PyErr_SetString(PyExc_ValueError, "heads must be whole groups of a multiple of 8");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *attend(PyObject *self, PyObject *args) {
+    Py_buffer q, k, v, out;
+    PyObject *entries;
+    Py_ssize_t T;
+    heads_t h;
+    int threads;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*Oniiii", &q, &k, &v, &out, &entries, &T, &h.n_heads,
+                          &h.n_kv, &h.hd, &threads))
+        return NULL;
+    PyObject *result = NULL;
+    entries_t es = {NULL, NULL, 0};
+    if (check_heads(&h) < 0) goto done;
+    const Py_ssize_t qbytes = T * h.n_heads * h.hd * (Py_ssize_t)sizeof(float);
+    const Py_ssize_t kbytes = T * h.n_kv * h.hd * (Py_ssize_t)sizeof(float);
+    if (T < 0 || q.len != qbytes || out.len != qbytes || k.len != kbytes || v.len != kbytes) {
+        PyErr_SetString(PyExc_ValueError, "buffer sizes do not match the shapes");
+        goto done;
+    }
+    if (read_entries(entries, T, &h, &es) < 0) goto done;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = attend_rows(&h, q.buf, k.buf, v.buf, out.buf, es.seqs, es.n, threads);
+    Py_END_ALLOW_THREADS
+    if (status < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release_entries(&es);
+    PyBuffer_Release(&q);
+    PyBuffer_Release(&k);
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* A block's weights held for decode_block: the views keep the arrays alive. */
+#define BLOCK_VIEWS 14
+typedef struct {
+    block_t b;
+    Py_buffer views[BLOCK_VIEWS];
+    int held;
+} held_block_t;
+
+static const char *BLOCK_CAPSULE = "meshnet.native.block";
+
+static void free_block(PyObject *capsule) {
+    held_block_t *hb = PyCapsule_GetPointer(capsule, BLOCK_CAPSULE);
+    if (hb == NULL) return;
+    for (int i = 0; i < hb->held; i++) PyBuffer_Release(&hb->views[i]);
+    PyMem_Free(hb);
+}
+
+/* (raw, d, m, rows, nb, type) */
+static int read_matrix(PyObject *spec, held_block_t *hb, qmat_t *w) {
+    PyObject *raw, *d, *m;
+    if (!PyArg_ParseTuple(spec, "OOOnni", &raw, &d, &m, &w->rows, &w->nb, &w->type)) return -1;
+    PyObject *objs[3] = {raw, d, m};
+    Py_buffer *v = &hb->views[hb->held];
+    for (int i = 0; i < 3; i++) {
+        if (PyObject_GetBuffer(objs[i], &v[i], PyBUF_C_CONTIGUOUS) < 0) return -1;
+        hb->held++;
+    }
+    w->raw = v[0].buf;
+    w->d = v[1].buf;
+    w->m = v[2].buf;
+    return check_matrix(w, &v[0], &v[1], &v[2]);
+}
+
+static PyObject *block(PyObject *self, PyObject *args) {
+    PyObject *mats[4], *norms[2];
+    held_block_t *hb = PyMem_Calloc(1, sizeof(held_block_t));
+    if (hb == NULL) return PyErr_NoMemory();
+    block_t *b = &hb->b;
+    if (!PyArg_ParseTuple(args, "OOOOOOfiiinnn", &mats[0], &mats[1], &mats[2], &mats[3],
+                          &norms[0], &norms[1], &b->eps, &b->heads.n_heads, &b->heads.n_kv,
+                          &b->heads.hd, &b->d, &b->d_ff, &b->rope_pairs))
+        goto fail;
+    qmat_t *ws[4] = {&b->qkv, &b->wo, &b->gate_up, &b->down};
+    for (int i = 0; i < 4; i++)
+        if (read_matrix(mats[i], hb, ws[i]) < 0) goto fail;
+    for (int i = 0; i < 2; i++) {
+        if (PyObject_GetBuffer(norms[i], &hb->views[hb->held], PyBUF_C_CONTIGUOUS) < 0) goto fail;
+        hb->held++;
+    }
+    b->attn_norm = hb->views[12].buf;
+    b->ffn_norm = hb->views[13].buf;
+    if (check_heads(&b->heads) < 0) goto fail;
+    const heads_t *h = &b->heads;
+    const Py_ssize_t qw = (Py_ssize_t)h->n_heads * h->hd, kw = (Py_ssize_t)h->n_kv * h->hd;
+    if (b->d < 1 || b->d_ff < 8 || b->d_ff % 8 || b->rope_pairs < 0 ||
+        2 * b->rope_pairs > h->hd || b->qkv.rows != qw + 2 * kw || b->qkv.nb * QK != b->d ||
+        b->wo.rows != b->d || b->wo.nb * QK != qw || b->gate_up.rows != 2 * b->d_ff ||
+        b->gate_up.nb * QK != b->d || b->down.rows != b->d || b->down.nb * QK != b->d_ff ||
+        hb->views[12].len != b->d * (Py_ssize_t)sizeof(float) ||
+        hb->views[13].len != b->d * (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "the block's matrices do not fit its shape");
+        goto fail;
+    }
+    PyObject *capsule = PyCapsule_New(hb, BLOCK_CAPSULE, free_block);
+    if (capsule == NULL) goto fail;
+    return capsule;
+fail:
+    for (int i = 0; i < hb->held; i++) PyBuffer_Release(&hb->views[i]);
+    PyMem_Free(hb);
+    return NULL;
+}
+
+static PyObject *run_block(PyObject *self, PyObject *args) {
+    PyObject *capsule, *entries;
+    Py_buffer x, cos, sin;
+    int threads;
+    if (!PyArg_ParseTuple(args, "Ow*y*y*Oi", &capsule, &x, &cos, &sin, &entries, &threads))
+        return NULL;
+    PyObject *result = NULL;
+    entries_t es = {NULL, NULL, 0};
+    held_block_t *hb = PyCapsule_GetPointer(capsule, BLOCK_CAPSULE);
+    if (hb == NULL) goto done;
+    const block_t *b = &hb->b;
+    const Py_ssize_t row_bytes = b->d * (Py_ssize_t)sizeof(float);
+    const Py_ssize_t T = x.len / row_bytes;
+    const Py_ssize_t table = T * b->rope_pairs * (Py_ssize_t)sizeof(float);
+    if (x.len % row_bytes || cos.len != table || sin.len != table) {
+        PyErr_SetString(PyExc_ValueError, "buffer sizes do not match the shapes");
+        goto done;
+    }
+    if (read_entries(entries, T, &b->heads, &es) < 0) goto done;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = decode_block(b, x.buf, T, cos.buf, sin.buf, es.seqs, es.n, threads);
+    Py_END_ALLOW_THREADS
+    if (status < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release_entries(&es);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&cos);
+    PyBuffer_Release(&sin);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", matmul, METH_VARARGS,
+     "matmul(raw, d, m, x, out, rows, nb, T, type, threads): out[t, r] = W[r] . x[t], W as\n"
+     "GGUF blocks (type 0 Q4_0, 1 Q4_1, 2 Q8_0) with float32 scales d and offsets m"},
+    {"attend", attend, METH_VARARGS,
+     "attend(q, k, v, out, entries, T, n_heads, n_kv, head_dim, threads): store each\n"
+     "entry's new keys/values and attend its rows; entries are (keys, values, first,\n"
+     "count, row) with keys/values [n_kv, capacity, head_dim] float32, rows in order"},
+    {"block", block, METH_VARARGS,
+     "block(qkv, wo, gate_up, down, attn_norm, ffn_norm, eps, n_heads, n_kv, head_dim, d,\n"
+     "d_ff, rope_pairs): a handle on one block's weights, each matrix (raw, d, m, rows,\n"
+     "nb, type)"},
+    {"run_block", run_block, METH_VARARGS,
+     "run_block(block, x, cos, sin, entries, threads): x [T, d] += the block's output for\n"
+     "T decode rows (entries as for attend)"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
+                                    "AVX2 kernels of the fast backend", -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
+        PyErr_SetString(PyExc_ImportError, "this CPU lacks AVX2/FMA");
+        return NULL;
+    }
+    return PyModule_Create(&module);
+}

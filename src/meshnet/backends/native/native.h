@@ -1,0 +1,100 @@
+/*
+ * Native kernels of the fast backend (AVX2 + FMA, float32 activations): what the
+ * translation units share. Each kernel runs one fixed sequence of operations per
+ * output element whatever the batch or the thread split (no -ffast-math; explicit
+ * intrinsics), so a sequence's results are bit-identical alone or batched.
+ */
+#ifndef MESHNET_NATIVE_H
+#define MESHNET_NATIVE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <immintrin.h>
+#include <stdint.h>
+
+#define QK 32 /* weights per block in every supported block type */
+
+/* The GGUF block types multiplied from their own bytes. */
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+extern const Py_ssize_t BLOCK_BYTES[3];
+
+/* A [rows, nb * QK] matrix: the GGUF's blocks, with float32 copies of their scales. */
+typedef struct {
+    const uint8_t *raw; /* rows * nb blocks as stored in the GGUF */
+    const float *d;     /* rows * nb block scales */
+    const float *m;     /* rows * nb block offsets (Q4_0: -8 d); unused for Q8_0 */
+    Py_ssize_t rows, nb;
+    int type;
+} qmat_t;
+
+/* out[t, r] = W[r] . x[t] for x [T, nb * QK]. Returns -1 when out of memory. */
+int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads);
+
+/* One sequence's part of a batch of decode rows, and its cache of one layer. */
+typedef struct {
+    float *keys, *values; /* [n_kv, capacity, hd] each */
+    Py_ssize_t capacity;
+    Py_ssize_t first; /* positions before the new rows */
+    Py_ssize_t count; /* new rows */
+    Py_ssize_t row;   /* the first of them in the batch */
+} seq_t;
+
+typedef struct {
+    int n_heads, n_kv, hd;
+} heads_t;
+
+/* Stores each sequence's new keys/values (k, v [T, n_kv, hd]) in its cache, then
+ * out[row] = causal attention of q [T, n_heads, hd]; -1 when out of memory. */
+int attend_rows(const heads_t *h, const float *q, const float *k, const float *v, float *out,
+                const seq_t *seqs, Py_ssize_t n, int threads);
+
+/* One transformer block's weights, for decode rows. */
+typedef struct {
+    qmat_t qkv;     /* [q | k | v] rows */
+    qmat_t wo;      /* [d, n_heads * hd] */
+    qmat_t gate_up; /* [gate | up] rows, 2 * d_ff */
+    qmat_t down;    /* [d, d_ff] */
+    const float *attn_norm, *ffn_norm; /* [d] */
+    float eps;
+    heads_t heads;
+    Py_ssize_t d, d_ff, rope_pairs; /* rope_pairs: rotated (even, odd) pairs per head */
+} block_t;
+
+/* x [T, d] += the block's attention and feed-forward output for T decode rows at the
+ * positions whose rotary tables are cos, sin [T, rope_pairs]; each sequence's new keys
+ * and values are stored in its cache. -1 when out of memory: the step is then void
+ * (x half updated, keys and values written past the committed positions only). */
+int decode_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, const float *sin,
+                 const seq_t *seqs, Py_ssize_t n, int threads);
+
+/* e^x for every lane: range reduction by ln 2 and a degree-6 polynomial, ~1 ulp; lanes
+ * below -87 or above 88 are taken as those limits. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v);
+    __m128 hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    __m128 sh = _mm_movehdup_ps(lo);
+    __m128 s = _mm_add_ps(lo, sh);
+    sh = _mm_movehl_ps(sh, s);
+    s = _mm_add_ss(s, sh);
+    return _mm_cvtss_f32(s);
+}
+
+#endif
