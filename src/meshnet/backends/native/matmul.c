@@ -231,19 +231,23 @@ static inline __attribute__((always_inline)) void tile_unpacked(const job_t *j, 
             finish(j, r0 + i, t0 + t, fold(part[0][i][t], part[1][i][t], part[2][i][t], part[3][i][t]));
 }
 
-/* Two unpacked rows against every token: tiles of six, then one tile of the rest. */
+/* Two unpacked rows against every token: as few tiles as six tokens allow, their widths
+ * as even as possible (8 tokens: 4 + 4, not 6 + 2: a narrow tile is latency-bound). */
 static void tokens_unpacked(const job_t *j, const float *xe, const float *w0, const float *w1,
                             Py_ssize_t r0, int nr) {
+    const Py_ssize_t tiles = (j->T + TILE_TOKENS - 1) / TILE_TOKENS;
     Py_ssize_t t = 0;
-    for (; t + TILE_TOKENS <= j->T; t += TILE_TOKENS)
-        tile_unpacked(j, xe, w0, w1, r0, nr, t, TILE_TOKENS);
-    switch (j->T - t) {
-    case 5: tile_unpacked(j, xe, w0, w1, r0, nr, t, 5); break;
-    case 4: tile_unpacked(j, xe, w0, w1, r0, nr, t, 4); break;
-    case 3: tile_unpacked(j, xe, w0, w1, r0, nr, t, 3); break;
-    case 2: tile_unpacked(j, xe, w0, w1, r0, nr, t, 2); break;
-    case 1: tile_unpacked(j, xe, w0, w1, r0, nr, t, 1); break;
-    default: break;
+    for (Py_ssize_t i = 0; i < tiles; i++) {
+        const int width = (int)(j->T / tiles + (i < j->T % tiles));
+        switch (width) {
+        case 6: tile_unpacked(j, xe, w0, w1, r0, nr, t, 6); break;
+        case 5: tile_unpacked(j, xe, w0, w1, r0, nr, t, 5); break;
+        case 4: tile_unpacked(j, xe, w0, w1, r0, nr, t, 4); break;
+        case 3: tile_unpacked(j, xe, w0, w1, r0, nr, t, 3); break;
+        case 2: tile_unpacked(j, xe, w0, w1, r0, nr, t, 2); break;
+        default: tile_unpacked(j, xe, w0, w1, r0, nr, t, 1); break;
+        }
+        t += width;
     }
 }
 
