@@ -187,10 +187,10 @@ class FastBackend:
         h = _rms_norm(x, w.ffn_norm, s.rms_eps)
         if fused.gate_up is not None:
             gate_up = rows.matmul(h, fused.gate_up, self._dense)  # [T, 2 d_ff]
-            gate, up = gate_up[:, : s.d_ff], gate_up[:, s.d_ff :]
         else:
-            gate, up = rows.matmul(h, w.w_gate, self._dense), rows.matmul(h, w.w_up, self._dense)
-        return x + rows.matmul(_swiglu(gate, up), w.w_down, self._dense)
+            gate = rows.matmul(h, w.w_gate, self._dense)
+            gate_up = np.concatenate([gate, rows.matmul(h, w.w_up, self._dense)], axis=1)
+        return x + rows.matmul(_swiglu(gate_up, s.d_ff), w.w_down, self._dense)
 
 
 @dataclass(frozen=True)
@@ -236,6 +236,12 @@ def _fuse(w: LayerWeights[QuantMatrix]) -> _Fused:
 
 def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Adjacent-pair rotary embedding with precomputed tables; x [T, heads, hd]."""
+    native = quant._native
+    if native is not None:  # the same arithmetic (no fused multiply-add), in one pass
+        out = np.array(x, dtype=F32, copy=True, order="C")
+        t, heads, hd = out.shape
+        native.rope(out, cos, sin, t, heads, hd, cos.shape[1])
+        return out
     n = 2 * cos.shape[1]
     c, s_ = cos[:, None, :], sin[:, None, :]
     even, odd = x[..., 0:n:2], x[..., 1:n:2]
@@ -251,9 +257,16 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return out
 
 
-def _swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    out = np.empty(gate.shape, dtype=F32)
-    _swiglu_rows(np.ascontiguousarray(gate), np.ascontiguousarray(up), out)
+def _swiglu(gate_up: np.ndarray, d_ff: int) -> np.ndarray:
+    """silu(gate) * up for gate_up [T, 2 d_ff] = [gate | up]; [T, d_ff]."""
+    gate_up = np.ascontiguousarray(gate_up, dtype=F32)
+    out = np.empty((gate_up.shape[0], d_ff), dtype=F32)
+    native = quant._native
+    if native is not None:  # on this thread: idle OpenMP workers would spin against BLAS
+        native.swiglu(gate_up, out, gate_up.shape[0], d_ff, 1)
+    else:
+        gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
+        _swiglu_rows(np.ascontiguousarray(gate), np.ascontiguousarray(up), out)
     return out
 
 

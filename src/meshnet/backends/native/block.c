@@ -29,9 +29,8 @@ static void rms_norm(const float *x, const float *w, Py_ssize_t T, Py_ssize_t d,
     }
 }
 
-/* Adjacent-pair rotary embedding of ``heads`` heads of hd in place, row by row. */
-static void rope(float *x, Py_ssize_t T, int heads, int hd, Py_ssize_t pairs, const float *cos,
-                 const float *sin) {
+void rope(float *x, Py_ssize_t T, int heads, int hd, Py_ssize_t pairs, const float *cos,
+          const float *sin) {
     for (Py_ssize_t t = 0; t < T; t++)
         for (int h = 0; h < heads; h++) {
             float *v = x + (t * heads + h) * hd;
@@ -44,17 +43,19 @@ static void rope(float *x, Py_ssize_t T, int heads, int hd, Py_ssize_t pairs, co
         }
 }
 
-/* act[t, c] = silu(gate) * up for gu [T, 2 * d_ff] = [gate | up] (d_ff a multiple of 8). */
-static void swiglu(const float *gu, Py_ssize_t T, Py_ssize_t d_ff, float *act, int threads) {
+void swiglu(const float *gu, Py_ssize_t T, Py_ssize_t d_ff, float *act, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (Py_ssize_t t = 0; t < T; t++)
-        for (Py_ssize_t c = 0; c < d_ff; c += 8) {
-            const __m256 g = _mm256_loadu_ps(gu + t * 2 * d_ff + c);
-            const __m256 u = _mm256_loadu_ps(gu + t * 2 * d_ff + d_ff + c);
+    for (Py_ssize_t t = 0; t < T; t++) {
+        const float *gate = gu + t * 2 * d_ff, *up = gate + d_ff;
+        Py_ssize_t c = 0;
+        for (; c + 8 <= d_ff; c += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + c);
             const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
             const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            _mm256_storeu_ps(act + t * d_ff + c, _mm256_mul_ps(silu, u));
+            _mm256_storeu_ps(act + t * d_ff + c, _mm256_mul_ps(silu, _mm256_loadu_ps(up + c)));
         }
+        for (; c < d_ff; c++) act[t * d_ff + c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
+    }
 }
 
 static void add_into(float *x, const float *y, Py_ssize_t n) {

@@ -273,6 +273,52 @@ done:
     return result;
 }
 
+static PyObject *py_rope(PyObject *self, PyObject *args) {
+    Py_buffer x, cos, sin;
+    Py_ssize_t T, pairs;
+    int heads, hd;
+    if (!PyArg_ParseTuple(args, "w*y*y*niin", &x, &cos, &sin, &T, &heads, &hd, &pairs))
+        return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t table = T * pairs * (Py_ssize_t)sizeof(float);
+    if (T < 0 || heads < 1 || hd < 1 || pairs < 0 || 2 * pairs > hd ||
+        x.len != T * heads * hd * (Py_ssize_t)sizeof(float) || cos.len != table ||
+        sin.len != table) {
+        PyErr_SetString(PyExc_ValueError, "buffer sizes do not match the shapes");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rope(x.buf, T, heads, hd, pairs, cos.buf, sin.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&cos);
+    PyBuffer_Release(&sin);
+    return result;
+}
+
+static PyObject *py_swiglu(PyObject *self, PyObject *args) {
+    Py_buffer gu, act;
+    Py_ssize_t T, d_ff;
+    int threads;
+    if (!PyArg_ParseTuple(args, "y*w*nni", &gu, &act, &T, &d_ff, &threads)) return NULL;
+    PyObject *result = NULL;
+    if (T < 0 || d_ff < 0 || gu.len != 2 * T * d_ff * (Py_ssize_t)sizeof(float) ||
+        act.len != T * d_ff * (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "buffer sizes do not match the shapes");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    swiglu(gu.buf, T, d_ff, act.buf, threads);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&gu);
+    PyBuffer_Release(&act);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"matmul", matmul, METH_VARARGS,
      "matmul(raw, d, m, x, out, rows, nb, T, type, threads): out[t, r] = W[r] . x[t], W as\n"
@@ -288,6 +334,12 @@ static PyMethodDef methods[] = {
     {"run_block", run_block, METH_VARARGS,
      "run_block(block, x, cos, sin, entries, threads): x [T, d] += the block's output for\n"
      "T decode rows (entries as for attend)"},
+    {"rope", py_rope, METH_VARARGS,
+     "rope(x, cos, sin, T, heads, head_dim, pairs): adjacent-pair rotary embedding of\n"
+     "x [T, heads, head_dim] in place, cos/sin [T, pairs]"},
+    {"swiglu", py_swiglu, METH_VARARGS,
+     "swiglu(gate_up, out, T, d_ff, threads): out [T, d_ff] = silu(gate) * up, gate_up\n"
+     "[T, 2 d_ff] = [gate | up]"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",

@@ -67,6 +67,14 @@ typedef struct {
 int decode_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, const float *sin,
                  const seq_t *seqs, Py_ssize_t n, int threads);
 
+/* Adjacent-pair rotary embedding, in place, of x [T, heads, hd]: the first ``pairs``
+ * (even, odd) pairs of each head turned by cos, sin [T, pairs]. */
+void rope(float *x, Py_ssize_t T, int heads, int hd, Py_ssize_t pairs, const float *cos,
+          const float *sin);
+
+/* act [T, d_ff] = silu(gate) * up for gu [T, 2 * d_ff] = [gate | up]. */
+void swiglu(const float *gu, Py_ssize_t T, Py_ssize_t d_ff, float *act, int threads);
+
 /* e^x for every lane: range reduction by ln 2 and a degree-6 polynomial, ~1 ulp; lanes
  * below -87 or above 88 are taken as those limits. */
 static inline __m256 exp256(__m256 x) {
