@@ -124,16 +124,18 @@ def dequantize_rows(w: QuantMatrix, ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def matmul(x: np.ndarray, w: QuantMatrix, native: bool = True) -> np.ndarray:
+def matmul(x: np.ndarray, w: QuantMatrix, native: bool = True, wide: bool = True) -> np.ndarray:
     """``x @ w.T`` for x [T, cols] float32 -> [T, rows] float32.
 
-    ``native=False`` forces the numba kernels even where the AVX2 ones are built.
+    ``native=False`` forces the numba kernels even where the AVX2 ones are built;
+    ``wide=False`` keeps the native ones to AVX2 register tiles (the same results).
     """
     x = np.ascontiguousarray(x, dtype=F32)
     out = np.empty((x.shape[0], w.rows), F32)
     if native and _native is not None and w.raw is not None:
         raw, d, m, rows, nb, kind = native_args(w)
-        _native.matmul(raw, d, m, x, out, rows, nb, x.shape[0], kind, numba.get_num_threads())
+        threads = numba.get_num_threads()
+        _native.matmul(raw, d, m, x, out, rows, nb, x.shape[0], kind, threads, wide)
     elif w.kind == "q4":
         _matmul_q4(w.qs, w.d, w.m, x, _block_sums(x), out)
     elif w.kind == "q8":

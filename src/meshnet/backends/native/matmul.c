@@ -56,6 +56,7 @@ static inline void unpack_q8(const int8_t *q, const float *d, __m256 w[4]) {
 
 typedef struct {
     const qmat_t *w;
+    int wide;        /* AVX-512VL register tiles for batches of 4 tokens or more */
     const float *x;  /* T * cols */
     const float *sx; /* T * nb block sums of x (Q4 only) */
     float *out;      /* T * rows */
@@ -251,20 +252,80 @@ static void tokens_unpacked(const job_t *j, const float *xe, const float *w0, co
     }
 }
 
-/* Rows [r0, r0 + n) for every token of the batch; n <= ROW_GROUP. With ``xe`` (the tokens
- * by eighth) rows are unpacked two at a time into ``scratch``. */
+/*
+ * Where AVX-512VL is there, its 32 vector registers (still used 8 lanes at a time: the
+ * very same operations) hold two rows x three tokens x four eighths, so one pass over
+ * the blocks serves every eighth and the sums fold straight from registers.
+ */
+#define WIDE_TOKENS 3
+#define WIDE __attribute__((target("avx2,fma,avx512f,avx512vl")))
+
+static inline __attribute__((always_inline)) WIDE void tile_wide(const job_t *j, const float *w0,
+                                                                 const float *w1, Py_ssize_t r0,
+                                                                 int nr, Py_ssize_t t0,
+                                                                 const int TT) {
+    const Py_ssize_t nb = j->w->nb, cols = nb * QK;
+    const float *x = j->x + t0 * cols;
+    __m256 a[WIDE_TOKENS][4], b[WIDE_TOKENS][4];
+    for (int t = 0; t < TT; t++)
+        for (int k = 0; k < 4; k++) a[t][k] = b[t][k] = _mm256_setzero_ps();
+    for (Py_ssize_t blk = 0; blk < nb; blk++)
+        for (int k = 0; k < 4; k++) {
+            const __m256 u = _mm256_load_ps(w0 + (k * nb + blk) * 8);
+            const __m256 v = _mm256_load_ps(w1 + (k * nb + blk) * 8);
+            for (int t = 0; t < TT; t++) {
+                __m256 xv = _mm256_loadu_ps(x + t * cols + blk * QK + 8 * k);
+                __asm__("" : "+v"(xv)); /* one load for both rows, not one folded into each */
+                a[t][k] = _mm256_fmadd_ps(u, xv, a[t][k]);
+                b[t][k] = _mm256_fmadd_ps(v, xv, b[t][k]);
+            }
+        }
+    for (int t = 0; t < TT; t++) {
+        finish(j, r0, t0 + t, fold(a[t][0], a[t][1], a[t][2], a[t][3]));
+        if (nr == 2) finish(j, r0 + 1, t0 + t, fold(b[t][0], b[t][1], b[t][2], b[t][3]));
+    }
+}
+
+/* Rows [r0, r0 + n), unpacked in ``w`` (n rows), against every token: tiles of tokens
+ * outside, row pairs inside, so a tile's tokens stay in L1 while the rows pass by. */
+static WIDE void rows_wide(const job_t *j, const float *w, Py_ssize_t r0, int n) {
+    const Py_ssize_t cols = j->w->nb * QK, tiles = (j->T + WIDE_TOKENS - 1) / WIDE_TOKENS;
+    Py_ssize_t t = 0;
+    for (Py_ssize_t i = 0; i < tiles; i++) {
+        const int width = (int)(j->T / tiles + (i < j->T % tiles));
+        for (int r = 0; r < n; r += 2) {
+            const int nr = n - r < 2 ? 1 : 2;
+            const float *w0 = w + r * cols, *w1 = nr == 2 ? w0 + cols : w0;
+            if (width == 3) tile_wide(j, w0, w1, r0 + r, nr, t, 3);
+            else if (width == 2) tile_wide(j, w0, w1, r0 + r, nr, t, 2);
+            else tile_wide(j, w0, w1, r0 + r, nr, t, 1);
+        }
+        t += width;
+    }
+}
+
+/* Rows [r0, r0 + n) for every token of the batch; n <= ROW_GROUP. Given ``scratch``
+ * (ROW_GROUP rows), rows are unpacked once and met by register tiles of tokens: the
+ * wide ones (all n rows unpacked first), or with ``xe`` (the tokens by eighth) the AVX2
+ * ones (two rows at a time). */
 static void row_group(const job_t *j, Py_ssize_t r0, int n, const float *xe, float *scratch) {
     if (j->w->type != Q8_0) group_offsets(j, r0, n);
-    if (xe == NULL || scratch == NULL) {
+    if (scratch == NULL || (!j->wide && xe == NULL)) {
         rows_direct(j, r0, n);
         return;
     }
     const Py_ssize_t cols = j->w->nb * QK;
+    if (j->wide) {
+        for (int i = 0; i < n; i++) unpack_row(j, r0 + i, scratch + i * cols);
+        rows_wide(j, scratch, r0, n);
+        return;
+    }
     for (int i = 0; i < n; i += 2) {
         const int nr = n - i < 2 ? 1 : 2;
+        const float *w1 = nr == 2 ? scratch + cols : scratch;
         unpack_row(j, r0 + i, scratch);
         if (nr == 2) unpack_row(j, r0 + i + 1, scratch + cols);
-        tokens_unpacked(j, xe, scratch, nr == 2 ? scratch + cols : scratch, r0 + i, nr);
+        tokens_unpacked(j, xe, scratch, w1, r0 + i, nr);
     }
 }
 
@@ -280,6 +341,11 @@ static void block_sums(const float *x, Py_ssize_t T, Py_ssize_t nb, float *sx) {
 }
 
 int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads) {
+    return qmatmul_tiles(w, x, T, out, threads, 1);
+}
+
+int qmatmul_tiles(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads,
+                  int allow_wide) {
     const Py_ssize_t nb = w->nb, groups = (w->rows + ROW_GROUP - 1) / ROW_GROUP;
     float *sx = NULL;
     if (w->type != Q8_0) {
@@ -287,13 +353,16 @@ int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threa
         if (sx == NULL) return -1;
         block_sums(x, T, nb, sx);
     }
-    job_t j = {w, x, sx, out, T};
-    /* batches this large unpack each row once (below: in registers, block by block) */
-    float *xe = T >= 4 ? aligned_alloc(32, T * nb * QK * sizeof(float) + 32) : NULL;
+    const int unpacked = T >= 4; /* unpack each row once (below: in registers, block by block) */
+    const int wide = unpacked && allow_wide && __builtin_cpu_supports("avx512f") &&
+                     __builtin_cpu_supports("avx512vl");
+    job_t j = {w, wide, x, sx, out, T};
+    float *xe = unpacked && !wide ? aligned_alloc(32, T * nb * QK * sizeof(float) + 32) : NULL;
     if (xe != NULL) tokens_by_eighth(&j, xe);
 #pragma omp parallel num_threads(threads)
     {
-        float *scratch = xe != NULL ? aligned_alloc(32, 2 * nb * QK * sizeof(float) + 32) : NULL;
+        float *scratch =
+            unpacked ? aligned_alloc(32, ROW_GROUP * nb * QK * sizeof(float) + 32) : NULL;
 #pragma omp for schedule(static)
         for (Py_ssize_t g = 0; g < groups; g++) {
             Py_ssize_t r0 = g * ROW_GROUP;

@@ -21,9 +21,9 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
     Py_buffer raw, d, m, x, out;
     qmat_t w;
     Py_ssize_t T;
-    int threads;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*w*nnnii", &raw, &d, &m, &x, &out, &w.rows, &w.nb, &T,
-                          &w.type, &threads))
+    int threads, wide = 1;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*nnnii|p", &raw, &d, &m, &x, &out, &w.rows, &w.nb, &T,
+                          &w.type, &threads, &wide))
         return NULL;
     PyObject *result = NULL;
     w.raw = raw.buf;
@@ -37,7 +37,7 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
     }
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = qmatmul(&w, x.buf, T, out.buf, threads);
+    status = qmatmul_tiles(&w, x.buf, T, out.buf, threads, wide);
     Py_END_ALLOW_THREADS
     if (status < 0) {
         PyErr_NoMemory();
@@ -321,8 +321,9 @@ done:
 
 static PyMethodDef methods[] = {
     {"matmul", matmul, METH_VARARGS,
-     "matmul(raw, d, m, x, out, rows, nb, T, type, threads): out[t, r] = W[r] . x[t], W as\n"
-     "GGUF blocks (type 0 Q4_0, 1 Q4_1, 2 Q8_0) with float32 scales d and offsets m"},
+     "matmul(raw, d, m, x, out, rows, nb, T, type, threads, wide=True): out[t, r] =\n"
+     "W[r] . x[t], W as GGUF blocks (type 0 Q4_0, 1 Q4_1, 2 Q8_0) with float32 scales d\n"
+     "and offsets m; wide=False keeps to AVX2 tiles (the same bits)"},
     {"attend", attend, METH_VARARGS,
      "attend(q, k, v, out, entries, T, n_heads, n_kv, head_dim, threads): store each\n"
      "entry's new keys/values and attend its rows; entries are (keys, values, first,\n"

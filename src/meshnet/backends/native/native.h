@@ -30,6 +30,11 @@ typedef struct {
 /* out[t, r] = W[r] . x[t] for x [T, nb * QK]. Returns -1 when out of memory. */
 int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads);
 
+/* The same, bit for bit; allow_wide 0 keeps to AVX2 register tiles even where AVX-512VL
+ * would give wider ones (so tests can check that both agree). */
+int qmatmul_tiles(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads,
+                  int allow_wide);
+
 /* One sequence's part of a batch of decode rows, and its cache of one layer. */
 typedef struct {
     float *keys, *values; /* [n_kv, capacity, hd] each */
