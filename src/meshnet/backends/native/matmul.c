@@ -56,6 +56,7 @@ static inline void unpack_q8(const int8_t *q, const float *d, __m256 w[4]) {
 
 typedef struct {
     const qmat_t *w;
+    int isa512;      /* AVX-512 (F, VL, DQ) may be used */
     int wide;        /* AVX-512VL register tiles for batches of 4 tokens or more */
     const float *x;  /* T * cols */
     const float *sx; /* T * nb block sums of x (Q4 only) */
@@ -74,7 +75,9 @@ typedef struct {
  */
 
 #define ROW_GROUP 8   /* rows one task covers */
-#define TILE_TOKENS 6 /* tokens per register tile of unpacked rows */
+#define TILE_TOKENS 6 /* tokens per register tile of unpacked rows (AVX2) */
+#define WIDE_TOKENS 3 /* the same with AVX-512VL's 32 registers */
+#define WIDE __attribute__((target("avx2,fma,avx512f,avx512vl,avx512dq")))
 
 static inline float fold(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
@@ -156,7 +159,87 @@ static inline __attribute__((always_inline)) void rows_direct_typed(const job_t 
     }
 }
 
+/*
+ * With AVX-512 a block unpacks into two 16-lane vectors, eighths 0-1 and 2-3: lane for
+ * lane the operations of unpack_block and tile_direct (one FMA per lane per block, the
+ * halves folded as the four eighths), in half the instructions.
+ */
+static inline __attribute__((always_inline)) WIDE void unpack_block16(const job_t *j,
+                                                                      const int type,
+                                                                      Py_ssize_t r, Py_ssize_t b,
+                                                                      __m512 w[2]) {
+    const uint8_t *blk = j->w->raw + (r * j->w->nb + b) * BLOCK_BYTES[type];
+    const __m512 vd = _mm512_set1_ps(j->w->d[r * j->w->nb + b]);
+    _mm_prefetch((const char *)blk + 512, _MM_HINT_T0);
+    if (type == Q8_0) {
+        const __m128i *q = (const __m128i *)(blk + 2);
+        w[0] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+        w[1] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+    } else {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + (type == Q4_1 ? 4 : 2)));
+        const __m512i z = _mm512_cvtepu8_epi32(bytes);
+        w[0] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_and_si512(z, _mm512_set1_epi32(0x0F))));
+        w[1] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_srli_epi32(z, 4)));
+    }
+}
+
+static inline __attribute__((always_inline)) WIDE void tile_direct16(const job_t *j,
+                                                                     const int type,
+                                                                     Py_ssize_t r0, const int RG,
+                                                                     Py_ssize_t t0,
+                                                                     const int TT) {
+    const Py_ssize_t nb = j->w->nb, cols = nb * QK;
+    const float *x = j->x + t0 * cols;
+    __m512 acc[4][2][2];
+    for (int i = 0; i < RG; i++)
+        for (int t = 0; t < TT; t++) acc[i][t][0] = acc[i][t][1] = _mm512_setzero_ps();
+    for (Py_ssize_t b = 0; b < nb; b++)
+        for (int i = 0; i < RG; i++) {
+            __m512 w[2];
+            unpack_block16(j, type, r0 + i, b, w);
+            for (int t = 0; t < TT; t++)
+                for (int h = 0; h < 2; h++)
+                    acc[i][t][h] = _mm512_fmadd_ps(
+                        w[h], _mm512_loadu_ps(x + t * cols + b * QK + 16 * h), acc[i][t][h]);
+        }
+    for (int i = 0; i < RG; i++)
+        for (int t = 0; t < TT; t++) {
+            const __m512 lo = acc[i][t][0], hi = acc[i][t][1];
+            finish(j, r0 + i, t0 + t,
+                   fold(_mm512_castps512_ps256(lo), _mm512_extractf32x8_ps(lo, 1),
+                        _mm512_castps512_ps256(hi), _mm512_extractf32x8_ps(hi, 1)));
+        }
+}
+
+static inline __attribute__((always_inline)) WIDE void rows_direct16_typed(const job_t *j,
+                                                                           const int type,
+                                                                           Py_ssize_t r0, int n) {
+    Py_ssize_t t = 0;
+    for (; t + 2 <= j->T; t += 2) {
+        int i = 0;
+        for (; i + 2 <= n; i += 2) tile_direct16(j, type, r0 + i, 2, t, 2);
+        if (i < n) tile_direct16(j, type, r0 + i, 1, t, 2);
+    }
+    if (t < j->T) {
+        int i = 0;
+        for (; i + 4 <= n; i += 4) tile_direct16(j, type, r0 + i, 4, t, 1);
+        for (; i < n; i++) tile_direct16(j, type, r0 + i, 1, t, 1);
+    }
+}
+
+static WIDE void rows_direct16(const job_t *j, Py_ssize_t r0, int n) {
+    switch (j->w->type) {
+    case Q4_0: rows_direct16_typed(j, Q4_0, r0, n); break;
+    case Q4_1: rows_direct16_typed(j, Q4_1, r0, n); break;
+    default: rows_direct16_typed(j, Q8_0, r0, n); break;
+    }
+}
+
 static void rows_direct(const job_t *j, Py_ssize_t r0, int n) {
+    if (j->isa512) {
+        rows_direct16(j, r0, n);
+        return;
+    }
     switch (j->w->type) {
     case Q4_0: rows_direct_typed(j, Q4_0, r0, n); break;
     case Q4_1: rows_direct_typed(j, Q4_1, r0, n); break;
@@ -257,8 +340,6 @@ static void tokens_unpacked(const job_t *j, const float *xe, const float *w0, co
  * very same operations) hold two rows x three tokens x four eighths, so one pass over
  * the blocks serves every eighth and the sums fold straight from registers.
  */
-#define WIDE_TOKENS 3
-#define WIDE __attribute__((target("avx2,fma,avx512f,avx512vl")))
 
 static inline __attribute__((always_inline)) WIDE void tile_wide(const job_t *j, const float *w0,
                                                                  const float *w1, Py_ssize_t r0,
@@ -354,9 +435,10 @@ int qmatmul_tiles(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int
         block_sums(x, T, nb, sx);
     }
     const int unpacked = T >= 4; /* unpack each row once (below: in registers, block by block) */
-    const int wide = unpacked && allow_wide && __builtin_cpu_supports("avx512f") &&
-                     __builtin_cpu_supports("avx512vl");
-    job_t j = {w, wide, x, sx, out, T};
+    const int isa512 = allow_wide && __builtin_cpu_supports("avx512f") &&
+                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    const int wide = unpacked && isa512;
+    job_t j = {w, isa512, wide, x, sx, out, T};
     float *xe = unpacked && !wide ? aligned_alloc(32, T * nb * QK * sizeof(float) + 32) : NULL;
     if (xe != NULL) tokens_by_eighth(&j, xe);
 #pragma omp parallel num_threads(threads)
