@@ -330,7 +330,8 @@ def _attend_batch(
 def _prompt_attention(
     q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_pos: int
 ) -> np.ndarray:
-    """Causal attention of a prompt chunk through BLAS, one matmul pair per KV head.
+    """Causal attention of a prompt chunk through BLAS: one batched matmul pair over the
+    KV heads, each KV head's query heads stacked.
 
     q [n, H, hd] at positions ``first_pos ..``; keys, values [Hkv, L, hd]; [n, H * hd].
     The chunk's rows are only ever computed together, chunked the same way
@@ -340,20 +341,16 @@ def _prompt_attention(
     n_kv, length = keys.shape[0], keys.shape[1]
     group = n_heads // n_kv
     hidden = np.arange(length)[None, :] > (first_pos + np.arange(n))[:, None]  # [n, L]
-    out = np.empty((n, n_heads * hd), dtype=F32)
-    scale = F32(1.0 / np.sqrt(hd))
-    for kv in range(n_kv):
-        qg = q[:, kv * group : (kv + 1) * group, :].transpose(1, 0, 2).reshape(group * n, hd)
-        scores = (qg @ keys[kv].T).reshape(group, n, length)
-        scores *= scale
-        scores[:, hidden] = -np.inf
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        heads = scores.reshape(group * n, length) @ values[kv]  # [group * n, hd]
-        block = heads.reshape(group, n, hd).transpose(1, 0, 2).reshape(n, group * hd)
-        out[:, kv * group * hd : (kv + 1) * group * hd] = block
-    return out
+    mask = np.where(hidden, F32(-np.inf), F32(0.0))  # adding 0 leaves a score as it is
+    qg = q.reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3).reshape(n_kv, group * n, hd)
+    scores = np.matmul(qg, keys.transpose(0, 2, 1)).reshape(n_kv, group, n, length)
+    scores *= F32(1.0 / np.sqrt(hd))
+    scores += mask
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    heads = np.matmul(scores.reshape(n_kv, group * n, length), values)  # [Hkv, group*n, hd]
+    return heads.reshape(n_kv, group, n, hd).transpose(2, 0, 1, 3).reshape(n, n_heads * hd)
 
 
 def _attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_pos: int) -> np.ndarray:
