@@ -1,0 +1,113 @@
+"""The native decode block: the same math as the Python block path, and calls that do
+not fit refused with ValueError before anything is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from meshnet.backends import quant
+from meshnet.backends.base import BatchEntry
+from meshnet.backends.fast import FastBackend
+from meshnet.engine.local import load_local_model
+
+native = pytest.importorskip("meshnet.backends._native")
+
+
+@pytest.fixture(scope="module", params=[QT.Q4_0, QT.Q4_1, QT.Q8_0], ids=lambda q: q.name)
+def backend(request, tiny_factory) -> FastBackend:  # type: ignore[no-untyped-def]
+    path: Path = tiny_factory(f"blk{request.param.name}.gguf", matrix_type=request.param)
+    b = load_local_model(path, backend="fast").chain.shards[0].backend
+    assert isinstance(b, FastBackend) and b.native_decode
+    return b
+
+
+def _decode(backend: FastBackend, native_blocks: bool) -> np.ndarray:
+    """Hidden states of 3 decode steps of two sequences after their prompts."""
+    saved = backend._native
+    if not native_blocks:
+        backend._native = None  # every row through the Python block path
+    try:
+        rng = np.random.default_rng(0)
+        d = backend.spec.d_model
+        kvs = [backend.new_kv(), backend.new_kv()]
+        backend.run_layers(
+            rng.standard_normal((9, d)).astype(np.float32),
+            [BatchEntry(kvs[0], 5), BatchEntry(kvs[1], 4)],
+        )
+        outs = [
+            backend.run_layers(
+                rng.standard_normal((2, d)).astype(np.float32),
+                [BatchEntry(kvs[0], 1), BatchEntry(kvs[1], 1)],
+            )
+            for _ in range(3)
+        ]
+        return np.concatenate(outs)
+    finally:
+        backend._native = saved
+
+
+def test_the_native_block_computes_what_the_python_block_does(backend: FastBackend) -> None:
+    native_out, python_out = _decode(backend, True), _decode(backend, False)
+    scale = np.abs(python_out).max()
+    assert np.max(np.abs(native_out - python_out)) < 1e-4 * scale
+
+
+def _entry(backend: FastBackend, layer: int, rows: int, row: int = 0) -> tuple:  # type: ignore[type-arg]
+    kv = backend.new_kv()
+    kv.reserve(rows)
+    keys, values = kv.buffers(layer)
+    return keys, values, 0, rows, row
+
+
+def test_a_call_that_does_not_fit_writes_nothing(backend: FastBackend) -> None:
+    handle = backend._native._handles[0]  # type: ignore[union-attr]
+    d, pairs = backend.spec.d_model, backend.spec.rope_dim // 2
+    x = np.ones((2, d), np.float32)
+    cos, sin = np.ones((2, pairs), np.float32), np.zeros((2, pairs), np.float32)
+    keys, values, *_ = entry = _entry(backend, 0, 2)
+    calls = [
+        (np.ones((2, d + 1), np.float32), cos, sin, [entry]),  # x not rows of d
+        (x, cos[:1], sin[:1], [entry]),  # rotary tables for another batch
+        (x, cos, sin, [(*entry[:3], 1, 0)]),  # the rows do not cover the batch
+        (x, cos, sin, [(keys, values[:, :1], 0, 2, 0)]),  # keys and values differ
+        (x, cos, sin, [(keys, values, keys.shape[1] - 1, 2, 0)]),  # past the cache
+        (x, cos, sin, [(keys.astype(np.float64), values, 0, 2, 0)]),
+    ]
+    for args in calls:
+        before = x.copy()
+        with pytest.raises(ValueError):
+            native.run_block(handle, *args, 1)
+        assert np.array_equal(x, before)
+        assert not keys.any() and not values.any()
+
+
+def test_a_block_whose_matrices_do_not_fit_its_shape_is_refused(backend: FastBackend) -> None:
+    s, w = backend.spec, backend.weights.blocks[0]
+    fused = backend._fused[0]
+    assert fused.qkv is not None and fused.gate_up is not None
+    mats = [quant.native_args(m) for m in (fused.qkv, w.wo, fused.gate_up, w.w_down)]
+    shape = (w.attn_norm, w.ffn_norm, s.rms_eps, s.n_heads, s.n_kv_heads, s.head_dim)
+    sizes = (s.d_model, s.d_ff, s.rope_dim // 2)
+    native.block(*mats, *shape, *sizes)  # as loaded: fits
+    with pytest.raises(ValueError):
+        native.block(mats[1], mats[0], *mats[2:], *shape, *sizes)  # q/k/v and output swapped
+    with pytest.raises(ValueError):
+        native.block(*mats, *shape, s.d_model, s.d_ff * 2, s.rope_dim // 2)
+    raw, d, m, rows, nb, kind = mats[0]
+    with pytest.raises(ValueError):  # fewer bytes than the blocks claimed
+        native.block((raw[:-1], d, m, rows, nb, kind), *mats[1:], *shape, *sizes)
+
+
+def test_elementwise_kernels_refuse_mismatched_buffers() -> None:
+    x = np.zeros((2, 3, 8), np.float32)
+    table = np.zeros((2, 4), np.float32)
+    with pytest.raises(ValueError):
+        native.rope(x, table, table, 2, 3, 8, 5)  # more pairs than a head has
+    with pytest.raises(ValueError):
+        native.rope(x, table[:1], table[:1], 2, 3, 8, 4)
+    with pytest.raises(ValueError):
+        native.swiglu(np.zeros((2, 16), np.float32), np.zeros((2, 7), np.float32), 2, 8, 1)
