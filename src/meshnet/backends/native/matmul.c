@@ -97,19 +97,19 @@ static inline __attribute__((always_inline)) void unpack_block(const job_t *j, c
 }
 
 /* out[t, r0 + i] = the block offsets of rows r0 .. r0 + n (n <= ROW_GROUP), all tokens:
- * eight rows per vector, so each lane runs the scalar chain of its own row. */
-static void group_offsets(const job_t *j, Py_ssize_t r0, int n) {
+ * eight rows per vector, so each lane runs the scalar chain of its own row. ``m`` has
+ * room for nb * ROW_GROUP floats (32-byte aligned). */
+static void group_offsets(const job_t *j, Py_ssize_t r0, int n, float *m) {
     const Py_ssize_t nb = j->w->nb;
-    float m[nb][ROW_GROUP] __attribute__((aligned(32)));
     for (int i = 0; i < ROW_GROUP; i++) {
         const float *row = j->w->m + (r0 + (i < n ? i : 0)) * nb;
-        for (Py_ssize_t b = 0; b < nb; b++) m[b][i] = row[b];
+        for (Py_ssize_t b = 0; b < nb; b++) m[b * ROW_GROUP + i] = row[b];
     }
     for (Py_ssize_t t = 0; t < j->T; t++) {
         const float *sx = j->sx + t * nb;
         __m256 acc = _mm256_setzero_ps();
         for (Py_ssize_t b = 0; b < nb; b++)
-            acc = _mm256_fmadd_ps(_mm256_load_ps(m[b]), _mm256_set1_ps(sx[b]), acc);
+            acc = _mm256_fmadd_ps(_mm256_load_ps(m + b * ROW_GROUP), _mm256_set1_ps(sx[b]), acc);
         float lanes[ROW_GROUP];
         _mm256_storeu_ps(lanes, acc);
         memcpy(j->out + t * j->w->rows + r0, lanes, n * sizeof(float));
@@ -385,13 +385,14 @@ static WIDE void rows_wide(const job_t *j, const float *w, Py_ssize_t r0, int n)
     }
 }
 
-/* Rows [r0, r0 + n) for every token of the batch; n <= ROW_GROUP. Given ``scratch``
- * (ROW_GROUP rows), rows are unpacked once and met by register tiles of tokens: the
- * wide ones (all n rows unpacked first), or with ``xe`` (the tokens by eighth) the AVX2
- * ones (two rows at a time). */
+/* Rows [r0, r0 + n) for every token of the batch; n <= ROW_GROUP. ``scratch`` holds
+ * the offsets' tile, and for batches of 4 tokens or more ROW_GROUP unpacked rows: then
+ * rows are unpacked once and met by register tiles of tokens, the wide ones (all n rows
+ * unpacked first) or, with ``xe`` (the tokens by eighth), the AVX2 ones (two rows at a
+ * time). */
 static void row_group(const job_t *j, Py_ssize_t r0, int n, const float *xe, float *scratch) {
-    if (j->w->type != Q8_0) group_offsets(j, r0, n);
-    if (scratch == NULL || (!j->wide && xe == NULL)) {
+    if (j->w->type != Q8_0) group_offsets(j, r0, n, scratch);
+    if (j->T < 4 || (!j->wide && xe == NULL)) {
         rows_direct(j, r0, n);
         return;
     }
@@ -441,19 +442,24 @@ int qmatmul_tiles(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int
     job_t j = {w, isa512, wide, x, sx, out, T};
     float *xe = unpacked && !wide ? aligned_alloc(32, T * nb * QK * sizeof(float) + 32) : NULL;
     if (xe != NULL) tokens_by_eighth(&j, xe);
+    int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *scratch =
-            unpacked ? aligned_alloc(32, ROW_GROUP * nb * QK * sizeof(float) + 32) : NULL;
+        const Py_ssize_t floats = (unpacked ? QK : 1) * ROW_GROUP * nb;
+        float *scratch = aligned_alloc(32, floats * sizeof(float) + 32);
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (Py_ssize_t g = 0; g < groups; g++) {
             Py_ssize_t r0 = g * ROW_GROUP;
             int n = (int)(w->rows - r0 < ROW_GROUP ? w->rows - r0 : ROW_GROUP);
-            row_group(&j, r0, n, xe, scratch);
+            if (scratch != NULL) row_group(&j, r0, n, xe, scratch);
         }
         free(scratch);
     }
     free(xe);
     free(sx);
-    return 0;
+    return failed ? -1 : 0;
 }
