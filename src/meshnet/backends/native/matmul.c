@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) void unpack_block(const job_t *j, c
                                                                __m256 w[4]) {
     const uint8_t *blk = j->w->raw + (r * j->w->nb + b) * BLOCK_BYTES[type];
     const float *d = j->w->d + r * j->w->nb + b;
-    _mm_prefetch((const char *)blk + 512, _MM_HINT_T0);
+    _mm_prefetch((const char *)blk + 256, _MM_HINT_T0);
     if (type == Q8_0)
         unpack_q8((const int8_t *)(blk + 2), d, w);
     else
@@ -170,7 +170,7 @@ static inline __attribute__((always_inline)) WIDE void unpack_block16(const job_
                                                                       __m512 w[2]) {
     const uint8_t *blk = j->w->raw + (r * j->w->nb + b) * BLOCK_BYTES[type];
     const __m512 vd = _mm512_set1_ps(j->w->d[r * j->w->nb + b]);
-    _mm_prefetch((const char *)blk + 512, _MM_HINT_T0);
+    _mm_prefetch((const char *)blk + 256, _MM_HINT_T0);
     if (type == Q8_0) {
         const __m128i *q = (const __m128i *)(blk + 2);
         w[0] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
