@@ -15,7 +15,14 @@ setup(
                 for name in ("module", "matmul", "attention", "block")
             ],
             depends=["src/meshnet/backends/native/native.h"],
-            extra_compile_args=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
+            extra_compile_args=[
+                "-O3",
+                "-mavx2",
+                "-mfma",
+                "-mf16c",
+                "-ffp-contract=off",
+                "-fopenmp",
+            ],
             extra_link_args=["-fopenmp"],
             optional=True,
         ),
