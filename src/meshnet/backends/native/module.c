@@ -348,8 +348,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
 
 PyMODINIT_FUNC PyInit__native(void) {
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
-        PyErr_SetString(PyExc_ImportError, "this CPU lacks AVX2/FMA");
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
+        !__builtin_cpu_supports("f16c")) {
+        PyErr_SetString(PyExc_ImportError, "this CPU lacks AVX2/FMA/F16C");
         return NULL;
     }
     return PyModule_Create(&module);
