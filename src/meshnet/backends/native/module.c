@@ -5,6 +5,11 @@
  */
 #include "native.h"
 
+/* None, or MemoryError where a kernel ran out of memory. */
+static PyObject *kernel_result(int status) {
+    return status < 0 ? PyErr_NoMemory() : Py_NewRef(Py_None);
+}
+
 static int check_matrix(const qmat_t *w, const Py_buffer *raw, const Py_buffer *d,
                         const Py_buffer *m) {
     const Py_ssize_t blocks = w->rows * w->nb;
@@ -39,11 +44,7 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     status = qmatmul_tiles(&w, x.buf, T, out.buf, threads, wide);
     Py_END_ALLOW_THREADS
-    if (status < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
+    result = kernel_result(status);
 done:
     PyBuffer_Release(&raw);
     PyBuffer_Release(&d);
@@ -151,11 +152,7 @@ static PyObject *attend(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     status = attend_rows(&h, q.buf, k.buf, v.buf, out.buf, es.seqs, es.n, threads);
     Py_END_ALLOW_THREADS
-    if (status < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
+    result = kernel_result(status);
 done:
     release_entries(&es);
     PyBuffer_Release(&q);
@@ -260,11 +257,7 @@ static PyObject *run_block(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     status = decode_block(b, x.buf, T, cos.buf, sin.buf, es.seqs, es.n, threads);
     Py_END_ALLOW_THREADS
-    if (status < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
+    result = kernel_result(status);
 done:
     release_entries(&es);
     PyBuffer_Release(&x);
