@@ -1,12 +1,13 @@
 """The fast CPU backend: matmuls straight from the GGUF's quantized blocks.
 
-Float32 arithmetic throughout, like the reference, but every row of every
-batch goes through the same fixed-order code (the AVX2 or numba kernels in
-``quant``; the row-wise norm, SwiGLU and attention loops here; rotary tables
-computed once), so a sequence's logits are bit-identical whether it runs alone
-or among 31 others. Q/K/V and gate/up are fused into one matmul each when their
-blocks share a layout. Prompt chunks are the exception to the quantized path:
-each goes through BLAS on dequantized weights, on its own rows only.
+Float32 arithmetic throughout, like the reference, but every row goes through
+fixed-order code whatever else is in the batch, so a sequence's logits are
+bit-identical whether it runs alone or among 31 others (``docs/kernels.md``).
+Decode rows run each block in one native call (``native_blocks``) where the
+extension is built; prompt chunks go through BLAS on dequantized weights, on
+their own rows only; without the extension every row takes the block code
+here, with the numba kernels in ``quant``. Q/K/V and gate/up are fused into one
+matmul each when their blocks share a layout; rotary tables are computed once.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class _Fused:
 
 
 class FastBackend:
-    """Runs one shard's blocks with quantized numba kernels."""
+    """Runs one shard's blocks: native decode blocks, BLAS prompt chunks, numba elsewhere."""
 
     name = "fast"
     decodes_rows_exactly = True  # decode rows go through the row-wise quantized kernel
@@ -236,7 +237,7 @@ def _fuse(w: LayerWeights[QuantMatrix]) -> _Fused:
 
 def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Adjacent-pair rotary embedding with precomputed tables; x [T, heads, hd]."""
-    native = quant._native
+    native = quant.NATIVE
     if native is not None:  # the same arithmetic (no fused multiply-add), in one pass
         out = np.array(x, dtype=F32, copy=True, order="C")
         t, heads, hd = out.shape
@@ -261,7 +262,7 @@ def _swiglu(gate_up: np.ndarray, d_ff: int) -> np.ndarray:
     """silu(gate) * up for gate_up [T, 2 d_ff] = [gate | up]; [T, d_ff]."""
     gate_up = np.ascontiguousarray(gate_up, dtype=F32)
     out = np.empty((gate_up.shape[0], d_ff), dtype=F32)
-    native = quant._native
+    native = quant.NATIVE
     if native is not None:  # on this thread: idle OpenMP workers would spin against BLAS
         native.swiglu(gate_up, out, gate_up.shape[0], d_ff, 1)
     else:
@@ -305,7 +306,7 @@ def _attend_batch(
     Prompt chunks go through BLAS one by one; every decode row (one-row entries and
     rows marked ``decoded``) through one call of the native kernel where it is built.
     """
-    native = quant._native
+    native = quant.NATIVE
     if native is None:
         return attend_each(layer, batch, q, k, v, _attention, _prompt_attention)
     t, n_heads, hd = q.shape

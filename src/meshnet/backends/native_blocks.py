@@ -37,7 +37,7 @@ class NativeBlocks:
     ) -> NativeBlocks | None:
         """Handles for every block, or None where the kernels are not built or a block
         is not in the layouts they read (then every decode row takes the other path)."""
-        native = quant._native
+        native = quant.NATIVE
         if native is None or not blocks:
             return None
         handles: list[Handle] = []
@@ -67,7 +67,7 @@ class NativeBlocks:
         self, x: np.ndarray, batch: Sequence[BatchEntry], cos: np.ndarray, sin: np.ndarray
     ) -> None:
         """Every block over x [T, d] (decode rows only, in place), cos/sin [T, rope_dim/2]."""
-        native = quant._native
+        native = quant.NATIVE
         assert native is not None  # handles exist only where it is built
         threads = numba.get_num_threads()
         for layer, handle in enumerate(self._handles):

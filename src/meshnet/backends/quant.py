@@ -29,14 +29,14 @@ _EMPTY = np.empty(0, F32)
 _RAW_TYPES = {QT.Q4_0: 0, QT.Q4_1: 1, QT.Q8_0: 2}  # as numbered in native/native.h
 
 try:  # AVX2 kernels built by `pip install` where a compiler and the CPU allow
-    from meshnet.backends import _native
+    from meshnet.backends import _native as NATIVE
 except ImportError:
-    _native = None
+    NATIVE = None
 
 
 def kernel_name() -> str:
     """Which kernels multiply quantized blocks in this process."""
-    return "avx2" if _native is not None else "numba"
+    return "avx2" if NATIVE is not None else "numba"
 
 
 @dataclass(frozen=True)
@@ -132,10 +132,10 @@ def matmul(x: np.ndarray, w: QuantMatrix, native: bool = True, wide: bool = True
     """
     x = np.ascontiguousarray(x, dtype=F32)
     out = np.empty((x.shape[0], w.rows), F32)
-    if native and _native is not None and w.raw is not None:
+    if native and NATIVE is not None and w.raw is not None:
         raw, d, m, rows, nb, kind = native_args(w)
         threads = numba.get_num_threads()
-        _native.matmul(raw, d, m, x, out, rows, nb, x.shape[0], kind, threads, wide)
+        NATIVE.matmul(raw, d, m, x, out, rows, nb, x.shape[0], kind, threads, wide)
     elif w.kind == "q4":
         _matmul_q4(w.qs, w.d, w.m, x, _block_sums(x), out)
     elif w.kind == "q8":
