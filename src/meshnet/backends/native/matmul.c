@@ -87,6 +87,9 @@ typedef struct {
 #define ROW_GROUP 8   /* rows one task covers */
 #define TILE_TOKENS 6 /* tokens per register tile of unpacked rows (AVX2) */
 #define WIDE_TOKENS 3 /* the same with AVX-512VL's 32 registers */
+#ifndef DIRECT_TOKENS
+#define DIRECT_TOKENS 16 /* with AVX-512, batches up to this unpack blocks in registers */
+#endif
 #define WIDE __attribute__((target("avx2,fma,avx512f,avx512vl,avx512dq")))
 
 static inline float fold(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -205,7 +208,7 @@ static inline __attribute__((always_inline)) WIDE void tile_direct16(const job_t
                                                                      const int TT) {
     const Py_ssize_t nb = j->w->nb, cols = nb * QK;
     const float *x = j->x + t0 * cols;
-    __m512 acc[4][2][2];
+    __m512 acc[4][4][2]; /* [row][token][half]: RG * TT <= 8 */
     for (int i = 0; i < RG; i++)
         for (int t = 0; t < TT; t++) acc[i][t][0] = acc[i][t][1] = _mm512_setzero_ps();
     for (Py_ssize_t b = 0; b < nb; b++)
@@ -230,6 +233,11 @@ static inline __attribute__((always_inline)) WIDE void rows_direct16_typed(const
                                                                            const int type,
                                                                            Py_ssize_t r0, int n) {
     Py_ssize_t t = 0;
+    for (; t + 4 <= j->T; t += 4) {
+        int i = 0;
+        for (; i + 2 <= n; i += 2) tile_direct16(j, type, r0 + i, 2, t, 4);
+        if (i < n) tile_direct16(j, type, r0 + i, 1, t, 4);
+    }
     for (; t + 2 <= j->T; t += 2) {
         int i = 0;
         for (; i + 2 <= n; i += 2) tile_direct16(j, type, r0 + i, 2, t, 2);
@@ -407,7 +415,7 @@ static WIDE void rows_wide(const job_t *j, const float *w, Py_ssize_t r0, int n)
  * time). */
 static void row_group(const job_t *j, Py_ssize_t r0, int n, const float *xe, float *scratch) {
     if (j->w->type != Q8_0) group_offsets(j, r0, n, scratch);
-    if (j->T < 4 || (!j->wide && xe == NULL)) {
+    if (j->T < 4 || (j->isa512 && j->T <= DIRECT_TOKENS) || (!j->wide && xe == NULL)) {
         rows_direct(j, r0, n);
         return;
     }
