@@ -1,6 +1,8 @@
 """The node's loop on the tiny model: epochs, cache misses, batching, deadlines, load."""
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -21,13 +23,22 @@ from meshnet.node.engine import EngineConfig, NodeEngine
 from meshnet.node.scheduler import StepWork
 
 
+@contextmanager
+def running(tiny_path: Path, config: EngineConfig | None = None) -> Iterator[NodeEngine]:
+    """A started engine serving every layer of the tiny model, stopped on exit."""
+    e = NodeEngine(config or EngineConfig())
+    e.start()
+    try:
+        e.load(str(tiny_path), LayerRange(0, 4)).result(timeout=30)
+        yield e
+    finally:
+        e.stop()
+
+
 @pytest.fixture
 def engine(tiny_path: Path):  # type: ignore[no-untyped-def]
-    e = NodeEngine()
-    e.start()
-    e.load(str(tiny_path), LayerRange(0, 4)).result(timeout=30)
-    yield e
-    e.stop()
+    with running(tiny_path) as e:
+        yield e
 
 
 def _step(engine: NodeEngine, sid: str, epoch: int, ids: list[int]) -> np.ndarray:
@@ -104,11 +115,9 @@ def test_empty_node_refuses_sessions_until_loaded(tiny_path: Path) -> None:
 
 @pytest.fixture
 def chunky(tiny_path: Path):  # type: ignore[no-untyped-def]
-    e = NodeEngine(EngineConfig(prefill_chunk=4, max_batch_tokens=8, max_queued_steps=2))
-    e.start()
-    e.load(str(tiny_path), LayerRange(0, 4)).result(timeout=30)
-    yield e
-    e.stop()
+    config = EngineConfig(prefill_chunk=4, max_batch_tokens=8, max_queued_steps=2)
+    with running(tiny_path, config) as e:
+        yield e
 
 
 def test_long_prefill_is_chunked_and_decodes_keep_running(
@@ -176,10 +185,7 @@ def test_stop_answers_everything_still_waiting(tiny_path: Path) -> None:
 def test_a_replay_of_decode_steps_rebuilds_bit_identical_kv(tiny_path: Path, backend: str) -> None:
     """Failover sends a span's logged decode steps as one message; the KV it builds must
     equal the one built by the steps sent one by one, or the output would drift."""
-    e = NodeEngine(EngineConfig(backend=backend, prefill_chunk=4))
-    e.start()
-    try:
-        e.load(str(tiny_path), LayerRange(0, 4)).result(30)
+    with running(tiny_path, EngineConfig(backend=backend, prefill_chunk=4)) as e:
         prompt, decoded = [5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]
         e.open("alone", 1).result(5)
         _step(e, "alone", 1, prompt)
@@ -191,18 +197,13 @@ def test_a_replay_of_decode_steps_rebuilds_bit_identical_kv(tiny_path: Path, bac
         e.submit(work).result(10)
         assert e.open("replayed", 1).result(5).steps == 1 + len(decoded)  # one per row
         assert np.array_equal(_step(e, "alone", 1, [20]), _step(e, "replayed", 1, [20]))
-    finally:
-        e.stop()
 
 
 @pytest.fixture
 def parking(tiny_path: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
     """An engine that parks KV under ``tmp_path``."""
-    e = NodeEngine(EngineConfig(park_dir=str(tmp_path)))
-    e.start()
-    e.load(str(tiny_path), LayerRange(0, 4)).result(timeout=30)
-    yield e
-    e.stop()
+    with running(tiny_path, EngineConfig(park_dir=str(tmp_path))) as e:
+        yield e
 
 
 def test_a_parked_session_leaves_the_budget_and_resumes_bit_identical(
