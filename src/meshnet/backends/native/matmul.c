@@ -409,13 +409,12 @@ static WIDE void rows_wide(const job_t *j, const float *w, Py_ssize_t r0, int n)
 }
 
 /* Rows [r0, r0 + n) for every token of the batch; n <= ROW_GROUP. ``scratch`` holds
- * the offsets' tile, and for batches of 4 tokens or more ROW_GROUP unpacked rows: then
- * rows are unpacked once and met by register tiles of tokens, the wide ones (all n rows
- * unpacked first) or, with ``xe`` (the tokens by eighth), the AVX2 ones (two rows at a
- * time). */
+ * the offsets' tile, and for batches whose rows are unpacked once ROW_GROUP unpacked
+ * rows, met by register tiles of tokens: the wide ones (all n rows unpacked first) or,
+ * with ``xe`` (the tokens by eighth), the AVX2 ones (two rows at a time). */
 static void row_group(const job_t *j, Py_ssize_t r0, int n, const float *xe, float *scratch) {
     if (j->w->type != Q8_0) group_offsets(j, r0, n, scratch);
-    if (j->T < 4 || (j->isa512 && j->T <= DIRECT_TOKENS) || (!j->wide && xe == NULL)) {
+    if (!j->wide && xe == NULL) { /* a small batch (or no memory for xe) */
         rows_direct(j, r0, n);
         return;
     }
@@ -458,9 +457,10 @@ int qmatmul_tiles(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int
         if (sx == NULL) return -1;
         block_sums(x, T, nb, sx);
     }
-    const int unpacked = T >= 4; /* unpack each row once (below: in registers, block by block) */
     const int isa512 = allow_wide && __builtin_cpu_supports("avx512f") &&
                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    /* unpack each row once for its tiles of tokens (else each block in registers) */
+    const int unpacked = T >= 4 && !(isa512 && T <= DIRECT_TOKENS);
     const int wide = unpacked && isa512;
     job_t j = {w, isa512, wide, x, sx, out, T};
     float *xe = unpacked && !wide ? aligned_alloc(32, T * nb * QK * sizeof(float) + 32) : NULL;
