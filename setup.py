@@ -14,7 +14,10 @@ setup(
                 f"src/meshnet/backends/native/{name}.c"
                 for name in ("module", "matmul", "attention", "block")
             ],
-            depends=["src/meshnet/backends/native/native.h"],
+            depends=[
+                "src/meshnet/backends/native/native.h",
+                "src/meshnet/backends/native/matmul_tile.h",
+            ],
             extra_compile_args=[
                 "-O3",
                 "-mavx2",

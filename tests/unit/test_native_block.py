@@ -97,9 +97,11 @@ def test_a_block_whose_matrices_do_not_fit_its_shape_is_refused(backend: FastBac
         native.block(mats[1], mats[0], *mats[2:], *shape, *sizes)  # q/k/v and output swapped
     with pytest.raises(ValueError):
         native.block(*mats, *shape, s.d_model, s.d_ff * 2, s.rope_dim // 2)
-    raw, d, m, rows, nb, kind = mats[0]
+    packed, rows, nb, kind = mats[0]
     with pytest.raises(ValueError):  # fewer bytes than the blocks claimed
-        native.block((raw[:-1], d, m, rows, nb, kind), *mats[1:], *shape, *sizes)
+        native.block((packed[:-1], rows, nb, kind), *mats[1:], *shape, *sizes)
+    with pytest.raises(ValueError):  # more rows than the groups hold
+        native.block((packed, rows + 16, nb, kind), *mats[1:], *shape, *sizes)
 
 
 def test_elementwise_kernels_refuse_mismatched_buffers() -> None:

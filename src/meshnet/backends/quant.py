@@ -16,6 +16,7 @@ Layouts (per matrix row, ``nb = cols / 32`` blocks of 32 weights):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import gguf
 import numba
@@ -25,8 +26,9 @@ from numba import prange
 
 F32 = np.float32
 QK = 32  # weights per block in every supported block type
-_EMPTY = np.empty(0, F32)
 _RAW_TYPES = {QT.Q4_0: 0, QT.Q4_1: 1, QT.Q8_0: 2}  # as numbered in native/native.h
+_BLOCK_BYTES = (18, 20, 34)  # per GGUF block of each _RAW_TYPES code
+GROUP_ROWS = 16  # rows per group of the native kernels' layout
 
 try:  # AVX2 kernels built by `pip install` where a compiler and the CPU allow
     from meshnet.backends import _native as NATIVE
@@ -49,13 +51,21 @@ class QuantMatrix:
     qs: np.ndarray  # packed quants (q4: uint8, q8: int8) or float32 weights (f32)
     d: np.ndarray  # float32 [rows, nb] block scales (empty for f32)
     m: np.ndarray  # float32 [rows, nb] block offsets (q4 only)
-    raw: np.ndarray | None = None  # the GGUF's own blocks (uint8 [rows, bytes]) for AVX2
+    raw: np.ndarray | None = None  # the GGUF's own blocks (uint8 [rows, bytes])
     raw_type: int = -1  # _RAW_TYPES code of ``raw``
+
+    @cached_property
+    def packed(self) -> np.ndarray:
+        """``raw`` in the native kernels' row-group layout (made on first use)."""
+        if self.raw is None:
+            raise ValueError("only matrices in their GGUF blocks have native kernels")
+        return pack_groups(self.raw, self.rows, self.cols // QK, self.raw_type)
 
 
 def from_gguf(t: gguf.ReaderTensor, shape: tuple[int, int]) -> QuantMatrix:
-    """A GGUF 2-D tensor for the kernels: its own blocks (for AVX2) and a repacked copy
-    of them (for the numba kernels and row gathers); other types are dequantized."""
+    """A GGUF 2-D tensor for the kernels: its own blocks (which the native kernels take
+    in row groups) and a repacked copy of them (for the numba kernels and row gathers);
+    other types are dequantized."""
     rows, cols = shape
     raw = np.asarray(t.data)
     qtype = QT(t.tensor_type)
@@ -133,9 +143,9 @@ def matmul(x: np.ndarray, w: QuantMatrix, native: bool = True, wide: bool = True
     x = np.ascontiguousarray(x, dtype=F32)
     out = np.empty((x.shape[0], w.rows), F32)
     if native and NATIVE is not None and w.raw is not None:
-        raw, d, m, rows, nb, kind = native_args(w)
+        packed, rows, nb, kind = native_args(w)
         threads = numba.get_num_threads()
-        NATIVE.matmul(raw, d, m, x, out, rows, nb, x.shape[0], kind, threads, wide)
+        NATIVE.matmul(packed, x, out, rows, nb, x.shape[0], kind, threads, wide)
     elif w.kind == "q4":
         _matmul_q4(w.qs, w.d, w.m, x, _block_sums(x), out)
     elif w.kind == "q8":
@@ -145,11 +155,25 @@ def matmul(x: np.ndarray, w: QuantMatrix, native: bool = True, wide: bool = True
     return out
 
 
-def native_args(w: QuantMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int]:
-    """``w`` as the native kernels take a matrix: (raw, d, m, rows, nb, type)."""
-    if w.raw is None:
-        raise ValueError("only matrices in their GGUF blocks have native kernels")
-    return w.raw, w.d, w.m if w.m.size else _EMPTY, w.rows, w.cols // QK, w.raw_type
+def native_args(w: QuantMatrix) -> tuple[np.ndarray, int, int, int]:
+    """``w`` as the native kernels take a matrix: (packed, rows, nb, type)."""
+    return w.packed, w.rows, w.cols // QK, w.raw_type
+
+
+def pack_groups(raw: np.ndarray, rows: int, nb: int, code: int) -> np.ndarray:
+    """GGUF blocks [rows, nb] of type ``code`` in the row-group layout of native.h: per
+    group of 16 rows (the last padded with zero blocks) and block, the rows' float16
+    scales, Q4_1's float16 offsets, then the quants column by column, one byte per row."""
+    size = _BLOCK_BYTES[code]
+    groups = -(-rows // GROUP_ROWS)
+    blocks = np.zeros((groups * GROUP_ROWS, nb, size), np.uint8)
+    blocks[:rows] = np.asarray(raw, np.uint8).reshape(rows, nb, size)
+    by_group = blocks.reshape(groups, GROUP_ROWS, nb, size).transpose(0, 2, 1, 3)
+    halves = 4 if code == 1 else 2  # bytes of float16 fields before the quants
+    fields = [by_group[..., h : h + 2].reshape(groups, nb, 2 * GROUP_ROWS) for h in (0, 2)]
+    quants = by_group[..., halves:].transpose(0, 1, 3, 2).reshape(groups, nb, -1)
+    parts = [*fields[: halves // 2], quants]
+    return np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(-1)
 
 
 @numba.njit(cache=True)

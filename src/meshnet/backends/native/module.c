@@ -10,31 +10,26 @@ static PyObject *kernel_result(int status) {
     return status < 0 ? PyErr_NoMemory() : Py_NewRef(Py_None);
 }
 
-static int check_matrix(const qmat_t *w, const Py_buffer *raw, const Py_buffer *d,
-                        const Py_buffer *m) {
-    const Py_ssize_t blocks = w->rows * w->nb;
+static int check_matrix(const qmat_t *w, const Py_buffer *packed) {
     if (w->type < Q4_0 || w->type > Q8_0 || w->rows < 0 || w->nb < 0 ||
-        raw->len < blocks * BLOCK_BYTES[w->type] || d->len < blocks * (Py_ssize_t)sizeof(float) ||
-        (w->type != Q8_0 && m->len < blocks * (Py_ssize_t)sizeof(float))) {
-        PyErr_SetString(PyExc_ValueError, "a matrix's buffers do not match its shape");
+        packed->len != (w->rows + GROUP_ROWS - 1) / GROUP_ROWS * w->nb * GROUP_BYTES[w->type]) {
+        PyErr_SetString(PyExc_ValueError, "a matrix's buffer does not match its shape");
         return -1;
     }
     return 0;
 }
 
 static PyObject *matmul(PyObject *self, PyObject *args) {
-    Py_buffer raw, d, m, x, out;
+    Py_buffer packed, x, out;
     qmat_t w;
     Py_ssize_t T;
     int threads, wide = 1;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*w*nnnii|p", &raw, &d, &m, &x, &out, &w.rows, &w.nb, &T,
-                          &w.type, &threads, &wide))
+    if (!PyArg_ParseTuple(args, "y*y*w*nnnii|p", &packed, &x, &out, &w.rows, &w.nb, &T, &w.type,
+                          &threads, &wide))
         return NULL;
     PyObject *result = NULL;
-    w.raw = raw.buf;
-    w.d = d.buf;
-    w.m = m.buf;
-    if (check_matrix(&w, &raw, &d, &m) < 0) goto done;
+    w.packed = packed.buf;
+    if (check_matrix(&w, &packed) < 0) goto done;
     if (T < 0 || x.len != T * w.nb * QK * (Py_ssize_t)sizeof(float) ||
         out.len != T * w.rows * (Py_ssize_t)sizeof(float)) {
         PyErr_SetString(PyExc_ValueError, "buffer sizes do not match the shapes");
@@ -46,9 +41,7 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     result = kernel_result(status);
 done:
-    PyBuffer_Release(&raw);
-    PyBuffer_Release(&d);
-    PyBuffer_Release(&m);
+    PyBuffer_Release(&packed);
     PyBuffer_Release(&x);
     PyBuffer_Release(&out);
     return result;
@@ -163,7 +156,7 @@ done:
 }
 
 /* A block's weights held for decode_block: the views keep the arrays alive. */
-#define BLOCK_VIEWS 14
+#define BLOCK_VIEWS 6
 typedef struct {
     block_t b;
     Py_buffer views[BLOCK_VIEWS];
@@ -179,20 +172,15 @@ static void free_block(PyObject *capsule) {
     PyMem_Free(hb);
 }
 
-/* (raw, d, m, rows, nb, type) */
+/* (packed, rows, nb, type) */
 static int read_matrix(PyObject *spec, held_block_t *hb, qmat_t *w) {
-    PyObject *raw, *d, *m;
-    if (!PyArg_ParseTuple(spec, "OOOnni", &raw, &d, &m, &w->rows, &w->nb, &w->type)) return -1;
-    PyObject *objs[3] = {raw, d, m};
+    PyObject *packed;
+    if (!PyArg_ParseTuple(spec, "Onni", &packed, &w->rows, &w->nb, &w->type)) return -1;
     Py_buffer *v = &hb->views[hb->held];
-    for (int i = 0; i < 3; i++) {
-        if (PyObject_GetBuffer(objs[i], &v[i], PyBUF_C_CONTIGUOUS) < 0) return -1;
-        hb->held++;
-    }
-    w->raw = v[0].buf;
-    w->d = v[1].buf;
-    w->m = v[2].buf;
-    return check_matrix(w, &v[0], &v[1], &v[2]);
+    if (PyObject_GetBuffer(packed, v, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    hb->held++;
+    w->packed = v->buf;
+    return check_matrix(w, v);
 }
 
 static PyObject *block(PyObject *self, PyObject *args) {
@@ -211,8 +199,8 @@ static PyObject *block(PyObject *self, PyObject *args) {
         if (PyObject_GetBuffer(norms[i], &hb->views[hb->held], PyBUF_C_CONTIGUOUS) < 0) goto fail;
         hb->held++;
     }
-    b->attn_norm = hb->views[12].buf;
-    b->ffn_norm = hb->views[13].buf;
+    b->attn_norm = hb->views[4].buf;
+    b->ffn_norm = hb->views[5].buf;
     if (check_heads(&b->heads) < 0) goto fail;
     const heads_t *h = &b->heads;
     const Py_ssize_t qw = (Py_ssize_t)h->n_heads * h->hd, kw = (Py_ssize_t)h->n_kv * h->hd;
@@ -220,8 +208,8 @@ static PyObject *block(PyObject *self, PyObject *args) {
         2 * b->rope_pairs > h->hd || b->qkv.rows != qw + 2 * kw || b->qkv.nb * QK != b->d ||
         b->wo.rows != b->d || b->wo.nb * QK != qw || b->gate_up.rows != 2 * b->d_ff ||
         b->gate_up.nb * QK != b->d || b->down.rows != b->d || b->down.nb * QK != b->d_ff ||
-        hb->views[12].len != b->d * (Py_ssize_t)sizeof(float) ||
-        hb->views[13].len != b->d * (Py_ssize_t)sizeof(float)) {
+        hb->views[4].len != b->d * (Py_ssize_t)sizeof(float) ||
+        hb->views[5].len != b->d * (Py_ssize_t)sizeof(float)) {
         PyErr_SetString(PyExc_ValueError, "the block's matrices do not fit its shape");
         goto fail;
     }
@@ -314,17 +302,17 @@ done:
 
 static PyMethodDef methods[] = {
     {"matmul", matmul, METH_VARARGS,
-     "matmul(raw, d, m, x, out, rows, nb, T, type, threads, wide=True): out[t, r] =\n"
-     "W[r] . x[t], W as GGUF blocks (type 0 Q4_0, 1 Q4_1, 2 Q8_0) with float32 scales d\n"
-     "and offsets m; wide=False keeps to AVX2 tiles (the same bits)"},
+     "matmul(packed, x, out, rows, nb, T, type, threads, wide=True): out[t, r] =\n"
+     "W[r] . x[t], W in row groups of 16 (type 0 Q4_0, 1 Q4_1, 2 Q8_0; see native.h);\n"
+     "wide=False keeps to AVX2 vectors (the same bits)"},
     {"attend", attend, METH_VARARGS,
      "attend(q, k, v, out, entries, T, n_heads, n_kv, head_dim, threads): store each\n"
      "entry's new keys/values and attend its rows; entries are (keys, values, first,\n"
      "count, row) with keys/values [n_kv, capacity, head_dim] float32, rows in order"},
     {"block", block, METH_VARARGS,
      "block(qkv, wo, gate_up, down, attn_norm, ffn_norm, eps, n_heads, n_kv, head_dim, d,\n"
-     "d_ff, rope_pairs): a handle on one block's weights, each matrix (raw, d, m, rows,\n"
-     "nb, type)"},
+     "d_ff, rope_pairs): a handle on one block's weights, each matrix (packed, rows, nb,\n"
+     "type)"},
     {"run_block", run_block, METH_VARARGS,
      "run_block(block, x, cos, sin, entries, threads): x [T, d] += the block's output for\n"
      "T decode rows (entries as for attend)"},

@@ -14,15 +14,20 @@
 
 #define QK 32 /* weights per block in every supported block type */
 
-/* The GGUF block types multiplied from their own bytes. */
+/* The GGUF block types the matmul reads. */
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
-extern const Py_ssize_t BLOCK_BYTES[3];
 
-/* A [rows, nb * QK] matrix: the GGUF's blocks, with float32 copies of their scales. */
+/*
+ * A [rows, nb * QK] matrix in row groups of GROUP_ROWS (the last one padded with zero
+ * blocks). Per group and block, GROUP_BYTES[type] bytes: the 16 rows' float16 scales d,
+ * for Q4_1 their float16 offsets m, then the quants column by column, one byte per row:
+ * 16 columns for 4-bit blocks (byte i of a row holds its weights i and 16 + i, low
+ * nibble first), 32 for Q8_0. So one load gives a column of 8 or 16 rows.
+ */
+#define GROUP_ROWS 16
+extern const Py_ssize_t GROUP_BYTES[3];
 typedef struct {
-    const uint8_t *raw; /* rows * nb blocks as stored in the GGUF */
-    const float *d;     /* rows * nb block scales */
-    const float *m;     /* rows * nb block offsets (Q4_0: -8 d); unused for Q8_0 */
+    const uint8_t *packed; /* ceil(rows / 16) * nb * GROUP_BYTES[type] bytes */
     Py_ssize_t rows, nb;
     int type;
 } qmat_t;
@@ -30,8 +35,8 @@ typedef struct {
 /* out[t, r] = W[r] . x[t] for x [T, nb * QK]. Returns -1 when out of memory. */
 int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads);
 
-/* The same, bit for bit; allow_wide 0 keeps to AVX2 register tiles even where AVX-512VL
- * would give wider ones (so tests can check that both agree). */
+/* The same, bit for bit; allow_wide 0 keeps to AVX2's 8-row vectors even where AVX-512
+ * would give 16-row ones (so tests can check that both agree). */
 int qmatmul_tiles(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads,
                   int allow_wide);
 

@@ -1,0 +1,142 @@
+/*
+ * The quantized matmul's register tiles for one vector width, included by matmul.c once
+ * per instruction set with these defined:
+ *   LANES     rows per vector (8: AVX2, 16: AVX-512)
+ *   VEC, IVEC float and int32 vectors of LANES lanes
+ *   TARGET    the function attribute of that instruction set
+ *   SFX       the suffix of the functions' names
+ *   TILE_MAX  the widest tile of tokens its registers hold beside two row vectors
+ *   U8, S8    LANES bytes from memory, zero- or sign-extended to int32 lanes
+ *   HALVES    LANES float16 from memory as float32 lanes (exact)
+ *   AND15, SHR4, CVT, MUL, FMA, SET1, ZERO   the lane-wise operations
+ *   STORE(p, v, n)   the first n lanes of v to p
+ * Each lane is one output row, so every (row, token) pair runs the same FMA chain at
+ * either width: the two instantiations give the same bits.
+ */
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, SFX)
+
+/*
+ * Row vectors v0 .. v0 + RV - 1 (rows v * LANES ..) x tokens t0 .. t0 + TT - 1. Each
+ * column of a block is unpacked once for the tile's rows (d * q, exact) and met by every
+ * token's broadcast value; the chain order is the one matmul.c's header gives.
+ */
+static inline __attribute__((always_inline)) TARGET void FN(tile)(const job_t *j, const int type,
+                                                                  const Py_ssize_t v0,
+                                                                  const int RV,
+                                                                  const Py_ssize_t t0,
+                                                                  const int TT) {
+    const qmat_t *w = j->w;
+    const Py_ssize_t nb = w->nb, cols = nb * QK, gb = GROUP_BYTES[type];
+    const int quants = type == Q4_1 ? 4 * GROUP_ROWS : 2 * GROUP_ROWS; /* bytes of halves */
+    const uint8_t *group[4];
+    int lane[4]; /* the vector's first row within its group */
+    for (int v = 0; v < RV; v++) {
+        const Py_ssize_t row = (v0 + v) * LANES;
+        group[v] = w->packed + (row / GROUP_ROWS) * nb * gb;
+        lane[v] = (int)(row % GROUP_ROWS);
+    }
+    VEC acc[4][TILE_MAX];
+    for (int v = 0; v < RV; v++)
+        for (int t = 0; t < TT; t++) acc[v][t] = ZERO();
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        const float *xb = j->x + t0 * cols + b * QK;
+        const uint8_t *p[4];
+        VEC d[4];
+        for (int v = 0; v < RV; v++) {
+            p[v] = group[v] + b * gb;
+            d[v] = HALVES(p[v] + 2 * lane[v]);
+        }
+        if (type == Q8_0) {
+            for (int c = 0; c < QK; c++) {
+                VEC wc[4];
+                for (int v = 0; v < RV; v++)
+                    wc[v] = MUL(d[v], CVT(S8(p[v] + quants + c * GROUP_ROWS + lane[v])));
+                for (int t = 0; t < TT; t++) {
+                    const VEC xc = SET1(xb[t * cols + c]);
+                    for (int v = 0; v < RV; v++) acc[v][t] = FMA(wc[v], xc, acc[v][t]);
+                }
+            }
+            continue;
+        }
+        for (int i = 0; i < QK / 2; i++) {
+            VEC lo[4], hi[4];
+            for (int v = 0; v < RV; v++) {
+                const IVEC z = U8(p[v] + quants + i * GROUP_ROWS + lane[v]);
+                lo[v] = MUL(d[v], CVT(AND15(z)));
+                hi[v] = MUL(d[v], CVT(SHR4(z)));
+            }
+            for (int t = 0; t < TT; t++) {
+                const VEC xl = SET1(xb[t * cols + i]), xh = SET1(xb[t * cols + QK / 2 + i]);
+                for (int v = 0; v < RV; v++) acc[v][t] = FMA(lo[v], xl, acc[v][t]);
+                for (int v = 0; v < RV; v++) acc[v][t] = FMA(hi[v], xh, acc[v][t]);
+            }
+        }
+        for (int v = 0; v < RV; v++) {
+            const VEC m = type == Q4_1 ? HALVES(p[v] + 2 * GROUP_ROWS + 2 * lane[v])
+                                       : MUL(d[v], SET1(-8.0f));
+            for (int t = 0; t < TT; t++)
+                acc[v][t] = FMA(m, SET1(j->sx[(t0 + t) * nb + b]), acc[v][t]);
+        }
+    }
+    for (int v = 0; v < RV; v++) {
+        const Py_ssize_t row = (v0 + v) * LANES;
+        const int n = w->rows - row < LANES ? (int)(w->rows - row) : LANES;
+        for (int t = 0; t < TT; t++) STORE(j->out + (t0 + t) * w->rows + row, acc[v][t], n);
+    }
+}
+
+/* Tokens in as few tiles as TILE_MAX allows, their widths as even as possible (a
+ * narrow tile is latency-bound), for RV row vectors from v. */
+static inline __attribute__((always_inline)) TARGET void FN(token_tiles)(const job_t *j,
+                                                                         const int type,
+                                                                         Py_ssize_t v,
+                                                                         const int RV) {
+    const Py_ssize_t tiles = (j->T + TILE_MAX - 1) / TILE_MAX;
+    Py_ssize_t t = 0;
+    for (Py_ssize_t i = 0; i < tiles; i++) {
+        const int width = (int)(j->T / tiles + (i < j->T % tiles));
+        switch (width) {
+#if TILE_MAX > 4
+        case 8: FN(tile)(j, type, v, RV, t, 8); break;
+        case 7: FN(tile)(j, type, v, RV, t, 7); break;
+        case 6: FN(tile)(j, type, v, RV, t, 6); break;
+        case 5: FN(tile)(j, type, v, RV, t, 5); break;
+#endif
+        case 4: FN(tile)(j, type, v, RV, t, 4); break;
+        case 3: FN(tile)(j, type, v, RV, t, 3); break;
+        case 2: FN(tile)(j, type, v, RV, t, 2); break;
+        default: FN(tile)(j, type, v, RV, t, 1); break;
+        }
+        t += width;
+    }
+}
+
+/* Row vectors [v0, v1) for every token: a lone token takes four row vectors at once
+ * (four FMA chains to hide the latency), a batch two (the tile's tokens give more). */
+static inline __attribute__((always_inline)) TARGET void FN(rows_typed)(const job_t *j,
+                                                                        const int type,
+                                                                        Py_ssize_t v0,
+                                                                        Py_ssize_t v1) {
+    Py_ssize_t v = v0;
+    if (j->T == 1) {
+        for (; v + 4 <= v1; v += 4) FN(tile)(j, type, v, 4, 0, 1);
+        for (; v < v1; v++) FN(tile)(j, type, v, 1, 0, 1);
+        return;
+    }
+    for (; v + 2 <= v1; v += 2) FN(token_tiles)(j, type, v, 2);
+    if (v < v1) FN(token_tiles)(j, type, v, 1);
+}
+
+static TARGET void FN(rows)(const job_t *j, Py_ssize_t v0, Py_ssize_t v1) {
+    switch (j->w->type) {
+    case Q4_0: FN(rows_typed)(j, Q4_0, v0, v1); break;
+    case Q4_1: FN(rows_typed)(j, Q4_1, v0, v1); break;
+    default: FN(rows_typed)(j, Q8_0, v0, v1); break;
+    }
+}
+
+#undef FN
+#undef CAT
+#undef CAT_
