@@ -81,3 +81,27 @@ def test_a_sequences_logits_are_bit_identical_alone_and_batched(
     together = _logits_in_batch(tiny, PROMPT, others, 4)
     for a, b in zip(alone, together, strict=True):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.skipif(quant.kernel_name() != "avx2", reason="the native kernels are not built")
+@pytest.mark.parametrize("chunk", [1, 3, len(PROMPT)])
+def test_a_prompt_gives_the_same_bits_in_one_chunk_in_several_or_token_by_token(
+    tiny: LocalModel, chunk: int
+) -> None:
+    """Prompt rows meet the very kernels decode rows do, so how a prompt is chunked
+    (the scheduler's choice, which depends on load) never changes a session's logits."""
+    shard = tiny.chain.shards[0]
+
+    def run(step: int) -> list[np.ndarray]:
+        kv = shard.backend.new_kv()
+        rows = []
+        for start in range(0, len(PROMPT), step):
+            part = PROMPT[start : start + step]
+            rows.append(shard.forward(np.asarray(part), [BatchEntry(kv, len(part))])[0])
+        for token in FOLLOW:
+            rows.append(shard.forward(np.asarray([token]), [BatchEntry(kv, 1)])[0])
+        return [rows[(len(PROMPT) - 1) // step], *rows[-len(FOLLOW) :]]
+
+    whole = run(len(PROMPT))
+    for a, b in zip(whole, run(chunk), strict=True):
+        assert np.array_equal(a, b)

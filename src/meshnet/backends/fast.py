@@ -3,11 +3,12 @@
 Float32 arithmetic throughout, like the reference, but every row goes through
 fixed-order code whatever else is in the batch, so a sequence's logits are
 bit-identical whether it runs alone or among 31 others (``docs/kernels.md``).
-Decode rows run each block in one native call (``native_blocks``) where the
-extension is built; prompt chunks go through BLAS on dequantized weights, on
-their own rows only; without the extension every row takes the block code
-here, with the numba kernels in ``quant``. Q/K/V and gate/up are fused into one
-matmul each when their blocks share a layout; rotary tables are computed once.
+Where the extension is built, every row (prompt or decode) runs each block in
+one native call (``native_blocks``), so how a prompt is chunked changes nothing
+either. Without it, rows take the block code here: decode rows the numba
+kernels in ``quant``, prompt chunks BLAS on dequantized weights, on their own
+rows only. Q/K/V and gate/up are fused into one matmul each when their blocks
+share a layout; rotary tables are computed once.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ F32 = np.float32
 
 @dataclass(frozen=True)
 class _Rows:
-    """How a batch's rows are multiplied: decode rows (one-row entries, and every row of an
-    entry marked ``decoded``) through the quantized kernel, each
+    """How the block code here multiplies a batch's rows (the path without the native
+    blocks): decode rows (one-row entries, and every row of an entry marked
+    ``decoded``) through the quantized kernel, each
     prompt chunk (an entry of several rows) on its own through BLAS on dequantized
     weights. Either way a sequence's rows meet the same arithmetic whatever else is in
     the batch."""
@@ -97,7 +99,8 @@ class _Fused:
 
 
 class FastBackend:
-    """Runs one shard's blocks: native decode blocks, BLAS prompt chunks, numba elsewhere."""
+    """Runs one shard's blocks: native blocks for every row where built, else numba
+    kernels for decode rows and BLAS for prompt chunks."""
 
     name = "fast"
     decodes_rows_exactly = True  # decode rows go through the row-wise quantized kernel
@@ -116,7 +119,7 @@ class FastBackend:
         self._native = NativeBlocks.of(
             spec, weights.blocks, [(f.qkv, f.gate_up) for f in self._fused]
         )
-        self.native_decode = self._native is not None  # decode rows: one native call per block
+        self.native_decode = self._native is not None  # every row: one native call per block
 
     def new_kv(self) -> SequenceKV:
         return SequenceKV(len(self.weights.layers), self.spec.n_kv_heads, self.spec.head_dim)
@@ -138,17 +141,8 @@ class FastBackend:
         cos, sin = self._cos[positions], self._sin[positions]  # [T, rope_dim / 2]
         if self._native is None:
             x = self._layers(x, cos, sin, batch)
-        else:  # decode rows one native call per block, prompt chunks as below
-            decode, prompts = _split(batch)
-            for part, native in ((decode, True), (prompts, False)):
-                if not part.entries:
-                    continue
-                xs, cs, ss = x[part.rows], cos[part.rows], sin[part.rows]
-                if native:
-                    self._native.run(xs, part.entries, cs, ss)
-                else:
-                    xs = self._layers(xs, cs, ss, part.entries)
-                x[part.rows] = xs
+        else:  # every row, prompt or decode, one native call per block
+            self._native.run(x, batch, cos, sin)
         finish_step(batch)
         return x
 
@@ -192,26 +186,6 @@ class FastBackend:
             gate = rows.matmul(h, w.w_gate, self._dense)
             gate_up = np.concatenate([gate, rows.matmul(h, w.w_up, self._dense)], axis=1)
         return x + rows.matmul(_swiglu(gate_up, s.d_ff), w.w_down, self._dense)
-
-
-@dataclass(frozen=True)
-class _Part:
-    """Some entries of a batch, and their rows in it (in order)."""
-
-    entries: list[BatchEntry]
-    rows: list[int]
-
-
-def _split(batch: Sequence[BatchEntry]) -> tuple[_Part, _Part]:
-    """The batch's decode entries (one row, or rows marked ``decoded``) and prompt chunks."""
-    decode, prompts = _Part([], []), _Part([], [])
-    row = 0
-    for e in batch:
-        part = decode if e.n_new == 1 or e.decoded else prompts
-        part.entries.append(e)
-        part.rows.extend(range(row, row + e.n_new))
-        row += e.n_new
-    return decode, prompts
 
 
 def load_fast_weights(

@@ -1,10 +1,11 @@
-"""Decode rows through the native kernels, one call per transformer block.
+"""A batch's rows through the native kernels, one call per transformer block.
 
 A decode step multiplies little per call, so Python's price for the dozen calls of
 a block (norms, projections, rotary, attention, SwiGLU, residuals) was a third of
-it. Here each block is one native call over every decode row of the batch, with
-each sequence's cache of that layer. Every decode row takes this path wherever
-it runs (alone, batched, or replayed), so the bit-identity contracts hold.
+it. Here each block is one native call over every row of the batch, prompt
+chunks and decode rows alike, with each sequence's cache of that layer. Every row
+takes this path wherever it runs (alone, batched, chunked or replayed), so the
+bit-identity contracts hold.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ Handle = object  # an opaque capsule holding one block's weights
 
 
 class NativeBlocks:
-    """Handles on a shard's blocks for the native decode path."""
+    """Handles on a shard's blocks for the native path."""
 
     def __init__(self, handles: list[Handle]) -> None:
         self._handles = handles
@@ -66,7 +67,7 @@ class NativeBlocks:
     def run(
         self, x: np.ndarray, batch: Sequence[BatchEntry], cos: np.ndarray, sin: np.ndarray
     ) -> None:
-        """Every block over x [T, d] (decode rows only, in place), cos/sin [T, rope_dim/2]."""
+        """Every block over x [T, d] (in place), cos/sin [T, rope_dim/2]."""
         native = quant.NATIVE
         assert native is not None  # handles exist only where it is built
         threads = numba.get_num_threads()

@@ -1,6 +1,6 @@
 /*
- * Decode-row attention: every decode row of a batch (rows of several sequences, each
- * with its own KV cache) in one call. Each (row, head) pair attends causally over its
+ * Attention for every row of a batch (rows of several sequences, each with its own KV
+ * cache) in one call. Each (row, head) pair attends causally over its
  * sequence's positions with one fixed sequence of operations, whatever else is in the
  * batch, how many rows its sequence sends at once or how pairs are split among
  * threads: a row's output is bit-identical alone, batched, or replayed.

@@ -1,9 +1,10 @@
 /*
- * One transformer block for decode rows, in one call: RMS norm, fused Q/K/V, rotary
- * embedding, attention over each sequence's cache, output projection, RMS norm, fused
- * gate/up, SwiGLU, down projection, both residuals. Every row goes through the same
- * operations whatever the batch, so this stays as repeatable as its parts; it exists
- * because a decode step is too small to pay Python's price for a dozen calls per block.
+ * One transformer block for a batch's rows (prompt chunks and decode rows), in one call:
+ * RMS norm, fused Q/K/V, rotary embedding, attention over each sequence's cache, output
+ * projection, RMS norm, fused gate/up, SwiGLU, down projection, both residuals. Every row
+ * goes through the same operations whatever the batch, so this stays as repeatable as
+ * its parts; it exists because a decode step is too small to pay Python's price for a
+ * dozen calls per block.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -62,8 +63,8 @@ static void add_into(float *x, const float *y, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) x[i] += y[i];
 }
 
-int decode_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, const float *sin,
-                 const seq_t *seqs, Py_ssize_t n, int threads) {
+int forward_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, const float *sin,
+                  const seq_t *seqs, Py_ssize_t n, int threads) {
     const heads_t *hs = &b->heads;
     const Py_ssize_t d = b->d, qw = (Py_ssize_t)hs->n_heads * hs->hd;
     const Py_ssize_t kw = (Py_ssize_t)hs->n_kv * hs->hd, width = qw + 2 * kw;

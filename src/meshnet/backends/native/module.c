@@ -155,7 +155,7 @@ done:
     return result;
 }
 
-/* A block's weights held for decode_block: the views keep the arrays alive. */
+/* A block's weights held for forward_block: the views keep the arrays alive. */
 #define BLOCK_VIEWS 6
 typedef struct {
     block_t b;
@@ -243,7 +243,7 @@ static PyObject *run_block(PyObject *self, PyObject *args) {
     if (read_entries(entries, T, &b->heads, &es) < 0) goto done;
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = decode_block(b, x.buf, T, cos.buf, sin.buf, es.seqs, es.n, threads);
+    status = forward_block(b, x.buf, T, cos.buf, sin.buf, es.seqs, es.n, threads);
     Py_END_ALLOW_THREADS
     result = kernel_result(status);
 done:

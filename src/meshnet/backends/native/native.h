@@ -40,7 +40,7 @@ int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threa
 int qmatmul_tiles(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads,
                   int allow_wide);
 
-/* One sequence's part of a batch of decode rows, and its cache of one layer. */
+/* One sequence's rows in a batch, and its cache of one layer. */
 typedef struct {
     float *keys, *values; /* [n_kv, capacity, hd] each */
     Py_ssize_t capacity;
@@ -58,7 +58,7 @@ typedef struct {
 int attend_rows(const heads_t *h, const float *q, const float *k, const float *v, float *out,
                 const seq_t *seqs, Py_ssize_t n, int threads);
 
-/* One transformer block's weights, for decode rows. */
+/* One transformer block's weights. */
 typedef struct {
     qmat_t qkv;     /* [q | k | v] rows */
     qmat_t wo;      /* [d, n_heads * hd] */
@@ -70,12 +70,12 @@ typedef struct {
     Py_ssize_t d, d_ff, rope_pairs; /* rope_pairs: rotated (even, odd) pairs per head */
 } block_t;
 
-/* x [T, d] += the block's attention and feed-forward output for T decode rows at the
+/* x [T, d] += the block's attention and feed-forward output for T rows at the
  * positions whose rotary tables are cos, sin [T, rope_pairs]; each sequence's new keys
  * and values are stored in its cache. -1 when out of memory: the step is then void
  * (x half updated, keys and values written past the committed positions only). */
-int decode_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, const float *sin,
-                 const seq_t *seqs, Py_ssize_t n, int threads);
+int forward_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, const float *sin,
+                  const seq_t *seqs, Py_ssize_t n, int threads);
 
 /* Adjacent-pair rotary embedding, in place, of x [T, heads, hd]: the first ``pairs``
  * (even, odd) pairs of each head turned by cos, sin [T, pairs]. */
