@@ -12,7 +12,6 @@
  * order: results do not depend on the batch size, a row's place in it, the thread split
  * or the vector width.
  */
-#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -148,19 +147,15 @@ int qmatmul_tiles(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int
                        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw");
     const int lanes = isa512 ? 16 : 8;
     const job_t j = {w, x, sx, out, T};
-    /* Threads take whole tiles of row vectors (four for a lone token, else two). */
+    /* Threads take whole tiles of row vectors (four for a lone token, else two), a few
+     * at a time as they come free: on a shared machine one core may run slower. */
     const Py_ssize_t vectors = (w->rows + lanes - 1) / lanes, unit = T == 1 ? 4 : 2;
     const Py_ssize_t units = (vectors + unit - 1) / unit;
-#pragma omp parallel num_threads(threads)
-    {
-        const Py_ssize_t n = omp_get_num_threads(), i = omp_get_thread_num();
-        const Py_ssize_t v0 = units * i / n * unit;
-        Py_ssize_t v1 = units * (i + 1) / n * unit;
-        if (v1 > vectors) v1 = vectors;
-        if (v0 < v1) {
-            if (isa512) rows_avx512(&j, v0, v1);
-            else rows_avx2(&j, v0, v1);
-        }
+#pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
+    for (Py_ssize_t u = 0; u < units; u++) {
+        const Py_ssize_t v0 = u * unit, v1 = v0 + unit < vectors ? v0 + unit : vectors;
+        if (isa512) rows_avx512(&j, v0, v1);
+        else rows_avx2(&j, v0, v1);
     }
     free(sx);
     return 0;
