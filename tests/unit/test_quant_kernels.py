@@ -1,6 +1,7 @@
-"""Every kernel path (numba always; the native kernels with AVX2 register tiles and at
-their widest where built) against dequantized math, and bit-identical for a row alone or
-anywhere in a batch; the native tile widths agree bit for bit."""
+"""Every kernel path (numba always; the native kernels with AVX2's 8-row vectors and at
+their widest, 16 rows with AVX-512, where built) against dequantized math, and
+bit-identical for a row alone or anywhere in a batch; the two native widths agree bit
+for bit."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from gguf import GGMLQuantizationType as QT
 from meshnet.backends import quant
 from meshnet.model.gguf_file import open_gguf
 
-# numba; the native kernels with AVX2 register tiles; the native kernels at their widest
+# numba; the native kernels with AVX2 vectors; the native kernels at their widest
 PATHS = ["numba", "avx2", "best"] if quant.kernel_name() == "avx2" else ["numba"]
 
 

@@ -138,7 +138,7 @@ def matmul(x: np.ndarray, w: QuantMatrix, native: bool = True, wide: bool = True
     """``x @ w.T`` for x [T, cols] float32 -> [T, rows] float32.
 
     ``native=False`` forces the numba kernels even where the AVX2 ones are built;
-    ``wide=False`` keeps the native ones to AVX2 register tiles (the same results).
+    ``wide=False`` keeps the native ones to AVX2's 8-row vectors (the same results).
     """
     x = np.ascontiguousarray(x, dtype=F32)
     out = np.empty((x.shape[0], w.rows), F32)
