@@ -11,7 +11,23 @@
 
 #include "native.h"
 
-/* q . k over hd (a multiple of 8): one 8-lane FMA chain, then the fixed horizontal sum. */
+/* Four keys' dot products with q over hd (a multiple of 8): per key one 8-lane FMA chain,
+ * then the fixed horizontal sum; four chains side by side only to hide FMA latency. */
+static inline void dot4(const float *q, const float *k, int hd, float *scores) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int c = 0; c < hd; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + c);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + c), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + hd + c), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * hd + c), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * hd + c), a3);
+    }
+    scores[0] = hsum256(a0);
+    scores[1] = hsum256(a1);
+    scores[2] = hsum256(a2);
+    scores[3] = hsum256(a3);
+}
+
 static inline float dot(const float *q, const float *k, int hd) {
     __m256 acc = _mm256_setzero_ps();
     for (int c = 0; c < hd; c += 8)
@@ -19,8 +35,34 @@ static inline float dot(const float *q, const float *k, int hd) {
     return hsum256(acc);
 }
 
+/* scores[0 .. n) <- their softmax weights: e^(s - max) in 8-lane chunks (each lane's
+ * result its own), their total summed lane j % 8 then folded, each weight e / total. */
+static void softmax(float *scores, Py_ssize_t n) {
+    float top = -INFINITY;
+    for (Py_ssize_t j = 0; j < n; j++) top = scores[j] > top ? scores[j] : top;
+    const __m256 vtop = _mm256_set1_ps(top);
+    __m256 total = _mm256_setzero_ps();
+    for (Py_ssize_t j = 0; j < n; j += 8) {
+        float lanes[8] = {0};
+        const int m = n - j < 8 ? (int)(n - j) : 8;
+        memcpy(lanes, scores + j, m * sizeof(float));
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(lanes), vtop));
+        if (m < 8) { /* lanes past the end add nothing */
+            _mm256_storeu_ps(lanes, e);
+            memset(lanes + m, 0, (8 - m) * sizeof(float));
+            e = _mm256_loadu_ps(lanes);
+        }
+        total = _mm256_add_ps(total, e);
+        _mm256_storeu_ps(lanes, e);
+        memcpy(scores + j, lanes, m * sizeof(float));
+    }
+    const float sum = hsum256(total);
+    for (Py_ssize_t j = 0; j < n; j++) scores[j] = scores[j] / sum;
+}
+
 /* Row ``i`` of sequence ``s``, head ``h``: softmax(q K^T / sqrt(hd)) V over positions
- * 0 .. first + i. ``scores`` has room for every visible position. */
+ * 0 .. first + i, each output element one FMA chain over the positions in order.
+ * ``scores`` has room for every visible position. */
 static void attend_pair(const heads_t *sh, const float *qs, float *outs, const seq_t *s,
                         Py_ssize_t i, int h, float *scores) {
     const int hd = sh->hd, kv = h / (sh->n_heads / sh->n_kv);
@@ -29,24 +71,23 @@ static void attend_pair(const heads_t *sh, const float *qs, float *outs, const s
     const float *keys = s->keys + kv * s->capacity * hd;
     const float *values = s->values + kv * s->capacity * hd;
     const float scale = 1.0f / sqrtf((float)hd);
-    float top = -INFINITY;
-    for (Py_ssize_t j = 0; j < visible; j++) {
-        scores[j] = dot(q, keys + j * hd, hd) * scale;
-        top = scores[j] > top ? scores[j] : top;
-    }
-    float total = 0.0f;
-    for (Py_ssize_t j = 0; j < visible; j++) {
-        scores[j] = expf(scores[j] - top);
-        total += scores[j];
-    }
+    Py_ssize_t j = 0;
+    for (; j + 4 <= visible; j += 4) dot4(q, keys + j * hd, hd, scores + j);
+    for (; j < visible; j++) scores[j] = dot(q, keys + j * hd, hd);
+    for (j = 0; j < visible; j++) scores[j] = scores[j] * scale;
+    softmax(scores, visible);
     float *out = outs + (row * sh->n_heads + h) * hd;
-    for (int c = 0; c < hd; c += 8) _mm256_storeu_ps(out + c, _mm256_setzero_ps());
-    for (Py_ssize_t j = 0; j < visible; j++) {
-        const __m256 p = _mm256_set1_ps(scores[j] / total);
-        const float *v = values + j * hd;
-        for (int c = 0; c < hd; c += 8)
-            _mm256_storeu_ps(out + c, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + c),
-                                                      _mm256_loadu_ps(out + c)));
+    for (int c0 = 0; c0 < hd; c0 += 64) { /* up to eight 8-lane chains in registers */
+        const int width = hd - c0 < 64 ? (hd - c0) / 8 : 8;
+        __m256 acc[8];
+        for (int k = 0; k < width; k++) acc[k] = _mm256_setzero_ps();
+        for (j = 0; j < visible; j++) {
+            const __m256 p = _mm256_set1_ps(scores[j]);
+            const float *v = values + j * hd + c0;
+            for (int k = 0; k < width; k++)
+                acc[k] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * k), acc[k]);
+        }
+        for (int k = 0; k < width; k++) _mm256_storeu_ps(out + c0 + 8 * k, acc[k]);
     }
 }
 
