@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
+from meshnet.benchmark.figures import Throughput
 from meshnet.engine.local import LocalModel
 
 # Plain English that tokenizes to far more tokens than any benchmark prompt needs.
@@ -26,12 +26,6 @@ _FILLER = (
 )
 
 
-@dataclass(frozen=True)
-class EngineFigures:
-    prefill_tok_s: float  # one prompt of ``prompt_tokens`` tokens, best of several runs
-    decode_tok_s: dict[int, float]  # batch size -> aggregate decode tokens/s, best of several
-
-
 def bench_prompt(model: LocalModel, n_tokens: int, offset: int = 0) -> list[int]:
     """``n_tokens`` ids of filler text, starting ``offset`` tokens in."""
     ids = model.tokenizer.encode(_FILLER * (1 + (n_tokens + offset) // 60))
@@ -43,26 +37,26 @@ def bench_engine(
     prompt_tokens: int = 100,
     decode_tokens: int = 32,
     batches: Sequence[int] = (1, 8, 32),
-    repeats: int = 3,
-) -> EngineFigures:
-    """Measure prefill and decode throughput of ``model``'s chain."""
-    return EngineFigures(
-        prefill_tok_s=_prefill(model, prompt_tokens, repeats),
-        decode_tok_s={
-            b: max(_decode(model, b, decode_tokens) for _ in range(repeats)) for b in batches
-        },
+) -> Throughput:
+    """One round: prefill and decode throughput of ``model``'s chain."""
+    return Throughput(
+        prefill_tok_s=_prefill(model, prompt_tokens),
+        decode_tok_s={b: _decode(model, b, decode_tokens) for b in batches},
     )
 
 
-def _prefill(model: LocalModel, n_tokens: int, repeats: int) -> float:
+def warm_up(model: LocalModel) -> None:
+    """Pay first-use costs (compiling, repacking the output head) outside any round."""
+    _prefill(model, 8)
+    _decode(model, 2, 2)
+
+
+def _prefill(model: LocalModel, n_tokens: int) -> float:
     ids = np.asarray(bench_prompt(model, n_tokens), dtype=np.int64)
-    best = float("inf")
-    for _ in range(repeats):
-        kv = model.chain.new_sequence()
-        t0 = time.perf_counter()
-        model.chain.forward(ids, [kv], [len(ids)])
-        best = min(best, time.perf_counter() - t0)
-    return n_tokens / best
+    kv = model.chain.new_sequence()
+    t0 = time.perf_counter()
+    model.chain.forward(ids, [kv], [len(ids)])
+    return n_tokens / (time.perf_counter() - t0)
 
 
 def _decode(model: LocalModel, batch: int, steps: int) -> float:

@@ -3,8 +3,7 @@
 The binaries come from ``bench/build_llamacpp.sh`` (built outside the repo).
 ``llama-bench`` gives prefill and batch-1 decode; ``llama-batched-bench``
 gives aggregate decode of B parallel sequences, as ``llama-server -np B`` runs
-them. Each figure is the fastest of three runs, as on our side: on a shared
-machine the slow runs measure the neighbours.
+them. One call is one round; ``meshnet bench`` alternates rounds with ours.
 """
 
 from __future__ import annotations
@@ -13,19 +12,12 @@ import json
 import os
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from meshnet.benchmark.figures import Throughput
 
 DEFAULT_HOME = Path.home() / ".cache" / "meshnet" / "llama.cpp"
 _TIMEOUT_S = 900
-_REPEATS = 3
-
-
-@dataclass(frozen=True)
-class PeerFigures:
-    prefill_tok_s: float
-    decode_tok_s: dict[int, float]  # batch size -> aggregate decode tokens per second
 
 
 def find_llamacpp(bin_dir: str | None = None) -> Path | None:
@@ -47,8 +39,8 @@ def bench_llamacpp(
     decode_tokens: int,
     batches: Sequence[int],
     threads: int,
-) -> PeerFigures:
-    """Run llama.cpp's own benchmarks on ``model`` with ``threads`` threads."""
+) -> Throughput:
+    """One round of llama.cpp's own benchmarks on ``model`` with ``threads`` threads."""
     rows = json.loads(
         _run(
             [
@@ -62,16 +54,16 @@ def bench_llamacpp(
                 "-n",
                 str(decode_tokens),
                 "-r",
-                str(_REPEATS),
+                "1",
                 "-o",
                 "json",
             ]
         )
     )
-    prefill = next(_best(r) for r in rows if r["n_prompt"] and not r["n_gen"])
-    decode = {1: next(_best(r) for r in rows if r["n_gen"] and not r["n_prompt"])}
+    prefill = next(float(r["avg_ts"]) for r in rows if r["n_prompt"] and not r["n_gen"])
+    decode = {1: next(float(r["avg_ts"]) for r in rows if r["n_gen"] and not r["n_prompt"])}
     parallel = [b for b in batches if b > 1]
-    for _ in range(_REPEATS if parallel else 0):
+    if parallel:
         out = _run(
             [
                 str(bin_dir / "llama-batched-bench"),
@@ -94,14 +86,8 @@ def bench_llamacpp(
         for line in out.splitlines():
             if line.startswith("{") and '"speed_tg"' in line:
                 row = json.loads(line)
-                pl = int(row["pl"])
-                decode[pl] = max(decode.get(pl, 0.0), float(row["speed_tg"]))
-    return PeerFigures(float(prefill), decode)
-
-
-def _best(row: dict[str, Any]) -> float:
-    """The fastest repetition of a llama-bench row (its mean where samples are missing)."""
-    return float(max(row.get("samples_ts") or [row["avg_ts"]]))
+                decode[int(row["pl"])] = float(row["speed_tg"])
+    return Throughput(prefill, decode)
 
 
 def _run(argv: list[str]) -> str:

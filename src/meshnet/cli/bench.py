@@ -1,4 +1,9 @@
-"""``meshnet bench``: engine throughput against llama.cpp, measured in the same run."""
+"""``meshnet bench``: engine throughput against llama.cpp, measured in the same run.
+
+The two sides take turns, one round each at a time, and each figure is the
+fastest of its rounds: on a shared machine the neighbours' load drifts, and
+alternating gives both sides the same drift to live with.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,9 @@ from typing import Any
 
 from meshnet.backends.fast import set_threads
 from meshnet.backends.quant import kernel_name
-from meshnet.benchmark.engine import bench_engine
-from meshnet.benchmark.llamacpp import PeerFigures, bench_llamacpp, find_llamacpp
+from meshnet.benchmark.engine import bench_engine, warm_up
+from meshnet.benchmark.figures import Throughput
+from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp
 from meshnet.engine.local import load_local_model
 from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 
@@ -22,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
     p.add_argument("--threads", type=int, default=2, help="threads for both sides")
+    p.add_argument("--rounds", type=_positive, default=3, help="rounds per side, taken in turns")
     p.add_argument("--llamacpp", help="directory with llama-bench (default: found or skipped)")
     p.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     p.add_argument("--json", action="store_true")
@@ -32,13 +39,25 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
     set_threads(args.threads)
     model = load_local_model(args.model, backend=args.backend)
-    ours = bench_engine(model, args.prompt_tokens, args.decode_tokens, batches)
-    peer: PeerFigures | None = None
     bin_dir = None if args.no_peer else find_llamacpp(args.llamacpp)
-    if bin_dir is not None:
-        peer = bench_llamacpp(
-            bin_dir, model.file.path, args.prompt_tokens, args.decode_tokens, batches, args.threads
-        )
+    warm_up(model)
+    our_rounds: list[Throughput] = []
+    peer_rounds: list[Throughput] = []
+    for _ in range(args.rounds):
+        our_rounds.append(bench_engine(model, args.prompt_tokens, args.decode_tokens, batches))
+        if bin_dir is not None:
+            peer_rounds.append(
+                bench_llamacpp(
+                    bin_dir,
+                    model.file.path,
+                    args.prompt_tokens,
+                    args.decode_tokens,
+                    batches,
+                    args.threads,
+                )
+            )
+    ours = Throughput.best(our_rounds)
+    peer = Throughput.best(peer_rounds) if peer_rounds else None
     rows = _rows(args.prompt_tokens, ours.prefill_tok_s, ours.decode_tok_s, peer)
     backend = args.backend + (f" ({kernel_name()} kernels)" if args.backend == "fast" else "")
     if args.json:
@@ -55,8 +74,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _rows(
-    prompt_tokens: int, prefill: float, decode: dict[int, float], peer: PeerFigures | None
+    prompt_tokens: int, prefill: float, decode: dict[int, float], peer: Throughput | None
 ) -> list[dict[str, Any]]:
     figures = [(f"prefill {prompt_tokens} tok/s", prefill, peer.prefill_tok_s if peer else None)]
     for b, v in decode.items():
