@@ -44,7 +44,7 @@ class NativeBlocks:
         handles: list[Handle] = []
         for w, (qkv, gate_up) in zip(blocks, fused, strict=True):
             mats = (qkv, w.wo, gate_up, w.w_down)
-            if any(m is None or m.raw is None for m in mats):
+            if any(m is None or m.kind == "f32" for m in mats):
                 return None
             try:
                 handle = native.block(

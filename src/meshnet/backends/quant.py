@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import gguf
 import numba
@@ -41,96 +42,96 @@ def kernel_name() -> str:
     return "avx2" if NATIVE is not None else "numba"
 
 
+class Split(NamedTuple):
+    """A matrix as the numba kernels and row gathers read it."""
+
+    qs: np.ndarray  # quants (q4: uint8 [rows, cols / 2], q8: int8 [rows, cols]) or f32 weights
+    d: np.ndarray  # float32 [rows, nb] block scales (empty for f32)
+    m: np.ndarray  # float32 [rows, nb] block offsets (q4 only; Q4_0: -8 d)
+
+
 @dataclass(frozen=True)
 class QuantMatrix:
-    """A [rows, cols] weight matrix in one of the kernel layouts."""
+    """A [rows, cols] weight matrix: GGUF blocks (q4, q8) or float32 weights (f32).
+
+    The kernels' layouts are made from ``raw`` on first use, each once: ``packed``
+    for the native kernels, ``split`` for the numba ones and row gathers. A matrix
+    only the native kernels multiply never holds the other copy.
+    """
 
     kind: str  # "q4", "q8" or "f32"
     rows: int
     cols: int
-    qs: np.ndarray  # packed quants (q4: uint8, q8: int8) or float32 weights (f32)
-    d: np.ndarray  # float32 [rows, nb] block scales (empty for f32)
-    m: np.ndarray  # float32 [rows, nb] block offsets (q4 only)
-    raw: np.ndarray | None = None  # the GGUF's own blocks (uint8 [rows, bytes])
-    raw_type: int = -1  # _RAW_TYPES code of ``raw``
+    raw: np.ndarray  # q4/q8: the GGUF's own blocks (uint8 [rows, bytes]); f32: the weights
+    raw_type: int = -1  # _RAW_TYPES code of ``raw`` (q4, q8)
 
     @cached_property
     def packed(self) -> np.ndarray:
-        """``raw`` in the native kernels' row-group layout (made on first use)."""
-        if self.raw is None:
-            raise ValueError("only matrices in their GGUF blocks have native kernels")
+        """``raw`` in the native kernels' row-group layout."""
+        if self.kind == "f32":
+            raise ValueError("only matrices in GGUF blocks have native kernels")
         return pack_groups(self.raw, self.rows, self.cols // QK, self.raw_type)
+
+    @cached_property
+    def split(self) -> Split:
+        """``raw`` as quants, float32 scales and offsets."""
+        empty = np.empty((0, 0), F32)
+        if self.kind == "f32":
+            return Split(self.raw, empty, empty)
+        nb = self.cols // QK
+        blocks = np.asarray(self.raw, np.uint8).reshape(self.rows, nb, _BLOCK_BYTES[self.raw_type])
+        d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(F32)
+        if self.kind == "q8":
+            qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(self.rows, -1)
+            return Split(qs, d, empty)
+        if self.raw_type == _RAW_TYPES[QT.Q4_1]:
+            m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(F32)
+        else:
+            m = (d * F32(-8.0)).astype(F32)
+        qs = np.ascontiguousarray(blocks[:, :, -16:]).reshape(self.rows, -1)
+        return Split(qs, d, m)
 
 
 def from_gguf(t: gguf.ReaderTensor, shape: tuple[int, int]) -> QuantMatrix:
-    """A GGUF 2-D tensor for the kernels: its own blocks (which the native kernels take
-    in row groups) and a repacked copy of them (for the numba kernels and row gathers);
-    other types are dequantized."""
+    """A GGUF 2-D tensor for the kernels: Q4_0, Q4_1 and Q8_0 kept in their own blocks,
+    other types dequantized."""
     rows, cols = shape
     raw = np.asarray(t.data)
     qtype = QT(t.tensor_type)
-    if qtype in (QT.Q4_0, QT.Q4_1) and cols % QK == 0:
-        size = 18 if qtype == QT.Q4_0 else 20
-        blocks = raw.reshape(rows, cols // QK, size)
-        d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(F32)
-        if qtype == QT.Q4_1:
-            m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(F32)
-        else:
-            m = (d * F32(-8.0)).astype(F32)
-        qs = np.ascontiguousarray(blocks[:, :, size - 16 :]).reshape(rows, cols // 2)
-        return QuantMatrix(
-            "q4",
-            rows,
-            cols,
-            qs,
-            np.ascontiguousarray(d),
-            np.ascontiguousarray(m),
-            raw,
-            _RAW_TYPES[qtype],
-        )
-    if qtype == QT.Q8_0 and cols % QK == 0:
-        blocks = raw.reshape(rows, cols // QK, 34)
-        d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(F32)
-        qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, cols)
-        empty = np.empty((0, 0), F32)
-        return QuantMatrix(
-            "q8", rows, cols, qs, np.ascontiguousarray(d), empty, raw, _RAW_TYPES[qtype]
-        )
+    if qtype in _RAW_TYPES and cols % QK == 0:
+        kind = "q8" if qtype == QT.Q8_0 else "q4"
+        return QuantMatrix(kind, rows, cols, raw.reshape(rows, -1), _RAW_TYPES[qtype])
     w = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=F32).reshape(rows, cols)
-    empty = np.empty((0, 0), F32)
-    return QuantMatrix("f32", rows, cols, np.ascontiguousarray(w), empty, empty)
+    return QuantMatrix("f32", rows, cols, np.ascontiguousarray(w))
 
 
 def stack_rows(parts: list[QuantMatrix]) -> QuantMatrix:
-    """One matrix of the parts' rows in order (fused Q/K/V or gate/up); same kind and cols."""
-    kinds = {p.kind for p in parts}
-    cols = {p.cols for p in parts}
-    if len(kinds) != 1 or len(cols) != 1:
-        raise ValueError("only matrices of one kind and width can be fused")
-    same_raw = all(p.raw is not None and p.raw_type == parts[0].raw_type for p in parts)
+    """One matrix of the parts' rows in order (fused Q/K/V or gate/up): one kind, block
+    type and width."""
+    if len({(p.kind, p.raw_type, p.cols) for p in parts}) != 1:
+        raise ValueError("only matrices of one kind, block type and width can be fused")
+    first = parts[0]
     return QuantMatrix(
-        parts[0].kind,
+        first.kind,
         sum(p.rows for p in parts),
-        parts[0].cols,
-        np.concatenate([p.qs for p in parts]),
-        np.concatenate([p.d for p in parts]) if parts[0].d.size else parts[0].d,
-        np.concatenate([p.m for p in parts]) if parts[0].m.size else parts[0].m,
-        np.concatenate([p.raw for p in parts if p.raw is not None]) if same_raw else None,
-        parts[0].raw_type if same_raw else -1,
+        first.cols,
+        np.concatenate([p.raw for p in parts]),
+        first.raw_type,
     )
 
 
 def dequantize_all(w: QuantMatrix) -> np.ndarray:
     """The whole matrix as float32 [rows, cols] (for many-row matmuls through BLAS)."""
     if w.kind == "f32":
-        return w.qs
+        return w.raw
     return dequantize_rows(w, np.arange(w.rows, dtype=np.int64))
 
 
 def dequantize_rows(w: QuantMatrix, ids: np.ndarray) -> np.ndarray:
     """Float32 rows ``ids`` of ``w`` (the embedding lookup): [len(ids), cols]."""
     out = np.empty((len(ids), w.cols), F32)
-    _gather(w.kind, w.qs, w.d, w.m, np.ascontiguousarray(ids, dtype=np.int64), out)
+    qs, d, m = w.split
+    _gather(w.kind, qs, d, m, np.ascontiguousarray(ids, dtype=np.int64), out)
     return out
 
 
@@ -142,16 +143,18 @@ def matmul(x: np.ndarray, w: QuantMatrix, native: bool = True, wide: bool = True
     """
     x = np.ascontiguousarray(x, dtype=F32)
     out = np.empty((x.shape[0], w.rows), F32)
-    if native and NATIVE is not None and w.raw is not None:
+    if native and NATIVE is not None and w.kind != "f32":
         packed, rows, nb, kind = native_args(w)
         threads = numba.get_num_threads()
         NATIVE.matmul(packed, x, out, rows, nb, x.shape[0], kind, threads, wide)
-    elif w.kind == "q4":
-        _matmul_q4(w.qs, w.d, w.m, x, _block_sums(x), out)
+        return out
+    qs, d, m = w.split
+    if w.kind == "q4":
+        _matmul_q4(qs, d, m, x, _block_sums(x), out)
     elif w.kind == "q8":
-        _matmul_q8(w.qs, w.d, x, out)
+        _matmul_q8(qs, d, x, out)
     else:
-        _matmul_f32(w.qs, x, out)
+        _matmul_f32(qs, x, out)
     return out
 
 
