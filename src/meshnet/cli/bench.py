@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
     p.add_argument("--threads", type=int, default=2, help="threads for both sides")
-    p.add_argument("--rounds", type=_positive, default=3, help="rounds per side, taken in turns")
+    p.add_argument("--rounds", type=_positive, default=5, help="rounds per side, taken in turns")
     p.add_argument("--llamacpp", help="directory with llama-bench (default: found or skipped)")
     p.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     p.add_argument("--json", action="store_true")
