@@ -33,7 +33,7 @@ typedef struct {
 
 #define WIDE __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq,avx512bw")))
 
-/* AVX2: eight rows per vector, 16 registers. */
+/* AVX2: eight rows per vector, 16 registers: tiles of two row vectors x 4 tokens. */
 static inline void store8(float *p, __m256 v, int n) {
     if (n == 8) {
         _mm256_storeu_ps(p, v);
@@ -49,6 +49,7 @@ static inline void store8(float *p, __m256 v, int n) {
 #define TARGET
 #define SFX _avx2
 #define TILE_MAX 4
+#define BATCH_RV 2
 #define U8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define S8(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define HALVES(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
@@ -67,6 +68,7 @@ static inline void store8(float *p, __m256 v, int n) {
 #undef TARGET
 #undef SFX
 #undef TILE_MAX
+#undef BATCH_RV
 #undef U8
 #undef S8
 #undef HALVES
@@ -79,7 +81,8 @@ static inline void store8(float *p, __m256 v, int n) {
 #undef ZERO
 #undef STORE
 
-/* AVX-512: sixteen rows per vector (a whole group), 32 registers. */
+/* AVX-512: sixteen rows per vector (a whole group), 32 registers: batches take tiles
+ * of one row vector x up to 16 tokens (fewer unpacked weights per FMA). */
 static inline WIDE void store16(float *p, __m512 v, int n) {
     _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v);
 }
@@ -88,7 +91,8 @@ static inline WIDE void store16(float *p, __m512 v, int n) {
 #define IVEC __m512i
 #define TARGET WIDE
 #define SFX _avx512
-#define TILE_MAX 8
+#define TILE_MAX 16 /* one row vector x 16 tokens: 10% faster than 2 x 8 */
+#define BATCH_RV 1
 #define U8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define S8(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
@@ -107,6 +111,7 @@ static inline WIDE void store16(float *p, __m512 v, int n) {
 #undef TARGET
 #undef SFX
 #undef TILE_MAX
+#undef BATCH_RV
 #undef U8
 #undef S8
 #undef HALVES

@@ -5,7 +5,8 @@
  *   VEC, IVEC float and int32 vectors of LANES lanes
  *   TARGET    the function attribute of that instruction set
  *   SFX       the suffix of the functions' names
- *   TILE_MAX  the widest tile of tokens its registers hold beside two row vectors
+ *   TILE_MAX  the widest tile of tokens its registers hold
+ *   BATCH_RV  row vectors per tile for batches of four tokens or more (1 or 2)
  *   U8, S8    LANES bytes from memory, zero- or sign-extended to int32 lanes
  *   HALVES    LANES float16 from memory as float32 lanes (exact)
  *   AND15, SHR4, CVT, MUL, FMA, SET1, ZERO   the lane-wise operations
@@ -98,6 +99,16 @@ static inline __attribute__((always_inline)) TARGET void FN(token_tiles)(const j
     for (Py_ssize_t i = 0; i < tiles; i++) {
         const int width = (int)(j->T / tiles + (i < j->T % tiles));
         switch (width) {
+#if TILE_MAX > 8
+        case 16: FN(tile)(j, type, v, RV, t, 16); break;
+        case 15: FN(tile)(j, type, v, RV, t, 15); break;
+        case 14: FN(tile)(j, type, v, RV, t, 14); break;
+        case 13: FN(tile)(j, type, v, RV, t, 13); break;
+        case 12: FN(tile)(j, type, v, RV, t, 12); break;
+        case 11: FN(tile)(j, type, v, RV, t, 11); break;
+        case 10: FN(tile)(j, type, v, RV, t, 10); break;
+        case 9: FN(tile)(j, type, v, RV, t, 9); break;
+#endif
 #if TILE_MAX > 4
         case 8: FN(tile)(j, type, v, RV, t, 8); break;
         case 7: FN(tile)(j, type, v, RV, t, 7); break;
@@ -114,7 +125,8 @@ static inline __attribute__((always_inline)) TARGET void FN(token_tiles)(const j
 }
 
 /* Row vectors [v0, v1) for every token: a lone token takes four row vectors at once
- * (four FMA chains to hide the latency), a batch two (the tile's tokens give more). */
+ * (four FMA chains to hide the latency), two or three tokens two, larger batches
+ * BATCH_RV (their tiles of tokens give chains enough). */
 static inline __attribute__((always_inline)) TARGET void FN(rows_typed)(const job_t *j,
                                                                         const int type,
                                                                         Py_ssize_t v0,
@@ -123,6 +135,10 @@ static inline __attribute__((always_inline)) TARGET void FN(rows_typed)(const jo
     if (j->T == 1) {
         for (; v + 4 <= v1; v += 4) FN(tile)(j, type, v, 4, 0, 1);
         for (; v < v1; v++) FN(tile)(j, type, v, 1, 0, 1);
+        return;
+    }
+    if (BATCH_RV == 1 && j->T >= 4) {
+        for (; v < v1; v++) FN(token_tiles)(j, type, v, 1);
         return;
     }
     for (; v + 2 <= v1; v += 2) FN(token_tiles)(j, type, v, 2);
