@@ -20,8 +20,8 @@
 
 /*
  * Row vectors v0 .. v0 + RV - 1 (rows v * LANES ..) x tokens t0 .. t0 + TT - 1. Each
- * column of a block is unpacked once for the tile's rows (d * q, exact) and met by every
- * token's broadcast value; the chain order is the one matmul.c's header gives.
+ * column of a block is unpacked once for the tile's rows (the integer quants as floats)
+ * and met by every token's broadcast value; the order is the one matmul.c's header gives.
  */
 static inline __attribute__((always_inline)) TARGET void FN(tile)(const job_t *j, const int type,
                                                                   const Py_ssize_t v0,
@@ -44,39 +44,42 @@ static inline __attribute__((always_inline)) TARGET void FN(tile)(const job_t *j
     for (Py_ssize_t b = 0; b < nb; b++) {
         const float *xb = j->x + t0 * cols + b * QK;
         const uint8_t *p[4];
-        VEC d[4];
+        VEC s[4][TILE_MAX]; /* the block's sum of q * x per (row, token) */
         for (int v = 0; v < RV; v++) {
             p[v] = group[v] + b * gb;
-            d[v] = HALVES(p[v] + 2 * lane[v]);
+            for (int t = 0; t < TT; t++) s[v][t] = ZERO();
         }
         if (type == Q8_0) {
             for (int c = 0; c < QK; c++) {
                 VEC wc[4];
                 for (int v = 0; v < RV; v++)
-                    wc[v] = MUL(d[v], CVT(S8(p[v] + quants + c * GROUP_ROWS + lane[v])));
+                    wc[v] = CVT(S8(p[v] + quants + c * GROUP_ROWS + lane[v]));
                 for (int t = 0; t < TT; t++) {
                     const VEC xc = SET1(xb[t * cols + c]);
-                    for (int v = 0; v < RV; v++) acc[v][t] = FMA(wc[v], xc, acc[v][t]);
+                    for (int v = 0; v < RV; v++) s[v][t] = FMA(wc[v], xc, s[v][t]);
                 }
             }
-            continue;
-        }
-        for (int i = 0; i < QK / 2; i++) {
-            VEC lo[4], hi[4];
-            for (int v = 0; v < RV; v++) {
-                const IVEC z = U8(p[v] + quants + i * GROUP_ROWS + lane[v]);
-                lo[v] = MUL(d[v], CVT(AND15(z)));
-                hi[v] = MUL(d[v], CVT(SHR4(z)));
-            }
-            for (int t = 0; t < TT; t++) {
-                const VEC xl = SET1(xb[t * cols + i]), xh = SET1(xb[t * cols + QK / 2 + i]);
-                for (int v = 0; v < RV; v++) acc[v][t] = FMA(lo[v], xl, acc[v][t]);
-                for (int v = 0; v < RV; v++) acc[v][t] = FMA(hi[v], xh, acc[v][t]);
+        } else {
+            for (int i = 0; i < QK / 2; i++) {
+                VEC lo[4], hi[4];
+                for (int v = 0; v < RV; v++) {
+                    const IVEC z = U8(p[v] + quants + i * GROUP_ROWS + lane[v]);
+                    lo[v] = CVT(AND15(z));
+                    hi[v] = CVT(SHR4(z));
+                }
+                for (int t = 0; t < TT; t++) {
+                    const VEC xl = SET1(xb[t * cols + i]), xh = SET1(xb[t * cols + QK / 2 + i]);
+                    for (int v = 0; v < RV; v++) s[v][t] = FMA(lo[v], xl, s[v][t]);
+                    for (int v = 0; v < RV; v++) s[v][t] = FMA(hi[v], xh, s[v][t]);
+                }
             }
         }
         for (int v = 0; v < RV; v++) {
+            const VEC d = HALVES(p[v] + 2 * lane[v]);
+            for (int t = 0; t < TT; t++) acc[v][t] = FMA(d, s[v][t], acc[v][t]);
+            if (type == Q8_0) continue;
             const VEC m = type == Q4_1 ? HALVES(p[v] + 2 * GROUP_ROWS + 2 * lane[v])
-                                       : MUL(d[v], SET1(-8.0f));
+                                       : MUL(d, SET1(-8.0f));
             for (int t = 0; t < TT; t++)
                 acc[v][t] = FMA(m, SET1(j->sx[(t0 + t) * nb + b]), acc[v][t]);
         }
@@ -99,17 +102,16 @@ static inline __attribute__((always_inline)) TARGET void FN(token_tiles)(const j
     for (Py_ssize_t i = 0; i < tiles; i++) {
         const int width = (int)(j->T / tiles + (i < j->T % tiles));
         switch (width) {
-#if TILE_MAX > 8
-        case 16: FN(tile)(j, type, v, RV, t, 16); break;
-        case 15: FN(tile)(j, type, v, RV, t, 15); break;
-        case 14: FN(tile)(j, type, v, RV, t, 14); break;
-        case 13: FN(tile)(j, type, v, RV, t, 13); break;
+#if TILE_MAX != 4 && TILE_MAX != 8 && TILE_MAX != 12
+#error "TILE_MAX must be 4, 8 or 12: the cases below cover exactly those"
+#endif
+#if TILE_MAX >= 12
         case 12: FN(tile)(j, type, v, RV, t, 12); break;
         case 11: FN(tile)(j, type, v, RV, t, 11); break;
         case 10: FN(tile)(j, type, v, RV, t, 10); break;
         case 9: FN(tile)(j, type, v, RV, t, 9); break;
 #endif
-#if TILE_MAX > 4
+#if TILE_MAX >= 8
         case 8: FN(tile)(j, type, v, RV, t, 8); break;
         case 7: FN(tile)(j, type, v, RV, t, 7); break;
         case 6: FN(tile)(j, type, v, RV, t, 6); break;
