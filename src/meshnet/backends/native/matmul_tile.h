@@ -48,6 +48,9 @@ static inline __attribute__((always_inline)) TARGET void FN(tile)(const job_t *j
         for (int v = 0; v < RV; v++) {
             p[v] = group[v] + b * gb;
             for (int t = 0; t < TT; t++) s[v][t] = ZERO();
+            if (TT >= 2) /* see PREFETCH_BLOCKS */
+                for (Py_ssize_t line = 0; line < gb; line += 64)
+                    _mm_prefetch((const char *)p[v] + PREFETCH_BLOCKS * gb + line, _MM_HINT_T0);
         }
         if (type == Q8_0) {
             for (int c = 0; c < QK; c++) {
