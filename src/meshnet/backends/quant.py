@@ -1,11 +1,14 @@
-"""Matrices kept in their GGUF quantized blocks, and numba kernels that multiply from them.
+"""Matrices kept in their GGUF quantized blocks, and the kernels that multiply from them.
 
 A decode step reads ~4.5 bits per weight instead of 32. Every output element
 ``y[t, r] = W[r] . x[t]`` is computed by the same loop, in the same order,
 whatever the number of rows ``t`` in the batch or how rows ``r`` are split
 among threads, so a sequence's results are bit-identical alone or batched.
+The native kernels (``NATIVE``, built by ``pip install`` where it can) read
+``QuantMatrix.packed``, the row groups of ``native/native.h``; the numba kernels
+here, their fallback, read ``QuantMatrix.split``:
 
-Layouts (per matrix row, ``nb = cols / 32`` blocks of 32 weights):
+Split layouts (per matrix row, ``nb = cols / 32`` blocks of 32 weights):
 - 4-bit (Q4_0, Q4_1): ``qs`` uint8 [rows, nb * 16], weight ``i < 16`` of a block
   in the low nibble of byte ``i``, weight ``16 + i`` in its high nibble;
   ``w = d * q + m`` with ``m = -8 d`` for Q4_0.

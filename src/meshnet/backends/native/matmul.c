@@ -19,9 +19,9 @@
 #include "native.h"
 
 const Py_ssize_t GROUP_BYTES[3] = {
-    2 * GROUP_ROWS + 16 * GROUP_ROWS,              /* Q4_0: d, 16 byte columns */
-    4 * GROUP_ROWS + 16 * GROUP_ROWS,              /* Q4_1: d, m, 16 byte columns */
-    2 * GROUP_ROWS + 32 * GROUP_ROWS,              /* Q8_0: d, 32 byte columns */
+    2 * GROUP_ROWS + 16 * GROUP_ROWS, /* Q4_0: d, 16 byte columns */
+    4 * GROUP_ROWS + 16 * GROUP_ROWS, /* Q4_1: d, m, 16 byte columns */
+    2 * GROUP_ROWS + 32 * GROUP_ROWS, /* Q8_0: d, 32 byte columns */
 };
 
 typedef struct {
