@@ -68,24 +68,6 @@ static inline void store8(float *p, __m256 v, int n) {
 #define ZERO _mm256_setzero_ps
 #define STORE store8
 #include "matmul_tile.h"
-#undef LANES
-#undef VEC
-#undef IVEC
-#undef TARGET
-#undef SFX
-#undef TILE_MAX
-#undef BATCH_RV
-#undef U8
-#undef S8
-#undef HALVES
-#undef AND15
-#undef SHR4
-#undef CVT
-#undef MUL
-#undef FMA
-#undef SET1
-#undef ZERO
-#undef STORE
 
 /* AVX-512: sixteen rows per vector (a whole group), 32 registers: batches take tiles
  * of one row vector x up to 12 tokens (fewer unpacked columns per FMA than 2 x 6). */
@@ -111,24 +93,6 @@ static inline WIDE void store16(float *p, __m512 v, int n) {
 #define ZERO _mm512_setzero_ps
 #define STORE store16
 #include "matmul_tile.h"
-#undef LANES
-#undef VEC
-#undef IVEC
-#undef TARGET
-#undef SFX
-#undef TILE_MAX
-#undef BATCH_RV
-#undef U8
-#undef S8
-#undef HALVES
-#undef AND15
-#undef SHR4
-#undef CVT
-#undef MUL
-#undef FMA
-#undef SET1
-#undef ZERO
-#undef STORE
 
 /* Per token, the sums of x over each block, in order (the 4-bit offsets multiply them). */
 static void block_sums(const float *x, Py_ssize_t T, Py_ssize_t nb, float *sx) {

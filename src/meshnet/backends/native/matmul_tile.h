@@ -12,7 +12,8 @@
  *   AND15, SHR4, CVT, MUL, FMA, SET1, ZERO   the lane-wise operations
  *   STORE(p, v, n)   the first n lanes of v to p
  * Each lane is one output row, so every (row, token) pair runs the same FMA chain at
- * either width: the two instantiations give the same bits.
+ * either width: the two instantiations give the same bits. The header undefines these
+ * at its end, ready for the next instantiation.
  */
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
@@ -161,3 +162,21 @@ static TARGET void FN(rows)(const job_t *j, Py_ssize_t v0, Py_ssize_t v1) {
 #undef FN
 #undef CAT
 #undef CAT_
+#undef LANES
+#undef VEC
+#undef IVEC
+#undef TARGET
+#undef SFX
+#undef TILE_MAX
+#undef BATCH_RV
+#undef U8
+#undef S8
+#undef HALVES
+#undef AND15
+#undef SHR4
+#undef CVT
+#undef MUL
+#undef FMA
+#undef SET1
+#undef ZERO
+#undef STORE
