@@ -1,4 +1,4 @@
-"""The native decode block: the same math as the Python block path, and calls that do
+"""The native block (every row of a batch): the same math as the Python block path, and calls that do
 not fit refused with ValueError before anything is written."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ native = pytest.importorskip("meshnet.backends._native")
 def backend(request, tiny_factory) -> FastBackend:  # type: ignore[no-untyped-def]
     path: Path = tiny_factory(f"blk{request.param.name}.gguf", matrix_type=request.param)
     b = load_local_model(path, backend="fast").chain.shards[0].backend
-    assert isinstance(b, FastBackend) and b.native_decode
+    assert isinstance(b, FastBackend) and b.runs_native_blocks
     return b
 
 

@@ -119,7 +119,7 @@ class FastBackend:
         self._native = NativeBlocks.of(
             spec, weights.blocks, [(f.qkv, f.gate_up) for f in self._fused]
         )
-        self.native_decode = self._native is not None  # every row: one native call per block
+        self.runs_native_blocks = self._native is not None  # every row: one native call per block
 
     def new_kv(self) -> SequenceKV:
         return SequenceKV(len(self.weights.layers), self.spec.n_kv_heads, self.spec.head_dim)
