@@ -1,5 +1,5 @@
-"""The native block (every row of a batch): the same math as the Python block path, and calls that do
-not fit refused with ValueError before anything is written."""
+"""The native block (every row of a batch): the same math as the Python block path, and
+calls that do not fit refused with ValueError before anything is written."""
 
 from __future__ import annotations
 
