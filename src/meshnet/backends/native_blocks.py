@@ -37,7 +37,7 @@ class NativeBlocks:
         fused: Sequence[tuple[QuantMatrix | None, QuantMatrix | None]],
     ) -> NativeBlocks | None:
         """Handles for every block, or None where the kernels are not built or a block
-        is not in the layouts they read (then every decode row takes the other path)."""
+        is not in the layouts they read (then every row takes the other path)."""
         native = quant.NATIVE
         if native is None or not blocks:
             return None

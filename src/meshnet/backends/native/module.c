@@ -47,7 +47,7 @@ done:
     return result;
 }
 
-/* The decode rows' sequences: (keys, values, first, count, row) each, keys and values
+/* The batch's sequences: (keys, values, first, count, row) each, keys and values
  * [n_kv, capacity, hd] float32. Holds 2 n views on success (release them), none on error. */
 typedef struct {
     seq_t *seqs;
@@ -315,7 +315,7 @@ static PyMethodDef methods[] = {
      "type)"},
     {"run_block", run_block, METH_VARARGS,
      "run_block(block, x, cos, sin, entries, threads): x [T, d] += the block's output for\n"
-     "T decode rows (entries as for attend)"},
+     "T rows, prompt or decode (entries as for attend)"},
     {"rope", py_rope, METH_VARARGS,
      "rope(x, cos, sin, T, heads, head_dim, pairs): adjacent-pair rotary embedding of\n"
      "x [T, heads, head_dim] in place, cos/sin [T, pairs]"},
