@@ -10,9 +10,13 @@ set -euo pipefail
 version="${LLAMACPP_PY_VERSION:-0.3.36}"
 home="${LLAMACPP_HOME:-$HOME/.cache/meshnet/llama.cpp}"
 python="${PYTHON:-python3}"
-targets=(llama-bench llama-batched-bench llama-server ggml-rpc-server llama-cli)
+# llama-quantize makes the K-quant bench model; llama-tokenize and llama-server are the
+# tokenizer and logits oracles of scripts/record_arch_oracles.py.
+targets=(llama-bench llama-batched-bench llama-server ggml-rpc-server llama-cli llama-quantize llama-tokenize)
 
-if [ -x "$home/bin/llama-bench" ] && [ -x "$home/bin/llama-batched-bench" ]; then
+built=1
+for t in "${targets[@]}"; do [ -x "$home/bin/$t" ] || built=0; done
+if [ "$built" = 1 ]; then
   echo "llama.cpp already built in $home/bin"
   exit 0
 fi

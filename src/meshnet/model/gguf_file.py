@@ -53,6 +53,20 @@ class GGUFFile:
     def value_or(self, key: str, default: Any) -> Any:
         return self.value(key) if self.has(key) else default
 
+    def read_tensor(self, t: gguf.ReaderTensor) -> np.ndarray:
+        """A fresh copy of ``t``'s bytes (uint8), read from the file, not through the map.
+
+        Reading through the memory map would leave the file's pages counted in this
+        process's resident memory beside the copy a kernel layout is made from.
+        """
+        nbytes = _expected_bytes(t)
+        out = np.empty(nbytes, np.uint8)
+        with self.path.open("rb", buffering=0) as fh:
+            fh.seek(int(t.data_offset))
+            if fh.readinto(memoryview(out)) != nbytes:
+                raise ModelFileError(f"{self.path.name}: tensor {t.name!r} is truncated")
+        return out
+
     def fingerprint(self) -> str:
         """The sha256 of the whole file, hex: the model's identity on the mesh."""
         if self._fingerprint is None:
