@@ -26,7 +26,7 @@ def _matmul(x: np.ndarray, w: quant.QuantMatrix, path: str) -> np.ndarray:
 def matrix(request, tiny_factory) -> quant.QuantMatrix:  # type: ignore[no-untyped-def]
     f = open_gguf(tiny_factory(f"k{request.param.name}.gguf", matrix_type=request.param))
     t = f.tensors["blk.0.ffn_down.weight"]
-    w = quant.from_gguf(t, (64, 128))
+    w = quant.from_gguf(f, t, (64, 128))
     assert w.kind == ("q8" if request.param == QT.Q8_0 else "q4")
     return w
 

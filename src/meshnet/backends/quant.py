@@ -28,6 +28,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from numba import prange
 
+from meshnet.model.gguf_file import GGUFFile
+
 F32 = np.float32
 QK = 32  # weights per block in every supported block type
 _RAW_TYPES = {QT.Q4_0: 0, QT.Q4_1: 1, QT.Q8_0: 2}  # as numbered in native/native.h
@@ -95,7 +97,7 @@ class QuantMatrix:
         return Split(qs, d, m)
 
 
-def from_gguf(t: gguf.ReaderTensor, shape: tuple[int, int]) -> QuantMatrix:
+def from_gguf(f: GGUFFile, t: gguf.ReaderTensor, shape: tuple[int, int]) -> QuantMatrix:
     """A GGUF 2-D tensor for the kernels: Q4_0, Q4_1 and Q8_0 kept in their own blocks,
     other types dequantized."""
     rows, cols = shape

@@ -46,8 +46,8 @@ SUPPORTED_TYPES = frozenset(
 
 W = TypeVar("W")  # how a backend holds a weight matrix (float32 array, quantized blocks…)
 
-# Reads one checked 2-D tensor as a backend's matrix type.
-MatrixReader = Callable[[gguf.ReaderTensor, tuple[int, int]], W]
+# Reads one checked 2-D tensor of a file as a backend's matrix type.
+MatrixReader = Callable[[GGUFFile, gguf.ReaderTensor, tuple[int, int]], W]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,11 @@ class ShardWeights(Generic[W]):
     head: W | None  # [vocab, d], last shard only; a tied head is the embedding object
 
 
+def dequantized_matrix(f: GGUFFile, t: gguf.ReaderTensor, shape: tuple[int, int]) -> FloatArray:
+    """A matrix as a read-only float32 array (the reference backend's weights)."""
+    return dequantized(t, shape)
+
+
 def dequantized(t: gguf.ReaderTensor, shape: tuple[int, ...]) -> FloatArray:
     """A tensor as a read-only float32 array of ``shape``."""
     try:
@@ -91,7 +96,7 @@ def load_shard_weights(
     f: GGUFFile,
     spec: ModelSpec,
     layers: LayerRange,
-    matrix: MatrixReader[W] = dequantized,  # type: ignore[assignment]
+    matrix: MatrixReader[W] = dequantized_matrix,  # type: ignore[assignment]
 ) -> ShardWeights[W]:
     """Read the tensors of ``layers`` (and embedding/head at the ends); matrices via ``matrix``."""
     layers.check_within(spec.n_layers)
@@ -101,7 +106,7 @@ def load_shard_weights(
         return dequantized(checked_tensor(f, name, (size,)), (size,))
 
     def mat(name: str, shape: tuple[int, int]) -> W:
-        return matrix(checked_tensor(f, name, shape), shape)
+        return matrix(f, checked_tensor(f, name, shape), shape)
 
     blocks = tuple(_load_block(vector, mat, spec, i) for i in layers)
     first, last = layers.is_first(), layers.is_last(spec.n_layers)
