@@ -23,6 +23,7 @@ import httpx
 from meshnet.backends.fast import set_threads
 from meshnet.engine.generate import generate
 from meshnet.engine.local import load_local_model
+from meshnet.errors import MeshnetError
 from meshnet.layer_range import split_evenly
 from meshnet.local_mesh import LocalMesh, free_port
 from meshnet.model.sampling import SamplingParams
@@ -107,8 +108,20 @@ def _stream_times(url: str, model: str, max_tokens: int) -> list[float]:
     return times
 
 
-def llamacpp_rpc_tok_s(bin_dir: Path, model: Path, servers: int, tokens: int) -> float:
-    """Decode tok/s of llama.cpp with its layers split over ``servers`` local RPC servers."""
+def stream_decode_tok_s(url: str, model: str, max_tokens: int) -> float:
+    """Decode tok/s of one greedy completion through the mesh, as the client sees the tokens
+    arrive (the first token, which carries the prefill, is the start mark)."""
+    times = _stream_times(url, model, max_tokens)
+    if len(times) < 2:
+        raise MeshnetError(f"the mesh streamed {len(times)} tokens; decode needs at least 2")
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def llamacpp_rpc_tok_s(
+    bin_dir: Path, model: Path, servers: int, tokens: int, repetitions: int = 3
+) -> float:
+    """Decode tok/s of llama.cpp with its layers split over ``servers`` local RPC servers
+    (one thread each), the mean of ``repetitions`` runs of llama-bench."""
     ports = [free_port() for _ in range(servers)]
     procs = [
         subprocess.Popen(
@@ -135,7 +148,7 @@ def llamacpp_rpc_tok_s(bin_dir: Path, model: Path, servers: int, tokens: int) ->
                 "-n",
                 str(tokens),
                 "-r",
-                "3",
+                str(repetitions),
                 "-o",
                 "json",
             ],

@@ -1,0 +1,140 @@
+"""meshnet on a model of the size people run, against llama.cpp on the same file, in one run.
+
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/realistic.py
+
+The model is a Llama-3.2-1B-shaped GGUF with seeded random weights and the real
+Llama-3 tokenizer, quantized to Q4_K_M by llama.cpp's llama-quantize; it is made
+on first use in ~/.cache/meshnet/models (scripts/make_synthetic_model.py, a few
+minutes) unless --model names another file. Printed, each next to its peer and
+the ratio:
+
+- single process: prefill of a --prompt-tokens prompt and batch-1 decode, the
+  engine with --threads kernel threads against llama-bench -t THREADS;
+- a 2- and 3-node split (--nodes): meshnet's loopback mesh (tracker + node
+  processes, one kernel thread each), decode as the client sees streamed
+  tokens, against llama-bench over as many local ggml-rpc-server processes;
+- each node's RSS against the file bytes of the tensors it serves plus the KV
+  of one benchmark sequence.
+
+Goals (issue 13): decode >= llama.cpp single-process, split >= 1.5x llama.cpp's
+RPC split, RSS within ~15% of layer bytes + KV. The two sides take turns, one
+round each, and each figure is the best of its --rounds (neighbours on a shared
+VM move single runs by 20-40%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from pathlib import Path
+
+from meshnet.backends.fast import set_threads
+from meshnet.benchmark.engine import bench_engine, warm_up
+from meshnet.benchmark.figures import Throughput
+from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp
+from meshnet.benchmark.mesh import PROMPT
+from meshnet.benchmark.realistic_model import ensure_models
+from meshnet.benchmark.split import SplitResult, SplitSetup, measure_split
+from meshnet.benchmark.synthetic_model import LlamaShape
+from meshnet.engine.local import load_local_model
+
+GOAL_DECODE = 1.0  # meshnet / llama.cpp, single process
+GOAL_SPLIT = 1.5  # meshnet mesh / llama.cpp RPC split
+GOAL_RSS = 1.15  # node RSS / (its tensors' file bytes + KV)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--model", type=Path, help="GGUF (default: the synthetic Q4_K_M, made if missing)"
+    )
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=32, help="per round, every figure")
+    p.add_argument("--threads", type=int, default=2, help="single-process threads, both sides")
+    p.add_argument("--nodes", default="2,3", help="split sizes, comma-separated")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per side, taken in turns")
+    p.add_argument("--llamacpp", help="folder with llama-bench and ggml-rpc-server")
+    args = p.parse_args()
+    bin_dir = find_llamacpp(args.llamacpp)
+    model_path = args.model or _default_model(bin_dir)
+    print(f"model {model_path} ({model_path.stat().st_size / 1e9:.2f} GB)")
+    if bin_dir is None:
+        print("llama.cpp not found (bench/build_llamacpp.sh): meshnet's figures alone")
+
+    set_threads(args.threads)
+    local = load_local_model(model_path)
+    print(f"loaded in {local.load_s:.1f} s: {local.spec.n_layers} layers, d={local.spec.d_model}")
+    warm_up(local)
+    ours: list[Throughput] = []
+    theirs: list[Throughput] = []
+    for _ in range(args.rounds):
+        ours.append(bench_engine(local, args.prompt_tokens, args.decode_tokens, (1,)))
+        if bin_dir is not None:
+            theirs.append(
+                bench_llamacpp(
+                    bin_dir, model_path, args.prompt_tokens, args.decode_tokens, (1,), args.threads
+                )
+            )
+    _print_single(args, Throughput.best(ours), Throughput.best(theirs) if theirs else None)
+
+    setup = SplitSetup(
+        model=model_path,
+        spec=local.spec,
+        tensor_bytes={name: int(t.n_bytes) for name, t in local.file.tensors.items()},
+        prompt_tokens=len(local.tokenizer.encode(PROMPT)),
+        llamacpp=bin_dir,
+    )
+    del local  # the nodes load their own shards; this process's copy would crowd them
+    gc.collect()
+    for nodes in (int(n) for n in args.nodes.split(",") if n):
+        _print_split(measure_split(setup, nodes, args.decode_tokens, args.rounds))
+
+
+def _default_model(bin_dir: Path | None) -> Path:
+    quantize = bin_dir / "llama-quantize" if bin_dir is not None else None
+    made = ensure_models(LlamaShape(), quantize_bin=quantize)
+    if made.quantized is None:
+        raise SystemExit("no quantized model was made")
+    return made.quantized
+
+
+def _print_single(args: argparse.Namespace, ours: Throughput, peer: Throughput | None) -> None:
+    print(
+        f"\nsingle process, {args.threads} threads each side, best of {args.rounds} "
+        "alternating rounds"
+    )
+    print(f"{'figure':<26}{'meshnet':>10}{'llama.cpp':>11}{'ratio':>8}{'goal':>8}")
+    prefill = f"prefill {args.prompt_tokens} tok/s"
+    _row(prefill, ours.prefill_tok_s, peer.prefill_tok_s if peer else None, None)
+    decode = peer.decode_tok_s[1] if peer else None
+    _row("decode b=1 tok/s", ours.decode_tok_s[1], decode, GOAL_DECODE)
+
+
+def _print_split(r: SplitResult) -> None:
+    print(
+        f"\n{r.nodes}-node split, 1 thread per process, decode of {r.tokens} tokens, "
+        "best alternating round"
+    )
+    print(f"{'figure':<26}{'meshnet':>10}{'llama.cpp':>11}{'ratio':>8}{'goal':>8}")
+    _row("decode tok/s (RPC peer)", r.mesh_tok_s, r.rpc_tok_s, GOAL_SPLIT)
+    print(
+        f"{'node':<8}{'layers':<10}{'RSS MB':>8}{'anon':>7}{'file':>7}"
+        f"{'tensors MB':>12}{'KV MB':>7}{'ratio':>8}{'goal':>8}"
+    )
+    for m in r.memory:
+        print(
+            f"{m.node_id:<8}{m.layers!s:<10}{m.rss.total / 1e6:>8.0f}{m.rss.anon / 1e6:>7.0f}"
+            f"{m.rss.file / 1e6:>7.0f}{m.file_bytes / 1e6:>12.0f}{m.kv_bytes / 1e6:>7.1f}"
+            f"{m.ratio:>7.2f}x{f'<={GOAL_RSS:.2f}x':>8}"
+        )
+
+
+def _row(name: str, mine: float, other: float | None, goal: float | None) -> None:
+    theirs = f"{other:.1f}" if other else "-"
+    ratio = f"{mine / other:.2f}x" if other else "-"
+    target = f">={goal:.1f}x" if goal else ""
+    print(f"{name:<26}{mine:>10.1f}{theirs:>11}{ratio:>8}{target:>8}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""A node's resident memory against what it must hold: its tensors' file bytes and its KV.
+
+The goal the issue sets is RSS within ~15% of the bytes of the layers a node
+serves plus its KV. A shard's tensors are its blocks ``blk.{i}.*``, the token
+embedding on the first range, the output norm and head on the last (the
+embedding again when the head is tied to it), and the small tensors every
+layer reads (``rope_freqs.weight``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshnet.errors import MeshnetError
+from meshnet.kv.cache import SequenceKV
+from meshnet.layer_range import LayerRange
+
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+_SHARED = frozenset({"rope_freqs.weight"})  # read by every layer's rotary
+
+
+@dataclass(frozen=True)
+class Rss:
+    """Resident set of a process from ``/proc/PID/status``, in bytes."""
+
+    total: int
+    anon: int  # heap: arrays, repacked weights, KV, the interpreter
+    file: int  # mapped files: the GGUF pages touched, shared libraries
+
+    @staticmethod
+    def of(pid: int) -> Rss:
+        fields: dict[str, int] = {}
+        try:
+            text = Path(f"/proc/{pid}/status").read_text()
+        except OSError as e:
+            raise MeshnetError(f"cannot read the memory of process {pid}: {e}") from e
+        for line in text.splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                fields[key] = int(rest.split()[0]) * 1024
+        return Rss(fields.get("VmRSS", 0), fields.get("RssAnon", 0), fields.get("RssFile", 0))
+
+
+def shard_tensor_names(names: Mapping[str, int], layers: LayerRange, n_layers: int) -> list[str]:
+    """The tensors of ``names`` a node serving ``layers`` of an ``n_layers`` model holds."""
+    first, last = layers.is_first(), layers.is_last(n_layers)
+    held = []
+    for name in names:
+        block = _BLOCK.match(name)
+        if block is not None:
+            keep = layers.start <= int(block.group(1)) < layers.end
+        elif name == "token_embd.weight":
+            keep = first or (last and "output.weight" not in names)
+        else:
+            keep = name in _SHARED or (last and name in ("output_norm.weight", "output.weight"))
+        if keep:
+            held.append(name)
+    return held
+
+
+def shard_file_bytes(names: Mapping[str, int], layers: LayerRange, n_layers: int) -> int:
+    """File bytes of the tensors a node serving ``layers`` holds (``names``: name -> bytes)."""
+    return sum(names[n] for n in shard_tensor_names(names, layers, n_layers))
+
+
+def session_kv_bytes(layers: LayerRange, n_kv_heads: int, head_dim: int, positions: int) -> int:
+    """Bytes the node's KV cache allocates for one sequence of ``positions`` positions."""
+    return SequenceKV(len(layers), n_kv_heads, head_dim).growth_bytes(positions)

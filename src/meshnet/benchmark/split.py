@@ -1,0 +1,112 @@
+"""A model split over N node processes: meshnet's loopback mesh against llama.cpp's RPC split.
+
+meshnet's side is the real mesh (tracker + N ``meshnet node`` processes on
+loopback, one kernel thread each, layers split evenly), timed as a client sees
+streamed tokens arrive. llama.cpp's side is ``llama-bench`` with its layers
+offloaded to N local ``ggml-rpc-server`` processes of one thread each. The two
+take turns, one round each, and each figure is its best round. After the rounds
+each node's resident memory is read and set against the file bytes of the
+tensors it serves plus the KV of one benchmark sequence.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from meshnet.benchmark.mesh import llamacpp_rpc_tok_s, stream_decode_tok_s
+from meshnet.benchmark.node_memory import Rss, session_kv_bytes, shard_file_bytes
+from meshnet.layer_range import LayerRange, split_evenly
+from meshnet.local_mesh import LocalMesh
+from meshnet.model.spec import ModelSpec
+
+_START_TIMEOUT_S = 900.0  # every node loads its shard of a 1B model on a shared 2-core VM
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    node_id: str
+    layers: LayerRange
+    rss: Rss
+    file_bytes: int  # the tensors this node serves, as stored in the GGUF
+    kv_bytes: int  # one benchmark sequence's KV on this node's layers
+
+    @property
+    def ratio(self) -> float:
+        """RSS over what the node must hold (goal: at most ~1.15)."""
+        return self.rss.total / (self.file_bytes + self.kv_bytes)
+
+
+@dataclass(frozen=True)
+class SplitResult:
+    nodes: int
+    tokens: int  # decoded tokens per round, both sides
+    mesh_tok_s: float  # best round
+    rpc_tok_s: float | None  # best round; None without llama.cpp
+    memory: list[NodeMemory]
+
+    @property
+    def ratio(self) -> float | None:
+        """meshnet over llama.cpp (goal: at least 1.5)."""
+        return self.mesh_tok_s / self.rpc_tok_s if self.rpc_tok_s else None
+
+
+@dataclass(frozen=True)
+class SplitSetup:
+    """What a split run needs to know of the model and the peer."""
+
+    model: Path
+    spec: ModelSpec
+    tensor_bytes: Mapping[str, int]  # every tensor of the file: name -> stored bytes
+    prompt_tokens: int  # ids of mesh.PROMPT, for the KV a sequence takes
+    llamacpp: Path | None  # folder with llama-bench and ggml-rpc-server
+
+
+def measure_split(
+    setup: SplitSetup, nodes: int, tokens: int, rounds: int, threads: int = 1
+) -> SplitResult:
+    """Start the mesh once, alternate decode rounds with llama.cpp's RPC split, read RSS."""
+    layout = split_evenly(setup.spec.n_layers, nodes)
+    ours: list[float] = []
+    theirs: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="meshnet-split-") as tmp:
+        mesh = LocalMesh(
+            data_dir=Path(tmp),
+            model=str(setup.model),
+            extra_env={"NUMBA_NUM_THREADS": str(threads)},
+            node_args=["--threads", str(threads)],
+        )
+        try:
+            mesh.start(list(layout), timeout_s=_START_TIMEOUT_S)
+            name = httpx.get(f"{mesh.url}/v1/models").json()["data"][0]["id"]
+            stream_decode_tok_s(mesh.url, name, 4)  # warm every hop
+            for _ in range(rounds):
+                # tokens + 1 streamed: the first carries the prefill, then ``tokens`` decodes
+                ours.append(stream_decode_tok_s(mesh.url, name, tokens + 1))
+                if setup.llamacpp is not None:
+                    theirs.append(llamacpp_rpc_tok_s(setup.llamacpp, setup.model, nodes, tokens, 1))
+            memory = [
+                _node_memory(setup, node_id, proc.pid, layers, tokens)
+                for (node_id, proc), layers in zip(mesh.nodes.items(), layout, strict=True)
+            ]
+        finally:
+            mesh.stop()
+    return SplitResult(nodes, tokens, max(ours), max(theirs) if theirs else None, memory)
+
+
+def _node_memory(
+    setup: SplitSetup, node_id: str, pid: int, layers: LayerRange, tokens: int
+) -> NodeMemory:
+    spec = setup.spec
+    positions = setup.prompt_tokens + tokens + 1
+    return NodeMemory(
+        node_id,
+        layers,
+        Rss.of(pid),
+        shard_file_bytes(setup.tensor_bytes, layers, spec.n_layers),
+        session_kv_bytes(layers, spec.n_kv_heads, spec.head_dim, positions),
+    )
