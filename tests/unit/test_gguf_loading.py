@@ -1,7 +1,9 @@
 """Loading a GGUF: typed errors for bad files, only the shard's tensors, every quant type."""
 
+import struct
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -128,3 +130,84 @@ def test_fingerprint_is_the_file_sha256(tiny_path: Path) -> None:
     f = open_gguf(tiny_path)
     assert f.fingerprint() == hashlib.sha256(tiny_path.read_bytes()).hexdigest()
     assert sha256_file(tiny_path) == f.fingerprint()
+
+
+def test_metadata_and_tensors_equal_the_gguf_readers(tiny_path: Path) -> None:
+    reader = gguf.GGUFReader(tiny_path)
+    f = open_gguf(tiny_path)
+    keys = [k for k in reader.fields if not k.startswith("GGUF.")]  # the reader's own entries
+    assert sorted(f.metadata) == sorted(keys)
+    for key in keys:
+        assert f.value(key) == reader.fields[key].contents(), key
+    assert [t.name for t in reader.tensors] == list(f.tensors)
+    for t in reader.tensors:
+        mine = f.tensors[t.name]
+        assert (mine.tensor_type, mine.data_offset, mine.n_bytes, mine.n_elements) == (
+            t.tensor_type,
+            t.data_offset,
+            t.n_bytes,
+            t.n_elements,
+        )
+        assert list(mine.shape) == list(t.shape)
+        assert mine.data.dtype == t.data.dtype and np.array_equal(mine.data, t.data)
+        assert not mine.data.flags.writeable
+
+
+def _header(*kvs: bytes, n_tensors: int = 0) -> bytes:
+    """A GGUF v3 header with the given raw key/value entries."""
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, len(kvs)) + b"".join(kvs)
+
+
+def _key(name: str) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode()
+
+
+@pytest.mark.parametrize(
+    ("entry", "match"),
+    [
+        # a string claiming 2**62 bytes: refused before anything is allocated
+        (
+            _key("general.name") + (8).to_bytes(4, "little") + (1 << 62).to_bytes(8, "little"),
+            "needs",
+        ),
+        # an array claiming 2**61 uint32 values
+        (
+            _key("tokenizer.ggml.token_type")
+            + (9).to_bytes(4, "little")
+            + (4).to_bytes(4, "little")
+            + (1 << 61).to_bytes(8, "little"),
+            "needs",
+        ),
+        # an array of 2**40 strings, each needing at least its 8-byte length
+        (
+            _key("tokenizer.ggml.tokens")
+            + (9).to_bytes(4, "little")
+            + (8).to_bytes(4, "little")
+            + (1 << 40).to_bytes(8, "little"),
+            "needs",
+        ),
+        (_key("x") + (99).to_bytes(4, "little"), "unknown type 99"),
+        (_key("x") + (8).to_bytes(4, "little") + (2).to_bytes(8, "little") + b"\xff\xfe", "UTF-8"),
+    ],
+)
+def test_corrupt_metadata_is_a_typed_error(tmp_path: Path, entry: bytes, match: str) -> None:
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(_header(entry) + bytes(64))
+    with pytest.raises(ModelFileError, match=match):
+        open_gguf(p)
+
+
+def test_counts_larger_than_the_file_are_refused(tmp_path: Path) -> None:
+    p = tmp_path / "counts.gguf"
+    p.write_bytes(_header(n_tensors=1 << 50) + bytes(64))
+    with pytest.raises(ModelFileError, match="needs"):
+        open_gguf(p)
+
+
+def test_a_string_array_cut_short_is_refused(tmp_path: Path) -> None:
+    strings = b"".join(_key(s) for s in ["a", "bb", "ccc"])  # length-prefixed, as keys are
+    entry = _key("tokenizer.ggml.tokens") + (9).to_bytes(4, "little") + (8).to_bytes(4, "little")
+    p = tmp_path / "short.gguf"
+    p.write_bytes(_header(entry + (4).to_bytes(8, "little") + strings))  # says 4, holds 3
+    with pytest.raises(ModelFileError, match=r"past the end|needs"):
+        open_gguf(p)
