@@ -12,7 +12,7 @@ setup(
             "meshnet.backends._native",
             [
                 f"src/meshnet/backends/native/{name}.c"
-                for name in ("module", "matmul", "attention", "block")
+                for name in ("module", "matmul", "dequant", "attention", "block")
             ],
             depends=[
                 "src/meshnet/backends/native/native.h",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
+import kquants
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
@@ -20,7 +21,8 @@ CHATML = (
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-QUANTIZABLE = frozenset({QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0})
+QUANTIZABLE = frozenset({QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0})  # by gguf-py
+K_QUANTS = frozenset({QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K})  # by tests/kquants.py
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s"]
 
 
@@ -126,7 +128,9 @@ def _add(w: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT) -> None:
         w.add_tensor(name, data.astype(np.float16))
     elif qtype in QUANTIZABLE:
         w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-    else:  # a type gguf-py cannot encode: random bytes of the right size
+    elif qtype in K_QUANTS and data.ndim == 2 and data.shape[1] % kquants.QK_K == 0:
+        w.add_tensor(name, kquants.quantize(data, qtype), raw_dtype=qtype)
+    else:  # a type (or a K-quant width) nothing here encodes: random bytes of the right size
         shape = gguf.quants.quant_shape_to_byte_shape(data.shape, qtype)
         raw = np.random.default_rng(1).integers(0, 256, shape, dtype=np.uint8)
         w.add_tensor(name, raw, raw_dtype=qtype)

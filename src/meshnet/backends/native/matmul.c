@@ -1,15 +1,16 @@
 /*
- * Quantized matmul: out[t, r] = W[r] . x[t] for W in Q4_0, Q4_1 or Q8_0 blocks of 32
- * weights, read from the row-group layout (native.h): each vector lane is one output
- * row, so a block column unpacks for 8 or 16 rows at once and every token's value is a
- * broadcast. No sums across lanes, no fold at the end.
+ * Quantized matmul: out[t, r] = W[r] . x[t] for W in any block type of native.h, read
+ * from its layout there: each vector lane is one output row, so a block column unpacks
+ * for 8 or 16 rows at once and every token's value is a broadcast. No sums across
+ * lanes, no fold at the end.
  *
- * The fixed order, per (row, token) pair and block in order: the block's sum s = q . x
+ * The fixed order for Q4_0, Q4_1 and Q8_0, per (row, token) pair and block in order: the block's sum s = q . x
  * as one FMA chain from zero over columns i, 16 + i for i = 0 .. 15 (4-bit) or 0 .. 31
  * (8-bit), with q the integer quants (exact in float32); then acc = fma(d, s, acc) and,
  * for 4-bit blocks, acc = fma(m, sum of x over the block, acc); acc starts at zero.
  * (Scaling once per block, not every weight, spares the FMA units a multiply per
- * unpacked column.) How many pairs run side by side changes with the batch size only
+ * unpacked column.) The K-quants' order and the row-wise types' are given where
+ * matmul_tile.h defines their tiles (ktile, ftile). How many pairs run side by side changes with the batch size only
  * to keep the FMA units busy, never that order: results do not depend on the batch
  * size, a row's place in it, the thread split or the vector width.
  */
@@ -17,12 +18,6 @@
 #include <string.h>
 
 #include "native.h"
-
-const Py_ssize_t GROUP_BYTES[3] = {
-    2 * GROUP_ROWS + 16 * GROUP_ROWS, /* Q4_0: d, 16 byte columns */
-    4 * GROUP_ROWS + 16 * GROUP_ROWS, /* Q4_1: d, m, 16 byte columns */
-    2 * GROUP_ROWS + 32 * GROUP_ROWS, /* Q8_0: d, 32 byte columns */
-};
 
 typedef struct {
     const qmat_t *w;
@@ -67,6 +62,14 @@ static inline void store8(float *p, __m256 v, int n) {
 #define SET1 _mm256_set1_ps
 #define ZERO _mm256_setzero_ps
 #define STORE store8
+#define SRL(z, n) _mm256_srl_epi32(z, _mm_cvtsi32_si128(n))
+#define SLL(z, n) _mm256_sll_epi32(z, _mm_cvtsi32_si128(n))
+#define ANDI(z, k) _mm256_and_si256(z, _mm256_set1_epi32(k))
+#define ORI(a, b) _mm256_or_si256(a, b)
+#define SUBI(z, k) _mm256_sub_epi32(z, _mm256_set1_epi32(k))
+#define ADD _mm256_add_ps
+#define FNMA _mm256_fnmadd_ps
+#define LOAD _mm256_load_ps
 #include "matmul_tile.h"
 
 /* AVX-512: sixteen rows per vector (a whole group), 32 registers: batches take tiles
@@ -92,6 +95,14 @@ static inline WIDE void store16(float *p, __m512 v, int n) {
 #define SET1 _mm512_set1_ps
 #define ZERO _mm512_setzero_ps
 #define STORE store16
+#define SRL(z, n) _mm512_srl_epi32(z, _mm_cvtsi32_si128(n))
+#define SLL(z, n) _mm512_sll_epi32(z, _mm_cvtsi32_si128(n))
+#define ANDI(z, k) _mm512_and_si512(z, _mm512_set1_epi32(k))
+#define ORI(a, b) _mm512_or_si512(a, b)
+#define SUBI(z, k) _mm512_sub_epi32(z, _mm512_set1_epi32(k))
+#define ADD _mm512_add_ps
+#define FNMA _mm512_fnmadd_ps
+#define LOAD _mm512_load_ps
 #include "matmul_tile.h"
 
 /* Per token, the sums of x over each block, in order (the 4-bit offsets multiply them). */
@@ -112,7 +123,7 @@ int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threa
 int qmatmul_tiles(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads,
                   int allow_wide) {
     float *sx = NULL;
-    if (w->type != Q8_0) {
+    if (w->type == Q4_0 || w->type == Q4_1 || w->type == Q4_K || w->type == Q5_K) {
         sx = malloc((T * w->nb + 1) * sizeof(float));
         if (sx == NULL) return -1;
         block_sums(x, T, w->nb, sx);

@@ -11,8 +11,8 @@ static PyObject *kernel_result(int status) {
 }
 
 static int check_matrix(const qmat_t *w, const Py_buffer *packed) {
-    if (w->type < Q4_0 || w->type > Q8_0 || w->rows < 0 || w->nb < 0 ||
-        packed->len != (w->rows + GROUP_ROWS - 1) / GROUP_ROWS * w->nb * GROUP_BYTES[w->type]) {
+    const Py_ssize_t bytes = qmat_bytes(w->type, w->rows, w->nb);
+    if (bytes < 0 || packed->len != bytes) {
         PyErr_SetString(PyExc_ValueError, "a matrix's buffer does not match its shape");
         return -1;
     }
@@ -43,6 +43,37 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
 done:
     PyBuffer_Release(&packed);
     PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *rows(PyObject *self, PyObject *args) {
+    Py_buffer packed, ids, out;
+    qmat_t w;
+    if (!PyArg_ParseTuple(args, "y*y*w*nni", &packed, &ids, &out, &w.rows, &w.nb, &w.type))
+        return NULL;
+    PyObject *result = NULL;
+    w.packed = packed.buf;
+    if (check_matrix(&w, &packed) < 0) goto done;
+    const Py_ssize_t n = ids.len / (Py_ssize_t)sizeof(int64_t);
+    const int64_t *id = ids.buf;
+    if (ids.len % (Py_ssize_t)sizeof(int64_t) ||
+        out.len != n * w.nb * QK * (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "buffer sizes do not match the shapes");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (id[i] < 0 || id[i] >= w.rows) {
+            PyErr_SetString(PyExc_ValueError, "a row id is out of range");
+            goto done;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) qmat_row(&w, id[i], (float *)out.buf + i * w.nb * QK);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&packed);
+    PyBuffer_Release(&ids);
     PyBuffer_Release(&out);
     return result;
 }
@@ -303,8 +334,12 @@ done:
 static PyMethodDef methods[] = {
     {"matmul", matmul, METH_VARARGS,
      "matmul(packed, x, out, rows, nb, T, type, threads, wide=True): out[t, r] =\n"
-     "W[r] . x[t], W in row groups of 16 (type 0 Q4_0, 1 Q4_1, 2 Q8_0; see native.h);\n"
+     "W[r] . x[t], W in the layout of its type (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q4_K, 4 Q5_K,\n"
+     "5 Q6_K, 6 Q2_K, 7 Q3_K, 8 Q5_0, 9 Q5_1, 10 F16, 11 BF16, 12 F32; see native.h);\n"
      "wide=False keeps to AVX2 vectors (the same bits)"},
+    {"rows", rows, METH_VARARGS,
+     "rows(packed, ids, out, rows, nb, type): out[i] = row ids[i] of the matrix as float32\n"
+     "(ids int64), as gguf-py dequantizes it"},
     {"attend", attend, METH_VARARGS,
      "attend(q, k, v, out, entries, T, n_heads, n_kv, head_dim, threads): store each\n"
      "entry's new keys/values and attend its rows; entries are (keys, values, first,\n"

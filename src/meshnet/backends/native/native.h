@@ -12,25 +12,75 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define QK 32 /* weights per block in every supported block type */
+#define QK 32 /* weights per block: a matrix's width is nb * QK in every type */
+#define QK_K 256 /* weights per super-block of the K-quants */
 
-/* The GGUF block types the matmul reads. */
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+/* The GGUF block types the matmul reads, in three families:
+ *   Q4_0, Q4_1, Q8_0      row groups, one GROUP_BYTES entry per block of 32 columns
+ *   Q4_K, Q5_K, Q6_K      row groups, one GROUP_BYTES entry per super-block of 256
+ *   Q2_K .. F32           the GGUF's own rows, unpacked a tile at a time ("row-wise") */
+enum {
+    Q4_0 = 0, Q4_1 = 1, Q8_0 = 2,
+    Q4_K = 3, Q5_K = 4, Q6_K = 5,
+    Q2_K = 6, Q3_K = 7, Q5_0 = 8, Q5_1 = 9, F16 = 10, BF16 = 11, F32 = 12,
+    TYPE_COUNT = 13
+};
+#define IS_KQUANT(type) ((type) >= Q4_K && (type) <= Q6_K)
+#define IS_ROWWISE(type) ((type) >= Q2_K)
 
 /*
- * A [rows, nb * QK] matrix in row groups of GROUP_ROWS (the last one padded with zero
- * blocks). Per group and block, GROUP_BYTES[type] bytes: the 16 rows' float16 scales d,
- * for Q4_1 their float16 offsets m, then the quants column by column, one byte per row:
- * 16 columns for 4-bit blocks (byte i of a row holds its weights i and 16 + i, low
- * nibble first), 32 for Q8_0. So one load gives a column of 8 or 16 rows.
+ * A [rows, nb * QK] matrix. Q4_0, Q4_1, Q8_0 and the K-quants are held in row groups of
+ * GROUP_ROWS (the last one padded with zero blocks), so one load gives a column of 8 or
+ * 16 rows:
+ *   Q4_0, Q4_1, Q8_0: per group and block, the 16 rows' float16 scales d, for Q4_1 their
+ *     float16 offsets m, then the quants column by column, one byte per row: 16 columns
+ *     for 4-bit blocks (byte i of a row holds its weights i and 16 + i, low nibble
+ *     first), 32 for Q8_0.
+ *   Q4_K, Q5_K: per group and super-block, the rows' float16 d, float16 dmin, the 8
+ *     sub-block scales (6-bit, a byte each: 8 columns of 16 rows), the 8 mins likewise,
+ *     Q5_K's 32 high-bit bytes (bit k of byte c: column c of sub-block k), then the 128
+ *     nibble bytes (byte 32 p + c: column c of sub-blocks 2p (low) and 2p + 1 (high)),
+ *     each a column of 16 rows. w = (d sc) q - dmin m.
+ *   Q6_K: per group and super-block, the rows' float16 d, the 16 int8 scales of the
+ *     sub-blocks of 16 (16 columns of 16 rows), the 128 low-nibble bytes, then the 64
+ *     high-bit bytes, the GGUF's own bytes each a column of 16 rows. w = (d sc) (q - 32).
+ * The other types keep the GGUF's own rows (no padding).
  */
 #define GROUP_ROWS 16
-extern const Py_ssize_t GROUP_BYTES[3];
+extern const Py_ssize_t GROUP_BYTES[Q6_K + 1]; /* per block (Q4_0 .. Q8_0), super-block (K) */
+
+/* Byte offsets of the fields in a K-quant group's super-block. */
+enum {
+    K_D = 0,                                         /* 16 float16 */
+    K_DMIN = 2 * GROUP_ROWS,                         /* 16 float16 (Q4_K, Q5_K) */
+    K_SC = 4 * GROUP_ROWS,                           /* 8 x 16 bytes */
+    K_MIN = K_SC + 8 * GROUP_ROWS,                   /* 8 x 16 bytes */
+    K_QH5 = K_MIN + 8 * GROUP_ROWS,                  /* Q5_K: 32 x 16 bytes */
+    K_QS4 = K_QH5,                                   /* Q4_K: 128 x 16 bytes */
+    K_QS5 = K_QH5 + 32 * GROUP_ROWS,                 /* Q5_K: 128 x 16 bytes */
+    K6_SC = 2 * GROUP_ROWS,                          /* Q6_K: 16 x 16 int8 */
+    K6_QL = K6_SC + 16 * GROUP_ROWS,                 /* Q6_K: 128 x 16 bytes */
+    K6_QH = K6_QL + 128 * GROUP_ROWS,                /* Q6_K: 64 x 16 bytes */
+};
+
 typedef struct {
-    const uint8_t *packed; /* ceil(rows / 16) * nb * GROUP_BYTES[type] bytes */
+    const uint8_t *packed; /* qmat_bytes(type, rows, nb) bytes */
     Py_ssize_t rows, nb;
     int type;
 } qmat_t;
+
+/* The bytes a [rows, nb * QK] matrix of ``type`` takes, or -1 where the type is unknown
+ * or the width does not fit it (K-quants: nb a multiple of 8). */
+Py_ssize_t qmat_bytes(int type, Py_ssize_t rows, Py_ssize_t nb);
+
+/* GGUF bytes of one row of a row-wise type. */
+Py_ssize_t row_bytes(int type, Py_ssize_t nb);
+
+/* out[0 .. QK) = weights b * QK .. of a row of a row-wise type (``row`` its GGUF bytes). */
+void dequant_block(int type, const uint8_t *row, Py_ssize_t b, float *out);
+
+/* out[0 .. nb * QK) = row r of w, exactly as gguf-py dequantizes it. */
+void qmat_row(const qmat_t *w, Py_ssize_t r, float *out);
 
 /* out[t, r] = W[r] . x[t] for x [T, nb * QK]. Returns -1 when out of memory. */
 int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads);

@@ -1,0 +1,186 @@
+/*
+ * Matrix sizes per block type, and weights as float32 from every layout native.h
+ * describes: a block of a row-wise type's GGUF row (the matmul unpacks its tiles with
+ * it) and whole rows of any matrix (embedding lookups). Every weight is computed with
+ * gguf-py's formula, operation for operation, so a row here equals its dequantize bit for
+ * bit.
+ */
+#include <string.h>
+
+#include "native.h"
+
+const Py_ssize_t GROUP_BYTES[Q6_K + 1] = {
+    2 * GROUP_ROWS + 16 * GROUP_ROWS,  /* Q4_0: d, 16 byte columns */
+    4 * GROUP_ROWS + 16 * GROUP_ROWS,  /* Q4_1: d, m, 16 byte columns */
+    2 * GROUP_ROWS + 32 * GROUP_ROWS,  /* Q8_0: d, 32 byte columns */
+    K_QS4 + 128 * GROUP_ROWS,          /* Q4_K: 2368 = 16 rows x 144 + 64 */
+    K_QS5 + 128 * GROUP_ROWS,          /* Q5_K: 2880 = 16 rows x 176 + 64 */
+    K6_QH + 64 * GROUP_ROWS,           /* Q6_K: 3360 = 16 rows x 210 */
+};
+
+/* GGUF bytes per 32 weights (Q2_K, Q3_K: per 256, see row_bytes). */
+static Py_ssize_t rowwise_bytes(int type, Py_ssize_t nb) {
+    switch (type) {
+    case Q2_K: return nb / 8 * 84;
+    case Q3_K: return nb / 8 * 110;
+    case Q5_0: return nb * 22;
+    case Q5_1: return nb * 24;
+    case F16:
+    case BF16: return nb * 2 * QK;
+    default: return nb * 4 * QK; /* F32 */
+    }
+}
+
+Py_ssize_t row_bytes(int type, Py_ssize_t nb) { return rowwise_bytes(type, nb); }
+
+Py_ssize_t qmat_bytes(int type, Py_ssize_t rows, Py_ssize_t nb) {
+    if (type < 0 || type >= TYPE_COUNT || rows < 0 || nb < 0) return -1;
+    const int per_super = IS_KQUANT(type) || type == Q2_K || type == Q3_K;
+    if (per_super && nb % (QK_K / QK)) return -1;
+    const Py_ssize_t groups = (rows + GROUP_ROWS - 1) / GROUP_ROWS;
+    if (IS_ROWWISE(type)) return rows * rowwise_bytes(type, nb);
+    if (IS_KQUANT(type)) return groups * (nb / (QK_K / QK)) * GROUP_BYTES[type];
+    return groups * nb * GROUP_BYTES[type];
+}
+
+static float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static float bf16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Q2_K super-block: scales[16] (low nibble scale, high nibble min), qs[64], d, dmin.
+ * Weight n = 128 h + 32 j + l: bits 2 j of qs[32 h + l]; sub-block of 16 n / 16. */
+static void q2_k(const uint8_t *sb, int part, float *out) {
+    const float d = half(sb + 80), dmin = half(sb + 82);
+    const int h = part / 4, j = part % 4;
+    for (int l = 0; l < QK; l++) {
+        const int n = part * QK + l;
+        const uint8_t sc = sb[n / 16];
+        const float dl = d * (float)(sc & 15), ml = dmin * (float)(sc >> 4);
+        const float q = (float)((sb[16 + 32 * h + l] >> (2 * j)) & 3);
+        out[l] = dl * q - ml;
+    }
+}
+
+/* Q3_K super-block: hmask[32], qs[64], scales[12] (6-bit, signed by -32), d. Weight
+ * n = 128 h + 32 j + l: bits 2 j of qs[32 h + l], minus 4 unless bit n / 32 of
+ * hmask[l] is set. */
+static void q3_k(const uint8_t *sb, int part, float *out) {
+    const float d = half(sb + 108);
+    const uint8_t *scales = sb + 96;
+    const int h = part / 4, j = part % 4;
+    for (int l = 0; l < QK; l++) {
+        const int i = (part * QK + l) / 16;
+        const int low = i < 8 ? scales[i] & 15 : scales[i - 8] >> 4;
+        const int high = (scales[8 + i % 4] >> (2 * (i / 4))) & 3;
+        const float dl = d * (float)((low | high << 4) - 32);
+        const int ql = (sb[32 + 32 * h + l] >> (2 * j)) & 3;
+        const int hbit = (sb[l] >> part) & 1;
+        out[l] = dl * (float)(ql - 4 * (1 - hbit));
+    }
+}
+
+/* Q5_0 (d, qh, qs) and Q5_1 (d, m, qh, qs): weight l's low nibble from qs[l % 16] (high
+ * nibble for l >= 16), its fifth bit bit l of the little-endian qh. */
+static void q5(const uint8_t *blk, int with_min, float *out) {
+    const float d = half(blk);
+    const float m = with_min ? half(blk + 2) : 0.0f;
+    const uint8_t *qh = blk + (with_min ? 4 : 2), *qs = qh + 4;
+    const uint32_t high = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 |
+                          (uint32_t)qh[3] << 24;
+    for (int l = 0; l < QK; l++) {
+        const int q = ((l < 16 ? qs[l] & 15 : qs[l - 16] >> 4) | ((high >> l) & 1) << 4);
+        out[l] = with_min ? d * (float)q + m : d * (float)(q - 16);
+    }
+}
+
+void dequant_block(int type, const uint8_t *row, Py_ssize_t b, float *out) {
+    switch (type) {
+    case Q2_K: q2_k(row + b / 8 * 84, (int)(b % 8), out); break;
+    case Q3_K: q3_k(row + b / 8 * 110, (int)(b % 8), out); break;
+    case Q5_0: q5(row + b * 22, 0, out); break;
+    case Q5_1: q5(row + b * 24, 1, out); break;
+    case F16:
+        for (int l = 0; l < QK; l++) out[l] = half(row + (b * QK + l) * 2);
+        break;
+    case BF16:
+        for (int l = 0; l < QK; l++) out[l] = bf16(row + (b * QK + l) * 2);
+        break;
+    default: memcpy(out, row + b * QK * 4, QK * sizeof(float)); break;
+    }
+}
+
+/* Row ``lane`` of a row group's block (Q4_0, Q4_1, Q8_0). */
+static void legacy_block(int type, const uint8_t *p, int lane, float *out) {
+    const float d = half(p + 2 * lane);
+    if (type == Q8_0) {
+        for (int c = 0; c < QK; c++)
+            out[c] = (float)(int8_t)p[2 * GROUP_ROWS + c * GROUP_ROWS + lane] * d;
+        return;
+    }
+    const uint8_t *qs = p + (type == Q4_1 ? 4 : 2) * GROUP_ROWS + lane;
+    const float m = type == Q4_1 ? half(p + 2 * GROUP_ROWS + 2 * lane) : 0.0f;
+    for (int i = 0; i < QK / 2; i++) {
+        const int lo = qs[i * GROUP_ROWS] & 15, hi = qs[i * GROUP_ROWS] >> 4;
+        if (type == Q4_1) {
+            out[i] = d * (float)lo + m;
+            out[QK / 2 + i] = d * (float)hi + m;
+        } else {
+            out[i] = d * (float)(lo - 8);
+            out[QK / 2 + i] = d * (float)(hi - 8);
+        }
+    }
+}
+
+/* Row ``lane`` of a row group's K-quant super-block: 256 weights. */
+static void kquant_block(int type, const uint8_t *p, int lane, float *out) {
+    const float d = half(p + K_D + 2 * lane);
+    if (type == Q6_K) {
+        for (int n = 0; n < QK_K; n++) {
+            const int h = n / 128, r = n % 128;
+            const int ql = p[K6_QL + (64 * h + r % 64) * GROUP_ROWS + lane] >> (4 * (r / 64));
+            const int qh = p[K6_QH + (32 * h + r % 32) * GROUP_ROWS + lane] >> (2 * (r / 32));
+            const int q = ((ql & 15) | (qh & 3) << 4) - 32;
+            const float dl = d * (float)(int8_t)p[K6_SC + (n / 16) * GROUP_ROWS + lane];
+            out[n] = dl * (float)q;
+        }
+        return;
+    }
+    const float dmin = half(p + K_DMIN + 2 * lane);
+    const uint8_t *qs = p + (type == Q5_K ? K_QS5 : K_QS4) + lane;
+    for (int n = 0; n < QK_K; n++) {
+        const int k = n / QK, c = n % QK;
+        int q = (qs[((k / 2) * QK + c) * GROUP_ROWS] >> (4 * (k % 2))) & 15;
+        if (type == Q5_K) q |= ((p[K_QH5 + c * GROUP_ROWS + lane] >> k) & 1) << 4;
+        const float dl = d * (float)p[K_SC + k * GROUP_ROWS + lane];
+        const float ml = dmin * (float)p[K_MIN + k * GROUP_ROWS + lane];
+        out[n] = dl * (float)q - ml;
+    }
+}
+
+void qmat_row(const qmat_t *w, Py_ssize_t r, float *out) {
+    const int type = w->type;
+    if (IS_ROWWISE(type)) {
+        const uint8_t *row = w->packed + r * rowwise_bytes(type, w->nb);
+        for (Py_ssize_t b = 0; b < w->nb; b++) dequant_block(type, row, b, out + b * QK);
+        return;
+    }
+    const int lane = (int)(r % GROUP_ROWS);
+    const Py_ssize_t per_unit = IS_KQUANT(type) ? QK_K / QK : 1; /* blocks per unit */
+    const Py_ssize_t units = w->nb / per_unit, gb = GROUP_BYTES[type];
+    const uint8_t *group = w->packed + (r / GROUP_ROWS) * units * gb;
+    for (Py_ssize_t u = 0; u < units; u++) {
+        if (IS_KQUANT(type)) kquant_block(type, group + u * gb, lane, out + u * QK_K);
+        else legacy_block(type, group + u * gb, lane, out + u * QK);
+    }
+}
