@@ -75,7 +75,7 @@ def test_shard_loads_only_what_its_range_needs(tiny_path: Path) -> None:
     assert middle.embedding is None and middle.head is None and len(middle.blocks) == 2
     assert last.embedding is None and last.head is not None and last.output_norm is not None
     assert whole.head is whole.embedding  # a tied head is the embedding, not a copy
-    assert np.array_equal(middle.blocks[0].wq, whole.blocks[1].wq)
+    assert np.array_equal(middle.blocks[0].qkv[0], whole.blocks[1].qkv[0])
 
 
 def test_untied_head_reads_output_weight(tiny_factory) -> None:  # type: ignore[no-untyped-def]
@@ -107,7 +107,7 @@ def test_quantized_matrices_dequantize_to_the_float_weights(tiny_factory, qtype,
     quant = load_shard_weights(quant_f, spec, LayerRange(0, spec.n_layers))
     for a, b in [
         (exact.blocks[2].w_down, quant.blocks[2].w_down),
-        (exact.blocks[0].wk, quant.blocks[0].wk),
+        (exact.blocks[0].qkv[1], quant.blocks[0].qkv[1]),
         (exact.embedding, quant.embedding),
     ]:
         assert a is not None and b is not None and a.shape == b.shape

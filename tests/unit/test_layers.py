@@ -1,6 +1,8 @@
 import numpy as np
+import pytest
 
-from meshnet.model.layers import causal_attention, rms_norm, rope, rope_inv_freq, softmax
+from meshnet.model.layers import causal_attention, rms_norm, softmax
+from meshnet.model.rope import Rope, RopeStyle, rotate
 
 rng = np.random.default_rng(0)
 
@@ -11,11 +13,15 @@ def test_rms_norm_gives_unit_rms_times_weight() -> None:
     assert np.allclose(np.sqrt(np.mean(out**2, axis=-1)), 2.0, atol=1e-4)
 
 
+def rope(x: np.ndarray, positions: np.ndarray, r: Rope) -> np.ndarray:
+    return rotate(x, *r.tables(positions), r.style)
+
+
 def test_rope_rotates_adjacent_pairs_and_keeps_norms() -> None:
-    inv = rope_inv_freq(8, 10000.0)
+    r = Rope("pairs", 8, 10000.0)
     x = rng.standard_normal((3, 2, 8)).astype(np.float32)
     pos = np.array([0, 1, 17])
-    out = rope(x, pos, inv)
+    out = rope(x, pos, r)
     assert np.allclose(out[0], x[0])  # position 0 is the identity
     pairs_in = np.hypot(x[..., 0::2], x[..., 1::2])
     pairs_out = np.hypot(out[..., 0::2], out[..., 1::2])
@@ -25,15 +31,34 @@ def test_rope_rotates_adjacent_pairs_and_keeps_norms() -> None:
     assert np.allclose(out[1, :, 0], x[1, :, 0] * c - x[1, :, 1] * s, atol=1e-6)
 
 
-def test_rope_relative_property() -> None:
-    inv = rope_inv_freq(16, 10000.0)
+@pytest.mark.parametrize("style", ["pairs", "halves"])
+def test_rope_relative_property(style: RopeStyle) -> None:
+    r = Rope(style, 16, 10000.0)
     q = rng.standard_normal((1, 1, 16)).astype(np.float32)
     k = rng.standard_normal((1, 1, 16)).astype(np.float32)
 
     def score(pq: int, pk: int) -> float:
-        return float(np.sum(rope(q, np.array([pq]), inv) * rope(k, np.array([pk]), inv)))
+        return float(np.sum(rope(q, np.array([pq]), r) * rope(k, np.array([pk]), r)))
 
     assert np.isclose(score(5, 2), score(13, 10), atol=1e-4)
+
+
+def test_neox_rope_rotates_the_two_halves_and_leaves_the_rest() -> None:
+    r = Rope("halves", 8, 10000.0)  # 8 of 12 dims rotate: pairs (i, i + 4)
+    x = rng.standard_normal((2, 3, 12)).astype(np.float32)
+    out = rope(x, np.array([0, 1]), r)
+    assert np.allclose(out[0], x[0])
+    assert np.array_equal(out[..., 8:], x[..., 8:])
+    c, s = np.cos(1.0), np.sin(1.0)  # pair 0 at position 1 turns by 1 radian
+    assert np.allclose(out[1, :, 0], x[1, :, 0] * c - x[1, :, 4] * s, atol=1e-6)
+    assert np.allclose(out[1, :, 4], x[1, :, 0] * s + x[1, :, 4] * c, atol=1e-6)
+
+
+def test_rope_factors_and_linear_scaling_slow_the_rotation() -> None:
+    plain = Rope("pairs", 4, 10000.0).inv_freq()
+    assert np.allclose(Rope("pairs", 4, 10000.0, factors=(2.0, 4.0)).inv_freq(), plain / [2, 4])
+    cos, _ = Rope("pairs", 4, 10000.0, scale=0.5).tables(np.array([2]))
+    assert np.allclose(cos, np.cos(1.0 * plain))
 
 
 def _naive_attention(q, keys, values, first_pos):  # type: ignore[no-untyped-def]
@@ -66,3 +91,17 @@ def test_attention_never_reads_future_positions() -> None:
     changed = causal_attention(q, keys, values, first_pos=3)
     assert np.array_equal(base[0], changed[0])  # position 3 cannot see position 4
     assert not np.array_equal(base[1], changed[1])
+
+
+def test_windowed_and_soft_capped_attention_match_a_naive_loop() -> None:
+    q = rng.standard_normal((3, 4, 8)).astype(np.float32)
+    keys = rng.standard_normal((2, 9, 8)).astype(np.float32) * 3
+    values = rng.standard_normal((2, 9, 8)).astype(np.float32)
+    got = causal_attention(q, keys, values, first_pos=6, scale=0.3, softcap=2.0, window=4)
+    want = np.zeros((3, 4, 8), np.float32)
+    for i in range(3):
+        pos = 6 + i
+        for h in range(4):
+            s = keys[h // 2, pos - 3 : pos + 1] @ q[i, h] * 0.3
+            want[i, h] = softmax(2.0 * np.tanh(s / 2.0)) @ values[h // 2, pos - 3 : pos + 1]
+    assert np.allclose(got, want.reshape(3, 32), atol=1e-5)

@@ -48,7 +48,7 @@ def test_rows_of_several_sequences_attend_their_own_cache_causally() -> None:
         assert np.array_equal(values[:, n : n + c], v[mine].transpose(1, 0, 2))
         expect = causal_attention(q[mine], keys[:, : n + c], values[:, : n + c], n)
         assert np.allclose(out[mine], expect.reshape(c, H * HD), atol=1e-5)
-        numba_rows = fast._attention(q[mine], keys[:, : n + c], values[:, : n + c], n)
+        numba_rows = fast._attention(q[mine], keys[:, : n + c], values[:, : n + c], n, HD**-0.5)
         assert np.allclose(out[mine], numba_rows, atol=1e-5)
         row += c
 

@@ -65,7 +65,7 @@ def _entry(backend: FastBackend, layer: int, rows: int, row: int = 0) -> tuple: 
 
 def test_a_call_that_does_not_fit_writes_nothing(backend: FastBackend) -> None:
     handle = backend._native._handles[0]  # type: ignore[union-attr]
-    d, pairs = backend.spec.d_model, backend.spec.rope_dim // 2
+    d, pairs = backend.spec.d_model, backend.spec.rope.pairs
     x = np.ones((2, d), np.float32)
     cos, sin = np.ones((2, pairs), np.float32), np.zeros((2, pairs), np.float32)
     keys, values, *_ = entry = _entry(backend, 0, 2)
@@ -87,21 +87,39 @@ def test_a_call_that_does_not_fit_writes_nothing(backend: FastBackend) -> None:
 
 def test_a_block_whose_matrices_do_not_fit_its_shape_is_refused(backend: FastBackend) -> None:
     s, w = backend.spec, backend.weights.blocks[0]
-    fused = backend._fused[0]
-    assert fused.qkv is not None and fused.gate_up is not None
-    mats = [quant.native_args(m) for m in (fused.qkv, w.wo, fused.gate_up, w.w_down)]
-    shape = (w.attn_norm, w.ffn_norm, s.rms_eps, s.n_heads, s.n_kv_heads, s.head_dim)
-    sizes = (s.d_model, s.d_ff, s.rope_dim // 2)
-    native.block(*mats, *shape, *sizes)  # as loaded: fits
+    assert len(w.qkv) == 1 and len(w.gate_up) == 1  # one block type: fused at load
+    qkv, gate_up = quant.native_args(w.qkv[0]), quant.native_args(w.gate_up[0])
+    wo, down = quant.native_args(w.wo), quant.native_args(w.w_down)
+    vectors = (w.attn_norm, w.ffn_norm, None, None, None, None, None)
+    shape = (s.rms_eps, s.n_heads, s.n_kv_heads, s.head_dim)
+    sizes = (s.d_model, s.d_ff, s.rope.pairs)
+    traits = (False, False, s.attn_scale, 0.0, 0)
+    native.block((qkv,), wo, (gate_up,), down, vectors, *shape, *sizes, traits)  # fits
+    with pytest.raises(ValueError):  # q/k/v and output swapped
+        native.block((wo,), qkv, (gate_up,), down, vectors, *shape, *sizes, traits)
     with pytest.raises(ValueError):
-        native.block(mats[1], mats[0], *mats[2:], *shape, *sizes)  # q/k/v and output swapped
-    with pytest.raises(ValueError):
-        native.block(*mats, *shape, s.d_model, s.d_ff * 2, s.rope_dim // 2)
-    packed, rows, nb, kind = mats[0]
+        native.block(
+            (qkv,), wo, (gate_up,), down, vectors, *shape, s.d_model, s.d_ff * 2, 4, traits
+        )
+    with pytest.raises(ValueError):  # two parts of a three-part projection
+        native.block((qkv, qkv), wo, (gate_up,), down, vectors, *shape, *sizes, traits)
+    with pytest.raises(ValueError):  # a bias of the wrong width
+        bad = (*vectors[:2], np.zeros(3, np.float32), *vectors[3:])
+        native.block((qkv,), wo, (gate_up,), down, bad, *shape, *sizes, traits)
+    with pytest.raises(ValueError):  # a query norm without a key norm
+        bad = (*vectors[:3], np.ones(s.head_dim, np.float32), None, None, None)
+        native.block((qkv,), wo, (gate_up,), down, bad, *shape, *sizes, traits)
+    with pytest.raises(ValueError):  # a negative window
+        native.block((qkv,), wo, (gate_up,), down, vectors, *shape, *sizes, (0, 0, 0.1, 0.0, -1))
+    packed, rows, nb, kind = qkv
     with pytest.raises(ValueError):  # fewer bytes than the blocks claimed
-        native.block((packed[:-1], rows, nb, kind), *mats[1:], *shape, *sizes)
+        native.block(
+            ((packed[:-1], rows, nb, kind),), wo, (gate_up,), down, vectors, *shape, *sizes, traits
+        )
     with pytest.raises(ValueError):  # more rows than the groups hold
-        native.block((packed, rows + 16, nb, kind), *mats[1:], *shape, *sizes)
+        native.block(
+            ((packed, rows + 16, nb, kind),), wo, (gate_up,), down, vectors, *shape, *sizes, traits
+        )
 
 
 def test_elementwise_kernels_refuse_mismatched_buffers() -> None:
@@ -112,4 +130,4 @@ def test_elementwise_kernels_refuse_mismatched_buffers() -> None:
     with pytest.raises(ValueError):
         native.rope(x, table[:1], table[:1], 2, 3, 8, 4)
     with pytest.raises(ValueError):
-        native.swiglu(np.zeros((2, 16), np.float32), np.zeros((2, 7), np.float32), 2, 8, 1)
+        native.glu(np.zeros((2, 16), np.float32), np.zeros((2, 7), np.float32), 2, 8, 1)

@@ -1,11 +1,12 @@
 """A batch's rows through the native kernels, one call per transformer block.
 
 A decode step multiplies little per call, so Python's price for the dozen calls of
-a block (norms, projections, rotary, attention, SwiGLU, residuals) was a third of
+a block (norms, projections, rotary, attention, gating, residuals) was a third of
 it. Here each block is one native call over every row of the batch, prompt
 chunks and decode rows alike, with each sequence's cache of that layer. Every row
 takes this path wherever it runs (alone, batched, chunked or replayed), so the
-bit-identity contracts hold.
+bit-identity contracts hold. The family's traits (``ModelSpec``) travel with each
+block's handle.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from meshnet.model.spec import ModelSpec
 from meshnet.model.weights import LayerWeights
 
 Handle = object  # an opaque capsule holding one block's weights
+Tables = tuple[np.ndarray, np.ndarray]  # cos, sin [T, rope pairs] of the step's rows
 
 
 class NativeBlocks:
@@ -32,42 +34,22 @@ class NativeBlocks:
 
     @staticmethod
     def of(
-        spec: ModelSpec,
-        blocks: Sequence[LayerWeights[QuantMatrix]],
-        fused: Sequence[tuple[QuantMatrix | None, QuantMatrix | None]],
+        spec: ModelSpec, first_layer: int, blocks: Sequence[LayerWeights[QuantMatrix]]
     ) -> NativeBlocks | None:
-        """Handles for every block, or None where the kernels are not built or a block
-        is not in the layouts they read (then every row takes the other path)."""
-        native = quant.NATIVE
-        if native is None or not blocks:
+        """Handles for every block, or None where the kernels are not built or a shape is
+        one they do not take (then every row takes the Python block path)."""
+        if quant.NATIVE is None or not blocks:
             return None
         handles: list[Handle] = []
-        for w, (qkv, gate_up) in zip(blocks, fused, strict=True):
-            mats = (qkv, w.wo, gate_up, w.w_down)
-            if any(m is None or m.kind == "f32" for m in mats):
-                return None
+        for i, w in enumerate(blocks):
             try:
-                handle = native.block(
-                    *(quant.native_args(m) for m in mats if m is not None),
-                    np.ascontiguousarray(w.attn_norm, dtype=np.float32),
-                    np.ascontiguousarray(w.ffn_norm, dtype=np.float32),
-                    spec.rms_eps,
-                    spec.n_heads,
-                    spec.n_kv_heads,
-                    spec.head_dim,
-                    spec.d_model,
-                    spec.d_ff,
-                    spec.rope_dim // 2,
-                )
-            except ValueError:  # a shape the kernels do not take (heads, widths)
+                handles.append(_handle(spec, first_layer + i, w))
+            except ValueError:  # a shape the kernels do not take (heads, widths, types)
                 return None
-            handles.append(handle)
         return NativeBlocks(handles)
 
-    def run(
-        self, x: np.ndarray, batch: Sequence[BatchEntry], cos: np.ndarray, sin: np.ndarray
-    ) -> None:
-        """Every block over x [T, d] (in place), cos/sin [T, rope_dim/2]."""
+    def run(self, x: np.ndarray, batch: Sequence[BatchEntry], tables: Sequence[Tables]) -> None:
+        """Every block over x [T, d] (in place); ``tables[i]`` are block i's rotary tables."""
         native = quant.NATIVE
         assert native is not None  # handles exist only where it is built
         threads = numba.get_num_threads()
@@ -78,4 +60,45 @@ class NativeBlocks:
                 keys, values = e.kv.buffers(layer)
                 entries.append((keys, values, e.kv.length, e.n_new, row))
                 row += e.n_new
+            cos, sin = tables[layer]
             native.run_block(handle, x, cos, sin, entries, threads)
+
+
+def _handle(spec: ModelSpec, layer: int, w: LayerWeights[QuantMatrix]) -> Handle:
+    native = quant.NATIVE
+    assert native is not None
+    vectors = (
+        w.attn_norm,
+        w.ffn_norm,
+        w.qkv_bias,
+        w.q_norm,
+        w.k_norm,
+        w.post_attn_norm,
+        w.post_ffn_norm,
+    )
+    traits = (
+        spec.rope.style == "halves",
+        spec.ffn_activation == "gelu",
+        spec.attn_scale,
+        spec.attn_softcap,
+        spec.layer_window(layer),
+    )
+    return native.block(
+        _matrices(w.qkv),
+        quant.native_args(w.wo),
+        _matrices(w.gate_up),
+        quant.native_args(w.w_down),
+        tuple(None if v is None else np.ascontiguousarray(v, dtype=np.float32) for v in vectors),
+        spec.rms_eps,
+        spec.n_heads,
+        spec.n_kv_heads,
+        spec.head_dim,
+        spec.d_model,
+        spec.d_ff,
+        spec.layer_rope(layer).pairs,
+        traits,
+    )
+
+
+def _matrices(parts: tuple[QuantMatrix, ...]) -> tuple[tuple[np.ndarray, int, int, int], ...]:
+    return tuple(quant.native_args(p) for p in parts)

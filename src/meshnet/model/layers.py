@@ -1,4 +1,4 @@
-"""The llama block's math in numpy, float32, one function per equation.
+"""The decoder block's math in numpy, float32, one function per equation.
 
 Shapes: ``T`` rows of new tokens, ``d`` model width, ``H`` query heads,
 ``Hkv`` key/value heads, ``g = H / Hkv`` query heads per kv head, ``hd`` head
@@ -10,56 +10,49 @@ from __future__ import annotations
 import numpy as np
 
 F32 = np.float32
+_GELU_C = F32(np.sqrt(2.0 / np.pi))
+_GELU_A = F32(0.044715)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm (Zhang & Sennrich 2019): ``x / rms(x) * weight``; x [T, d]."""
-    variance = np.mean(x * x, axis=-1, keepdims=True, dtype=F32)  # [T, 1]
+    """RMSNorm (Zhang & Sennrich 2019) over the last axis: ``x / rms(x) * weight``."""
+    variance = np.mean(x * x, axis=-1, keepdims=True, dtype=F32)  # [..., 1]
     return (x * (F32(1.0) / np.sqrt(variance + F32(eps)))) * weight
 
 
-def rope_inv_freq(rope_dim: int, base: float) -> np.ndarray:
-    """Rotary frequencies ``base^(-2i / rope_dim)`` for i < rope_dim / 2, float32."""
-    exponents = np.arange(0, rope_dim, 2, dtype=np.int64).astype(F32) / F32(rope_dim)
-    return (F32(1.0) / (F32(base) ** exponents)).astype(F32)  # [rope_dim / 2]
-
-
-def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
-    """Rotary embedding (Su et al. 2021), adjacent-pair variant, on x [T, heads, hd].
-
-    GGUF llama weights are permuted at conversion so that rotating pairs
-    ``(2i, 2i + 1)`` here equals the half-split rotation of the original
-    checkpoint. Only the first ``2 * len(inv_freq)`` dims of each head rotate.
-    """
-    angles = positions.astype(F32)[:, None] * inv_freq[None, :]  # [T, rope_dim / 2]
-    cos = np.cos(angles)[:, None, :]  # [T, 1, rope_dim / 2]
-    sin = np.sin(angles)[:, None, :]
-    n = 2 * inv_freq.shape[0]
-    even, odd = x[..., 0:n:2], x[..., 1:n:2]  # [T, heads, rope_dim / 2]
-    out = x.copy()
-    out[..., 0:n:2] = even * cos - odd * sin
-    out[..., 1:n:2] = even * sin + odd * cos
-    return out
-
-
 def causal_attention(
-    q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_pos: int
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    first_pos: int,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> np.ndarray:
     """Scaled dot-product attention of one sequence's new queries over its cache.
 
     q [n, H, hd] for positions ``first_pos .. first_pos + n - 1``; keys and
     values [Hkv, L, hd] with ``L = first_pos + n``. Query head ``h`` reads kv
-    head ``h // g``. Returns [n, H * hd].
+    head ``h // g``. Scores are ``q . k * scale`` (default ``1 / sqrt(hd)``),
+    soft-capped as ``c * tanh(s / c)`` when ``softcap`` is ``c > 0``; with a
+    ``window`` a query sees only the last ``window`` positions, itself included.
+    Returns [n, H * hd].
     """
     n, n_heads, hd = q.shape
     n_kv, length, _ = keys.shape
     g = n_heads // n_kv
+    scale = 1.0 / np.sqrt(hd) if scale is None else scale
     qg = q.transpose(1, 0, 2).reshape(n_kv, g * n, hd)  # [Hkv, g*n, hd]
-    scores = (qg @ keys.transpose(0, 2, 1)) * F32(1.0 / np.sqrt(hd))  # [Hkv, g*n, L]
+    scores = (qg @ keys.transpose(0, 2, 1)) * F32(scale)  # [Hkv, g*n, L]
+    if softcap > 0:
+        scores = F32(softcap) * np.tanh(scores / F32(softcap))
     scores = scores.reshape(n_kv, g, n, length)
     query_pos = first_pos + np.arange(n)[:, None]  # [n, 1]
-    future = np.arange(length)[None, :] > query_pos  # [n, L]
-    scores = np.where(future, F32(-np.inf), scores)
+    key_pos = np.arange(length)[None, :]  # [1, L]
+    hidden = key_pos > query_pos  # [n, L]
+    if window > 0:
+        hidden |= query_pos - key_pos >= window
+    scores = np.where(hidden, F32(-np.inf), scores)
     probs = softmax(scores)  # [Hkv, g, n, L]
     out = probs.reshape(n_kv, g * n, length) @ values  # [Hkv, g*n, hd]
     return out.reshape(n_heads, n, hd).transpose(1, 0, 2).reshape(n, n_heads * hd)
@@ -76,8 +69,18 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (F32(1.0) + np.exp(-x))
 
 
-def swiglu_ffn(
-    x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray
-) -> np.ndarray:
-    """SwiGLU feed-forward (Shazeer 2020): ``(silu(x Wg) * (x Wu)) Wd``; x [T, d]."""
-    return (silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T  # [T, d]
+def gelu(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (Hendrycks & Gimpel 2016), as Gemma and llama.cpp use it."""
+    return F32(0.5) * x * (F32(1.0) + np.tanh(_GELU_C * (x + _GELU_A * x * x * x)))
+
+
+def gated(gate_up: np.ndarray, activation: str) -> np.ndarray:
+    """``act(gate) * up`` for gate_up [T, 2 d_ff] = [gate | up]: the gated FFN's middle."""
+    d_ff = gate_up.shape[1] // 2
+    act = gelu if activation == "gelu" else silu
+    return act(gate_up[:, :d_ff]) * gate_up[:, d_ff:]  # [T, d_ff]
+
+
+def soft_cap(x: np.ndarray, cap: float) -> np.ndarray:
+    """``cap * tanh(x / cap)`` (Gemma 2's logit capping); x itself when cap is 0."""
+    return F32(cap) * np.tanh(x / F32(cap)) if cap > 0 else x

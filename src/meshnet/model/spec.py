@@ -1,13 +1,23 @@
-"""The hyperparameters of a llama-family model, read from GGUF metadata."""
+"""The hyperparameters of a model, read from GGUF metadata for any supported family.
+
+Common keys are read here under the file's architecture prefix; what a family
+does differently comes from its module in ``model/arch`` as data.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from meshnet.errors import ModelFileError, UnsupportedArchitecture
+from meshnet.model.arch import Architecture, FfnActivation, Shape, architecture
 from meshnet.model.gguf_file import GGUFFile
+from meshnet.model.rope import Rope
 
-SUPPORTED_ARCHITECTURES = frozenset({"llama"})
+_Key = Callable[[str], str]  # a key under the architecture's prefix
+_SCALINGS = frozenset({"none", "linear"})  # rope.scaling.type values we compute exactly
 
 
 @dataclass(frozen=True)
@@ -20,61 +30,165 @@ class ModelSpec:
     d_ff: int  # feed-forward hidden width
     n_heads: int  # query heads
     n_kv_heads: int  # key/value heads (grouped-query attention when fewer)
-    head_dim: int
-    rope_dim: int  # leading dims of each head that are rotated
-    rope_base: float
+    head_dim: int  # width of one head (may differ from d_model / n_heads)
     rms_eps: float
     vocab_size: int
     context_length: int
     tied_head: bool  # the output head reuses the token embedding
     bos_id: int | None
     eos_id: int
+    rope: Rope  # global layers' rotary
+    rope_local: Rope  # windowed layers' rotary (the same as ``rope`` in most families)
+    window: int = 0  # sliding-window length of windowed layers; 0: none
+    windowed: tuple[bool, ...] = ()  # per layer: attends only the last ``window`` positions
+    attn_scale: float = 0.0  # scores = q . k * attn_scale
+    attn_softcap: float = 0.0  # scores = c * tanh(scores / c) when c > 0
+    final_softcap: float = 0.0  # logits = c * tanh(logits / c) when c > 0
+    embed_scale: float = 1.0  # token embeddings are multiplied by this
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary
+    post_norms: bool = False  # RMSNorm of attention / FFN outputs before the residual
+    ffn_activation: FfnActivation = "silu"
+    fused_gate_up: bool = False  # ffn_up is [gate | up]
+    fused_qkv: bool = False  # one attn_qkv matrix instead of attn_q/k/v
+    qkv_bias: bool = False  # the Q/K/V projections add biases
 
     @property
     def kv_width(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    @property
+    def q_width(self) -> int:
+        return self.n_heads * self.head_dim
+
+    def layer_rope(self, layer: int) -> Rope:
+        """The rotary of model layer ``layer``."""
+        return self.rope_local if self.is_windowed(layer) else self.rope
+
+    def is_windowed(self, layer: int) -> bool:
+        return bool(self.windowed) and self.windowed[layer]
+
+    def layer_window(self, layer: int) -> int:
+        """Positions model layer ``layer`` attends back over (itself included); 0: all."""
+        return self.window if self.is_windowed(layer) else 0
+
 
 def read_spec(f: GGUFFile) -> ModelSpec:
-    """Build the ``ModelSpec`` of ``f``; raise on an architecture other than llama."""
-    arch = str(f.value("general.architecture"))
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitecture(
-            f"{f.path.name}: architecture {arch!r} is not supported "
-            f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
-        )
-    d_model = int(f.value(f"{arch}.embedding_length"))
-    n_heads = int(f.value(f"{arch}.attention.head_count"))
-    n_kv_heads = int(f.value_or(f"{arch}.attention.head_count_kv", n_heads))
-    if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads or d_model % n_heads:
-        raise ModelFileError(
-            f"{f.path.name}: inconsistent heads (d={d_model}, heads={n_heads}, kv={n_kv_heads})"
-        )
-    head_dim = d_model // n_heads
+    """Build the ``ModelSpec`` of ``f``; raise on an unsupported architecture or bad values."""
+    name = str(f.value("general.architecture"))
+    arch = architecture(name, f.path.name)
+
+    def key(k: str) -> str:
+        return f"{name}.{k}"
+
+    d_model = _int(f, key("embedding_length"))
+    n_heads = _int(f, key("attention.head_count"))
+    n_kv_heads = _int(f, key("attention.head_count_kv"), n_heads)
+    if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
+        raise ModelFileError(f"{f.path.name}: inconsistent heads ({n_heads} / {n_kv_heads} kv)")
+    default_hd = d_model // n_heads if d_model % n_heads == 0 else 0
+    head_dim = _int(f, key("attention.key_length"), default_hd)
+    if head_dim <= 0 or _int(f, key("attention.value_length"), head_dim) != head_dim:
+        raise ModelFileError(f"{f.path.name}: keys and values must have one positive head width")
+    n_layers = _int(f, key("block_count"))
+    if n_layers <= 0:
+        raise ModelFileError(f"{f.path.name}: block_count must be positive")
+    shape = Shape(n_layers, d_model, n_heads, head_dim)
     tensors = f.tensors
     vocab = tensors.get("token_embd.weight")
     if vocab is None:
         raise ModelFileError(f"{f.path.name}: tensor 'token_embd.weight' is missing")
-    spec = ModelSpec(
-        architecture=arch,
-        n_layers=int(f.value(f"{arch}.block_count")),
+    rope = _read_rope(f, arch, key, head_dim)
+    window, windowed = _read_windows(f, arch, key, n_layers)
+    return ModelSpec(
+        architecture=name,
+        n_layers=n_layers,
         d_model=d_model,
-        d_ff=int(f.value(f"{arch}.feed_forward_length")),
+        d_ff=_int(f, key("feed_forward_length")),
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        rope_dim=int(f.value_or(f"{arch}.rope.dimension_count", head_dim)),
-        rope_base=float(f.value_or(f"{arch}.rope.freq_base", 10000.0)),
-        rms_eps=float(f.value(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rms_eps=float(f.value(key("attention.layer_norm_rms_epsilon"))),
         vocab_size=int(vocab.shape[1]),
-        context_length=int(f.value_or(f"{arch}.context_length", 2048)),
+        context_length=_int(f, key("context_length"), 2048),
         tied_head="output.weight" not in tensors,
         bos_id=_optional_int(f, "tokenizer.ggml.bos_token_id"),
         eos_id=int(f.value("tokenizer.ggml.eos_token_id")),
+        rope=rope,
+        rope_local=_local_rope(f, arch, key, rope) if windowed else rope,
+        window=window,
+        windowed=windowed,
+        attn_scale=arch.attention_scale(shape),
+        attn_softcap=float(f.value_or(key("attn_logit_softcapping"), arch.default_attn_softcap)),
+        final_softcap=float(f.value_or(key("final_logit_softcapping"), 0.0)),
+        embed_scale=float(np.sqrt(np.float32(d_model))) if arch.scale_embedding else 1.0,
+        qk_norm=arch.qk_norm,
+        post_norms=arch.post_norms,
+        ffn_activation=arch.ffn_activation,
+        fused_gate_up=arch.fused_gate_up,
+        fused_qkv="blk.0.attn_qkv.weight" in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
     )
-    if spec.n_layers <= 0 or spec.rope_dim > head_dim or spec.rope_dim % 2:
-        raise ModelFileError(f"{f.path.name}: inconsistent hyperparameters {spec}")
-    return spec
+
+
+def _read_rope(f: GGUFFile, arch: Architecture, key: _Key, head_dim: int) -> Rope:
+    dim = _int(f, key("rope.dimension_count"), head_dim)
+    if dim <= 0 or dim > head_dim or dim % 2:
+        raise ModelFileError(f"{f.path.name}: rope dimension {dim} does not fit {head_dim}")
+    scaling = str(f.value_or(key("rope.scaling.type"), "linear"))
+    if scaling not in _SCALINGS:
+        raise UnsupportedArchitecture(f"{f.path.name}: rope scaling {scaling!r} is not supported")
+    factor = float(f.value_or(key("rope.scaling.factor"), f.value_or(key("rope.scale_linear"), 0)))
+    scale = 1.0 / factor if factor and scaling == "linear" else 1.0
+    factors = None
+    freqs = f.tensors.get("rope_freqs.weight") if arch.rope_freqs else None
+    if freqs is not None:
+        values = np.asarray(freqs.data, dtype=np.float32).reshape(-1)
+        if values.size != dim // 2 or not np.all(np.isfinite(values)) or np.any(values <= 0):
+            raise ModelFileError(f"{f.path.name}: rope_freqs must hold {dim // 2} positive factors")
+        factors = tuple(float(v) for v in values)
+    if "blk.0.rope_factors_long.weight" in f.tensors:
+        raise UnsupportedArchitecture(f"{f.path.name}: LongRoPE factors are not supported")
+    base = float(f.value_or(key("rope.freq_base"), 10000.0))
+    return Rope(arch.rope_style, dim, base, scale, factors)
+
+
+def _local_rope(f: GGUFFile, arch: Architecture, key: _Key, rope: Rope) -> Rope:
+    """Windowed layers' rotary: the global one unless the family or the file gives them
+    their own base (then unscaled, as llama.cpp has it)."""
+    if arch.local_rope_base is None:
+        return replace(rope, base=float(f.value_or(key("rope.freq_base_swa"), rope.base)))
+    base = float(f.value_or(key("rope.freq_base_swa"), arch.local_rope_base))
+    return Rope(rope.style, rope.dim, base)
+
+
+def _read_windows(
+    f: GGUFFile, arch: Architecture, key: _Key, n_layers: int
+) -> tuple[int, tuple[bool, ...]]:
+    """The window length and which layers use it (llama.cpp's ``set_swa_pattern``)."""
+    if not arch.window_pattern:
+        return 0, ()
+    window = _int(f, key("attention.sliding_window"), arch.default_window)
+    if window <= 0:
+        return 0, ()
+    pattern = f.value_or(key("attention.sliding_window_pattern"), arch.window_pattern)
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise ModelFileError(f"{f.path.name}: sliding_window_pattern must list every layer")
+        return window, tuple(bool(p) for p in pattern)
+    n = int(pattern)
+    return window, tuple(n == 0 or i % n < n - 1 for i in range(n_layers))
+
+
+def _int(f: GGUFFile, key: str, default: int | None = None) -> int:
+    raw = f.value(key) if default is None else f.value_or(key, default)
+    if isinstance(raw, list):  # per-layer arrays: meshnet runs uniform layers only
+        if not raw or len(set(raw)) != 1:
+            raise ModelFileError(f"{f.path.name}: {key} differs between layers")
+        raw = raw[0]
+    try:
+        return int(raw)
+    except (TypeError, ValueError) as e:
+        raise ModelFileError(f"{f.path.name}: {key} is not an integer") from e
 
 
 def _optional_int(f: GGUFFile, key: str) -> int | None:

@@ -52,17 +52,22 @@ MatrixReader = Callable[[GGUFFile, gguf.ReaderTensor, tuple[int, int]], W]
 
 @dataclass(frozen=True)
 class LayerWeights(Generic[W]):
-    """One transformer block. Matrices are ``[out, in]`` so that ``y = x @ W.T``."""
+    """One transformer block. Matrices are ``[out, in]`` so that ``y = x @ W.T``.
+
+    Optional parts are None where the family has none (``ModelSpec`` says which).
+    """
 
     attn_norm: FloatArray  # [d]
-    wq: W  # [n_heads * head_dim, d]
-    wk: W  # [n_kv_heads * head_dim, d]
-    wv: W  # [n_kv_heads * head_dim, d]
-    wo: W  # [d, n_heads * head_dim]
+    qkv: tuple[W, ...]  # (wq, wk, wv), or one fused [q | k | v] matrix; q: [H * hd, d]
+    wo: W  # [d, H * hd]
     ffn_norm: FloatArray  # [d]
-    w_gate: W  # [d_ff, d]
-    w_up: W  # [d_ff, d]
+    gate_up: tuple[W, ...]  # (w_gate, w_up) [d_ff, d] each, or one fused [gate | up]
     w_down: W  # [d, d_ff]
+    qkv_bias: FloatArray | None = None  # [q | k | v] widths
+    q_norm: FloatArray | None = None  # [hd], RMSNorm weight of each query head
+    k_norm: FloatArray | None = None  # [hd]
+    post_attn_norm: FloatArray | None = None  # [d]
+    post_ffn_norm: FloatArray | None = None  # [d]
 
 
 @dataclass(frozen=True)
@@ -124,18 +129,38 @@ def _load_block(
     spec: ModelSpec,
     i: int,
 ) -> LayerWeights[W]:
-    d, q_width, kv_width = spec.d_model, spec.n_heads * spec.head_dim, spec.kv_width
+    d, q_width, kv_width, hd = spec.d_model, spec.q_width, spec.kv_width, spec.head_dim
     p = f"blk.{i}."
+    widths = (q_width, kv_width, kv_width)
+    if spec.fused_qkv:
+        qkv: tuple[W, ...] = (mat(p + "attn_qkv.weight", (sum(widths), d)),)
+    else:
+        qkv = tuple(mat(p + f"attn_{n}.weight", (w, d)) for n, w in zip("qkv", widths, strict=True))
+    bias = None
+    if spec.qkv_bias:
+        if spec.fused_qkv:
+            bias = vector(p + "attn_qkv.bias", sum(widths))
+        else:
+            parts = [vector(p + f"attn_{n}.bias", w) for n, w in zip("qkv", widths, strict=True)]
+            bias = np.concatenate(parts)
+            bias.setflags(write=False)
+    if spec.fused_gate_up:
+        gate_up: tuple[W, ...] = (mat(p + "ffn_up.weight", (2 * spec.d_ff, d)),)
+    else:
+        gate_up = tuple(mat(p + f"ffn_{n}.weight", (spec.d_ff, d)) for n in ("gate", "up"))
+    post = spec.post_norms
     return LayerWeights(
         attn_norm=vector(p + "attn_norm.weight", d),
-        wq=mat(p + "attn_q.weight", (q_width, d)),
-        wk=mat(p + "attn_k.weight", (kv_width, d)),
-        wv=mat(p + "attn_v.weight", (kv_width, d)),
+        qkv=qkv,
         wo=mat(p + "attn_output.weight", (d, q_width)),
         ffn_norm=vector(p + "ffn_norm.weight", d),
-        w_gate=mat(p + "ffn_gate.weight", (spec.d_ff, d)),
-        w_up=mat(p + "ffn_up.weight", (spec.d_ff, d)),
+        gate_up=gate_up,
         w_down=mat(p + "ffn_down.weight", (d, spec.d_ff)),
+        qkv_bias=bias,
+        q_norm=vector(p + "attn_q_norm.weight", hd) if spec.qk_norm else None,
+        k_norm=vector(p + "attn_k_norm.weight", hd) if spec.qk_norm else None,
+        post_attn_norm=vector(p + "post_attention_norm.weight", d) if post else None,
+        post_ffn_norm=vector(p + "post_ffw_norm.weight", d) if post else None,
     )
 
 

@@ -60,21 +60,26 @@ static void softmax(float *scores, Py_ssize_t n) {
     for (Py_ssize_t j = 0; j < n; j++) scores[j] = scores[j] / sum;
 }
 
-/* Row ``i`` of sequence ``s``, head ``h``: softmax(q K^T / sqrt(hd)) V over positions
- * 0 .. first + i, each output element one FMA chain over the positions in order.
- * ``scores`` has room for every visible position. */
+/* Row ``i`` of sequence ``s``, head ``h``: softmax of its scores (q . k * scale, soft-capped
+ * when the family says so) times V over its visible positions (0 .. first + i, or the
+ * last ``window`` of them), each output element one FMA chain over the positions in
+ * order. ``scores`` has room for every visible position. */
 static void attend_pair(const heads_t *sh, const float *qs, float *outs, const seq_t *s,
                         Py_ssize_t i, int h, float *scores) {
     const int hd = sh->hd, kv = h / (sh->n_heads / sh->n_kv);
-    const Py_ssize_t visible = s->first + i + 1, row = s->row + i;
+    const Py_ssize_t end = s->first + i + 1, row = s->row + i;
+    const Py_ssize_t start = sh->window > 0 && end > sh->window ? end - sh->window : 0;
+    const Py_ssize_t visible = end - start;
     const float *q = qs + (row * sh->n_heads + h) * hd;
-    const float *keys = s->keys + kv * s->capacity * hd;
-    const float *values = s->values + kv * s->capacity * hd;
-    const float scale = 1.0f / sqrtf((float)hd);
+    const float *keys = s->keys + (kv * s->capacity + start) * hd;
+    const float *values = s->values + (kv * s->capacity + start) * hd;
+    const float scale = sh->scale, cap = sh->softcap;
     Py_ssize_t j = 0;
     for (; j + 4 <= visible; j += 4) dot4(q, keys + j * hd, hd, scores + j);
     for (; j < visible; j++) scores[j] = dot(q, keys + j * hd, hd);
     for (j = 0; j < visible; j++) scores[j] = scores[j] * scale;
+    if (cap > 0)
+        for (j = 0; j < visible; j++) scores[j] = cap * tanhf(scores[j] / cap);
     softmax(scores, visible);
     float *out = outs + (row * sh->n_heads + h) * hd;
     for (int c0 = 0; c0 < hd; c0 += 64) { /* up to eight 8-lane chains in registers */

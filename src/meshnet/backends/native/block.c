@@ -1,7 +1,8 @@
 /*
  * One transformer block for a batch's rows (prompt chunks and decode rows), in one call:
- * RMS norm, fused Q/K/V, rotary embedding, attention over each sequence's cache, output
- * projection, RMS norm, fused gate/up, SwiGLU, down projection, both residuals. Every row
+ * RMS norm, Q/K/V (fused or not, biases), per-head Q/K norms, rotary embedding, attention
+ * over each sequence's cache, output projection, RMS norm, gate/up, SiLU or GELU gating,
+ * down projection, the post-norms where the family has them, both residuals. Every row
  * goes through the same operations whatever the batch, so this stays as repeatable as
  * its parts; it exists because a decode step is too small to pay Python's price for a
  * dozen calls per block.
@@ -31,36 +32,90 @@ static void rms_norm(const float *x, const float *w, Py_ssize_t T, Py_ssize_t d,
 }
 
 void rope(float *x, Py_ssize_t T, int heads, int hd, Py_ssize_t pairs, const float *cos,
-          const float *sin) {
+          const float *sin, int halves) {
+    const Py_ssize_t step = halves ? 1 : 2, other = halves ? pairs : 1;
     for (Py_ssize_t t = 0; t < T; t++)
         for (int h = 0; h < heads; h++) {
             float *v = x + (t * heads + h) * hd;
             for (Py_ssize_t i = 0; i < pairs; i++) {
                 const float c = cos[t * pairs + i], s = sin[t * pairs + i];
-                const float even = v[2 * i], odd = v[2 * i + 1];
-                v[2 * i] = even * c - odd * s;
-                v[2 * i + 1] = even * s + odd * c;
+                float *a = v + step * i, *b = a + other;
+                const float first = *a, second = *b;
+                *a = first * c - second * s;
+                *b = first * s + second * c;
             }
         }
 }
 
-void swiglu(const float *gu, Py_ssize_t T, Py_ssize_t d_ff, float *act, int threads) {
+/* GELU's tanh approximation, 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), with
+ * tanh(y) = 1 - 2 / (e^2y + 1). */
+static inline __m256 gelu256(__m256 g) {
+    const __m256 inner = _mm256_mul_ps(
+        _mm256_set1_ps(0.7978845608028654f),
+        _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f),
+                                       _mm256_mul_ps(g, _mm256_mul_ps(g, g)))));
+    const __m256 e = exp256(_mm256_add_ps(inner, inner));
+    const __m256 tanh = _mm256_sub_ps(
+        _mm256_set1_ps(1.0f),
+        _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g),
+                         _mm256_add_ps(_mm256_set1_ps(1.0f), tanh));
+}
+
+static inline __m256 silu256(__m256 g) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+void glu(const float *gate, const float *up, Py_ssize_t stride, Py_ssize_t T, Py_ssize_t d_ff,
+         float *act, int gelu, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (Py_ssize_t t = 0; t < T; t++) {
-        const float *gate = gu + t * 2 * d_ff, *up = gate + d_ff;
+        const float *g = gate + t * stride, *u = up + t * stride;
         Py_ssize_t c = 0;
         for (; c + 8 <= d_ff; c += 8) {
-            const __m256 g = _mm256_loadu_ps(gate + c);
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
-            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            _mm256_storeu_ps(act + t * d_ff + c, _mm256_mul_ps(silu, _mm256_loadu_ps(up + c)));
+            const __m256 x = _mm256_loadu_ps(g + c);
+            const __m256 a = gelu ? gelu256(x) : silu256(x);
+            _mm256_storeu_ps(act + t * d_ff + c, _mm256_mul_ps(a, _mm256_loadu_ps(u + c)));
         }
-        for (; c < d_ff; c++) act[t * d_ff + c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
+        for (; c < d_ff; c++) { /* the same arithmetic, one lane */
+            float lanes[8] = {g[c]};
+            const __m256 x = _mm256_loadu_ps(lanes);
+            _mm256_storeu_ps(lanes, gelu ? gelu256(x) : silu256(x));
+            act[t * d_ff + c] = lanes[0] * u[c];
+        }
     }
 }
 
 static void add_into(float *x, const float *y, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) x[i] += y[i];
+}
+
+/* q, k, v [T, heads, hd] from the block's Q/K/V projection of h, biases added. */
+static int project_qkv(const block_t *b, const float *h, Py_ssize_t T, float *qkv, float *q,
+                       float *k, float *v, int threads) {
+    const heads_t *hs = &b->heads;
+    const Py_ssize_t qw = (Py_ssize_t)hs->n_heads * hs->hd, kw = (Py_ssize_t)hs->n_kv * hs->hd;
+    const Py_ssize_t width = qw + 2 * kw;
+    if (b->n_qkv == 1) {
+        if (qmatmul(&b->qkv[0], h, T, qkv, threads) < 0) return -1;
+        for (Py_ssize_t t = 0; t < T; t++) {
+            memcpy(q + t * qw, qkv + t * width, qw * sizeof(float));
+            memcpy(k + t * kw, qkv + t * width + qw, kw * sizeof(float));
+            memcpy(v + t * kw, qkv + t * width + qw + kw, kw * sizeof(float));
+        }
+    } else if (qmatmul(&b->qkv[0], h, T, q, threads) < 0 ||
+               qmatmul(&b->qkv[1], h, T, k, threads) < 0 ||
+               qmatmul(&b->qkv[2], h, T, v, threads) < 0) {
+        return -1;
+    }
+    if (b->qkv_bias != NULL)
+        for (Py_ssize_t t = 0; t < T; t++) {
+            add_into(q + t * qw, b->qkv_bias, qw);
+            add_into(k + t * kw, b->qkv_bias + qw, kw);
+            add_into(v + t * kw, b->qkv_bias + qw + kw, kw);
+        }
+    return 0;
 }
 
 int forward_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, const float *sin,
@@ -78,23 +133,31 @@ int forward_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, co
     int status = -1;
 
     rms_norm(x, b->attn_norm, T, d, b->eps, h);
-    if (qmatmul(&b->qkv, h, T, qkv, threads) < 0) goto done;
-    for (Py_ssize_t t = 0; t < T; t++) {
-        memcpy(q + t * qw, qkv + t * width, qw * sizeof(float));
-        memcpy(k + t * kw, qkv + t * width + qw, kw * sizeof(float));
-        memcpy(v + t * kw, qkv + t * width + qw + kw, kw * sizeof(float));
+    if (project_qkv(b, h, T, qkv, q, k, v, threads) < 0) goto done;
+    if (b->q_norm != NULL) { /* each head its own row */
+        rms_norm(q, b->q_norm, T * hs->n_heads, hs->hd, b->eps, q);
+        rms_norm(k, b->k_norm, T * hs->n_kv, hs->hd, b->eps, k);
     }
-    rope(q, T, hs->n_heads, hs->hd, b->rope_pairs, cos, sin);
-    rope(k, T, hs->n_kv, hs->hd, b->rope_pairs, cos, sin);
+    rope(q, T, hs->n_heads, hs->hd, b->rope_pairs, cos, sin, b->rope_halves);
+    rope(k, T, hs->n_kv, hs->hd, b->rope_pairs, cos, sin, b->rope_halves);
     if (attend_rows(hs, q, k, v, attn, seqs, n, threads) < 0) goto done;
     if (qmatmul(&b->wo, attn, T, o, threads) < 0) goto done;
+    if (b->post_attn_norm != NULL) rms_norm(o, b->post_attn_norm, T, d, b->eps, o);
     add_into(x, o, T * d);
 
     float *gu = buf + T * d, *act = gu + T * 2 * b->d_ff;
     rms_norm(x, b->ffn_norm, T, d, b->eps, h);
-    if (qmatmul(&b->gate_up, h, T, gu, threads) < 0) goto done;
-    swiglu(gu, T, b->d_ff, act, threads);
+    if (b->n_gate_up == 1) {
+        if (qmatmul(&b->gate_up[0], h, T, gu, threads) < 0) goto done;
+        glu(gu, gu + b->d_ff, 2 * b->d_ff, T, b->d_ff, act, b->gelu, threads);
+    } else {
+        float *gate = gu, *up = gu + T * b->d_ff;
+        if (qmatmul(&b->gate_up[0], h, T, gate, threads) < 0) goto done;
+        if (qmatmul(&b->gate_up[1], h, T, up, threads) < 0) goto done;
+        glu(gate, up, b->d_ff, T, b->d_ff, act, b->gelu, threads);
+    }
     if (qmatmul(&b->down, act, T, h, threads) < 0) goto done;
+    if (b->post_ffn_norm != NULL) rms_norm(h, b->post_ffn_norm, T, d, b->eps, h);
     add_into(x, h, T * d);
     status = 0;
 done:

@@ -3,6 +3,8 @@
  * Every size is checked against the shapes before any kernel runs, so a bad call
  * raises ValueError and writes nothing.
  */
+#include <math.h>
+
 #include "native.h"
 
 /* None, or MemoryError where a kernel ran out of memory. */
@@ -150,6 +152,10 @@ static int check_heads(const heads_t *h) {
         PyErr_SetString(PyExc_ValueError, "heads must be whole groups of a multiple of 8");
         return -1;
     }
+    if (!(h->scale > 0) || !(h->softcap >= 0) || h->window < 0) {
+        PyErr_SetString(PyExc_ValueError, "attention scale, soft-cap or window out of range");
+        return -1;
+    }
     return 0;
 }
 
@@ -157,11 +163,13 @@ static PyObject *attend(PyObject *self, PyObject *args) {
     Py_buffer q, k, v, out;
     PyObject *entries;
     Py_ssize_t T;
-    heads_t h;
+    heads_t h = {0, 0, 0, 0.0f, 0.0f, 0};
     int threads;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*Oniiii", &q, &k, &v, &out, &entries, &T, &h.n_heads,
-                          &h.n_kv, &h.hd, &threads))
+    float scale = -1.0f;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*Oniiii|ffn", &q, &k, &v, &out, &entries, &T, &h.n_heads,
+                          &h.n_kv, &h.hd, &threads, &scale, &h.softcap, &h.window))
         return NULL;
+    h.scale = scale < 0 ? 1.0f / sqrtf((float)h.hd) : scale;
     PyObject *result = NULL;
     entries_t es = {NULL, NULL, 0};
     if (check_heads(&h) < 0) goto done;
@@ -187,7 +195,7 @@ done:
 }
 
 /* A block's weights held for forward_block: the views keep the arrays alive. */
-#define BLOCK_VIEWS 6
+#define BLOCK_VIEWS 14
 typedef struct {
     block_t b;
     Py_buffer views[BLOCK_VIEWS];
@@ -196,11 +204,14 @@ typedef struct {
 
 static const char *BLOCK_CAPSULE = "meshnet.native.block";
 
-static void free_block(PyObject *capsule) {
-    held_block_t *hb = PyCapsule_GetPointer(capsule, BLOCK_CAPSULE);
-    if (hb == NULL) return;
+static void release_block(held_block_t *hb) {
     for (int i = 0; i < hb->held; i++) PyBuffer_Release(&hb->views[i]);
     PyMem_Free(hb);
+}
+
+static void free_block(PyObject *capsule) {
+    held_block_t *hb = PyCapsule_GetPointer(capsule, BLOCK_CAPSULE);
+    if (hb != NULL) release_block(hb);
 }
 
 /* (packed, rows, nb, type) */
@@ -214,42 +225,84 @@ static int read_matrix(PyObject *spec, held_block_t *hb, qmat_t *w) {
     return check_matrix(w, v);
 }
 
+/* A tuple of 1 or ``most`` matrices into ws; their count into n. */
+static int read_parts(PyObject *parts, int most, held_block_t *hb, qmat_t *ws, int *n) {
+    if (!PyTuple_Check(parts) || (PyTuple_GET_SIZE(parts) != 1 && PyTuple_GET_SIZE(parts) != most)) {
+        PyErr_SetString(PyExc_ValueError, "a projection is one fused matrix or all its parts");
+        return -1;
+    }
+    *n = (int)PyTuple_GET_SIZE(parts);
+    for (int i = 0; i < *n; i++)
+        if (read_matrix(PyTuple_GET_ITEM(parts, i), hb, &ws[i]) < 0) return -1;
+    return 0;
+}
+
+/* A float32 vector of ``size`` values, or NULL for None when ``optional``. */
+static int read_vector(PyObject *obj, Py_ssize_t size, int optional, held_block_t *hb,
+                       const float **out) {
+    *out = NULL;
+    if (obj == Py_None && optional) return 0;
+    Py_buffer *v = &hb->views[hb->held];
+    if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    hb->held++;
+    if (v->len != size * (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "a norm or bias vector does not fit the block");
+        return -1;
+    }
+    *out = v->buf;
+    return 0;
+}
+
+/* Every matrix's shape against the block's widths. */
+static int check_block_shapes(const block_t *b) {
+    const heads_t *h = &b->heads;
+    const Py_ssize_t qw = (Py_ssize_t)h->n_heads * h->hd, kw = (Py_ssize_t)h->n_kv * h->hd;
+    const Py_ssize_t qkv_rows[3] = {qw, kw, kw};
+    int ok = b->d >= 1 && b->d_ff >= 1 && b->rope_pairs >= 0 && 2 * b->rope_pairs <= h->hd &&
+             b->wo.rows == b->d && b->wo.nb * QK == qw && b->down.rows == b->d &&
+             b->down.nb * QK == b->d_ff;
+    for (int i = 0; i < b->n_qkv; i++)
+        ok = ok && b->qkv[i].nb * QK == b->d &&
+             b->qkv[i].rows == (b->n_qkv == 1 ? qw + 2 * kw : qkv_rows[i]);
+    for (int i = 0; i < b->n_gate_up; i++)
+        ok = ok && b->gate_up[i].nb * QK == b->d &&
+             b->gate_up[i].rows == (b->n_gate_up == 1 ? 2 * b->d_ff : b->d_ff);
+    if (!ok) PyErr_SetString(PyExc_ValueError, "the block's matrices do not fit its shape");
+    return ok ? 0 : -1;
+}
+
 static PyObject *block(PyObject *self, PyObject *args) {
-    PyObject *mats[4], *norms[2];
+    PyObject *qkv, *wo, *gate_up, *down, *vec[7];
     held_block_t *hb = PyMem_Calloc(1, sizeof(held_block_t));
     if (hb == NULL) return PyErr_NoMemory();
     block_t *b = &hb->b;
-    if (!PyArg_ParseTuple(args, "OOOOOOfiiinnn", &mats[0], &mats[1], &mats[2], &mats[3],
-                          &norms[0], &norms[1], &b->eps, &b->heads.n_heads, &b->heads.n_kv,
-                          &b->heads.hd, &b->d, &b->d_ff, &b->rope_pairs))
+    heads_t *h = &b->heads;
+    if (!PyArg_ParseTuple(args, "OOOO(OOOOOOO)fiiinnn(ppffn)", &qkv, &wo, &gate_up, &down,
+                          &vec[0], &vec[1], &vec[2], &vec[3], &vec[4], &vec[5], &vec[6],
+                          &b->eps, &h->n_heads, &h->n_kv, &h->hd, &b->d, &b->d_ff,
+                          &b->rope_pairs, &b->rope_halves, &b->gelu, &h->scale, &h->softcap,
+                          &h->window))
         goto fail;
-    qmat_t *ws[4] = {&b->qkv, &b->wo, &b->gate_up, &b->down};
-    for (int i = 0; i < 4; i++)
-        if (read_matrix(mats[i], hb, ws[i]) < 0) goto fail;
-    for (int i = 0; i < 2; i++) {
-        if (PyObject_GetBuffer(norms[i], &hb->views[hb->held], PyBUF_C_CONTIGUOUS) < 0) goto fail;
-        hb->held++;
-    }
-    b->attn_norm = hb->views[4].buf;
-    b->ffn_norm = hb->views[5].buf;
-    if (check_heads(&b->heads) < 0) goto fail;
-    const heads_t *h = &b->heads;
-    const Py_ssize_t qw = (Py_ssize_t)h->n_heads * h->hd, kw = (Py_ssize_t)h->n_kv * h->hd;
-    if (b->d < 1 || b->d_ff < 8 || b->d_ff % 8 || b->rope_pairs < 0 ||
-        2 * b->rope_pairs > h->hd || b->qkv.rows != qw + 2 * kw || b->qkv.nb * QK != b->d ||
-        b->wo.rows != b->d || b->wo.nb * QK != qw || b->gate_up.rows != 2 * b->d_ff ||
-        b->gate_up.nb * QK != b->d || b->down.rows != b->d || b->down.nb * QK != b->d_ff ||
-        hb->views[4].len != b->d * (Py_ssize_t)sizeof(float) ||
-        hb->views[5].len != b->d * (Py_ssize_t)sizeof(float)) {
-        PyErr_SetString(PyExc_ValueError, "the block's matrices do not fit its shape");
+    if (read_parts(qkv, 3, hb, b->qkv, &b->n_qkv) < 0 || read_matrix(wo, hb, &b->wo) < 0 ||
+        read_parts(gate_up, 2, hb, b->gate_up, &b->n_gate_up) < 0 ||
+        read_matrix(down, hb, &b->down) < 0)
+        goto fail;
+    if (check_heads(h) < 0 || check_block_shapes(b) < 0) goto fail;
+    const Py_ssize_t qkv_width = (Py_ssize_t)(h->n_heads + 2 * h->n_kv) * h->hd;
+    const Py_ssize_t sizes[7] = {b->d, b->d, qkv_width, h->hd, h->hd, b->d, b->d};
+    const float **slots[7] = {&b->attn_norm, &b->ffn_norm,     &b->qkv_bias,     &b->q_norm,
+                              &b->k_norm,    &b->post_attn_norm, &b->post_ffn_norm};
+    for (int i = 0; i < 7; i++)
+        if (read_vector(vec[i], sizes[i], i >= 2, hb, slots[i]) < 0) goto fail;
+    if ((b->q_norm == NULL) != (b->k_norm == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "queries and keys are normalised together or not");
         goto fail;
     }
     PyObject *capsule = PyCapsule_New(hb, BLOCK_CAPSULE, free_block);
     if (capsule == NULL) goto fail;
     return capsule;
 fail:
-    for (int i = 0; i < hb->held; i++) PyBuffer_Release(&hb->views[i]);
-    PyMem_Free(hb);
+    release_block(hb);
     return NULL;
 }
 
@@ -288,8 +341,8 @@ done:
 static PyObject *py_rope(PyObject *self, PyObject *args) {
     Py_buffer x, cos, sin;
     Py_ssize_t T, pairs;
-    int heads, hd;
-    if (!PyArg_ParseTuple(args, "w*y*y*niin", &x, &cos, &sin, &T, &heads, &hd, &pairs))
+    int heads, hd, halves = 0;
+    if (!PyArg_ParseTuple(args, "w*y*y*niin|p", &x, &cos, &sin, &T, &heads, &hd, &pairs, &halves))
         return NULL;
     PyObject *result = NULL;
     const Py_ssize_t table = T * pairs * (Py_ssize_t)sizeof(float);
@@ -300,7 +353,7 @@ static PyObject *py_rope(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    rope(x.buf, T, heads, hd, pairs, cos.buf, sin.buf);
+    rope(x.buf, T, heads, hd, pairs, cos.buf, sin.buf, halves);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
@@ -310,11 +363,11 @@ done:
     return result;
 }
 
-static PyObject *py_swiglu(PyObject *self, PyObject *args) {
+static PyObject *py_glu(PyObject *self, PyObject *args) {
     Py_buffer gu, act;
     Py_ssize_t T, d_ff;
-    int threads;
-    if (!PyArg_ParseTuple(args, "y*w*nni", &gu, &act, &T, &d_ff, &threads)) return NULL;
+    int threads, gelu = 0;
+    if (!PyArg_ParseTuple(args, "y*w*nni|p", &gu, &act, &T, &d_ff, &threads, &gelu)) return NULL;
     PyObject *result = NULL;
     if (T < 0 || d_ff < 0 || gu.len != 2 * T * d_ff * (Py_ssize_t)sizeof(float) ||
         act.len != T * d_ff * (Py_ssize_t)sizeof(float)) {
@@ -322,7 +375,8 @@ static PyObject *py_swiglu(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    swiglu(gu.buf, T, d_ff, act.buf, threads);
+    const float *gate = gu.buf;
+    glu(gate, gate + d_ff, 2 * d_ff, T, d_ff, act.buf, gelu, threads);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
@@ -341,22 +395,25 @@ static PyMethodDef methods[] = {
      "rows(packed, ids, out, rows, nb, type): out[i] = row ids[i] of the matrix as float32\n"
      "(ids int64), as gguf-py dequantizes it"},
     {"attend", attend, METH_VARARGS,
-     "attend(q, k, v, out, entries, T, n_heads, n_kv, head_dim, threads): store each\n"
-     "entry's new keys/values and attend its rows; entries are (keys, values, first,\n"
-     "count, row) with keys/values [n_kv, capacity, head_dim] float32, rows in order"},
+     "attend(q, k, v, out, entries, T, n_heads, n_kv, head_dim, threads, scale=1/sqrt(hd),\n"
+     "softcap=0, window=0): store each entry's new keys/values and attend its rows;\n"
+     "entries are (keys, values, first, count, row) with keys/values [n_kv, capacity,\n"
+     "head_dim] float32, rows in order"},
     {"block", block, METH_VARARGS,
-     "block(qkv, wo, gate_up, down, attn_norm, ffn_norm, eps, n_heads, n_kv, head_dim, d,\n"
-     "d_ff, rope_pairs): a handle on one block's weights, each matrix (packed, rows, nb,\n"
-     "type)"},
+     "block(qkv, wo, gate_up, down, (attn_norm, ffn_norm, qkv_bias, q_norm, k_norm,\n"
+     "post_attn_norm, post_ffn_norm), eps, n_heads, n_kv, head_dim, d, d_ff, rope_pairs,\n"
+     "(rope_halves, gelu, attn_scale, softcap, window)): a handle on one block's weights;\n"
+     "each matrix (packed, rows, nb, type), qkv and gate_up tuples of one fused matrix or\n"
+     "their parts, the vectors after ffn_norm None where the family has none"},
     {"run_block", run_block, METH_VARARGS,
      "run_block(block, x, cos, sin, entries, threads): x [T, d] += the block's output for\n"
      "T rows, prompt or decode (entries as for attend)"},
     {"rope", py_rope, METH_VARARGS,
-     "rope(x, cos, sin, T, heads, head_dim, pairs): adjacent-pair rotary embedding of\n"
-     "x [T, heads, head_dim] in place, cos/sin [T, pairs]"},
-    {"swiglu", py_swiglu, METH_VARARGS,
-     "swiglu(gate_up, out, T, d_ff, threads): out [T, d_ff] = silu(gate) * up, gate_up\n"
-     "[T, 2 d_ff] = [gate | up]"},
+     "rope(x, cos, sin, T, heads, head_dim, pairs, halves=False): rotary embedding of\n"
+     "x [T, heads, head_dim] in place, cos/sin [T, pairs]; pairs (2i, 2i+1) or (i, i+pairs)"},
+    {"glu", py_glu, METH_VARARGS,
+     "glu(gate_up, out, T, d_ff, threads, gelu=False): out [T, d_ff] = silu(gate) * up\n"
+     "(gelu(gate) * up), gate_up [T, 2 d_ff] = [gate | up]"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",

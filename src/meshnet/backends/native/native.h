@@ -99,8 +99,12 @@ typedef struct {
     Py_ssize_t row;   /* the first of them in the batch */
 } seq_t;
 
+/* The attention's shape and the family's rules for its scores. */
 typedef struct {
     int n_heads, n_kv, hd;
+    float scale;       /* scores = q . k * scale */
+    float softcap;     /* scores = softcap * tanh(scores / softcap) when > 0 */
+    Py_ssize_t window; /* > 0: a row sees only its last ``window`` positions, itself included */
 } heads_t;
 
 /* Stores each sequence's new keys/values (k, v [T, n_kv, hd]) in its cache, then
@@ -108,16 +112,24 @@ typedef struct {
 int attend_rows(const heads_t *h, const float *q, const float *k, const float *v, float *out,
                 const seq_t *seqs, Py_ssize_t n, int threads);
 
-/* One transformer block's weights. */
+/* One transformer block's weights and its family's traits. Optional vectors are NULL
+ * where the family has none. */
 typedef struct {
-    qmat_t qkv;     /* [q | k | v] rows */
-    qmat_t wo;      /* [d, n_heads * hd] */
-    qmat_t gate_up; /* [gate | up] rows, 2 * d_ff */
-    qmat_t down;    /* [d, d_ff] */
-    const float *attn_norm, *ffn_norm; /* [d] */
+    qmat_t qkv[3];     /* [q | k | v] rows fused (n_qkv 1), or q, k, v (n_qkv 3) */
+    int n_qkv;
+    qmat_t wo;         /* [d, n_heads * hd] */
+    qmat_t gate_up[2]; /* [gate | up] rows fused (n_gate_up 1), or gate, up (2) */
+    int n_gate_up;
+    qmat_t down;       /* [d, d_ff] */
+    const float *attn_norm, *ffn_norm;          /* [d] */
+    const float *qkv_bias;                      /* [q | k | v] widths, or NULL */
+    const float *q_norm, *k_norm;               /* [hd] RMSNorm of each head, or NULL */
+    const float *post_attn_norm, *post_ffn_norm; /* [d], or NULL */
     float eps;
     heads_t heads;
-    Py_ssize_t d, d_ff, rope_pairs; /* rope_pairs: rotated (even, odd) pairs per head */
+    Py_ssize_t d, d_ff, rope_pairs; /* rope_pairs: rotated pairs per head */
+    int rope_halves;                /* pairs are (i, i + rope_pairs), not (2i, 2i + 1) */
+    int gelu;                       /* the FFN gate's activation: GELU (tanh), not SiLU */
 } block_t;
 
 /* x [T, d] += the block's attention and feed-forward output for T rows at the
@@ -127,13 +139,15 @@ typedef struct {
 int forward_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, const float *sin,
                   const seq_t *seqs, Py_ssize_t n, int threads);
 
-/* Adjacent-pair rotary embedding, in place, of x [T, heads, hd]: the first ``pairs``
- * (even, odd) pairs of each head turned by cos, sin [T, pairs]. */
+/* Rotary embedding, in place, of x [T, heads, hd]: ``pairs`` pairs of each head turned by
+ * cos, sin [T, pairs]; the pairs are (2i, 2i + 1), or (i, i + pairs) with ``halves``. */
 void rope(float *x, Py_ssize_t T, int heads, int hd, Py_ssize_t pairs, const float *cos,
-          const float *sin);
+          const float *sin, int halves);
 
-/* act [T, d_ff] = silu(gate) * up for gu [T, 2 * d_ff] = [gate | up]. */
-void swiglu(const float *gu, Py_ssize_t T, Py_ssize_t d_ff, float *act, int threads);
+/* act [T, d_ff] = silu(gate) * up (gelu(gate) * up with ``gelu``); row t's gate at
+ * gate + t * stride, its up at up + t * stride. */
+void glu(const float *gate, const float *up, Py_ssize_t stride, Py_ssize_t T, Py_ssize_t d_ff,
+         float *act, int gelu, int threads);
 
 /* e^x for every lane: range reduction by ln 2 and a degree-6 polynomial, ~1 ulp; lanes
  * below -87 or above 88 are taken as those limits. */

@@ -1,0 +1,27 @@
+"""The model families meshnet runs, one module each, and the registry naming them.
+
+Adding a family is its module and one line here.
+"""
+
+from __future__ import annotations
+
+from meshnet.errors import UnsupportedArchitecture
+from meshnet.model.arch import gemma, llama, phi3, qwen2, qwen3
+from meshnet.model.arch.base import Architecture, FfnActivation, Shape
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a for a in (llama.ARCH, qwen2.ARCH, qwen3.ARCH, phi3.ARCH, gemma.GEMMA2, gemma.GEMMA3)
+}
+
+__all__ = ["ARCHITECTURES", "Architecture", "FfnActivation", "Shape", "architecture"]
+
+
+def architecture(name: str, file_name: str) -> Architecture:
+    """The family ``name``; ``UnsupportedArchitecture`` naming it when meshnet has none."""
+    arch = ARCHITECTURES.get(name)
+    if arch is None:
+        raise UnsupportedArchitecture(
+            f"{file_name}: architecture {name!r} is not supported "
+            f"(supported: {', '.join(sorted(ARCHITECTURES))})"
+        )
+    return arch

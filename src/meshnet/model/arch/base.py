@@ -1,0 +1,50 @@
+"""What a model family's decoder block does differently from llama's, as data.
+
+The shared kernels read these traits; they never branch on a family's name.
+Which tensors are present (fused Q/K/V, Q/K/V biases) is read from the file
+itself, as llama.cpp does for every family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from meshnet.model.rope import RopeStyle
+
+FfnActivation = Literal["silu", "gelu"]  # gelu: the tanh approximation
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The few hyperparameters a family's rules are written in terms of."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    head_dim: int
+
+
+def inverse_sqrt_head_dim(shape: Shape) -> float:
+    """The usual attention scale, ``1 / sqrt(head_dim)``."""
+    return 1.0 / float(shape.head_dim) ** 0.5
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One family's traits (llama.cpp's ``src/models/<arch>.cpp`` says each)."""
+
+    name: str  # general.architecture
+    rope_style: RopeStyle  # "pairs" (llama.cpp NORM) or "halves" (NEOX)
+    rope_freqs: bool = False  # a ``rope_freqs`` tensor divides the frequencies (Llama 3.1+)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary
+    post_norms: bool = False  # RMSNorm of the attention and FFN outputs before each residual
+    ffn_activation: FfnActivation = "silu"
+    fused_gate_up: bool = False  # ffn_up holds [gate | up] and there is no ffn_gate
+    scale_embedding: bool = False  # token embeddings are multiplied by sqrt(d_model)
+    window_pattern: int = 0  # n: layer i attends in a window when i % n < n - 1; 0: never
+    default_window: int = 0  # window length when the file names none
+    default_attn_softcap: float = 0.0  # tanh soft-capping of attention scores; 0: none
+    local_rope_base: float | None = None  # windowed layers' rope base if the file names none
+    attention_scale: Callable[[Shape], float] = inverse_sqrt_head_dim

@@ -1,0 +1,102 @@
+"""Every supported architecture against llama.cpp, against the float32 reference, and
+under the engine's invariants (split, batched, chunked, cached == the whole).
+
+llama.cpp's greedy steps and top log-probs on each tiny model were recorded by
+``scripts/record_arch_oracles.py`` (tests/fixtures/arch_oracle.json) on the same
+bytes ``tests/tinyarch.py`` writes here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from invariants import recomputed_logits, step_logits
+from tinyarch import CASES, write_arch_gguf
+
+from meshnet.engine.local import LocalModel, load_local_model
+
+ORACLE = json.loads((Path(__file__).parents[1] / "fixtures" / "arch_oracle.json").read_text())
+MARGIN = 1e-3  # greedy ids are compared up to the first step whose top two are this close
+# llama.cpp's GELU reads a float16 table; elsewhere it computes in float32 as we do.
+LOGPROB_TOLERANCE = {"gemma2": 5e-3, "gemma3": 5e-3}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple:  # type: ignore[type-arg]
+    name = request.param
+    path = write_arch_gguf(tmp_path_factory.mktemp("arch") / f"{name}.gguf", CASES[name])
+    recorded = ORACLE["cases"][name]
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest == recorded["sha256"], "tinyarch.py changed: rerun scripts/record_arch_oracles.py"
+    return name, path, recorded
+
+
+def _greedy_with_logprobs(model: LocalModel, recorded: dict[str, Any]) -> tuple[list[int], list]:  # type: ignore[type-arg]
+    """Greedy ids over the unbanned vocabulary, and each step's log-probs (of the whole)."""
+    banned = np.asarray(recorded["banned_ids"])
+    chain = model.chain
+    kv = chain.new_sequence()
+    prompt = recorded["prompt_ids"]
+    logits = chain.forward(np.asarray(prompt), [kv], [len(prompt)])[0]
+    ids, logprobs = [], []
+    for _ in recorded["steps"]:
+        wide = logits.astype(np.float64)
+        top = wide.max()
+        logprobs.append(wide - (top + np.log(np.exp(wide - top).sum())))
+        wide[banned] = -np.inf
+        ids.append(int(np.argmax(wide)))
+        logits = chain.forward(np.asarray([ids[-1]]), [kv], [1])[0]
+    return ids, logprobs
+
+
+@pytest.mark.parametrize("backend", ["numpy", "fast"])
+def test_greedy_ids_and_top_logprobs_match_llamacpp(case: tuple, backend: str) -> None:  # type: ignore[type-arg]
+    name, path, recorded = case
+    model = load_local_model(path, backend=backend)
+    ids, logprobs = _greedy_with_logprobs(model, recorded)
+    tolerance = LOGPROB_TOLERANCE.get(name, 1e-4)
+    banned = set(recorded["banned_ids"])
+    for step, (theirs, mine, lp) in enumerate(zip(recorded["steps"], ids, logprobs, strict=True)):
+        for token, logprob in theirs["top"]:  # llama.cpp's log-probs ignore the ban
+            assert abs(lp[token] - logprob) < tolerance, (name, step, token)
+        allowed = [lp for token, lp in theirs["top"] if token not in banned]
+        if len(allowed) < 2 or allowed[0] - allowed[1] < MARGIN:
+            break  # a near tie (or too few to tell): past here the order is rounding
+        assert mine == theirs["id"], (name, step)
+
+
+def test_fast_backend_matches_the_float32_reference(case: tuple) -> None:  # type: ignore[type-arg]
+    _, path, recorded = case
+    prompt, follow = recorded["prompt_ids"], [s["id"] for s in recorded["steps"]][:6]
+    fast = step_logits(load_local_model(path, backend="fast").chain, prompt, follow)
+    ref = step_logits(load_local_model(path, backend="numpy").chain, prompt, follow)
+    assert np.max(np.abs(fast - ref)) < 1e-4 * np.max(np.abs(ref))
+
+
+def test_split_batched_chunked_and_cached_logits_are_bit_identical(case: tuple) -> None:  # type: ignore[type-arg]
+    _, path, recorded = case
+    prompt, follow = recorded["prompt_ids"], [s["id"] for s in recorded["steps"]][:6]
+    whole = load_local_model(path, backend="fast")
+    split = load_local_model(path, backend="fast", split=3)
+    cached = step_logits(whole.chain, prompt, follow)
+    assert np.array_equal(cached, step_logits(split.chain, prompt, follow))
+    assert np.array_equal(cached, recomputed_logits(whole.chain, prompt, follow))
+    # chunked: the prompt in pieces of 5, then the same decode steps
+    chain = whole.chain
+    kv = chain.new_sequence()
+    for start in range(0, len(prompt), 5):
+        piece = prompt[start : start + 5]
+        last = chain.forward(np.asarray(piece), [kv], [len(piece)])[0]
+    assert np.array_equal(last, cached[0])
+    # batched: beside another sequence, prompt and decode rows in one forward
+    other, mine = chain.new_sequence(), chain.new_sequence()
+    both = chain.forward(np.asarray([*prompt[:7], *prompt]), [other, mine], [7, len(prompt)])
+    assert np.array_equal(both[1], cached[0])
+    for i, token in enumerate(follow):
+        both = chain.forward(np.asarray([3 + i, token]), [other, mine], [1, 1])
+        assert np.array_equal(both[1], cached[i + 1])

@@ -1,0 +1,156 @@
+"""Tiny random-weight GGUF files of every supported architecture, float32 throughout.
+
+Each carries what its family's block has that llama's does not (Q/K/V biases,
+per-head Q/K norms, fused Q/K/V and gate/up, post-norms, a head width other than
+d / n_heads, sliding windows, soft-capping, rope factors), small enough that
+llama.cpp and both backends run it in milliseconds. The same name and seed write
+the same bytes: ``scripts/record_arch_oracles.py`` records llama.cpp's outputs
+on these files and the tests compare with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from tinymodel import CHATML, MERGES, vocabulary
+
+
+@dataclass(frozen=True)
+class ArchCase:
+    """One tiny model: its family and the shape that exercises it."""
+
+    name: str  # the case's name (file stem)
+    architecture: str
+    n_layers: int = 4
+    d_model: int = 64
+    d_ff: int = 96
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    context_length: int = 256
+    tied_head: bool = False
+    seed: int = 0
+
+
+CASES: dict[str, ArchCase] = {
+    c.name: c
+    for c in (
+        ArchCase("llama3", "llama"),  # + rope_freqs (Llama 3.1 factors)
+        ArchCase("qwen2", "qwen2"),  # + Q/K/V biases
+        ArchCase("qwen3", "qwen3", head_dim=32),  # + per-head Q/K norms, wider heads
+        ArchCase("phi3", "phi3", n_kv_heads=4),  # fused Q/K/V, fused gate/up
+        ArchCase("gemma2", "gemma2", head_dim=32, tied_head=True),  # windows, soft-caps
+        ArchCase("gemma3", "gemma3", head_dim=32, n_layers=6, tied_head=True),  # local rope
+    )
+}
+
+WINDOW = 8  # short, so that a test prompt runs past it
+
+
+def write_arch_gguf(path: Path, case: ArchCase) -> Path:
+    """Write ``case`` as a float32 GGUF at ``path`` and return it."""
+    rng = np.random.default_rng(case.seed)
+    arch = case.architecture
+    tokens, types = vocabulary()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(case.n_layers)
+    w.add_context_length(case.context_length)
+    w.add_embedding_length(case.d_model)
+    w.add_feed_forward_length(case.d_ff)
+    w.add_head_count(case.n_heads)
+    w.add_head_count_kv(case.n_kv_heads)
+    if case.head_dim * case.n_heads != case.d_model:
+        w.add_key_length(case.head_dim)
+        w.add_value_length(case.head_dim)
+    w.add_rope_dimension_count(case.head_dim)
+    w.add_rope_freq_base(10000.0 if arch != "gemma3" else 1000000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    _FAMILY_KEYS.get(arch, _no_keys)(w)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+    _write_tensors(w, rng, case, len(tokens))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _write_tensors(
+    w: gguf.GGUFWriter, rng: np.random.Generator, case: ArchCase, vocab: int
+) -> None:
+    d, hd, ff = case.d_model, case.head_dim, case.d_ff
+    q, kv = case.n_heads * hd, case.n_kv_heads * hd
+    arch = case.architecture
+
+    def matrix(name: str, rows: int, cols: int, scale: float = 1.0) -> None:
+        w.add_tensor(
+            name, (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)
+        )
+
+    def vector(name: str, size: int, mean: float = 1.0, spread: float = 0.1) -> None:
+        w.add_tensor(name, (mean + spread * rng.standard_normal(size)).astype(np.float32))
+
+    w.add_tensor("token_embd.weight", (0.4 * rng.standard_normal((vocab, d))).astype(np.float32))
+    if arch == "llama":  # Llama 3.1-style factors: high frequencies kept, low ones slowed
+        w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, hd // 2).astype(np.float32))
+    for i in range(case.n_layers):
+        p = f"blk.{i}."
+        vector(p + "attn_norm.weight", d)
+        if arch == "phi3":
+            matrix(p + "attn_qkv.weight", q + 2 * kv, d, 1.0)
+        else:
+            for part, rows in (("q", q), ("k", kv), ("v", kv)):
+                matrix(p + f"attn_{part}.weight", rows, d, 1.0)
+                if arch == "qwen2":
+                    vector(p + f"attn_{part}.bias", rows, 0.0, 0.5)
+        if arch in ("qwen3", "gemma3"):
+            vector(p + "attn_q_norm.weight", hd)
+            vector(p + "attn_k_norm.weight", hd)
+        matrix(p + "attn_output.weight", d, q)
+        vector(p + "ffn_norm.weight", d)
+        if arch == "phi3":
+            matrix(p + "ffn_up.weight", 2 * ff, d, 1.0)
+        else:
+            matrix(p + "ffn_gate.weight", ff, d, 1.0)
+            matrix(p + "ffn_up.weight", ff, d, 1.0)
+        matrix(p + "ffn_down.weight", d, ff)
+        if arch.startswith("gemma"):
+            vector(p + "post_attention_norm.weight", d)
+            vector(p + "post_ffw_norm.weight", d)
+    vector("output_norm.weight", d)
+    if not case.tied_head:
+        matrix("output.weight", vocab, d, 4.0)
+
+
+def _gemma2_keys(w: gguf.GGUFWriter) -> None:
+    w.add_sliding_window(WINDOW)
+    w.add_attn_logit_softcapping(3.0)  # far below Gemma's 50: small scores must feel it
+    w.add_final_logit_softcapping(5.0)
+
+
+def _gemma3_keys(w: gguf.GGUFWriter) -> None:
+    w.add_sliding_window(WINDOW)
+    w.add_sliding_window_pattern(3)  # layers 0, 1, 3, 4 local; 2, 5 global
+    w.add_rope_freq_base_swa(10000.0)
+
+
+def _no_keys(w: gguf.GGUFWriter) -> None:
+    pass
+
+
+_FAMILY_KEYS: dict[str, Callable[[gguf.GGUFWriter], None]] = {
+    "gemma2": _gemma2_keys,
+    "gemma3": _gemma3_keys,
+}
