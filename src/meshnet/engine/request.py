@@ -45,7 +45,7 @@ class RequestState:
         self.finish: FinishReason | None = None
         self._sampler = Sampler(params)
         self._stream = TextStream(tokenizer, params.stop)
-        self._eos = tokenizer.eos_id
+        self._eog = tokenizer.eog_ids | {tokenizer.eos_id}  # every id that ends generation
 
     @property
     def done(self) -> bool:
@@ -61,7 +61,7 @@ class RequestState:
         token = self._sampler.sample(logits, self.prompt_ids + self.ids)
         self.ids.append(token)
         delta = ""
-        if token == self._eos:
+        if token in self._eog:
             self.finish = "stop"
         else:
             delta = self._stream.push(token)

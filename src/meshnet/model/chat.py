@@ -1,16 +1,23 @@
 """The chat template from GGUF metadata, rendered in a jinja2 sandbox.
 
 Templates come from model files, which may come from anyone: they run in an
-immutable sandbox and can only read the messages they are given.
+immutable sandbox and can only read the messages they are given. The sandbox
+offers what real templates call, defined as the ``transformers`` library
+defines it (their authors test them there): ``raise_exception``, a ``tojson``
+that neither escapes HTML nor sorts keys, ``strftime_now``, ``namespace``,
+loop controls (``break``/``continue``), and ``bos_token``/``eos_token``.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from meshnet.errors import RequestError, TokenizerError
@@ -57,8 +64,24 @@ class ChatTemplate:
     template: jinja2.Template
     bos_token: str
     eos_token: str
+    # The tokenizer adds BOS / EOS to a prompt itself: render() drops the template's own.
+    adds_bos: bool = False
+    adds_eos: bool = False
 
     def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        """The prompt text to encode: the template's text without the BOS (EOS) it would
+        double, as llama.cpp's chat code strips them when the tokenizer adds its own."""
+        text = self.render_text(messages, add_generation_prompt)
+        if self.adds_bos and self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token) :]
+        if self.adds_eos and self.eos_token and text.endswith(self.eos_token):
+            text = text[: -len(self.eos_token)]
+        return text
+
+    def render_text(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+    ) -> str:
+        """The template's output as ``transformers``' ``apply_chat_template`` renders it."""
         try:
             return self.template.render(
                 messages=[{"role": m.role, "content": m.content} for m in messages],
@@ -68,16 +91,15 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as e:
             raise RequestError(f"the chat template rejected these messages: {e}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            raise RequestError(f"the chat template failed on these messages: {e}") from None
 
 
 def load_chat_template(f: GGUFFile, tokenizer: TextTokenizer) -> ChatTemplate:
     """Compile ``tokenizer.chat_template`` (ChatML when absent)."""
     source = str(f.value_or("tokenizer.chat_template", _CHATML))
-    # Same whitespace handling as the transformers library, whose templates these are.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise_exception
     try:
-        template = env.from_string(source)
+        template = _environment().from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise TokenizerError(f"{f.path.name}: chat template does not compile: {e}") from None
     bos = tokenizer.bos_id
@@ -85,7 +107,37 @@ def load_chat_template(f: GGUFFile, tokenizer: TextTokenizer) -> ChatTemplate:
         template=template,
         bos_token=(tokenizer.hf.id_to_token(bos) or "") if bos is not None else "",
         eos_token=tokenizer.hf.id_to_token(tokenizer.eos_id) or "",
+        adds_bos=tokenizer.add_bos and bos is not None,
+        adds_eos=tokenizer.add_eos,
     )
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """The sandbox as ``transformers`` sets it up for chat templates."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """JSON as ``transformers`` writes it in templates: no HTML escaping, keys in order."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
 
 
 def _raise_exception(message: str) -> None:

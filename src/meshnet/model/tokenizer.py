@@ -1,10 +1,15 @@
-"""Tokenizer built from GGUF metadata with the ``tokenizers`` library.
+"""Tokenizer built from GGUF metadata with the ``tokenizers`` library, as llama.cpp reads it.
 
-Only byte-level BPE (``tokenizer.ggml.model == "gpt2"``) is supported so far.
-The pre-tokenizer is chosen by ``tokenizer.ggml.pre``: ``smollm`` splits every
-digit on its own before the GPT-2 byte-level regex. Control tokens (type 3)
-become special tokens so that chat-template markers encode to their single ids
-and never merge with neighbouring text.
+Two vocabulary kinds (``tokenizer.ggml.model``):
+
+- ``gpt2``: byte-level BPE; the text is split by the pre-tokenizer named in
+  ``tokenizer.ggml.pre`` (see ``pretokenizers``), then merged by rank;
+- ``llama``: SentencePiece with scores and byte fallback (see ``spm``).
+
+Control, user-defined and unknown-type tokens, and the tokens llama.cpp treats
+as ending generation, are special: their text encodes to their single id and
+never merges with neighbouring text. ``add_bos_token``/``add_eos_token`` and
+the special ids default as llama.cpp defaults them when the file is silent.
 """
 
 from __future__ import annotations
@@ -12,84 +17,181 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models
 
 from meshnet.errors import TokenizerError
 from meshnet.model.gguf_file import GGUFFile
-
-_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
-_USER_DEFINED = 4
-
-# Pre-tokenizer names whose behaviour is byte-level GPT-2, with or without
-# splitting digits one by one first.
-_DIGIT_SPLITTING = frozenset({"smollm"})
-_PLAIN_BYTE_LEVEL = frozenset({"gpt2", "default"})
+from meshnet.model.pretokenizers import pre_tokenizer
+from meshnet.model.special_tokens import SpecialTokens, read_special_tokens
+from meshnet.model.spm import spm_tokenizer
 
 
 @dataclass(frozen=True)
 class TextTokenizer:
-    """Encode text to ids and back; knows its special tokens and bos/eos."""
+    """Encode text to ids and back; knows its special tokens and which ids end generation."""
 
     hf: Tokenizer
     add_bos: bool
     bos_id: int | None
     eos_id: int
     special_ids: frozenset[int]
+    # Every id after which llama.cpp stops generating: eos, eot, eom and the like.
+    eog_ids: frozenset[int] = frozenset()
+    add_eos: bool = False
+    # SentencePiece prepends a space to the text; decoding the start of a sequence drops it.
+    strips_leading_space: bool = False
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of ``text``; special-token markers in it become their single ids."""
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """Ids of ``text``; special-token markers in it become their single ids.
+
+        With ``add_special`` the file's BOS/EOS are added as ``add_bos_token`` and
+        ``add_eos_token`` say (a prompt); without, the bare text's ids.
+        """
         ids = self.hf.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_id is not None:
+        if add_special and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
+        if add_special and self.add_eos:
+            ids = [*ids, self.eos_id]
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``, special tokens spelled out."""
-        return self.hf.decode(list(ids), skip_special_tokens=False)
+        """Text of ``ids``, special tokens spelled out as their text."""
+        parts: list[str] = []
+        run: list[int] = []
+        run_start = 0
+        for pos, i in enumerate(ids):
+            if i in self.special_ids:
+                parts.append(self._decode_run(run, run_start))
+                parts.append(self.hf.id_to_token(i) or "")
+                run, run_start = [], pos + 1
+            else:
+                run.append(i)
+        parts.append(self._decode_run(run, run_start))
+        return "".join(parts)
+
+    def _decode_run(self, run: list[int], start: int) -> str:
+        if not run:
+            return ""
+        text = str(self.hf.decode(run, skip_special_tokens=False))
+        if self.strips_leading_space and start == 0 and text.startswith(" "):
+            return text[1:]
+        return text
 
 
 def load_tokenizer(f: GGUFFile) -> TextTokenizer:
     """Build the tokenizer described by ``f``'s ``tokenizer.ggml.*`` metadata."""
     model = str(f.value_or("tokenizer.ggml.model", ""))
-    if model != "gpt2":
-        raise TokenizerError(f"{f.path.name}: tokenizer model {model!r} is not supported (gpt2)")
-    pre = str(f.value_or("tokenizer.ggml.pre", "default"))
-    tokens = [str(t) for t in f.value("tokenizer.ggml.tokens")]
-    types = [int(t) for t in f.value_or("tokenizer.ggml.token_type", [])]
-    merges = [_split_merge(str(m)) for m in f.value("tokenizer.ggml.merges")]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise TokenizerError(f"{f.path.name}: the token list has duplicates")
-
-    hf = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    hf.pre_tokenizer = _pre_tokenizer(pre, f.path.name)
-    hf.decoder = decoders.ByteLevel()
-    special = [i for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)]
-    hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
+    name = f.path.name
+    if model not in ("gpt2", "llama"):
+        raise TokenizerError(f"{name}: tokenizer model {model!r} is not supported (gpt2, llama)")
+    tokens = _tokens(f)
+    types = _int_list(f, "tokenizer.ggml.token_type", len(tokens))
+    is_spm = model == "llama"
+    if is_spm:
+        scores = _float_list(f, "tokenizer.ggml.scores", len(tokens))
+        hf = spm_tokenizer(tokens, scores, _unk_token(f, tokens), _add_space_prefix(f))
+        default_add_bos = True
+    else:
+        pre = pre_tokenizer(str(f.value_or("tokenizer.ggml.pre", "default")), name)
+        hf = _bpe_tokenizer(f, tokens, pre.ignore_merges)
+        hf.pre_tokenizer = pre.build()
+        default_add_bos = pre.add_bos
+    special = read_special_tokens(f, tokens, types, spm=is_spm)
+    _add_special_tokens(hf, tokens, special, _rstrips_specials(f))
     return TextTokenizer(
         hf=hf,
-        add_bos=bool(f.value_or("tokenizer.ggml.add_bos_token", False)),
-        bos_id=_opt_int(f, "tokenizer.ggml.bos_token_id"),
-        eos_id=int(f.value("tokenizer.ggml.eos_token_id")),
-        special_ids=frozenset(special),
+        add_bos=bool(f.value_or("tokenizer.ggml.add_bos_token", default_add_bos)),
+        add_eos=bool(f.value_or("tokenizer.ggml.add_eos_token", False)),
+        bos_id=special.bos_id,
+        eos_id=_required_eos(special, name),
+        special_ids=special.special_ids,
+        eog_ids=special.eog_ids,
+        strips_leading_space=is_spm and _add_space_prefix(f),
     )
 
 
-def _pre_tokenizer(pre: str, file_name: str) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _DIGIT_SPLITTING:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in _PLAIN_BYTE_LEVEL:
-        return byte_level
-    raise TokenizerError(f"{file_name}: pre-tokenizer {pre!r} is not supported")
+def _tokens(f: GGUFFile) -> list[str]:
+    raw = f.value("tokenizer.ggml.tokens")
+    if not isinstance(raw, list) or not all(isinstance(t, str) for t in raw):
+        raise TokenizerError(f"{f.path.name}: tokenizer.ggml.tokens is not a list of strings")
+    # llama.cpp names an empty token after its id rather than leave it unmatchable.
+    tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(raw)]
+    if len(set(tokens)) != len(tokens):
+        raise TokenizerError(f"{f.path.name}: the token list has duplicates")
+    return tokens
 
 
-def _split_merge(merge: str) -> tuple[str, str]:
-    left, sep, right = merge.partition(" ")
-    if not sep:
-        raise TokenizerError(f"merge rule {merge!r} is not 'LEFT RIGHT'")
-    return left, right
+def _int_list(f: GGUFFile, key: str, n: int) -> list[int]:
+    values = f.value_or(key, [])
+    if not isinstance(values, list) or (values and len(values) < n):
+        raise TokenizerError(f"{f.path.name}: {key} has fewer entries than the {n} tokens")
+    return [int(v) for v in values]
 
 
-def _opt_int(f: GGUFFile, key: str) -> int | None:
-    return int(f.value(key)) if f.has(key) else None
+def _float_list(f: GGUFFile, key: str, n: int) -> list[float]:
+    values = f.value_or(key, [0.0] * n)
+    if not isinstance(values, list) or len(values) < n:
+        raise TokenizerError(f"{f.path.name}: {key} has fewer entries than the {n} tokens")
+    return [float(v) for v in values]
+
+
+def _bpe_tokenizer(f: GGUFFile, tokens: list[str], ignore_merges: bool) -> Tokenizer:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    model = models.BPE(
+        vocab=vocab, merges=_merges(f, vocab), fuse_unk=False, ignore_merges=ignore_merges
+    )
+    hf = Tokenizer(model)
+    hf.decoder = decoders.ByteLevel()
+    return hf
+
+
+def _merges(f: GGUFFile, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """``tokenizer.ggml.merges`` as pairs, split as llama.cpp splits them (at the first
+    space after the first character); a merge that cannot apply (a half or the result is
+    no token, which llama.cpp keeps unused) is dropped, the tokenizers library refusing it."""
+    raw = f.value("tokenizer.ggml.merges")
+    if not isinstance(raw, list) or not all(isinstance(m, str) for m in raw):
+        raise TokenizerError(f"{f.path.name}: tokenizer.ggml.merges is not a list of strings")
+    pairs = [(m[:cut], m[cut + 1 :]) for m in raw if (cut := m.find(" ", 1)) > 0]
+    if len(pairs) != len(raw):
+        raise TokenizerError(f"{f.path.name}: a merge rule is not 'LEFT RIGHT'")
+    return [(a, b) for a, b in pairs if a in vocab and b in vocab and a + b in vocab]
+
+
+def _unk_token(f: GGUFFile, tokens: list[str]) -> str | None:
+    unk = int(f.value_or("tokenizer.ggml.unknown_token_id", 0))
+    return tokens[unk] if 0 <= unk < len(tokens) else None
+
+
+def _add_space_prefix(f: GGUFFile) -> bool:
+    return bool(f.value_or("tokenizer.ggml.add_space_prefix", True))
+
+
+def _rstrips_specials(f: GGUFFile) -> bool:
+    """llama.cpp strips the whitespace after Phi-3's special tokens (found by its name)."""
+    name = str(f.value_or("general.name", "")).lower()
+    return "phi-3" in name or "phi3" in name
+
+
+_PHI3_NO_RSTRIP = frozenset({"<unk>", "<s>", "<|endoftext|>"})
+
+
+def _add_special_tokens(
+    hf: Tokenizer, tokens: list[str], special: SpecialTokens, rstrip: bool
+) -> None:
+    added = [
+        AddedToken(
+            tokens[i],
+            special=True,
+            normalized=False,
+            rstrip=rstrip and tokens[i] not in _PHI3_NO_RSTRIP,
+        )
+        for i in sorted(special.special_ids)
+    ]
+    hf.add_special_tokens(added)
+
+
+def _required_eos(special: SpecialTokens, file_name: str) -> int:
+    if special.eos_id is None:
+        raise TokenizerError(f"{file_name}: no end-of-sequence token (tokenizer.ggml.eos_token_id)")
+    return special.eos_id

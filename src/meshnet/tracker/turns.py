@@ -92,9 +92,11 @@ class TurnRunner:
         if _SENTINEL not in probe:
             raise RequestError("the chat template cannot continue a conversation")
         text = probe.split(_SENTINEL, 1)[1]
-        if session.closed and text.startswith(template.eos_token):
-            text = text[len(template.eos_token) :]  # the reply's final token closed it already
-        return [*session.tail, *model.tokenizer.encode(text)]
+        closing = model.tokenizer.decode(session.tail) if session.closed else ""
+        if closing and text.startswith(closing):
+            text = text[len(closing) :]  # the reply's final token (eos, eot...) closed it already
+        # A continuation, not a new prompt: no BOS in the middle of the conversation.
+        return [*session.tail, *model.tokenizer.encode(text, add_special=False)]
 
     def check(
         self, session: SessionRecord, request: dict[str, Any]
@@ -150,7 +152,7 @@ class TurnRunner:
             route=done.route,
             history=[*session.history, ids, *([t] for t in out[:-1])],
             tail=[out[-1]],
-            closed=out[-1] == self.tracker.model.tokenizer.eos_id,
+            closed=out[-1] in self.tracker.model.tokenizer.eog_ids,
             snapshot_id=None,
         )
         result = {
