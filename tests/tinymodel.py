@@ -41,6 +41,8 @@ class TinyConfig:
     seed: int = 0
     # layer index -> type, to mix quant types inside one file
     layer_types: dict[int, QT] = field(default_factory=dict)
+    # tensor role ("attn_v", "ffn_down", "output", ...) -> type, as Q4_K_M files mix them
+    role_types: dict[str, QT] = field(default_factory=dict)
 
 
 def byte_tokens() -> list[str]:
@@ -95,7 +97,8 @@ def write_tiny_gguf(path: Path, cfg: TinyConfig = TinyConfig()) -> Path:
 
     def matrix(name: str, rows: int, cols: int, qtype: QT, scale: float = 0.2) -> None:
         data = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
-        _add(w, name, data, qtype)
+        role = name.removesuffix(".weight").split(".")[-1]
+        _add(w, name, data, cfg.role_types.get(role, qtype))
 
     matrix("token_embd.weight", vocab, cfg.d_model, cfg.embedding_type, scale=1.0)
     for i in range(cfg.n_layers):

@@ -28,7 +28,7 @@ from meshnet.kv.cache import SequenceKV
 from meshnet.layer_range import LayerRange
 from meshnet.model.block import forward_block
 from meshnet.model.gguf_file import GGUFFile
-from meshnet.model.layers import soft_cap
+from meshnet.model.layers import rms_norm, soft_cap
 from meshnet.model.rope import Rope
 from meshnet.model.spec import ModelSpec
 from meshnet.model.weights import LayerWeights, ShardWeights, load_shard_weights
@@ -66,7 +66,8 @@ class FastBackend:
         w = self.weights
         if w.head is None or w.output_norm is None:
             raise MeshnetError(f"shard {w.layers} has no output head")
-        logits = quant.matmul(_rms_norm(hidden, w.output_norm, self.spec.rms_eps), w.head)
+        # numpy's row reductions do not depend on the other rows: a row's logits are its own
+        logits = quant.matmul(rms_norm(hidden, w.output_norm, self.spec.rms_eps), w.head)
         return soft_cap(logits, self.spec.final_softcap)
 
     def run_layers(self, hidden: np.ndarray, batch: Sequence[BatchEntry]) -> np.ndarray:
@@ -125,31 +126,6 @@ def _rope_tables(rope: Rope, context_length: int) -> tuple[np.ndarray, np.ndarra
 
 def _matmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
     return quant.matmul(x, w)
-
-
-def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    out = np.empty_like(x, dtype=F32)
-    _rms_norm_rows(np.ascontiguousarray(x, dtype=F32), weight, F32(eps), out)
-    return out
-
-
-@numba.njit(fastmath=True, cache=True)
-def _rms_norm_rows(x: np.ndarray, w: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
-    d = x.shape[1]
-    acc = np.empty(32, np.float32)
-    for t in range(x.shape[0]):
-        acc[:] = 0.0
-        for c in range(0, d - d % 32, 32):
-            for i in range(32):
-                acc[i] += x[t, c + i] * x[t, c + i]
-        ss = np.float32(0.0)
-        for i in range(32):
-            ss += acc[i]
-        for c in range(d - d % 32, d):
-            ss += x[t, c] * x[t, c]
-        scale = np.float32(1.0) / np.sqrt(ss / np.float32(d) + eps)
-        for c in range(d):
-            out[t, c] = (x[t, c] * scale) * w[c]
 
 
 def _attend_batch(

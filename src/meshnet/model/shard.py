@@ -18,6 +18,7 @@ from meshnet.backends.fast import FastBackend, load_fast_weights
 from meshnet.backends.reference import ReferenceBackend
 from meshnet.errors import ModelError
 from meshnet.layer_range import LayerRange
+from meshnet.memory import settle
 from meshnet.model.gguf_file import GGUFFile
 from meshnet.model.spec import ModelSpec
 from meshnet.model.weights import load_shard_weights
@@ -81,5 +82,6 @@ def load_shard(
     else:
         raise ModelError(f"backend {backend!r} is not available (have: {', '.join(BACKENDS)})")
     shard = Shard(spec, layers, compute, f.fingerprint())
+    settle()  # the read and repacked copies of the tensors go back to the system
     warm_up(shard)
     return shard
