@@ -18,6 +18,7 @@ import json
 import re
 import subprocess
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,9 @@ def family_dir(cache: Path, family: str) -> Path:
     return cache / f"{family}-{VERSION}"
 
 
+@cache
 def load_json(path: Path) -> Any:
+    """A vocabulary file, parsed once per process (treat as read-only)."""
     return json.loads(path.read_text(encoding="utf-8"))
 
 
@@ -129,7 +132,7 @@ def write_vocab_gguf(
     """
     tj = load_json(src / "tokenizer.json")
     config = load_json(src / "tokenizer_config.json")
-    tokens, types = _tokens_and_types(tj)
+    tokens, types = _tokens_and_types(tj)  # fresh lists: tj is shared
     merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
     if cut:
         tokens, types, merges = _cut(tokens, merges)

@@ -70,21 +70,25 @@ def vocab_cache() -> Path:
 
 
 @pytest.fixture(scope="module")
-def files(vocab_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> FamilyFiles:
-    return FamilyFiles(vocab_cache, tmp_path_factory.mktemp("vocab"))
+def model(vocab_cache: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """``model(family)``: that family's tokenizer and chat template, loaded once."""
+    files = FamilyFiles(vocab_cache, tmp_path_factory.mktemp("vocab"))
+    loaded: dict[str, tuple[TextTokenizer, ChatTemplate]] = {}
 
+    def get(family: str) -> tuple[TextTokenizer, ChatTemplate]:
+        if family not in loaded:
+            if family == "llama2":  # its package ships no template: Meta's, written here
+                out = files.tmp / "llama2-chat.gguf"
+                src = family_dir(vocab_cache, "llama2")
+                path = write_vocab_gguf(src, FAMILIES["llama2"], out, chat_template=LLAMA2_TEMPLATE)
+            else:
+                path = files.path(family)
+            f = open_gguf(path)
+            tok = load_tokenizer(f)
+            loaded[family] = (tok, load_chat_template(f, tok))
+        return loaded[family]
 
-def model_of(path: Path) -> tuple[TextTokenizer, ChatTemplate]:
-    f = open_gguf(path)
-    tok = load_tokenizer(f)
-    return tok, load_chat_template(f, tok)
-
-
-@pytest.fixture(scope="module")
-def llama2(vocab_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("vocab") / "llama2-chat.gguf"
-    src = family_dir(vocab_cache, "llama2")
-    return write_vocab_gguf(src, FAMILIES["llama2"], out, chat_template=LLAMA2_TEMPLATE)
+    return get
 
 
 def template_with(tok: TextTokenizer, source: str) -> ChatTemplate:
@@ -93,11 +97,8 @@ def template_with(tok: TextTokenizer, source: str) -> ChatTemplate:
 
 
 @pytest.mark.parametrize("family", sorted(EXPECTED))
-def test_real_template_renders_as_transformers(
-    family: str, files: FamilyFiles, llama2: Path, vocab_cache: Path
-) -> None:
-    path = llama2 if family == "llama2" else files.path(family)
-    tok, template = model_of(path)
+def test_real_template_renders_as_transformers(family: str, model, vocab_cache: Path) -> None:  # type: ignore[no-untyped-def]
+    tok, template = model(family)
     text = template.render_text(CONVERSATION)
     assert text == EXPECTED[family]
     # The prompt's ids: one BOS (the tokenizer's, not a second from the template's text)
@@ -109,15 +110,15 @@ def test_real_template_renders_as_transformers(
         assert ids[0] == tok.bos_id and ids[1] != tok.bos_id
 
 
-def test_template_raise_exception_is_a_request_error(llama2: Path) -> None:
-    _, template = model_of(llama2)
+def test_template_raise_exception_is_a_request_error(model) -> None:  # type: ignore[no-untyped-def]
+    _, template = model("llama2")
     with pytest.raises(RequestError, match="must alternate"):
         template.render([ChatMessage("user", "a"), ChatMessage("user", "b")])
 
 
 @pytest.fixture(scope="module")
-def llama3_tok(files: FamilyFiles) -> TextTokenizer:
-    return model_of(files.path("llama3"))[0]
+def llama3_tok(model) -> TextTokenizer:  # type: ignore[no-untyped-def]
+    return model("llama3")[0]
 
 
 def test_tojson_is_transformers_tojson(llama3_tok: TextTokenizer) -> None:
