@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
@@ -122,17 +123,24 @@ def _tokens(f: GGUFFile) -> list[str]:
 
 
 def _int_list(f: GGUFFile, key: str, n: int) -> list[int]:
-    values = f.value_or(key, [])
-    if not isinstance(values, list) or (values and len(values) < n):
-        raise TokenizerError(f"{f.path.name}: {key} has fewer entries than the {n} tokens")
-    return [int(v) for v in values]
+    """Per-token integers (absent: none); at least one per token when present."""
+    return [int(v) for v in _per_token(f, key, n, [], (int,))]
 
 
 def _float_list(f: GGUFFile, key: str, n: int) -> list[float]:
-    values = f.value_or(key, [0.0] * n)
-    if not isinstance(values, list) or len(values) < n:
+    """Per-token numbers (absent: all 0, as llama.cpp); at least one per token."""
+    return [float(v) for v in _per_token(f, key, n, [0.0] * n, (int, float))]
+
+
+def _per_token(
+    f: GGUFFile, key: str, n: int, default: list[Any], kinds: tuple[type, ...]
+) -> list[Any]:
+    values = f.value_or(key, default)
+    if not isinstance(values, list) or not all(isinstance(v, kinds) for v in values):
+        raise TokenizerError(f"{f.path.name}: {key} is not a list of numbers")
+    if values and len(values) < n:
         raise TokenizerError(f"{f.path.name}: {key} has fewer entries than the {n} tokens")
-    return [float(v) for v in values]
+    return values
 
 
 def _bpe_tokenizer(f: GGUFFile, tokens: list[str], ignore_merges: bool) -> Tokenizer:
