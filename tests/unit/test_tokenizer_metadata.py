@@ -113,6 +113,19 @@ def test_sentencepiece_merges_by_score_with_byte_fallback() -> None:
     assert tok.eog_ids == {2}
 
 
+def test_sentencepiece_without_space_prefix_as_gemma() -> None:
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "a", ESCAPED_SPACE]
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.add_space_prefix": False,
+        "tokenizer.ggml.add_bos_token": False,
+    }
+    tok = load(meta)
+    assert tok.encode("a a") == [tokens.index(t) for t in ("a", ESCAPED_SPACE, "a")]
+    assert tok.decode(tok.encode(" a")) == " a"  # a space the text had is kept
+
+
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
