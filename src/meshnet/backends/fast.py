@@ -146,7 +146,7 @@ def _attend_batch(
     k = np.ascontiguousarray(k, dtype=F32)
     native = quant.NATIVE
     scale, cap = spec.attn_scale, spec.attn_softcap
-    if native is None:
+    if native is None or spec.head_dim % 8:  # the native kernel reads heads 8 lanes at a time
         one = partial(_attention, scale=scale, softcap=cap, window=window)
         return attend_each(layer, batch, q, k, v, one)
     t, n_heads, hd = q.shape

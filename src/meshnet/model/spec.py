@@ -39,18 +39,18 @@ class ModelSpec:
     eos_id: int
     rope: Rope  # global layers' rotary
     rope_local: Rope  # windowed layers' rotary (the same as ``rope`` in most families)
-    window: int = 0  # sliding-window length of windowed layers; 0: none
-    windowed: tuple[bool, ...] = ()  # per layer: attends only the last ``window`` positions
-    attn_scale: float = 0.0  # scores = q . k * attn_scale
-    attn_softcap: float = 0.0  # scores = c * tanh(scores / c) when c > 0
-    final_softcap: float = 0.0  # logits = c * tanh(logits / c) when c > 0
-    embed_scale: float = 1.0  # token embeddings are multiplied by this
-    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary
-    post_norms: bool = False  # RMSNorm of attention / FFN outputs before the residual
-    ffn_activation: FfnActivation = "silu"
-    fused_gate_up: bool = False  # ffn_up is [gate | up]
-    fused_qkv: bool = False  # one attn_qkv matrix instead of attn_q/k/v
-    qkv_bias: bool = False  # the Q/K/V projections add biases
+    window: int  # sliding-window length of windowed layers; 0: none
+    windowed: tuple[bool, ...]  # per layer: attends only the last ``window`` positions
+    attn_scale: float  # scores = q . k * attn_scale
+    attn_softcap: float  # scores = c * tanh(scores / c) when c > 0
+    final_softcap: float  # logits = c * tanh(logits / c) when c > 0
+    embed_scale: float  # token embeddings are multiplied by this
+    qk_norm: bool  # RMSNorm over each head of q and k before rotary
+    post_norms: bool  # RMSNorm of attention / FFN outputs before the residual
+    ffn_activation: FfnActivation
+    fused_gate_up: bool  # ffn_up is [gate | up]
+    fused_qkv: bool  # one attn_qkv matrix instead of attn_q/k/v
+    qkv_bias: bool  # the Q/K/V projections add biases
 
     @property
     def kv_width(self) -> int:
