@@ -68,6 +68,18 @@ def test_end_of_generation_ids_include_known_turn_markers_of_any_type() -> None:
     assert tokens.index("<|im_end|>") in tok.special_ids  # llama.cpp makes it a control token
 
 
+def test_harmony_end_closes_a_message_not_the_generation() -> None:
+    markers = ["<|end|>", "<|return|>", "<|call|>"]
+    meta = bpe_metadata()
+    tokens = [*meta["tokenizer.ggml.tokens"], *markers]
+    meta["tokenizer.ggml.tokens"] = tokens
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], 3, 3, 3]
+    tok = load(meta)
+    end, ret, call = (tokens.index(t) for t in markers)
+    assert {ret, call} <= tok.eog_ids and end not in tok.eog_ids
+    assert end in tok.special_ids
+
+
 def test_eot_and_eom_keys_end_generation() -> None:
     tok = load(bpe_metadata(**{"tokenizer.ggml.eot_token_id": 5, "tokenizer.ggml.eom_token_id": 6}))
     assert {5, 6} <= tok.eog_ids

@@ -86,13 +86,29 @@ def read_special_tokens(
     eog = by_text | {i for key in _EOG_KEYS if (i := _id(f, key, None, n)) is not None}
     if eos is not None:
         eog.add(eos)
-    typed = {i for i, t in enumerate(types) if t in _SPECIAL_TYPES}
+    special = {i for i, t in enumerate(types) if t in _SPECIAL_TYPES} | by_text
+    _apply_exceptions(tokens, eog, special)
     return SpecialTokens(
-        bos_id=bos,
-        eos_id=eos,
-        special_ids=frozenset(typed | by_text),
-        eog_ids=frozenset(eog),
+        bos_id=bos, eos_id=eos, special_ids=frozenset(special), eog_ids=frozenset(eog)
     )
+
+
+def _apply_exceptions(tokens: Sequence[str], eog: set[int], special: set[int]) -> None:
+    """llama.cpp's two exceptions to the marker list, by the other markers present.
+
+    In the harmony format (``<|return|>`` and ``<|call|>``, or solar-open's
+    ``<|calls|>`` and ``<|flush|>``) ``<|end|>`` closes a message, not the
+    generation; where ``<|tool_response>`` or ``<|plamo:eos|>`` ends turns,
+    ``</s>`` is ordinary text.
+    """
+    texts = {tokens[i]: i for i in eog}
+    if "<|end|>" in texts and (
+        {"<|return|>", "<|call|>"} <= texts.keys() or {"<|calls|>", "<|flush|>"} <= texts.keys()
+    ):
+        eog.discard(texts["<|end|>"])
+    if "</s>" in texts and ("<|tool_response>" in texts or "<|plamo:eos|>" in texts):
+        eog.discard(texts["</s>"])
+        special.discard(texts["</s>"])
 
 
 def _id(f: GGUFFile, key: str, default: int | None, n_tokens: int) -> int | None:
