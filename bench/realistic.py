@@ -118,15 +118,20 @@ def _print_split(r: SplitResult) -> None:
     print(f"{'figure':<26}{'meshnet':>10}{'llama.cpp':>11}{'ratio':>8}{'goal':>8}")
     _row("decode tok/s (RPC peer)", r.mesh_tok_s, r.rpc_tok_s, GOAL_SPLIT)
     print(
-        f"{'node':<8}{'layers':<10}{'RSS MB':>8}{'anon':>7}{'file':>7}"
-        f"{'tensors MB':>12}{'KV MB':>7}{'ratio':>8}{'goal':>8}"
+        f"{'node':<8}{'layers':<10}{'RSS MB':>8}{'anon':>6}{'file':>6}{'tensors MB':>12}"
+        f"{'KV MB':>7}{'ratio':>7}{'-empty':>8}{'goal':>8}"
     )
     for m in r.memory:
         print(
-            f"{m.node_id:<8}{m.layers!s:<10}{m.rss.total / 1e6:>8.0f}{m.rss.anon / 1e6:>7.0f}"
-            f"{m.rss.file / 1e6:>7.0f}{m.file_bytes / 1e6:>12.0f}{m.kv_bytes / 1e6:>7.1f}"
-            f"{m.ratio:>7.2f}x{f'<={GOAL_RSS:.2f}x':>8}"
+            f"{m.node_id:<8}{m.layers!s:<10}{m.rss.total / 1e6:>8.0f}{m.rss.anon / 1e6:>6.0f}"
+            f"{m.rss.file / 1e6:>6.0f}{m.file_bytes / 1e6:>12.0f}{m.kv_bytes / 1e6:>7.1f}"
+            f"{m.ratio:>6.2f}x{m.ratio_above(r.empty_node):>7.2f}x{f'<={GOAL_RSS:.2f}x':>8}"
         )
+    e = r.empty_node
+    print(
+        f"{'empty':<8}{'-':<10}{e.total / 1e6:>8.0f}{e.anon / 1e6:>6.0f}{e.file / 1e6:>6.0f}"
+        "   (a node with no layers; '-empty': RSS less this, over tensors + KV)"
+    )
 
 
 def _row(name: str, mine: float, other: float | None, goal: float | None) -> None:

@@ -6,7 +6,8 @@ streamed tokens arrive. llama.cpp's side is ``llama-bench`` with its layers
 offloaded to N local ``ggml-rpc-server`` processes of one thread each. The two
 take turns, one round each, and each figure is its best round. After the rounds
 each node's resident memory is read and set against the file bytes of the
-tensors it serves plus the KV of one benchmark sequence.
+tensors it serves plus the KV of one benchmark sequence, whole and less the
+RSS of a node started empty in the same mesh (the interpreter and libraries).
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ class NodeMemory:
         """RSS over what the node must hold (goal: at most ~1.15)."""
         return self.rss.total / (self.file_bytes + self.kv_bytes)
 
+    def ratio_above(self, baseline: Rss) -> float:
+        """RSS less ``baseline`` (an empty node's: the interpreter and libraries every
+        node pays once) over what the node must hold."""
+        return (self.rss.total - baseline.total) / (self.file_bytes + self.kv_bytes)
+
 
 @dataclass(frozen=True)
 class SplitResult:
@@ -48,6 +54,7 @@ class SplitResult:
     mesh_tok_s: float  # best round
     rpc_tok_s: float | None  # best round; None without llama.cpp
     memory: list[NodeMemory]
+    empty_node: Rss  # a node process started with no layers, in the same mesh
 
     @property
     def ratio(self) -> float | None:
@@ -93,9 +100,13 @@ def measure_split(
                 _node_memory(setup, node_id, proc.pid, layers, tokens)
                 for (node_id, proc), layers in zip(mesh.nodes.items(), layout, strict=True)
             ]
+            empty = mesh.start_node("node-empty", None)
+            mesh.wait_ready(expected_nodes=nodes + 1, timeout_s=_START_TIMEOUT_S)
+            baseline = Rss.of(empty.pid)
         finally:
             mesh.stop()
-    return SplitResult(nodes, tokens, max(ours), max(theirs) if theirs else None, memory)
+    rpc = max(theirs) if theirs else None
+    return SplitResult(nodes, tokens, max(ours), rpc, memory, baseline)
 
 
 def _node_memory(
