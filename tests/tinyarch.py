@@ -16,7 +16,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from tinymodel import CHATML, MERGES, vocabulary
+from tinymodel import add_tokenizer, finish, vocabulary
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,6 @@ def write_arch_gguf(path: Path, case: ArchCase) -> Path:
     """Write ``case`` as a float32 GGUF at ``path`` and return it."""
     rng = np.random.default_rng(case.seed)
     arch = case.architecture
-    tokens, types = vocabulary()
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(case.n_layers)
     w.add_context_length(case.context_length)
@@ -70,20 +69,9 @@ def write_arch_gguf(path: Path, case: ArchCase) -> Path:
     w.add_rope_freq_base(10000.0 if arch != "gemma3" else 1000000.0)
     w.add_layer_norm_rms_eps(1e-6)
     _FAMILY_KEYS.get(arch, _no_keys)(w)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
-    _write_tensors(w, rng, case, len(tokens))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    add_tokenizer(w)
+    _write_tensors(w, rng, case, len(vocabulary()[0]))
+    finish(w)
     return path
 
 

@@ -71,8 +71,7 @@ def vocabulary() -> tuple[list[str], list[int]]:
 def write_tiny_gguf(path: Path, cfg: TinyConfig = TinyConfig()) -> Path:
     """Write a tiny llama-family GGUF to ``path`` and return it."""
     rng = np.random.default_rng(cfg.seed)
-    tokens, types = vocabulary()
-    vocab = len(tokens)
+    vocab = len(vocabulary()[0])
     head_dim = cfg.d_model // cfg.n_heads
     arch = cfg.architecture
     w = gguf.GGUFWriter(str(path), arch)
@@ -85,15 +84,7 @@ def write_tiny_gguf(path: Path, cfg: TinyConfig = TinyConfig()) -> Path:
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
+    add_tokenizer(w)
 
     def matrix(name: str, rows: int, cols: int, qtype: QT, scale: float = 0.2) -> None:
         data = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
@@ -116,11 +107,30 @@ def write_tiny_gguf(path: Path, cfg: TinyConfig = TinyConfig()) -> Path:
     _add(w, "output_norm.weight", 1 + 0.1 * rng.standard_normal(cfg.d_model), QT.F32)
     if not cfg.tied_head:
         matrix("output.weight", vocab, cfg.d_model, cfg.matrix_type)
+    finish(w)
+    return path
+
+
+def add_tokenizer(w: gguf.GGUFWriter) -> None:
+    """The tiny byte-level BPE vocabulary, ChatML template, bos 1 / eos 2."""
+    tokens, types = vocabulary()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+
+
+def finish(w: gguf.GGUFWriter) -> None:
+    """Write what ``w`` holds to its file and close it."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
 
 
 def _add(w: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT) -> None:
