@@ -85,26 +85,68 @@ def _pack_legacy(raw: np.ndarray, qtype: QT, rows: int, nb: int) -> np.ndarray:
 
 
 def _pack_kquant(raw: np.ndarray, qtype: QT, rows: int, supers: int) -> np.ndarray:
-    """Per group and super-block, native.h's K-quant fields: Q4_K/Q5_K d, dmin, the 6-bit
-    scales and mins a byte each, (Q5_K) the high bits, the nibbles; Q6_K d, the int8
-    scales, the low nibbles, the high bits."""
+    """Per group and super-block, native.h's K-quant fields, a few groups at a time (the
+    unpacked quants of a whole embedding would take a byte per weight)."""
     size = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}[qtype]
+    raw = raw.reshape(rows, supers * size)
+    step = _CHUNK_GROUPS * GROUP_ROWS
+    chunks = [
+        _pack_kquant_rows(raw[r : r + step], qtype, min(step, rows - r), supers, size)
+        for r in range(0, rows, step)
+    ]
+    return np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+
+
+_CHUNK_GROUPS = 64  # row groups repacked at a time
+
+
+def _pack_kquant_rows(
+    raw: np.ndarray, qtype: QT, rows: int, supers: int, size: int
+) -> np.ndarray:
+    """Q4_K/Q5_K: d, dmin, the 6-bit scales and mins a byte each, (Q5_K) the fifth bits,
+    the nibbles; Q6_K: d, the int8 scales, then per sub-block its nibbles and high bits.
+    The quants are regrouped so one byte column serves two (nibbles) or four (high bits)
+    columns of the same sub-block, as native.h describes."""
     by = _by_group(raw, rows, supers, size)
     if qtype == QT.Q6_K:
-        parts = [
-            _rows_of(by[..., 208:210]),
-            _columns(by[..., 192:208]),
-            _columns(by[..., 0:128]),
-            _columns(by[..., 128:192]),
-        ]
-    else:
-        scales, mins = _scales_mins(by[..., 4:16])
-        parts = [_rows_of(by[..., 0:2]), _rows_of(by[..., 2:4]), _columns(scales)]
-        parts.append(_columns(mins))
-        if qtype == QT.Q5_K:
-            parts.append(_columns(by[..., 16:48]))
-        parts.append(_columns(by[..., -128:]))
+        q = _q6_values(by)  # [g, u, 16, 256], 0..63
+        parts = [_rows_of(by[..., 208:210]), _columns(by[..., 192:208])]
+        subs = q.reshape(*q.shape[:3], 16, 16)  # [g, u, row, sub-block, column]
+        low = subs & 15
+        nibbles = low[..., :8] | (low[..., 8:] << 4)  # byte i: columns i, i + 8
+        high = (subs >> 4).reshape(*subs.shape[:4], 4, 4)  # column 4 m + j at [m, j]
+        shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        quads = np.bitwise_or.reduce(high << shifts, axis=-2)  # byte j: columns j + 4 m
+        per_sub = np.concatenate([nibbles, quads], axis=-1)  # [g, u, row, 16, 12]
+        parts.append(_columns(per_sub.reshape(*by.shape[:3], -1)))
+        return np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(-1)
+    scales, mins = _scales_mins(by[..., 4:16])
+    parts = [_rows_of(by[..., 0:2]), _rows_of(by[..., 2:4]), _columns(scales)]
+    parts.append(_columns(mins))
+    nib = by[..., -128:].reshape(*by.shape[:3], 4, 1, 32)
+    q = ((nib >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15).reshape(*by.shape[:3], 8, 32)
+    if qtype == QT.Q5_K:
+        qh = by[..., 16:48].reshape(*by.shape[:3], 1, 32)
+        fifth = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # [.., sub, col]
+        bits = fifth.reshape(*fifth.shape[:4], 8, 4)  # column 4 m + b at [m, b]
+        shifts = np.arange(8, dtype=np.uint8).reshape(8, 1)
+        fifths = np.bitwise_or.reduce(bits << shifts, axis=-2)  # byte b: columns b + 4 m
+        parts.append(_columns(fifths.reshape(*by.shape[:3], -1)))
+    pairs = q[..., :16] | (q[..., 16:] << 4)  # byte i of a sub-block: columns i, 16 + i
+    parts.append(_columns(pairs.reshape(*by.shape[:3], -1)))
     return np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(-1)
+
+
+def _q6_values(by: np.ndarray) -> np.ndarray:
+    """Q6_K's quants (0..63) [..., 256] from its blocks [..., 210]: weight 128 h + r has
+    its low nibble in byte 64 h + r % 64 (high nibble for r >= 64), its top two bits at
+    bits 2 (r / 32) of byte 128 + 32 h + r % 32."""
+    lead = by.shape[:-1]
+    ql = by[..., 0:128].reshape(*lead, 2, 1, 64)
+    low = ((ql >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15).reshape(*lead, 2, 128)
+    qh = by[..., 128:192].reshape(*lead, 2, 1, 32)
+    high = ((qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3).reshape(*lead, 2, 128)
+    return (low | (high << 4)).reshape(*lead, 256)
 
 
 def _scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

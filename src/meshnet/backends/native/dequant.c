@@ -15,7 +15,7 @@ const Py_ssize_t GROUP_BYTES[Q6_K + 1] = {
     2 * GROUP_ROWS + 32 * GROUP_ROWS,  /* Q8_0: d, 32 byte columns */
     K_QS4 + 128 * GROUP_ROWS,          /* Q4_K: 2368 = 16 rows x 144 + 64 */
     K_QS5 + 128 * GROUP_ROWS,          /* Q5_K: 2880 = 16 rows x 176 + 64 */
-    K6_QH + 64 * GROUP_ROWS,           /* Q6_K: 3360 = 16 rows x 210 */
+    K6_SUB + 16 * K6_SUB_BYTES,        /* Q6_K: 3360 = 16 rows x 210 */
 };
 
 /* GGUF bytes per 32 weights (Q2_K, Q3_K: per 256, see row_bytes). */
@@ -147,21 +147,24 @@ static void kquant_block(int type, const uint8_t *p, int lane, float *out) {
     const float d = half(p + K_D + 2 * lane);
     if (type == Q6_K) {
         for (int n = 0; n < QK_K; n++) {
-            const int h = n / 128, r = n % 128;
-            const int ql = p[K6_QL + (64 * h + r % 64) * GROUP_ROWS + lane] >> (4 * (r / 64));
-            const int qh = p[K6_QH + (32 * h + r % 32) * GROUP_ROWS + lane] >> (2 * (r / 32));
-            const int q = ((ql & 15) | (qh & 3) << 4) - 32;
-            const float dl = d * (float)(int8_t)p[K6_SC + (n / 16) * GROUP_ROWS + lane];
-            out[n] = dl * (float)q;
+            const int k = n / 16, c = n % 16; /* sub-block, column */
+            const uint8_t *sub = p + K6_SUB + k * K6_SUB_BYTES + lane;
+            const int low = (sub[(c % 8) * GROUP_ROWS] >> (4 * (c / 8))) & 15;
+            const int high = (sub[(8 + c % 4) * GROUP_ROWS] >> (2 * (c / 4))) & 3;
+            const float dl = d * (float)(int8_t)p[K6_SC + k * GROUP_ROWS + lane];
+            out[n] = dl * (float)((low | high << 4) - 32);
         }
         return;
     }
     const float dmin = half(p + K_DMIN + 2 * lane);
     const uint8_t *qs = p + (type == Q5_K ? K_QS5 : K_QS4) + lane;
     for (int n = 0; n < QK_K; n++) {
-        const int k = n / QK, c = n % QK;
-        int q = (qs[((k / 2) * QK + c) * GROUP_ROWS] >> (4 * (k % 2))) & 15;
-        if (type == Q5_K) q |= ((p[K_QH5 + c * GROUP_ROWS + lane] >> k) & 1) << 4;
+        const int k = n / QK, c = n % QK, i = c % 16; /* sub-block, column, byte */
+        int q = (qs[(k * 16 + i) * GROUP_ROWS] >> (4 * (c / 16))) & 15;
+        if (type == Q5_K) {
+            const int m = i / 4 + 4 * (c / 16); /* the bit of byte i % 4 */
+            q |= ((p[K_QH5 + (k * 4 + i % 4) * GROUP_ROWS + lane] >> m) & 1) << 4;
+        }
         const float dl = d * (float)p[K_SC + k * GROUP_ROWS + lane];
         const float ml = dmin * (float)p[K_MIN + k * GROUP_ROWS + lane];
         out[n] = dl * (float)q - ml;

@@ -22,7 +22,8 @@
 typedef struct {
     const qmat_t *w;
     const float *x;  /* T * cols */
-    const float *sx; /* T * nb block sums of x (4-bit types only) */
+    const float *sx; /* per token, sums of x over each block (Q4_0, Q4_1, Q4_K, Q5_K) or
+                      * each 16 columns (Q6_K), in order; NULL for the other types */
     float *out;      /* T * rows */
     Py_ssize_t T;
 } job_t;
@@ -70,6 +71,7 @@ static inline void store8(float *p, __m256 v, int n) {
 #define ADD _mm256_add_ps
 #define FNMA _mm256_fnmadd_ps
 #define LOAD _mm256_load_ps
+#define OR_AND(a, b, k) _mm256_or_si256(a, _mm256_and_si256(b, _mm256_set1_epi32(k)))
 #include "matmul_tile.h"
 
 /* AVX-512: sixteen rows per vector (a whole group), 32 registers: batches take tiles
@@ -103,16 +105,19 @@ static inline WIDE void store16(float *p, __m512 v, int n) {
 #define ADD _mm512_add_ps
 #define FNMA _mm512_fnmadd_ps
 #define LOAD _mm512_load_ps
+#define OR_AND(a, b, k) _mm512_ternarylogic_epi32(a, b, _mm512_set1_epi32(k), 0xF8)
 #include "matmul_tile.h"
 
-/* Per token, the sums of x over each block, in order (the 4-bit offsets multiply them). */
-static void block_sums(const float *x, Py_ssize_t T, Py_ssize_t nb, float *sx) {
+/* Per token, the sums of x over each piece of ``width`` columns, in order (the offsets
+ * multiply them: 4-bit blocks' m, the K-quants' mins, Q6_K's -32). */
+static void piece_sums(const float *x, Py_ssize_t T, Py_ssize_t cols, int width, float *sx) {
+    const Py_ssize_t pieces = cols / width;
     for (Py_ssize_t t = 0; t < T; t++)
-        for (Py_ssize_t b = 0; b < nb; b++) {
-            const float *v = x + (t * nb + b) * QK;
+        for (Py_ssize_t b = 0; b < pieces; b++) {
+            const float *v = x + t * cols + b * width;
             float s = 0.0f;
-            for (int i = 0; i < QK; i++) s += v[i];
-            sx[t * nb + b] = s;
+            for (int i = 0; i < width; i++) s += v[i];
+            sx[t * pieces + b] = s;
         }
 }
 
@@ -123,10 +128,12 @@ int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threa
 int qmatmul_tiles(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads,
                   int allow_wide) {
     float *sx = NULL;
-    if (w->type == Q4_0 || w->type == Q4_1 || w->type == Q4_K || w->type == Q5_K) {
-        sx = malloc((T * w->nb + 1) * sizeof(float));
+    const int type = w->type;
+    if (type == Q4_0 || type == Q4_1 || type == Q4_K || type == Q5_K || type == Q6_K) {
+        const int width = type == Q6_K ? 16 : QK;
+        sx = malloc((T * w->nb * (QK / width) + 1) * sizeof(float));
         if (sx == NULL) return -1;
-        block_sums(x, T, w->nb, sx);
+        piece_sums(x, T, w->nb * QK, width, sx);
     }
     const int isa512 = allow_wide && __builtin_cpu_supports("avx512f") &&
                        __builtin_cpu_supports("avx512vl") &&

@@ -12,6 +12,7 @@
  *   AND15, SHR4, CVT, MUL, FMA, SET1, ZERO   the lane-wise operations
  *   SRL, SLL (by a count), ANDI, ORI, SUBI (an int32 constant)   int32 lane operations
  *   ADD, FNMA, LOAD   float addition, c - a b in one rounding, an aligned load
+ *   OR_AND(a, b, k)   a | (b & k) on int32 lanes (one instruction with AVX-512)
  *   STORE(p, v, n)   the first n lanes of v to p
  * Each lane is one output row, so every (row, token) pair runs the same FMA chain at
  * either width: the two instantiations give the same bits. The header undefines these
@@ -100,9 +101,12 @@ static inline __attribute__((always_inline)) TARGET void FN(tile)(const job_t *j
 /*
  * The same tile for the K-quants, a super-block (256 columns) at a time. Per (row, token)
  * and sub-block in order (Q4_K, Q5_K: 8 of 32 columns; Q6_K: 16 of 16): s = q . x as one
- * FMA chain from zero over its columns in order, q the integer quants (Q6_K: q - 32);
- * then acc = fma(d sc, s, acc) and, for Q4_K and Q5_K, acc = acc - (dmin m) (sum of x
- * over the sub-block) in one rounding. d sc and dmin m are exact in float32.
+ * FMA chain from zero, q the integer quants, over the sub-block's columns
+ * in the order its byte columns hold them (native.h): Q4_K, Q5_K i, 16 + i for
+ * i = 0 .. 15 (Q4_0's); Q6_K j, 4 + j, 8 + j, 12 + j for j = 0 .. 3. Then
+ * acc = fma(d sc, s, acc) and acc = acc - o (sum of x over the sub-block) in one
+ * rounding, o = dmin m (Q4_K, Q5_K) or 32 d sc (Q6_K: its quants are q - 32). d sc,
+ * dmin m and 32 d sc are exact in float32.
  */
 static inline __attribute__((always_inline)) TARGET void FN(ktile)(const job_t *j, const int type,
                                                                    const Py_ssize_t v0,
@@ -133,58 +137,70 @@ static inline __attribute__((always_inline)) TARGET void FN(ktile)(const job_t *
         }
         if (type == Q6_K) {
             for (int k = 0; k < QK_K / 16; k++) {
-                const int h = k / 8, r0 = (k % 8) * 16; /* half, first column within it */
-                const Py_ssize_t ql = K6_QL + (64 * h + r0 % 64) * GROUP_ROWS;
-                const Py_ssize_t qh = K6_QH + (32 * h + r0 % 32) * GROUP_ROWS;
-                const int lshift = 4 * (r0 / 64), hshift = 2 * (r0 / 32);
+                const Py_ssize_t sub = K6_SUB + k * K6_SUB_BYTES;
+                const float *xk = xs + 16 * k;
                 VEC s[4][TILE_MAX];
                 for (int v = 0; v < RV; v++)
                     for (int t = 0; t < TT; t++) s[v][t] = ZERO();
-                for (int c = 0; c < 16; c++) {
-                    VEC wc[4];
+                for (int c = 0; c < 4; c++) {
                     for (int v = 0; v < RV; v++) {
-                        const Py_ssize_t at = c * GROUP_ROWS;
-                        const IVEC lo = ANDI(SRL(U8(p[v] + ql + at), lshift), 15);
-                        const IVEC hi = SLL(ANDI(SRL(U8(p[v] + qh + at), hshift), 3), 4);
-                        wc[v] = CVT(SUBI(ORI(lo, hi), 32));
-                    }
-                    for (int t = 0; t < TT; t++) {
-                        const VEC xc = SET1(xs[t * cols + 16 * k + c]);
-                        for (int v = 0; v < RV; v++) s[v][t] = FMA(wc[v], xc, s[v][t]);
+                        const uint8_t *q = p[v] + sub + c * GROUP_ROWS;
+                        const IVEC z0 = U8(q), z1 = U8(q + 4 * GROUP_ROWS);
+                        const IVEC h = U8(q + 8 * GROUP_ROWS);
+                        const VEC w0 = CVT(OR_AND(AND15(z0), SLL(h, 4), 48));
+                        const VEC w1 = CVT(OR_AND(AND15(z1), SLL(h, 2), 48));
+                        const VEC w2 = CVT(OR_AND(SHR4(z0), h, 48));
+                        const VEC w3 = CVT(OR_AND(SHR4(z1), SRL(h, 2), 48));
+                        for (int t = 0; t < TT; t++) {
+                            const float *xt = xk + t * cols + c;
+                            s[v][t] = FMA(w0, SET1(xt[0]), s[v][t]);
+                            s[v][t] = FMA(w1, SET1(xt[4]), s[v][t]);
+                            s[v][t] = FMA(w2, SET1(xt[8]), s[v][t]);
+                            s[v][t] = FMA(w3, SET1(xt[12]), s[v][t]);
+                        }
                     }
                 }
                 for (int v = 0; v < RV; v++) {
-                    const VEC dl = MUL(HALVES(p[v] + K_D + lane[v]),
+                    const VEC dl = MUL(HALVES(p[v] - lane[v] + K_D + 2 * lane[v]),
                                        CVT(S8(p[v] + K6_SC + k * GROUP_ROWS)));
-                    for (int t = 0; t < TT; t++) acc[v][t] = FMA(dl, s[v][t], acc[v][t]);
+                    const VEC ml = MUL(dl, SET1(32.0f));
+                    for (int t = 0; t < TT; t++) {
+                        acc[v][t] = FMA(dl, s[v][t], acc[v][t]);
+                        const VEC sx = SET1(j->sx[(t0 + t) * 2 * nb + sb * (QK_K / 16) + k]);
+                        acc[v][t] = FNMA(ml, sx, acc[v][t]);
+                    }
                 }
             }
             continue;
         }
         const Py_ssize_t qs = type == Q5_K ? K_QS5 : K_QS4;
         for (int k = 0; k < QK_K / QK; k++) {
+            const float *xk = xs + QK * k;
             VEC s[4][TILE_MAX];
             for (int v = 0; v < RV; v++)
                 for (int t = 0; t < TT; t++) s[v][t] = ZERO();
-            const Py_ssize_t nibbles = qs + (k / 2) * QK * GROUP_ROWS;
-            for (int c = 0; c < QK; c++) {
-                VEC wc[4];
+#pragma GCC unroll 16 /* Q5_K's shift counts become constants */
+            for (int i = 0; i < QK / 2; i++) {
                 for (int v = 0; v < RV; v++) {
-                    const IVEC z = U8(p[v] + nibbles + c * GROUP_ROWS);
-                    IVEC q = k % 2 ? SHR4(z) : AND15(z);
-                    if (type == Q5_K)
-                        q = ORI(q, SLL(ANDI(SRL(U8(p[v] + K_QH5 + c * GROUP_ROWS), k), 1), 4));
-                    wc[v] = CVT(q);
-                }
-                for (int t = 0; t < TT; t++) {
-                    const VEC xc = SET1(xs[t * cols + QK * k + c]);
-                    for (int v = 0; v < RV; v++) s[v][t] = FMA(wc[v], xc, s[v][t]);
+                    const IVEC z = U8(p[v] + qs + (k * 16 + i) * GROUP_ROWS);
+                    IVEC lo = AND15(z), hi = SHR4(z);
+                    if (type == Q5_K) { /* bits i / 4 and 4 + i / 4 of byte i % 4 */
+                        const IVEC h = U8(p[v] + K_QH5 + (k * 4 + i % 4) * GROUP_ROWS);
+                        lo = OR_AND(lo, SLL(h, 4 - i / 4), 16);
+                        hi = OR_AND(hi, SRL(h, i / 4), 16);
+                    }
+                    const VEC wl = CVT(lo), wh = CVT(hi);
+                    for (int t = 0; t < TT; t++) {
+                        const float *xt = xk + t * cols + i;
+                        s[v][t] = FMA(wl, SET1(xt[0]), s[v][t]);
+                        s[v][t] = FMA(wh, SET1(xt[QK / 2]), s[v][t]);
+                    }
                 }
             }
             for (int v = 0; v < RV; v++) {
-                const VEC dl = MUL(HALVES(p[v] + K_D + lane[v]),
+                const VEC dl = MUL(HALVES(p[v] - lane[v] + K_D + 2 * lane[v]),
                                    CVT(U8(p[v] + K_SC + k * GROUP_ROWS)));
-                const VEC ml = MUL(HALVES(p[v] + K_DMIN + lane[v]),
+                const VEC ml = MUL(HALVES(p[v] - lane[v] + K_DMIN + 2 * lane[v]),
                                    CVT(U8(p[v] + K_MIN + k * GROUP_ROWS)));
                 for (int t = 0; t < TT; t++) {
                     acc[v][t] = FMA(dl, s[v][t], acc[v][t]);
@@ -359,3 +375,4 @@ static TARGET void FN(rows)(const job_t *j, Py_ssize_t v0, Py_ssize_t v1) {
 #undef ADD
 #undef FNMA
 #undef LOAD
+#undef OR_AND

@@ -38,12 +38,15 @@ enum {
  *     first), 32 for Q8_0.
  *   Q4_K, Q5_K: per group and super-block, the rows' float16 d, float16 dmin, the 8
  *     sub-block scales (6-bit, a byte each: 8 columns of 16 rows), the 8 mins likewise,
- *     Q5_K's 32 high-bit bytes (bit k of byte c: column c of sub-block k), then the 128
- *     nibble bytes (byte 32 p + c: column c of sub-blocks 2p (low) and 2p + 1 (high)),
- *     each a column of 16 rows. w = (d sc) q - dmin m.
+ *     Q5_K's fifth bits (per sub-block 4 byte columns: bit m of byte b is column b + 4 m),
+ *     then the nibbles (per sub-block 16 byte columns: byte i holds columns i, low
+ *     nibble, and 16 + i, as Q4_0's). w = (d sc) q - dmin m.
  *   Q6_K: per group and super-block, the rows' float16 d, the 16 int8 scales of the
- *     sub-blocks of 16 (16 columns of 16 rows), the 128 low-nibble bytes, then the 64
- *     high-bit bytes, the GGUF's own bytes each a column of 16 rows. w = (d sc) (q - 32).
+ *     sub-blocks of 16 (16 columns of 16 rows), then per sub-block its low nibbles (8
+ *     byte columns: byte i holds columns i and 8 + i) and its top two bits (4 byte
+ *     columns: bits 2 m of byte j are column j + 4 m). w = (d sc) (q - 32).
+ *   The quants are regrouped from the GGUF's order so that one byte column serves two
+ *     or four columns of the same sub-block: one load, fewer unpacking operations.
  * The other types keep the GGUF's own rows (no padding).
  */
 #define GROUP_ROWS 16
@@ -59,8 +62,8 @@ enum {
     K_QS4 = K_QH5,                                   /* Q4_K: 128 x 16 bytes */
     K_QS5 = K_QH5 + 32 * GROUP_ROWS,                 /* Q5_K: 128 x 16 bytes */
     K6_SC = 2 * GROUP_ROWS,                          /* Q6_K: 16 x 16 int8 */
-    K6_QL = K6_SC + 16 * GROUP_ROWS,                 /* Q6_K: 128 x 16 bytes */
-    K6_QH = K6_QL + 128 * GROUP_ROWS,                /* Q6_K: 64 x 16 bytes */
+    K6_SUB = K6_SC + 16 * GROUP_ROWS,                /* Q6_K: 16 sub-blocks of ... */
+    K6_SUB_BYTES = 12 * GROUP_ROWS,                  /* ... 8 nibble + 4 high-bit columns */
 };
 
 typedef struct {
