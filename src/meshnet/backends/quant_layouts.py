@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as QT
 QK = 32  # weights per block; a matrix's width is nb * QK in every type
 QK_K = 256  # weights per K-quant super-block
 GROUP_ROWS = 16  # rows per group of the row-group layouts
+_CHUNK_GROUPS = 64  # K-quant row groups repacked at a time
 
 # The native kernels' number for each type they multiply, as in native/native.h.
 CODES = {
@@ -97,12 +98,7 @@ def _pack_kquant(raw: np.ndarray, qtype: QT, rows: int, supers: int) -> np.ndarr
     return np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
 
 
-_CHUNK_GROUPS = 64  # row groups repacked at a time
-
-
-def _pack_kquant_rows(
-    raw: np.ndarray, qtype: QT, rows: int, supers: int, size: int
-) -> np.ndarray:
+def _pack_kquant_rows(raw: np.ndarray, qtype: QT, rows: int, supers: int, size: int) -> np.ndarray:
     """Q4_K/Q5_K: d, dmin, the 6-bit scales and mins a byte each, (Q5_K) the fifth bits,
     the nibbles; Q6_K: d, the int8 scales, then per sub-block its nibbles and high bits.
     The quants are regrouped so one byte column serves two (nibbles) or four (high bits)
