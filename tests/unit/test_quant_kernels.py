@@ -102,7 +102,9 @@ def test_rows_are_gguf_dequantized_rows(qtype: QT, path: str) -> None:
 
 @pytest.mark.skipif(not NATIVE_BUILT, reason="the native kernels are not built")
 @pytest.mark.parametrize(
-    "grouped", [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda q: q.name
+    "grouped",
+    [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K],
+    ids=lambda q: q.name,
 )
 def test_a_native_matrix_holds_about_its_gguf_bytes(grouped: QT) -> None:
     """The row-group layouts repack the blocks, within 3% of the GGUF's bytes for whole

@@ -75,7 +75,7 @@ class QuantMatrix:
     def split(self) -> Split:
         """The GGUF blocks of a Q4_0, Q4_1 or Q8_0 matrix as quants, float32 scales and
         offsets (the numba path; made on first use)."""
-        if self.native or self.qtype not in layouts.LEGACY:
+        if self.native or self.qtype not in (QT.Q4_0, QT.Q4_1, QT.Q8_0):
             raise ValueError("only Q4_0, Q4_1 and Q8_0 blocks split for the numba kernels")
         nb = self.cols // QK
         size = {QT.Q4_0: 18, QT.Q4_1: 20, QT.Q8_0: 34}[self.qtype]

@@ -9,22 +9,24 @@
 
 #include "native.h"
 
-const Py_ssize_t GROUP_BYTES[Q6_K + 1] = {
+const Py_ssize_t GROUP_BYTES[TYPE_COUNT] = {
     2 * GROUP_ROWS + 16 * GROUP_ROWS,  /* Q4_0: d, 16 byte columns */
     4 * GROUP_ROWS + 16 * GROUP_ROWS,  /* Q4_1: d, m, 16 byte columns */
     2 * GROUP_ROWS + 32 * GROUP_ROWS,  /* Q8_0: d, 32 byte columns */
     K_QS4 + 128 * GROUP_ROWS,          /* Q4_K: 2368 = 16 rows x 144 + 64 */
     K_QS5 + 128 * GROUP_ROWS,          /* Q5_K: 2880 = 16 rows x 176 + 64 */
     K6_SUB + 16 * K6_SUB_BYTES,        /* Q6_K: 3360 = 16 rows x 210 */
+    0, 0,                              /* Q2_K, Q3_K: row-wise */
+    2 * GROUP_ROWS + 20 * GROUP_ROWS,  /* Q5_0: d, 16 nibble and 4 fifth-bit columns */
+    4 * GROUP_ROWS + 20 * GROUP_ROWS,  /* Q5_1: d, m, 16 nibble and 4 fifth-bit columns */
+    0, 0, 0,                           /* F16, BF16, F32: row-wise */
 };
 
-/* GGUF bytes per 32 weights (Q2_K, Q3_K: per 256, see row_bytes). */
+/* GGUF bytes of a row of a row-wise type. */
 static Py_ssize_t rowwise_bytes(int type, Py_ssize_t nb) {
     switch (type) {
     case Q2_K: return nb / 8 * 84;
     case Q3_K: return nb / 8 * 110;
-    case Q5_0: return nb * 22;
-    case Q5_1: return nb * 24;
     case F16:
     case BF16: return nb * 2 * QK;
     default: return nb * 4 * QK; /* F32 */
@@ -90,26 +92,10 @@ static void q3_k(const uint8_t *sb, int part, float *out) {
     }
 }
 
-/* Q5_0 (d, qh, qs) and Q5_1 (d, m, qh, qs): weight l's low nibble from qs[l % 16] (high
- * nibble for l >= 16), its fifth bit bit l of the little-endian qh. */
-static void q5(const uint8_t *blk, int with_min, float *out) {
-    const float d = half(blk);
-    const float m = with_min ? half(blk + 2) : 0.0f;
-    const uint8_t *qh = blk + (with_min ? 4 : 2), *qs = qh + 4;
-    const uint32_t high = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 |
-                          (uint32_t)qh[3] << 24;
-    for (int l = 0; l < QK; l++) {
-        const int q = ((l < 16 ? qs[l] & 15 : qs[l - 16] >> 4) | ((high >> l) & 1) << 4);
-        out[l] = with_min ? d * (float)q + m : d * (float)(q - 16);
-    }
-}
-
 void dequant_block(int type, const uint8_t *row, Py_ssize_t b, float *out) {
     switch (type) {
     case Q2_K: q2_k(row + b / 8 * 84, (int)(b % 8), out); break;
     case Q3_K: q3_k(row + b / 8 * 110, (int)(b % 8), out); break;
-    case Q5_0: q5(row + b * 22, 0, out); break;
-    case Q5_1: q5(row + b * 24, 1, out); break;
     case F16:
         for (int l = 0; l < QK; l++) out[l] = half(row + (b * QK + l) * 2);
         break;
@@ -120,7 +106,7 @@ void dequant_block(int type, const uint8_t *row, Py_ssize_t b, float *out) {
     }
 }
 
-/* Row ``lane`` of a row group's block (Q4_0, Q4_1, Q8_0). */
+/* Row ``lane`` of a row group's block (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1). */
 static void legacy_block(int type, const uint8_t *p, int lane, float *out) {
     const float d = half(p + 2 * lane);
     if (type == Q8_0) {
@@ -128,17 +114,15 @@ static void legacy_block(int type, const uint8_t *p, int lane, float *out) {
             out[c] = (float)(int8_t)p[2 * GROUP_ROWS + c * GROUP_ROWS + lane] * d;
         return;
     }
-    const uint8_t *qs = p + (type == Q4_1 ? 4 : 2) * GROUP_ROWS + lane;
-    const float m = type == Q4_1 ? half(p + 2 * GROUP_ROWS + 2 * lane) : 0.0f;
-    for (int i = 0; i < QK / 2; i++) {
-        const int lo = qs[i * GROUP_ROWS] & 15, hi = qs[i * GROUP_ROWS] >> 4;
-        if (type == Q4_1) {
-            out[i] = d * (float)lo + m;
-            out[QK / 2 + i] = d * (float)hi + m;
-        } else {
-            out[i] = d * (float)(lo - 8);
-            out[QK / 2 + i] = d * (float)(hi - 8);
-        }
+    const int with_min = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
+    const uint8_t *qs = p + (with_min ? 4 : 2) * GROUP_ROWS + lane;
+    const uint8_t *qh = qs + 16 * GROUP_ROWS;
+    const float m = with_min ? half(p + 2 * GROUP_ROWS + 2 * lane) : 0.0f;
+    for (int c = 0; c < QK; c++) {
+        int q = (qs[(c % 16) * GROUP_ROWS] >> (4 * (c / 16))) & 15;
+        if (five) q |= ((qh[(c / 8) * GROUP_ROWS] >> (c % 8)) & 1) << 4;
+        if (with_min) out[c] = d * (float)q + m;
+        else out[c] = d * (float)(q - (five ? 16 : 8));
     }
 }
 

@@ -22,7 +22,7 @@
 typedef struct {
     const qmat_t *w;
     const float *x;  /* T * cols */
-    const float *sx; /* per token, sums of x over each block (Q4_0, Q4_1, Q4_K, Q5_K) or
+    const float *sx; /* per token, sums of x over each block (4- and 5-bit types) or
                       * each 16 columns (Q6_K), in order; NULL for the other types */
     float *out;      /* T * rows */
     Py_ssize_t T;
@@ -129,7 +129,7 @@ int qmatmul_tiles(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int
                   int allow_wide) {
     float *sx = NULL;
     const int type = w->type;
-    if (type == Q4_0 || type == Q4_1 || type == Q4_K || type == Q5_K || type == Q6_K) {
+    if (type != Q8_0 && (IS_BLOCKWISE(type) || IS_KQUANT(type))) {
         const int width = type == Q6_K ? 16 : QK;
         sx = malloc((T * w->nb * (QK / width) + 1) * sizeof(float));
         if (sx == NULL) return -1;

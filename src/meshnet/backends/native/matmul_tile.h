@@ -34,7 +34,8 @@ static inline __attribute__((always_inline)) TARGET void FN(tile)(const job_t *j
                                                                   const int TT) {
     const qmat_t *w = j->w;
     const Py_ssize_t nb = w->nb, cols = nb * QK, gb = GROUP_BYTES[type];
-    const int quants = type == Q4_1 ? 4 * GROUP_ROWS : 2 * GROUP_ROWS; /* bytes of halves */
+    const int with_min = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
+    const int quants = with_min ? 4 * GROUP_ROWS : 2 * GROUP_ROWS; /* bytes of halves */
     const uint8_t *group[4];
     int lane[4]; /* the vector's first row within its group */
     for (int v = 0; v < RV; v++) {
@@ -67,12 +68,24 @@ static inline __attribute__((always_inline)) TARGET void FN(tile)(const job_t *j
                 }
             }
         } else {
+#pragma GCC unroll 16 /* the fifth bits' shift counts become constants */
             for (int i = 0; i < QK / 2; i++) {
                 VEC lo[4], hi[4];
                 for (int v = 0; v < RV; v++) {
                     const IVEC z = U8(p[v] + quants + i * GROUP_ROWS + lane[v]);
-                    lo[v] = CVT(AND15(z));
-                    hi[v] = CVT(SHR4(z));
+                    if (five) { /* bit i % 8 of bytes i / 8 and 2 + i / 8, moved to bit 4 */
+                        const uint8_t *qh = p[v] + quants + 16 * GROUP_ROWS + lane[v];
+                        const IVEC h0 = U8(qh + (i / 8) * GROUP_ROWS);
+                        const IVEC h1 = U8(qh + (2 + i / 8) * GROUP_ROWS);
+                        const int bit = i % 8;
+                        const IVEC f0 = bit <= 4 ? SLL(h0, 4 - bit) : SRL(h0, bit - 4);
+                        const IVEC f1 = bit <= 4 ? SLL(h1, 4 - bit) : SRL(h1, bit - 4);
+                        lo[v] = CVT(OR_AND(AND15(z), f0, 16));
+                        hi[v] = CVT(OR_AND(SHR4(z), f1, 16));
+                    } else {
+                        lo[v] = CVT(AND15(z));
+                        hi[v] = CVT(SHR4(z));
+                    }
                 }
                 for (int t = 0; t < TT; t++) {
                     const VEC xl = SET1(xb[t * cols + i]), xh = SET1(xb[t * cols + QK / 2 + i]);
@@ -85,8 +98,8 @@ static inline __attribute__((always_inline)) TARGET void FN(tile)(const job_t *j
             const VEC d = HALVES(p[v] + 2 * lane[v]);
             for (int t = 0; t < TT; t++) acc[v][t] = FMA(d, s[v][t], acc[v][t]);
             if (type == Q8_0) continue;
-            const VEC m = type == Q4_1 ? HALVES(p[v] + 2 * GROUP_ROWS + 2 * lane[v])
-                                       : MUL(d, SET1(-8.0f));
+            const VEC m = with_min ? HALVES(p[v] + 2 * GROUP_ROWS + 2 * lane[v])
+                                   : MUL(d, SET1(five ? -16.0f : -8.0f));
             for (int t = 0; t < TT; t++)
                 acc[v][t] = FMA(m, SET1(j->sx[(t0 + t) * nb + b]), acc[v][t]);
         }
@@ -339,6 +352,8 @@ static TARGET void FN(rows)(const job_t *j, Py_ssize_t v0, Py_ssize_t v1) {
     case Q4_0: FN(rows_typed)(j, Q4_0, v0, v1); break;
     case Q4_1: FN(rows_typed)(j, Q4_1, v0, v1); break;
     case Q8_0: FN(rows_typed)(j, Q8_0, v0, v1); break;
+    case Q5_0: FN(rows_typed)(j, Q5_0, v0, v1); break;
+    case Q5_1: FN(rows_typed)(j, Q5_1, v0, v1); break;
     case Q4_K: FN(rows_typed)(j, Q4_K, v0, v1); break;
     case Q5_K: FN(rows_typed)(j, Q5_K, v0, v1); break;
     case Q6_K: FN(rows_typed)(j, Q6_K, v0, v1); break;

@@ -16,9 +16,10 @@
 #define QK_K 256 /* weights per super-block of the K-quants */
 
 /* The GGUF block types the matmul reads, in three families:
- *   Q4_0, Q4_1, Q8_0      row groups, one GROUP_BYTES entry per block of 32 columns
- *   Q4_K, Q5_K, Q6_K      row groups, one GROUP_BYTES entry per super-block of 256
- *   Q2_K .. F32           the GGUF's own rows, unpacked a tile at a time ("row-wise") */
+ *   Q4_0, Q4_1, Q8_0, Q5_0, Q5_1   row groups, a GROUP_BYTES entry per block of 32 columns
+ *   Q4_K, Q5_K, Q6_K               row groups, a GROUP_BYTES entry per super-block of 256
+ *   Q2_K, Q3_K, F16, BF16, F32     the GGUF's own rows, unpacked a tile at a time
+ *                                  ("row-wise") */
 enum {
     Q4_0 = 0, Q4_1 = 1, Q8_0 = 2,
     Q4_K = 3, Q5_K = 4, Q6_K = 5,
@@ -26,16 +27,20 @@ enum {
     TYPE_COUNT = 13
 };
 #define IS_KQUANT(type) ((type) >= Q4_K && (type) <= Q6_K)
-#define IS_ROWWISE(type) ((type) >= Q2_K)
+#define IS_BLOCKWISE(type) ((type) <= Q8_0 || (type) == Q5_0 || (type) == Q5_1)
+#define IS_ROWWISE(type) (!IS_KQUANT(type) && !IS_BLOCKWISE(type))
 
 /*
- * A [rows, nb * QK] matrix. Q4_0, Q4_1, Q8_0 and the K-quants are held in row groups of
- * GROUP_ROWS (the last one padded with zero blocks), so one load gives a column of 8 or
- * 16 rows:
+ * A [rows, nb * QK] matrix. Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and the K-quants are held in row
+ * groups of GROUP_ROWS (the last one padded with zero blocks), so one load gives a
+ * column of 8 or 16 rows:
  *   Q4_0, Q4_1, Q8_0: per group and block, the 16 rows' float16 scales d, for Q4_1 their
  *     float16 offsets m, then the quants column by column, one byte per row: 16 columns
  *     for 4-bit blocks (byte i of a row holds its weights i and 16 + i, low nibble
  *     first), 32 for Q8_0.
+ *   Q5_0, Q5_1: as Q4_0, Q4_1 (d, Q5_1's m, the 16 nibble columns), then the fifth bits
+ *     in 4 byte columns (bit i % 8 of byte i / 8: column i, the GGUF's qh).
+ *     w = d (q - 16) (Q5_0), d q + m (Q5_1).
  *   Q4_K, Q5_K: per group and super-block, the rows' float16 d, float16 dmin, the 8
  *     sub-block scales (6-bit, a byte each: 8 columns of 16 rows), the 8 mins likewise,
  *     Q5_K's fifth bits (per sub-block 4 byte columns: bit m of byte b is column b + 4 m),
@@ -50,7 +55,7 @@ enum {
  * The other types keep the GGUF's own rows (no padding).
  */
 #define GROUP_ROWS 16
-extern const Py_ssize_t GROUP_BYTES[Q6_K + 1]; /* per block (Q4_0 .. Q8_0), super-block (K) */
+extern const Py_ssize_t GROUP_BYTES[TYPE_COUNT]; /* per block or super-block (K); 0: row-wise */
 
 /* Byte offsets of the fields in a K-quant group's super-block. */
 enum {
@@ -76,7 +81,7 @@ typedef struct {
  * or the width does not fit it (K-quants: nb a multiple of 8). */
 Py_ssize_t qmat_bytes(int type, Py_ssize_t rows, Py_ssize_t nb);
 
-/* GGUF bytes of one row of a row-wise type. */
+/* GGUF bytes of one row of a row-wise type (Q2_K, Q3_K, F16, BF16, F32). */
 Py_ssize_t row_bytes(int type, Py_ssize_t nb);
 
 /* out[0 .. QK) = weights b * QK .. of a row of a row-wise type (``row`` its GGUF bytes). */
