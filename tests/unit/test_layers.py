@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from meshnet.model.layers import causal_attention, rms_norm, softmax
-from meshnet.model.rope import Rope, RopeStyle, rotate
+from meshnet.model.rope import Rope, RopeStyle, RopeTables, rotate
 
 rng = np.random.default_rng(0)
 
@@ -105,3 +105,14 @@ def test_windowed_and_soft_capped_attention_match_a_naive_loop() -> None:
             s = keys[h // 2, pos - 3 : pos + 1] @ q[i, h] * 0.3
             want[i, h] = softmax(2.0 * np.tanh(s / 2.0)) @ values[h // 2, pos - 3 : pos + 1]
     assert np.allclose(got, want.reshape(3, 32), atol=1e-5)
+
+
+def test_rope_tables_give_a_position_the_same_numbers_whatever_asks() -> None:
+    tables = RopeTables(Rope("halves", 16, 500000.0, factors=tuple(np.linspace(1, 8, 8))))
+    late = np.array([5000, 3, 1023, 1024, 70000])
+    cos, sin = tables.at(late)
+    again = [tables.at(np.array([p])) for p in late]
+    assert np.array_equal(cos, np.concatenate([c for c, _ in again]))
+    assert np.array_equal(sin, np.concatenate([s for _, s in again]))
+    want_cos, want_sin = tables.rope.tables(late)
+    assert np.allclose(cos, want_cos, atol=1e-6) and np.allclose(sin, want_sin, atol=1e-6)

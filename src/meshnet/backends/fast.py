@@ -7,7 +7,8 @@ Where the extension is built, every row (prompt or decode) runs each block in
 one native call (``native_blocks``), so how a prompt is chunked changes nothing
 either. Without it, rows take ``model.block`` with the row kernels of ``quant``
 (every row alike) and the attention here. Q/K/V and gate/up are fused into one
-matrix each where their blocks share a type; rotary tables are computed once.
+matrix each where their blocks share a type; rotary tables are computed once a
+position (`rope.RopeTables`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from meshnet.layer_range import LayerRange
 from meshnet.model.block import forward_block
 from meshnet.model.gguf_file import GGUFFile
 from meshnet.model.layers import rms_norm, soft_cap
-from meshnet.model.rope import Rope
+from meshnet.model.rope import RopeTables
 from meshnet.model.spec import ModelSpec
 from meshnet.model.weights import LayerWeights, ShardWeights, load_shard_weights
 
@@ -48,8 +49,8 @@ class FastBackend:
         self.weights = replace(weights, blocks=tuple(_fuse(b) for b in weights.blocks))
         start = weights.layers.start
         ropes = [spec.layer_rope(start + i) for i in range(len(weights.blocks))]
-        tables = {r: _rope_tables(r, spec.context_length) for r in set(ropes)}
-        self._tables = [tables[r] for r in ropes]  # per block: cos, sin [ctx, pairs]
+        tables = {r: RopeTables(r) for r in set(ropes)}
+        self._tables = [tables[r] for r in ropes]  # per block
         self._native = NativeBlocks.of(spec, start, self.weights.blocks)
         self.runs_native_blocks = self._native is not None  # every row: one native call per block
 
@@ -73,7 +74,8 @@ class FastBackend:
     def run_layers(self, hidden: np.ndarray, batch: Sequence[BatchEntry]) -> np.ndarray:
         positions = start_step(hidden, batch, self.spec.context_length)  # [T]
         x = np.array(hidden, dtype=F32, copy=True)  # [T, d]
-        tables: list[Tables] = [(cos[positions], sin[positions]) for cos, sin in self._tables]
+        at = {id(t): t.at(positions) for t in self._tables}  # each distinct rope once
+        tables: list[Tables] = [at[id(t)] for t in self._tables]
         if self._native is None:
             x = self._layers(x, tables, batch)
         else:  # every row, prompt or decode, one native call per block
@@ -116,12 +118,6 @@ def _fuse(w: LayerWeights[QuantMatrix]) -> LayerWeights[QuantMatrix]:
             return parts
 
     return replace(w, qkv=fused(w.qkv), gate_up=fused(w.gate_up))
-
-
-def _rope_tables(rope: Rope, context_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin of every position of the context, computed once: a row's angles are then
-    the same numbers whatever the step that asks for them."""
-    return rope.tables(np.arange(context_length))
 
 
 def _matmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:

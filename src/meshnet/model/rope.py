@@ -47,6 +47,41 @@ class Rope:
         return np.cos(angles), np.sin(angles)
 
 
+class RopeTables:
+    """cos, sin of positions for one ``Rope``, computed a fixed chunk of positions at a
+    time when first needed and kept.
+
+    A position's values are then the same numbers whichever step asks for them, as
+    if the whole context's table had been made at once, without holding tables for
+    a long context (Llama 3's 131072 positions: 33 MB a rope) that no sequence reaches.
+    """
+
+    CHUNK = 1024  # positions computed together, always from the same arange
+
+    def __init__(self, rope: Rope) -> None:
+        self.rope = rope
+        self._chunks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin [len(positions), pairs] of non-negative ``positions``."""
+        chunk_of = positions // self.CHUNK
+        cos = np.empty((len(positions), self.rope.pairs), F32)
+        sin = np.empty_like(cos)
+        for c in np.unique(chunk_of):
+            here = chunk_of == c
+            chunk_cos, chunk_sin = self._chunk(int(c))
+            offsets = positions[here] - c * self.CHUNK
+            cos[here], sin[here] = chunk_cos[offsets], chunk_sin[offsets]
+        return cos, sin
+
+    def _chunk(self, c: int) -> tuple[np.ndarray, np.ndarray]:
+        chunk = self._chunks.get(c)
+        if chunk is None:
+            chunk = self.rope.tables(np.arange(c * self.CHUNK, (c + 1) * self.CHUNK))
+            self._chunks[c] = chunk
+        return chunk
+
+
 def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: RopeStyle) -> np.ndarray:
     """x [T, heads, hd] with its first ``2 * pairs`` dims of each head rotated.
 
