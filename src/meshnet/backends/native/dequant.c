@@ -51,26 +51,18 @@ static float half(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-static float bf16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* Q2_K super-block: scales[16] (low nibble scale, high nibble min), qs[64], d, dmin.
  * Weight n = 128 h + 32 j + l: bits 2 j of qs[32 h + l]; sub-block of 16 n / 16. */
 static void q2_k(const uint8_t *sb, int part, float *out) {
     const float d = half(sb + 80), dmin = half(sb + 82);
     const int h = part / 4, j = part % 4;
-    for (int l = 0; l < QK; l++) {
-        const int n = part * QK + l;
-        const uint8_t sc = sb[n / 16];
+    for (int half16 = 0; half16 < 2; half16++) { /* the part's two sub-blocks of 16 */
+        const uint8_t sc = sb[(part * QK) / 16 + half16];
         const float dl = d * (float)(sc & 15), ml = dmin * (float)(sc >> 4);
-        const float q = (float)((sb[16 + 32 * h + l] >> (2 * j)) & 3);
-        out[l] = dl * q - ml;
+        for (int l = 16 * half16; l < 16 * half16 + 16; l++) {
+            const float q = (float)((sb[16 + 32 * h + l] >> (2 * j)) & 3);
+            out[l] = dl * q - ml;
+        }
     }
 }
 
@@ -81,14 +73,16 @@ static void q3_k(const uint8_t *sb, int part, float *out) {
     const float d = half(sb + 108);
     const uint8_t *scales = sb + 96;
     const int h = part / 4, j = part % 4;
-    for (int l = 0; l < QK; l++) {
-        const int i = (part * QK + l) / 16;
+    for (int half16 = 0; half16 < 2; half16++) { /* the part's two sub-blocks of 16 */
+        const int i = (part * QK) / 16 + half16;
         const int low = i < 8 ? scales[i] & 15 : scales[i - 8] >> 4;
         const int high = (scales[8 + i % 4] >> (2 * (i / 4))) & 3;
         const float dl = d * (float)((low | high << 4) - 32);
-        const int ql = (sb[32 + 32 * h + l] >> (2 * j)) & 3;
-        const int hbit = (sb[l] >> part) & 1;
-        out[l] = dl * (float)(ql - 4 * (1 - hbit));
+        for (int l = 16 * half16; l < 16 * half16 + 16; l++) {
+            const int ql = (sb[32 + 32 * h + l] >> (2 * j)) & 3;
+            const int hbit = (sb[l] >> part) & 1;
+            out[l] = dl * (float)(ql - 4 * (1 - hbit));
+        }
     }
 }
 
@@ -96,11 +90,18 @@ void dequant_block(int type, const uint8_t *row, Py_ssize_t b, float *out) {
     switch (type) {
     case Q2_K: q2_k(row + b / 8 * 84, (int)(b % 8), out); break;
     case Q3_K: q3_k(row + b / 8 * 110, (int)(b % 8), out); break;
-    case F16:
-        for (int l = 0; l < QK; l++) out[l] = half(row + (b * QK + l) * 2);
+    case F16: /* exact conversions, eight at a time */
+        for (int l = 0; l < QK; l += 8) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)(row + (b * QK + l) * 2));
+            _mm256_storeu_ps(out + l, _mm256_cvtph_ps(h));
+        }
         break;
-    case BF16:
-        for (int l = 0; l < QK; l++) out[l] = bf16(row + (b * QK + l) * 2);
+    case BF16: /* a bfloat16 is the top half of its float32 */
+        for (int l = 0; l < QK; l += 8) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)(row + (b * QK + l) * 2));
+            const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+            _mm256_storeu_ps(out + l, _mm256_castsi256_ps(wide));
+        }
         break;
     default: memcpy(out, row + b * QK * 4, QK * sizeof(float)); break;
     }

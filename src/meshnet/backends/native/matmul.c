@@ -35,6 +35,29 @@ typedef struct {
 
 #define WIDE __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq,avx512bw")))
 
+/* dst[c * dst_stride + r] = src[r * src_stride + c] for an 8 x 8 block of floats (the
+ * row-wise types' tiles, unpacked a row at a time, turned into columns of rows). */
+static inline void transpose8(const float *src, Py_ssize_t src_stride, float *dst,
+                              Py_ssize_t dst_stride) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * src_stride);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * dst_stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * dst_stride,
+                         _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+
 /* AVX2: eight rows per vector, 16 registers: tiles of two row vectors x 4 tokens. */
 static inline void store8(float *p, __m256 v, int n) {
     if (n == 8) {

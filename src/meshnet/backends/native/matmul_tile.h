@@ -245,18 +245,20 @@ static inline __attribute__((always_inline)) TARGET void FN(ftile)(const job_t *
     const int type = w->type; /* one instantiation serves every row-wise type */
     const Py_ssize_t nb = w->nb, cols = nb * QK, stride = row_bytes(type, nb);
     float wb[4][QK][LANES] __attribute__((aligned(64)));
-    float block[QK];
+    float rowwise[LANES][QK] __attribute__((aligned(64)));
     VEC acc[4][TILE_MAX];
     for (int v = 0; v < RV; v++)
         for (int t = 0; t < TT; t++) acc[v][t] = ZERO();
     for (Py_ssize_t b = 0; b < nb; b++) {
-        for (int v = 0; v < RV; v++)
+        for (int v = 0; v < RV; v++) {
             for (int l = 0; l < LANES; l++) {
                 const Py_ssize_t row = (v0 + v) * LANES + l;
-                if (row < w->rows) dequant_block(type, w->packed + row * stride, b, block);
-                else memset(block, 0, sizeof(block));
-                for (int c = 0; c < QK; c++) wb[v][c][l] = block[c];
+                if (row < w->rows) dequant_block(type, w->packed + row * stride, b, rowwise[l]);
+                else memset(rowwise[l], 0, sizeof(rowwise[l]));
             }
+            for (int r = 0; r < LANES; r += 8) /* exact moves: the same at either width */
+                for (int c = 0; c < QK; c += 8) transpose8(&rowwise[r][c], QK, &wb[v][c][r], LANES);
+        }
         const float *xb = j->x + t0 * cols + b * QK;
         VEC s[4][TILE_MAX];
         for (int v = 0; v < RV; v++)
