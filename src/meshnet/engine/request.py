@@ -45,7 +45,7 @@ class RequestState:
         self.finish: FinishReason | None = None
         self._sampler = Sampler(params)
         self._stream = TextStream(tokenizer, params.stop)
-        self._eog = tokenizer.eog_ids | {tokenizer.eos_id}  # every id that ends generation
+        self._eog = tokenizer.eog_ids  # every id that ends generation
 
     @property
     def done(self) -> bool:

@@ -37,7 +37,7 @@ class TextTokenizer:
     eos_id: int
     special_ids: frozenset[int]
     # Every id after which llama.cpp stops generating: eos, eot, eom and the like.
-    eog_ids: frozenset[int] = frozenset()
+    eog_ids: frozenset[int]
     add_eos: bool = False
     # SentencePiece prepends a space to the text; decoding the start of a sequence drops it.
     strips_leading_space: bool = False
