@@ -75,6 +75,7 @@ def load_shard(
     f: GGUFFile, spec: ModelSpec, layers: LayerRange, backend: str = DEFAULT_BACKEND
 ) -> Shard:
     """Load ``layers`` of the model in ``f`` onto ``backend`` ("fast" or "numpy")."""
+    settle()  # before the first large block is freed: glibc's thresholds stay where set
     if backend == "numpy":
         compute: Backend = ReferenceBackend(spec, load_shard_weights(f, spec, layers))
     elif backend == "fast":
@@ -82,6 +83,6 @@ def load_shard(
     else:
         raise ModelError(f"backend {backend!r} is not available (have: {', '.join(BACKENDS)})")
     shard = Shard(spec, layers, compute, f.fingerprint())
-    settle()  # the read and repacked copies of the tensors go back to the system
+    settle()  # the read and repacked copies of the tensors go back to the system now
     warm_up(shard)
     return shard
