@@ -18,7 +18,7 @@ from functools import cache
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD = 256 << 10  # blocks from this size up get pages of their own
+_MMAP_THRESHOLD = 1 << 20  # blocks from this size up get pages of their own
 _TRIM_THRESHOLD = 1 << 20  # free space past this at the heap's top goes back at once
 
 
