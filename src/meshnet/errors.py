@@ -169,11 +169,15 @@ class NoRoute(MeshnetError):
 
 
 class Overloaded(MeshnetError):
-    """No capacity for another generation right now; try again later."""
+    """No capacity for another generation right now; try again in ``retry_after_s``."""
 
     kind = "overloaded"
     retryable = True
     http_status = 429
+
+    def __init__(self, message: str, node_id: str = "", retry_after_s: int = 1) -> None:
+        super().__init__(message, node_id)
+        self.retry_after_s = retry_after_s
 
 
 class KVBudgetExhausted(MeshnetError):

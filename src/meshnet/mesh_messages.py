@@ -26,6 +26,7 @@ class NodeLoad(Frozen):
     last_batch: int = Field(default=0, ge=0)  # sessions in the node's last forward
     max_batch: int = Field(default=0, ge=0)  # most sessions in one forward so far
     tokens_per_s: float = Field(default=0.0, ge=0.0)
+    max_streams: int = Field(default=0, ge=0)  # Forward streams it can hold; 0: not said
 
 
 class NodeAnnouncement(Frozen):

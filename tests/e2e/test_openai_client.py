@@ -5,11 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
 from conftest import MeshFactory
 
+from meshnet.engine.local import LocalModel
 from meshnet.local_mesh import LocalMesh
+from meshnet.model.chat import ChatMessage
+from meshnet.model.logprobs import token_logprobs
 
 pytestmark = pytest.mark.bundled
 
@@ -118,3 +122,74 @@ def test_a_client_that_hangs_up_frees_every_nodes_kv(mesh: LocalMesh) -> None:
     while kv_in_use() and time.monotonic() - hung_up < 3:
         time.sleep(0.1)
     assert kv_in_use() == 0
+
+
+def _local_logprobs(bundled: LocalModel, prompt: list[int], ids: list[int], top: int) -> list[Any]:
+    """Each generated id's log-probabilities from the in-process engine's logits."""
+    chain = bundled.chain
+    kv = chain.new_sequence()
+    logits = chain.forward(np.asarray(prompt, dtype=np.int64), [kv], [len(prompt)])[0]
+    out = []
+    for token in ids:
+        out.append(token_logprobs(logits, token, top))
+        logits = chain.forward(np.asarray([token], dtype=np.int64), [kv], [1])[0]
+    return out
+
+
+def test_chat_logprobs_are_the_models_own(client: openai.OpenAI, bundled: LocalModel) -> None:
+    messages = [{"role": "user", "content": "Name three colours."}]
+    kwargs: dict[str, Any] = dict(
+        model=_model(client), max_tokens=10, temperature=0.7, seed=5, messages=messages
+    )
+    r = client.chat.completions.create(logprobs=True, top_logprobs=3, **kwargs)
+    assert r.model_extra is not None
+    ids = r.model_extra["meshnet"]["ids"]
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == len(ids)
+    prompt = bundled.tokenizer.encode(
+        bundled.template.render([ChatMessage("user", "Name three colours.")])
+    )
+    for got, want in zip(content, _local_logprobs(bundled, prompt, ids, 3), strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-9)
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx(
+            [lp for _, lp in want.top], abs=1e-9
+        )
+        assert [t.token for t in got.top_logprobs] == [
+            bundled.tokenizer.decode([i]) for i, _ in want.top
+        ]
+    streamed = list(
+        client.chat.completions.create(stream=True, logprobs=True, top_logprobs=3, **kwargs)
+    )
+    pieces = [
+        entry
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for entry in c.choices[0].logprobs.content or []
+    ]
+    assert [p.logprob for p in pieces] == [c.logprob for c in content]
+    plain = client.chat.completions.create(**kwargs)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == r.choices[0].message.content
+
+
+def test_completion_logprobs_in_the_legacy_shape(client: openai.OpenAI) -> None:
+    r = client.completions.create(
+        model=_model(client), prompt="The capital of France is", max_tokens=4, temperature=0,
+        logprobs=2,
+    )  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and len(lp.tokens) == 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    assert lp.top_logprobs is not None and lp.token_logprobs is not None
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(logprob)  # greedy: the best
+        assert top[token] == pytest.approx(logprob) and logprob <= 0
+
+
+def test_top_logprobs_without_logprobs_is_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=_model(client), max_tokens=2, top_logprobs=2,
+            messages=[{"role": "user", "content": "hi"}],
+        )  # fmt: skip

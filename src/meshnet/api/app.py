@@ -48,6 +48,6 @@ def create_app(tracker: Tracker, services: SessionServices) -> FastAPI:
 async def _sweep_forever(tracker: Tracker) -> None:
     """Mark down nodes that stopped heartbeating, every ``sweep_interval_s``."""
     while True:
-        for node_id in tracker.sweep():
+        for node_id in await tracker.sweep():
             log.warning("node %s missed its heartbeats: marked down", node_id)
         await asyncio.sleep(tracker.config.sweep_interval_s)

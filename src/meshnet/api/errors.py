@@ -1,7 +1,7 @@
 """Every error leaves the API in the OpenAI error shape, with its stable kind as ``code``.
 
 Bad input is 400 (FastAPI's own validation errors included, never 422 or 500),
-an unknown model 404, no capacity 429, no complete route 503.
+an unknown model 404, no capacity 429 (with ``Retry-After``), no complete route 503.
 """
 
 from __future__ import annotations
@@ -39,6 +39,13 @@ def http_status(e: MeshnetError) -> int:
     return e.http_status
 
 
+def retry_headers(e: MeshnetError) -> dict[str, str]:
+    """``Retry-After`` (seconds) on every 429: when to come back."""
+    if http_status(e) != 429:
+        return {}
+    return {"Retry-After": str(max(1, int(getattr(e, "retry_after_s", 1))))}
+
+
 def error_body(e: MeshnetError) -> dict[str, Any]:
     return _body(http_status(e), e.message, e.kind)
 
@@ -54,7 +61,7 @@ def install_error_handlers(app: FastAPI) -> None:
         status = http_status(e)
         if status >= 500:
             log.warning("%s %s failed: %s", request.method, request.url.path, e)
-        return JSONResponse(error_body(e), status_code=status)
+        return JSONResponse(error_body(e), status_code=status, headers=retry_headers(e))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:

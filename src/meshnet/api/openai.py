@@ -1,7 +1,9 @@
 """OpenAI-compatible endpoints: models, chat completions, completions (SSE when streamed).
 
 Every response carries an extra ``meshnet`` object (route, epoch, generated
-ids; recoveries on the final one); OpenAI clients ignore it.
+ids; recoveries on the final one); OpenAI clients ignore it. Log-probabilities
+(``logprobs`` / ``top_logprobs``) are computed by the route's last node from
+the raw logits and shaped here as each API shapes them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from meshnet.api.errors import error_body
+from meshnet.api.logprobs import LogprobShape
 from meshnet.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -74,8 +77,8 @@ async def completions(
 async def _complete(
     tracker: Tracker, body: _Sampling, prompt_ids: list[int], kind: Kind
 ) -> JSONResponse | StreamingResponse:
-    started = await tracker.start(prompt_ids, body.sampling())
-    reply = _Reply(kind, tracker.model.name, started)
+    started = await tracker.start(prompt_ids, body.sampling(), body.top_logprobs_wanted)
+    reply = _Reply(kind, tracker.model.name, started, LogprobShape(kind, tracker.model.tokenizer))
     if body.stream:
         # The prefill runs before the response starts, so its failures (a full KV
         # budget, a dead node) still get their own HTTP status, not a 200 and an error event.
@@ -97,8 +100,9 @@ async def _complete(
 class _Reply:
     """Shapes one generation's output as OpenAI objects."""
 
-    def __init__(self, kind: Kind, model: str, started: Started) -> None:
+    def __init__(self, kind: Kind, model: str, started: Started, shape: LogprobShape) -> None:
         self.kind = kind
+        self.shape = shape
         self.model = model
         self.route = started.route
         self.epoch = started.epoch
@@ -134,7 +138,7 @@ class _Reply:
                 "index": 0,
                 "finish_reason": done.finish_reason,
                 "message": {"role": "assistant", "content": done.text},
-                "logprobs": None,
+                "logprobs": self.shape.of(done.logprobs),
             }
             obj = "chat.completion"
         else:
@@ -142,7 +146,7 @@ class _Reply:
                 "index": 0,
                 "text": done.text,
                 "finish_reason": done.finish_reason,
-                "logprobs": None,
+                "logprobs": self.shape.of(done.logprobs),
             }
             obj = "text_completion"
         return {
@@ -153,7 +157,12 @@ class _Reply:
         }
 
     def chunk(
-        self, text: str | None, finish: str | None, meta: dict[str, Any], first: bool = False
+        self,
+        text: str | None,
+        finish: str | None,
+        meta: dict[str, Any],
+        first: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -164,13 +173,15 @@ class _Reply:
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish}
             obj = "text_completion"
+        choice["logprobs"] = logprobs
         return {**self._envelope(obj), "choices": [choice], "meshnet": meta}
 
     def first_chunk(self) -> dict[str, Any]:
         return self.chunk("", None, self._meta(), first=True)
 
     def token_chunk(self, event: TokenEvent) -> dict[str, Any]:
-        return self.chunk(event.text, None, {"ids": [event.token_id]})
+        lp = self.shape.of((event.logprobs,)) if event.logprobs is not None else None
+        return self.chunk(event.text, None, {"ids": [event.token_id]}, logprobs=lp)
 
     def final_chunk(self, done: DoneEvent) -> dict[str, Any]:
         return self.chunk(None, done.finish_reason, self._final_meta(done))

@@ -1,17 +1,18 @@
 """Request bodies of the public API, parsed at the edge into typed values.
 
-OpenAI clients send fields we do not use (``user``, ``logprobs``…); those are
-ignored, but every field we do use is validated, and values we cannot honour
-(``n > 1``) are refused with 400 rather than silently changed.
+OpenAI clients send fields we do not use (``user``…); those are ignored, but
+every field we do use is validated, and values we cannot honour (``n > 1``) are
+refused with 400 rather than silently changed.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from meshnet.errors import ModelNotFound
+from meshnet.model.logprobs import MAX_TOP_LOGPROBS
 from meshnet.model.sampling import MAX_STOP_STRINGS, SamplingParams
 
 MAX_PROMPT_CHARS = 1_000_000
@@ -78,13 +79,35 @@ class _Sampling(_Lenient):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def top_logprobs_wanted(self) -> int:
+        """Alternatives to report with each token's log-probability; -1: no log-probabilities."""
+        return -1
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def top_logprobs_wanted(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else -1
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] = Field(...)
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy API's bound
+
+    @property
+    def top_logprobs_wanted(self) -> int:
+        return -1 if self.logprobs is None else self.logprobs
 
     @field_validator("prompt")
     @classmethod

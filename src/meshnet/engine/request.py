@@ -34,7 +34,8 @@ def check_request(spec: ModelSpec, prompt: Sequence[int], params: SamplingParams
 
 
 class RequestState:
-    """Turns each step's logits into the next token and the newly final text."""
+    """Turns each step's logits (or a token sampled from them elsewhere) into the next
+    token and the newly final text."""
 
     def __init__(
         self, prompt_ids: Sequence[int], params: SamplingParams, tokenizer: TextTokenizer
@@ -56,9 +57,17 @@ class RequestState:
         """The generated text so far: no eos, cut before a stop string."""
         return self._stream.text
 
+    @property
+    def history(self) -> list[int]:
+        """Every id the sampler has seen: the prompt and the generated ids."""
+        return self.prompt_ids + self.ids
+
     def take(self, logits: np.ndarray) -> str:
         """Sample from logits [vocab], record the token, return text made final by it."""
-        token = self._sampler.sample(logits, self.prompt_ids + self.ids)
+        return self.push(self._sampler.sample(logits, self.history))
+
+    def push(self, token: int) -> str:
+        """Record a token sampled elsewhere (the route's last node); the text it made final."""
         self.ids.append(token)
         delta = ""
         if token in self._eog:

@@ -5,13 +5,16 @@ Given the same logits and the same parameters, the same tokens come out:
 the generator draws exactly one uniform per sampled (non-greedy) step and
 all arithmetic after the logits is float64 in a fixed order. Since logits
 do not depend on the route split or batch composition, neither do tokens.
+So a request's whole random state is its seed and the number of uniforms
+drawn: a sampler anywhere (the route's last node, its replacement after a
+failover) continues a request exactly from those two numbers.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -55,19 +58,31 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    def seeded(self) -> SamplingParams:
+        """These parameters with a seed fixed (a fresh random one when none was given)."""
+        return self if self.seed is not None else replace(self, seed=secrets.randbits(63))
+
 
 class Sampler:
     """Picks tokens for one request; holds that request's random state."""
 
-    def __init__(self, params: SamplingParams) -> None:
-        self.params = params
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self._rng = np.random.Generator(np.random.PCG64(seed))
+    def __init__(self, params: SamplingParams, draws: int = 0) -> None:
+        """``draws``: uniforms the request's generator has already drawn (its position)."""
+        self.params = params.seeded()
+        bits = np.random.PCG64(self.params.seed)
+        if draws:
+            bits.advance(draws)  # one 64-bit output per uniform
+        self.draws = draws
+        self._rng = np.random.Generator(bits)
 
     def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
         """The next token from logits [vocab]; ``history`` is prompt + generated ids."""
         p = self.params
-        penalised = p.repetition_penalty != 1.0 and bool(history)
+        penalised = p.penalised and bool(history)
         if p.greedy and not penalised:
             return int(np.argmax(logits))  # float32 -> float64 is exact: same pick, no copy
         scores = logits.astype(np.float64)
@@ -77,6 +92,7 @@ class Sampler:
             return int(np.argmax(scores))  # first of equal maxima: lowest id
         candidates, probs = nucleus(scores / p.temperature, p.top_k, p.top_p)
         u = self._rng.random()
+        self.draws += 1
         index = int(np.searchsorted(np.cumsum(probs), u, side="right"))
         return int(candidates[min(index, len(candidates) - 1)])
 

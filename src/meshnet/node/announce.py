@@ -109,4 +109,5 @@ def _load(s: EngineStats) -> NodeLoad:
         last_batch=s.last_batch,
         max_batch=s.max_batch,
         tokens_per_s=round(s.tokens_per_s, 2),
+        max_streams=s.max_streams,
     )

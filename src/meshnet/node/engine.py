@@ -51,6 +51,7 @@ class EngineConfig:
     max_batch_tokens: int = 512  # rows in one forward
     prefill_chunk: int = 128  # prompt rows one session adds to one forward
     max_queued_steps: int = 256  # submitted but unfinished steps; more are refused
+    max_streams: int = 64  # Forward streams held at once; more are refused with overloaded
     backend: str = DEFAULT_BACKEND
     park_dir: str | None = None  # where parked KV goes; None: a fresh temp directory
 
@@ -97,6 +98,7 @@ class EngineStats:
     last_batch: int  # sessions in the last forward
     max_batch: int  # most sessions in one forward since start
     tokens_per_s: float  # rows per second over recent forwards
+    max_streams: int  # Forward streams it holds at once
 
 
 class NodeEngine:
@@ -150,6 +152,7 @@ class NodeEngine:
             last_batch=self._last_batch,
             max_batch=self._max_batch,
             tokens_per_s=self._tokens_per_s,
+            max_streams=self.config.max_streams,
         )
 
     def load(self, model_path: str, layers: LayerRange) -> Future[Shard]:

@@ -39,7 +39,7 @@ class NodeConfig:
     advertise_host: str | None  # host the tracker should dial, when not the listen host
     advertise_port: int | None = None  # port the tracker should dial, when not the bound one
     heartbeat_s: float = 1.0
-    grpc_workers: int = 64  # concurrent Forward streams this node can hold
+    control_workers: int = 16  # server threads kept for calls other than Forward streams
     threads: int = 1  # kernel threads (one pool per process)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -80,7 +80,9 @@ def serve(cfg: NodeConfig) -> int:
     if cfg.layers is not None:
         engine.load(model_path, cfg.layers).result()
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="grpc"),
+        futures.ThreadPoolExecutor(
+            max_workers=cfg.engine.max_streams + cfg.control_workers, thread_name_prefix="grpc"
+        ),
         options=MESSAGE_OPTIONS,
     )
     listen_host = cfg.listen.rsplit(":", 1)[0].strip("[]")

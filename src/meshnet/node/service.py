@@ -1,10 +1,15 @@
 """The node's gRPC service: parses wire messages at the edge, hands typed work to the engine.
 
 A ``Forward`` stream serves one (session, epoch): an ``Open`` first, then steps
-in order. A failed step answers a ``Failure`` and leaves the stream (and the
-session's KV) usable; the KV is released when the stream ends, however it ends,
-unless the open asked to ``keep`` it (a session between turns), in which case
-it stays until a ``Release``, and can be ``Park``ed on local disk meanwhile.
+in order. When the ``Open`` carries sampling parameters (the route's last hop),
+each step answers the token sampled from its last row, with log-probabilities,
+instead of the logits. A node holds at most ``max_streams`` of them (each takes a server
+thread for its life); one more is answered ``overloaded`` at once, so control
+calls (probes, fences, releases) always find a thread. A failed step answers a
+``Failure`` and leaves the stream (and the session's KV) usable; the KV is
+released when the stream ends, however it ends, unless the open asked to
+``keep`` it (a session between turns), in which case it stays until a
+``Release``, and can be ``Park``ed on local disk meanwhile.
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ from meshnet.errors import (
     KVImportFailed,
     MalformedBundle,
     MeshnetError,
+    Overloaded,
+    RequestError,
     ShardMismatch,
 )
 from meshnet.kv.bulk import recv_stream
 from meshnet.kv.transfer import KVShape, check_header, export_frames, read_stream
 from meshnet.layer_range import LayerRange
+from meshnet.model.logprobs import MAX_TOP_LOGPROBS, token_logprobs
+from meshnet.model.sampling import Sampler, SamplingParams
 from meshnet.model.shard import Shard
 from meshnet.node.engine import ExportedKV, NodeEngine, OpenedSlot
 from meshnet.node.kv_offers import KVOffers
@@ -62,8 +71,23 @@ class NodeService(pb_grpc.NodeServicer):
         self.identity = identity
         self.engine = engine
         self.offers = offers  # the bulk TCP port, when this node runs one
+        self._streams = threading.BoundedSemaphore(engine.config.max_streams)
 
     def Forward(
+        self, request_iterator: Iterator[pb.ForwardRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.ForwardResponse]:
+        if not self._streams.acquire(blocking=False):
+            limit = self.engine.config.max_streams
+            yield _failure(Overloaded(f"this node holds its {limit} streams"))
+            return
+        free = _Once(self._streams.release)
+        context.add_callback(free)  # the call ended (also cancelled while the handler waits)
+        try:
+            yield from self._forward(request_iterator, context)
+        finally:
+            free()
+
+    def _forward(
         self, request_iterator: Iterator[pb.ForwardRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.ForwardResponse]:
         first = next(request_iterator, None)
@@ -72,6 +96,7 @@ class NodeService(pb_grpc.NodeServicer):
             return
         opened = first.open
         try:
+            sampling = self._sampling(opened)
             held = self._open(opened)
         except MeshnetError as e:
             yield _failure(e)
@@ -95,7 +120,7 @@ class NodeService(pb_grpc.NodeServicer):
         )
         try:
             for request in request_iterator:
-                yield self._step(opened, request, context)
+                yield self._step(opened, sampling, request, context)
         finally:
             if not opened.keep:
                 self.engine.release(sid, epoch).result(_CONTROL_TIMEOUT_S)
@@ -117,8 +142,33 @@ class NodeService(pb_grpc.NodeServicer):
         opened = self.engine.open(o.session_id, o.epoch, o.resume, rewind)
         return opened.result(_CONTROL_TIMEOUT_S)
 
+    def _sampling(self, o: pb.Open) -> SamplingParams | None:
+        """The parameters to sample with when this hop is asked to (it must be the last)."""
+        if not o.HasField("sampling"):
+            return None
+        shard = self.engine.shard
+        if shard is None or not shard.is_last:
+            raise ShardMismatch("only the last layers' node can sample")
+        p = o.sampling
+        if p.top_logprobs > MAX_TOP_LOGPROBS:
+            raise MalformedBundle(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}")
+        try:
+            return SamplingParams(
+                temperature=p.temperature,
+                top_k=p.top_k,
+                top_p=p.top_p,
+                repetition_penalty=p.repetition_penalty,
+                seed=p.seed % 2**63,
+            )
+        except RequestError as e:
+            raise MalformedBundle(f"bad sampling parameters: {e.message}") from None
+
     def _step(
-        self, o: pb.Open, request: pb.ForwardRequest, context: grpc.ServicerContext
+        self,
+        o: pb.Open,
+        sampling: SamplingParams | None,
+        request: pb.ForwardRequest,
+        context: grpc.ServicerContext,
     ) -> pb.ForwardResponse:
         shard = self.engine.shard
         if request.WhichOneof("kind") != "step" or shard is None:
@@ -136,15 +186,30 @@ class NodeService(pb_grpc.NodeServicer):
                 raise MalformedBundle(f"token ids must be in [0, {shard.spec.vocab_size})")
             remaining = _remaining_s(step.timeout_ms, context)
             deadline = time.monotonic() + remaining if remaining is not None else None
+            history = _history(step, shard.spec.context_length, shard.spec.vocab_size)
             work = StepWork(o.session_id, o.epoch, x, deadline, step=step.step, replay=step.replay)
             out = self.engine.submit(work).result(timeout=remaining)
         except TimeoutError:
             return _failure(DeadlineExceeded(f"step {step.step} did not finish in time"))
         except MeshnetError as e:
             return _failure(e)
+        if sampling is None:
+            ms = (time.perf_counter() - t0) * 1000
+            return pb.ForwardResponse(
+                result=pb.StepResult(step=step.step, output=codec.encode(out), compute_ms=ms)
+            )
+        logits = out[-1]
+        token = Sampler(sampling, step.draws).sample(logits, history)
+        lp = token_logprobs(logits, token, o.sampling.top_logprobs)
+        sampled = pb.Sampled(
+            token=token,
+            logprob=lp.logprob,
+            top_ids=[i for i, _ in lp.top],
+            top_logprobs=[v for _, v in lp.top],
+        )
         ms = (time.perf_counter() - t0) * 1000
         return pb.ForwardResponse(
-            result=pb.StepResult(step=step.step, output=codec.encode(out), compute_ms=ms)
+            result=pb.StepResult(step=step.step, sampled=sampled, compute_ms=ms)
         )
 
     def Configure(
@@ -323,6 +388,32 @@ class NodeService(pb_grpc.NodeServicer):
             kv_bytes=s.kv_bytes,
             parked=s.parked,
         )
+
+
+class _Once:
+    """Calls ``fn`` the first time it is called, from any thread; later calls do nothing."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._done = False
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._fn()
+
+
+def _history(step: pb.Step, context_length: int, vocab_size: int) -> list[int]:
+    """The ids a repetition penalty looks at, checked: at most a context, all in the vocabulary."""
+    ids = list(step.history)
+    if len(ids) > context_length:
+        raise MalformedBundle(f"a history of {len(ids)} ids is longer than the context")
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise MalformedBundle(f"history ids must be in [0, {vocab_size})")
+    return ids
 
 
 def _remaining_s(timeout_ms: int, context: grpc.ServicerContext) -> float | None:

@@ -13,6 +13,7 @@ _OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+_MAX_RETIRED = 64
 
 
 class ChannelPool:
@@ -20,6 +21,7 @@ class ChannelPool:
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._retired: list[grpc.aio.Channel] = []
 
     def stub(self, address: str) -> pb_grpc.NodeStub:
         channel = self._channels.get(address)
@@ -28,13 +30,20 @@ class ChannelPool:
             self._channels[address] = channel
         return pb_grpc.NodeStub(channel)
 
-    async def drop(self, address: str) -> None:
-        """Close the channel to a node that failed, so a restarted one is dialled afresh."""
+    def retire(self, address: str) -> None:
+        """Dial a node that was found dead afresh from now on.
+
+        The old channel is not closed: closing it would cancel every other call on
+        it at once, which their generations would read as their own failure. Calls
+        to a dead node fail by themselves; the channel is closed with the pool.
+        """
         channel = self._channels.pop(address, None)
         if channel is not None:
-            await channel.close()
+            self._retired.append(channel)
+            del self._retired[:-_MAX_RETIRED]  # bounded: the oldest are long finished
 
     async def close(self) -> None:
-        for channel in self._channels.values():
+        for channel in [*self._channels.values(), *self._retired]:
             await channel.close()
         self._channels.clear()
+        self._retired.clear()

@@ -1,9 +1,12 @@
 """The route driver: runs one generation through a chain of nodes, and fails over.
 
 For every step it sends the input through each hop in turn (token ids to the
-first, hidden states onward), samples from the last hop's logits under the
-sampling contract and yields each token as it is made. Every hop's input is
-logged per layer boundary.
+first, hidden states onward); the last hop samples the token under the
+sampling contract (the request's parameters and seed, and the generator's
+position, travel with each step, so a replacement samples exactly as the
+failed node would have) and answers it with its log-probabilities, never the
+vocabulary's logits. The driver yields each token as it is made. Every hop's
+input is logged per layer boundary.
 
 When a hop fails mid-generation the driver asks the tracker (the ``Fabric``)
 for a replacement of the failed span, opens the next epoch on every hop of
@@ -40,6 +43,7 @@ from meshnet.errors import (
     NoRoute,
     ShardMismatch,
 )
+from meshnet.model.logprobs import TokenLogprobs
 from meshnet.model.sampling import SamplingParams
 from meshnet.model.spec import ModelSpec
 from meshnet.model.tokenizer import TextTokenizer
@@ -56,6 +60,7 @@ from meshnet.tracker.routes import Hop, Route
 class TokenEvent:
     token_id: int
     text: str  # text made final by this token (may be empty)
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -67,11 +72,13 @@ class DoneEvent:
     route: Route = ()
     epoch: int = 1
     recoveries: tuple[Recovery, ...] = ()
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per id, when they were asked for
 
 
 @dataclass(frozen=True)
 class DriverLimits:
     step_timeout_s: float = 30.0  # one step through one shard
+    row_timeout_s: float = 0.05  # and this much more for each row of the step (a long prefill)
     open_timeout_s: float = 10.0
     generation_timeout_s: float = 600.0  # whole generation, also the streams' gRPC deadline
     max_recoveries: int = 8  # failovers one generation may take
@@ -117,9 +124,12 @@ class RouteDriver:
         self.limits = limits
         self._fencing: set[asyncio.Task[None]] = set()
 
-    def new_generation(self, generation_id: str, route: Route) -> Generation:
+    def new_generation(
+        self, generation_id: str, route: Route, params: SamplingParams, top_logprobs: int = -1
+    ) -> Generation:
+        """A generation of ``params`` (its seed fixed now: a failover must not change it)."""
         deadline = time.monotonic() + self.limits.generation_timeout_s
-        return Generation(generation_id, route, deadline)
+        return Generation(generation_id, route, deadline, params.seeded(), top_logprobs)
 
     async def open(self, gen: Generation) -> None:
         """Open the generation's first epoch on every hop; raise the first hop's failure."""
@@ -152,26 +162,36 @@ class RouteDriver:
         """Generate through an opened generation; closes its streams however it ends.
 
         ``history`` is what a session fed before (its steps already logged):
-        the sampler sees it as part of the prompt.
+        the sampler sees it as part of the prompt. ``params`` decide when to stop;
+        the last hop samples with the generation's own (seeded) copy of them.
         """
         state = RequestState([*history, *prompt_ids], params, self.tokenizer)
         gen.record_input(0, gen.first_step, np.asarray(prompt_ids, dtype=np.int64))
         recorded = False
+        logprobs: list[TokenLogprobs] = []
         try:
             step = gen.first_step
             while True:
                 if gen.verdict is not None:  # cancelled while no step was waiting
                     raise gen.verdict
+                if gen.params.penalised:
+                    gen.history = state.history
                 try:
-                    logits = await self._advance(gen, step)
+                    sampled = await self._advance(gen, step)
                 except MeshnetError as e:
                     await self._fail_over(gen, e, fabric)
                     continue
                 if gen.pending is not None:
                     gen.recoveries.append(gen.pending.done())
                     gen.pending = None
-                text = state.take(logits[0])
-                yield TokenEvent(state.ids[-1], text)
+                if not gen.params.greedy:
+                    gen.draws += 1  # the sampler drew one uniform for this token
+                text = state.push(sampled.token)
+                if gen.top_logprobs >= 0:
+                    logprobs.append(sampled)
+                    yield TokenEvent(sampled.token, text, sampled)
+                else:
+                    yield TokenEvent(sampled.token, text)
                 if state.done:
                     break
                 step += 1
@@ -187,6 +207,7 @@ class RouteDriver:
                 gen.route,
                 gen.epoch,
                 tuple(gen.recoveries),
+                tuple(logprobs),
             )
         except MeshnetError as e:
             if not recorded:
@@ -208,7 +229,7 @@ class RouteDriver:
 
     # --- steps --------------------------------------------------------------------
 
-    async def _advance(self, gen: Generation, step: int) -> np.ndarray:
+    async def _advance(self, gen: Generation, step: int) -> TokenLogprobs:
         """Run ``step``, first replaying earlier steps into hops that lack them."""
         first = min(link.steps for link in gen.links)
         if first < step:
@@ -217,9 +238,9 @@ class RouteDriver:
                 gen.pending.replayed_steps += step - first
         if gen.ready_at is None:
             gen.ready_at = time.monotonic()
-        logits = await self._run_step(gen, step)
-        assert logits is not None  # no hop holds a step not yet sampled
-        return logits
+        sampled = await self._run_step(gen, step)
+        assert isinstance(sampled, TokenLogprobs)  # no hop holds a step not yet sampled
+        return sampled
 
     async def _replay(self, gen: Generation, first: int, end: int) -> None:
         """Send logged steps ``[first, end)`` to the hops lacking them: each prompt as it
@@ -245,7 +266,7 @@ class RouteDriver:
                 await self._run_step(gen, s)
             return
         x: np.ndarray | None = None
-        for i, link in enumerate(gen.links):
+        for link in gen.links:
             start = link.hop.layers.start
             if link.steps >= end:
                 x = None
@@ -259,18 +280,19 @@ class RouteDriver:
                 for row, s in enumerate(range(first, end)):
                     gen.record_input(start, s, x[row : row + 1])
             rows = int(x.shape[0])
-            x = await self._send(gen, link, first, x, i == len(gen.links) - 1, replay=True)
+            out = await self._send(gen, link, first, x, replay=True)
+            x = out if isinstance(out, np.ndarray) else None  # the last hop's token is known
             link.steps = end
             link.positions += rows
 
-    async def _run_step(self, gen: Generation, step: int) -> np.ndarray | None:
-        """Send ``step`` through every hop that has not run it; the last hop's output."""
+    async def _run_step(self, gen: Generation, step: int) -> TokenLogprobs | None:
+        """Send ``step`` through every hop that has not run it; the last hop's token."""
         x: np.ndarray | None = None
-        last = len(gen.links) - 1
-        for i, link in enumerate(gen.links):
+        out: np.ndarray | TokenLogprobs | None = None
+        for link in gen.links:
             start = link.hop.layers.start
             if link.steps > step:
-                x = None  # this hop holds the step; the next one reads the log
+                x = out = None  # this hop holds the step; the next one reads the log
                 continue
             assert link.steps == step, "steps reach a hop in order"
             if x is None:
@@ -280,10 +302,11 @@ class RouteDriver:
             else:
                 gen.record_input(start, step, x)
             rows = int(x.shape[0])
-            x = await self._send(gen, link, step, x, i == last)
+            out = await self._send(gen, link, step, x)
+            x = out if isinstance(out, np.ndarray) else None
             link.steps = step + 1
             link.positions += rows
-        return x
+        return out if isinstance(out, TokenLogprobs) else None
 
     async def _send(
         self,
@@ -291,12 +314,13 @@ class RouteDriver:
         link: HopLink,
         step: int,
         x: np.ndarray,
-        last: bool,
         replay: bool = False,
-    ) -> np.ndarray:
+    ) -> np.ndarray | TokenLogprobs:
+        """One step through one hop: its hidden states, or the last hop's sampled token."""
         node = link.node_id
         left = gen.deadline - time.monotonic()
-        budget = min(self.limits.step_timeout_s, left)
+        rows = int(x.shape[0])
+        budget = min(self.limits.step_timeout_s + rows * self.limits.row_timeout_s, left)
         if budget <= 0:
             raise DeadlineExceeded("the generation ran past its deadline")
         request = pb.ForwardRequest(
@@ -305,6 +329,8 @@ class RouteDriver:
                 input=codec.encode(x),
                 timeout_ms=max(1, int(budget * 1000)),
                 replay=replay,
+                draws=gen.draws if link.samples else 0,
+                history=gen.history if link.samples else (),
             )
         )
         try:
@@ -315,20 +341,32 @@ class RouteDriver:
             raise
         if reply.WhichOneof("kind") != "result" or reply.result.step != step:
             raise MalformedBundle(f"node {node} sent no result for step {step}", node)
+        if link.samples:
+            return self._sampled(reply.result, gen.top_logprobs, node)
+        limits = codec.TensorLimits("f32", 2, self.spec.context_length, self.spec.d_model)
         try:
-            out = codec.decode(reply.result.output, self._output_limits(last))
+            out = codec.decode(reply.result.output, limits)
         except MalformedBundle as e:
             raise MalformedBundle(f"node {node} sent a bad tensor: {e.message}", node) from None
-        if not last and out.shape[0] != x.shape[0]:
+        if out.shape[0] != x.shape[0]:
             raise MalformedBundle(f"node {node} returned {out.shape[0]} rows", node)
         return out
 
-    def _output_limits(self, last: bool) -> codec.TensorLimits:
-        """Logits of the last row from the last hop; hidden states of every row otherwise."""
-        s = self.spec
-        if last:
-            return codec.TensorLimits("f32", 2, 1, s.vocab_size)
-        return codec.TensorLimits("f32", 2, s.context_length, s.d_model)
+    def _sampled(self, result: pb.StepResult, top: int, node: str) -> TokenLogprobs:
+        """The last hop's token, checked: an id of the vocabulary, log-probabilities <= 0."""
+        s = result.sampled
+        vocab = self.spec.vocab_size
+        ids, lps = list(s.top_ids), list(s.top_logprobs)
+        ok = (
+            result.HasField("sampled")
+            and 0 <= s.token < vocab
+            and len(ids) == len(lps) == min(max(top, 0), vocab)
+            and all(0 <= i < vocab for i in ids)
+            and all(v <= 0.0 for v in [s.logprob, *lps])  # NaN fails too
+        )
+        if not ok:
+            raise MalformedBundle(f"node {node} sent no valid sampled token", node)
+        return TokenLogprobs(int(s.token), float(s.logprob), tuple(zip(ids, lps, strict=True)))
 
     # --- failover -----------------------------------------------------------------
 
@@ -444,6 +482,7 @@ class RouteDriver:
         """Open one hop; a survivor ``old`` whose KV the node still holds is carried over,
         and so is a session's KV of ``held`` (positions, steps) left by its last turn."""
         rewind = held if old is None else None
+        samples = hop.layers.end == self.spec.n_layers
         link, opened = await open_link(
             self.channels.stub(hop.address),
             hop,
@@ -458,6 +497,7 @@ class RouteDriver:
                 rewind=rewind is not None,
                 rewind_tokens=rewind[0] if rewind else 0,
                 rewind_steps=rewind[1] if rewind else 0,
+                sampling=_sampling(gen) if samples else None,
             ),
             max(gen.deadline - time.monotonic(), 0.001),
             self.limits.open_timeout_s,
@@ -477,6 +517,18 @@ class RouteDriver:
         link.close()
         msg = f"node {hop.node_id} resumed {held_now[0]} positions and {held_now[1]} steps"
         raise MalformedBundle(msg, hop.node_id)
+
+
+def _sampling(gen: Generation) -> pb.Sampling:
+    p = gen.params
+    return pb.Sampling(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        repetition_penalty=p.repetition_penalty,
+        seed=p.seed or 0,
+        top_logprobs=max(gen.top_logprobs, 0),
+    )
 
 
 def _key(hop: Hop) -> tuple[str, int, int]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meshnet.errors import Cancelled, MeshnetError
+from meshnet.model.sampling import SamplingParams
 from meshnet.tracker.hop_link import HopLink
 from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
 from meshnet.tracker.routes import Route
@@ -83,6 +84,8 @@ class Generation:
     id: str
     route: Route
     deadline: float  # time.monotonic() by which it must end
+    params: SamplingParams  # with its seed fixed: the route's last hop samples with it
+    top_logprobs: int = -1  # alternatives reported with each token; -1: no log-probabilities
     epoch: int = 1
     session_id: str = ""  # what the nodes key the KV by; the generation id when empty
     keep: bool = False  # the nodes keep the KV after the generation (a session's turn)
@@ -94,6 +97,8 @@ class Generation:
     failovers: int = 0  # tries to fail over, counting those whose new epoch failed to open
     verdict: MeshnetError | None = None  # set when cancelled from outside
     ready_at: float | None = None  # time.monotonic() when every hop held the history
+    draws: int = 0  # uniforms the request's generator has drawn: its position
+    history: list[int] = field(default_factory=list)  # ids a repetition penalty sees
 
     @property
     def kv_key(self) -> str:

@@ -43,6 +43,7 @@ class HopLink:
     first_position: int = 0  # positions it held when this epoch's attempt began
     unparked: bool = False  # the node read the session's KV back from its disk to open it
     verdict: MeshnetError | None = None  # set from outside before the call is cancelled
+    samples: bool = False  # opened to sample: it answers tokens, not hidden states
 
     @property
     def node_id(self) -> str:
@@ -73,9 +74,10 @@ class HopLink:
             ) from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if self.verdict is not None and (task is None or not task.cancelling()):
-                raise self.verdict from None
-            raise
+            if task is not None and task.cancelling():
+                raise  # this task itself is being cancelled
+            # The call was cancelled under us: by a verdict, or its channel was closed.
+            raise self.verdict or await _broken(self.hop, "the call was cancelled") from None
         except grpc.aio.AioRpcError as e:
             raise self.verdict or await _rpc_failure(e, self.hop) from None
         except grpc.aio.UsageError as e:
@@ -98,7 +100,7 @@ async def open_link(
 ) -> tuple[HopLink, pb.Opened]:
     """Open a hop's stream for one epoch; the node's ``Opened`` says what KV it holds."""
     call = stub.Forward(timeout=stream_timeout_s)
-    link = HopLink(hop, call, open_msg.epoch)
+    link = HopLink(hop, call, open_msg.epoch, samples=open_msg.HasField("sampling"))
     try:
         reply = await link.exchange(pb.ForwardRequest(open=open_msg), open_timeout_s)
     except BaseException:
@@ -120,17 +122,18 @@ async def _rpc_failure(e: grpc.aio.AioRpcError, hop: Hop) -> MeshnetError:
 
 async def _broken(hop: Hop, detail: str) -> MeshnetError:
     """A stream broke: the node is alive (``stream-reset``) or dead (``worker-death``)?"""
-    if await _answers(hop):
+    if await answers(hop.address, hop.node_id):
         return StreamReset(f"stream to node {hop.node_id} broke: {detail}", hop.node_id)
     return WorkerDeath(f"node {hop.node_id} is gone: {detail}", hop.node_id)
 
 
-async def _answers(hop: Hop) -> bool:
-    """Probe on a fresh connection, so a dead one's reconnect backoff cannot mislead."""
-    channel = grpc.aio.insecure_channel(hop.address)
+async def answers(address: str, node_id: str, timeout_s: float = _PROBE_TIMEOUT_S) -> bool:
+    """Whether the node answers a probe, on a fresh connection so that a dead one's
+    reconnect backoff, or a busy shared channel, cannot mislead."""
+    channel = grpc.aio.insecure_channel(address)
     try:
-        info = await pb_grpc.NodeStub(channel).Info(pb.InfoRequest(), timeout=_PROBE_TIMEOUT_S)
-        return bool(info.node_id == hop.node_id)
+        info = await pb_grpc.NodeStub(channel).Info(pb.InfoRequest(), timeout=timeout_s)
+        return bool(info.node_id == node_id)
     except grpc.aio.AioRpcError:
         return False
     finally:

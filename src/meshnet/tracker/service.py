@@ -1,10 +1,14 @@
 """The tracker's use cases: choose a route, start a generation, fail over, account.
 
-Failures met while opening a route (a dead or misconfigured node) mark that
-node down and the route is planned again, so a node killed between requests
-costs the next request nothing but a retry. Failures mid-generation come back
-from the driver as a ``reroute``: the failed span is given to a replica, or
-an empty node is told to load it (healing). Generations can be cancelled by
+Capacity (a tracker slot, a stream on every node of the route) is reserved
+before a route is opened (``admission``); what does not fit waits briefly or
+gets ``Overloaded``. Failures met while opening a route (a dead or
+misconfigured node) mark that node down and the route is planned again, so a
+node killed between requests costs the next request nothing but a retry; a
+node that is only slow (a timeout, late heartbeats) is marked down only when a
+probe on a fresh connection confirms it is gone. Failures mid-generation come
+back from the driver as a ``reroute``: the failed span is given to a replica,
+or an empty node is told to load it (healing). Generations can be cancelled by
 id, and a node whose heartbeats stop fails the steps waiting on it at once.
 """
 
@@ -14,7 +18,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -36,9 +39,11 @@ from meshnet.layer_range import LayerRange
 from meshnet.model.info import ModelInfo
 from meshnet.model.sampling import SamplingParams
 from meshnet.protocol import meshnet_pb2 as pb
+from meshnet.tracker.admission import Admission, AdmissionConfig, Reservation
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.driver import DoneEvent, Reroute, RouteDriver, TokenEvent
 from meshnet.tracker.generation import Generation
+from meshnet.tracker.hop_link import answers
 from meshnet.tracker.ledger import LedgerRecord
 from meshnet.tracker.registry import NodeState
 from meshnet.tracker.routes import Hop, Route, pinned_route, plan_chain, plan_route, splice
@@ -47,14 +52,24 @@ from meshnet.tracker.store import Store
 log = logging.getLogger(__name__)
 
 _OPEN_ATTEMPTS = 4
+_PROBE_TIMEOUT_S = 2.0  # a node that does not answer Info in this long is gone
 
 
 @dataclass(frozen=True)
 class TrackerConfig:
-    heartbeat_timeout_s: float = 3.0  # silence after which a node is marked down
+    heartbeat_timeout_s: float = 3.0  # silence after which a node is probed, and if gone, down
     sweep_interval_s: float = 0.5
-    max_in_flight: int = 64  # generations at once; more get 429
     heal_timeout_s: float = 120.0  # an empty node loading a failed span
+    max_in_flight: int = 64  # generations at once; more wait in the queue, then get 429
+    node_streams: int = 32  # streams per node when its heartbeat does not say
+    max_queued: int = 256  # requests waiting for capacity; more get 429 at once
+    queue_wait_s: float = 1.0  # how long a request waits for capacity before its 429
+
+    @property
+    def admission(self) -> AdmissionConfig:
+        return AdmissionConfig(
+            self.max_in_flight, self.node_streams, self.max_queued, self.queue_wait_s
+        )
 
 
 @dataclass(frozen=True)
@@ -76,6 +91,8 @@ _DEAD_KINDS = frozenset(
         MalformedBundle.kind,
     }
 )
+# Of those, the ones a merely slow node also gives: marked down only when a probe fails.
+_PROBED_KINDS = frozenset({HeartbeatLost.kind, DeadlineExceeded.kind})
 
 
 class Tracker:
@@ -94,7 +111,7 @@ class Tracker:
         self.channels = channels
         self.driver = driver
         self.config = config
-        self._in_flight: Counter[str] = Counter()
+        self.admission = Admission(config.admission)
         self._generations: dict[str, Generation] = {}
         self._heal_lock = asyncio.Lock()
 
@@ -111,7 +128,35 @@ class Tracker:
                 return pinned_route(pinned, nodes, self.model.fingerprint, spec.n_layers)
             except RequestError as e:
                 raise NoRoute(f"pinned route is unusable: {e.message}") from None
-        return plan_route(nodes, self.model.fingerprint, spec.n_layers, self._in_flight)
+        return plan_route(nodes, self.model.fingerprint, spec.n_layers, self.admission.streams)
+
+    def reserve(self, route: Route | None = None) -> tuple[Route, Reservation]:
+        """A route (planned among nodes with a free stream, unless given) and its
+        capacity, reserved; ``Overloaded`` when routes exist but are all full."""
+        if route is not None:
+            return route, self.admission.reserve(h.node_id for h in route)
+        nodes = self.store.nodes()
+        full = self.admission.full_nodes(nodes)
+        pinned = self.store.pinned()
+        if pinned is None and full:
+            spec = self.model.spec
+            try:
+                route = plan_chain(
+                    nodes,
+                    self.model.fingerprint,
+                    LayerRange(0, spec.n_layers),
+                    self.admission.streams,
+                    full,
+                )
+            except NoRoute:
+                self.route()  # NoRoute when there is none even with the full nodes
+                raise self.admission.overloaded("every route's nodes are at capacity") from None
+        else:
+            route = self.route()
+            busy = [h.node_id for h in route if h.node_id in full]
+            if busy:
+                raise self.admission.overloaded(f"nodes {', '.join(busy)} are at capacity")
+        return route, self.admission.reserve(h.node_id for h in route)
 
     def pin(self, node_ids: Sequence[str]) -> Route:
         route = pinned_route(
@@ -120,42 +165,53 @@ class Tracker:
         self.store.pin(node_ids)
         return route
 
-    async def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> Started:
-        """Open a route for a generation; ``NoRoute`` or ``Overloaded`` when impossible."""
+    async def start(
+        self, prompt_ids: Sequence[int], params: SamplingParams, top_logprobs: int = -1
+    ) -> Started:
+        """Open a route for a generation; ``NoRoute`` or ``Overloaded`` when impossible.
+
+        Capacity is reserved first (waiting in the admission queue for it); a node
+        that fails the open is routed around, one that is only slow to open makes
+        this request ``Overloaded`` rather than that node dead. ``top_logprobs``:
+        alternatives reported with each token's log-probability (-1: none).
+        """
         check_request(self.model.spec, prompt_ids, params)
-        self.admit()
         last: Exception | None = None
         for _ in range(_OPEN_ATTEMPTS):
-            route = self.route()
-            gen = self.driver.new_generation(uuid.uuid4().hex, route)
+            route, held = await self.admission.acquire(self.reserve)
+            gen = self.driver.new_generation(uuid.uuid4().hex, route, params, top_logprobs)
             try:
                 await self.driver.open(gen)
             except (KVBudgetExhausted, Overloaded):
+                held.release()
                 raise  # the node is healthy, only full: the client should come back later
             except MeshnetError as e:
+                held.release()
                 if not e.node_id:
                     raise
+                if not await self._node_failed(e.node_id, e.kind):
+                    raise self.admission.overloaded(f"node {e.node_id} is slow to open") from None
                 last = e  # a dead or misbehaving node: route around it
-                await self._node_failed(e.node_id, e.kind)
                 continue
-            events = self._accounted(gen, self.driver.run(gen, prompt_ids, params, self))
+            except BaseException:
+                held.release()
+                raise
+            events = self._accounted(gen, held, self.driver.run(gen, prompt_ids, params, self))
             return Started(gen.id, route, gen.epoch, events)
         raise NoRoute(f"could not open a route: {last}")
-
-    def admit(self) -> None:
-        """``Overloaded`` when the tracker already drives as many generations as it may."""
-        if len(self._generations) >= self.config.max_in_flight:
-            raise Overloaded(f"{len(self._generations)} generations in flight; try again shortly")
 
     def drive(
         self,
         gen: Generation,
+        held: Reservation,
         prompt_ids: Sequence[int],
         params: SamplingParams,
         history: Sequence[int] = (),
     ) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
-        """Run an opened generation (a session's turn), accounted, cancellable, failed over."""
-        return self._accounted(gen, self.driver.run(gen, prompt_ids, params, self, history))
+        """Run an opened generation (a session's turn) on capacity ``held``: accounted,
+        cancellable, failed over; the capacity is given back when it ends."""
+        run = self.driver.run(gen, prompt_ids, params, self, history)
+        return self._accounted(gen, held, run)
 
     def usable(self, route: Route) -> bool:
         """Whether every hop's node is up and still serves that hop's layers of this model."""
@@ -173,8 +229,8 @@ class Tracker:
         chain = self._replicas(span, frozenset())
         return chain[0] if chain is not None and len(chain) == 1 else None
 
-    async def node_failed(self, node_id: str, kind: str) -> None:
-        await self._node_failed(node_id, kind)
+    async def node_failed(self, node_id: str, kind: str) -> bool:
+        return await self._node_failed(node_id, kind)
 
     def cancel(self, generation_id: str, reason: str = "cancelled by request") -> bool:
         """Cancel a running generation on every hop; False when none has that id."""
@@ -189,17 +245,18 @@ class Tracker:
         return list(self._generations.values())
 
     async def _accounted(
-        self, gen: Generation, events: AsyncGenerator[TokenEvent | DoneEvent, None]
+        self,
+        gen: Generation,
+        held: Reservation,
+        events: AsyncGenerator[TokenEvent | DoneEvent, None],
     ) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
-        route = gen.route
         self._generations[gen.id] = gen
-        self._in_flight.update(h.node_id for h in route)
         try:
             async for event in events:
                 yield event
         finally:
             del self._generations[gen.id]
-            self._in_flight.subtract(h.node_id for h in route)
+            held.release()
             await events.aclose()  # ends the route's streams now, also when abandoned
             for link in gen.links:  # and when the driver never started
                 link.close()
@@ -213,12 +270,17 @@ class Tracker:
             return Reroute(self.route())
         index = route.index(failed)
         exclude: frozenset[str] = frozenset()
+        span = failed.layers
         if error.kind in _DEAD_KINDS:
-            await self._node_failed(failed.node_id, error.kind)
             exclude = frozenset({failed.node_id})
+            if not await self._node_failed(failed.node_id, error.kind):
+                # Slow, not gone: a replica takes the span if there is one, else it does.
+                chain = self._replicas(span, exclude) or self._replicas(span, frozenset())
+                if chain is not None:
+                    return Reroute(splice(route, index, chain))
+                return Reroute(self.route())
         # A live node (stream reset, lost KV) keeps its channel: other generations use it,
         # and gRPC reconnects a broken one by itself.
-        span = failed.layers
         chain = self._replicas(span, exclude)
         if chain is not None:
             return Reroute(splice(route, index, chain))
@@ -239,7 +301,7 @@ class Tracker:
     def _replicas(self, span: LayerRange, exclude: frozenset[str]) -> Route | None:
         nodes = self.store.nodes()
         try:
-            return plan_chain(nodes, self.model.fingerprint, span, self._in_flight, exclude)
+            return plan_chain(nodes, self.model.fingerprint, span, self.admission.streams, exclude)
         except NoRoute:
             return None
 
@@ -269,19 +331,31 @@ class Tracker:
             return Hop(node.node_id, node.address, span)
         return None
 
-    async def _node_failed(self, node_id: str, kind: str) -> None:
+    async def _node_failed(self, node_id: str, kind: str) -> bool:
+        """Mark a node that failed a call down; True when it was. A timeout or silence
+        is first checked by a probe: a node that answers is slow, not gone, and stays up."""
         if not node_id:
-            return
-        log.warning("node %s failed (%s): marked down", node_id, kind)
+            return False
         address = next((n.address for n in self.store.nodes() if n.node_id == node_id), None)
+        if kind in _PROBED_KINDS and address and await answers(address, node_id, _PROBE_TIMEOUT_S):
+            log.info("node %s was %s but answers a probe: kept up", node_id, kind)
+            return False
+        log.warning("node %s failed (%s): marked down", node_id, kind)
         self.store.mark_down(node_id, kind)
         if address:
-            await self.channels.drop(address)
+            self.channels.retire(address)
+        return True
 
-    def sweep(self) -> list[str]:
-        """Mark down silent nodes and fail the steps waiting on them (``heartbeat-lost``)."""
-        lost = self.store.sweep(time.time(), self.config.heartbeat_timeout_s)
+    async def sweep(self) -> list[str]:
+        """Mark down nodes that went silent and do not answer a probe, and fail the
+        steps waiting on them (``heartbeat-lost``)."""
+        silent = self.store.silent(time.time(), self.config.heartbeat_timeout_s)
+        alive = await asyncio.gather(
+            *(answers(n.address, n.node_id, _PROBE_TIMEOUT_S) for n in silent)
+        )
+        lost = [n.node_id for n, up in zip(silent, alive, strict=True) if not up]
         for node_id in lost:
+            self.store.mark_down(node_id, HeartbeatLost.kind)
             verdict = HeartbeatLost(f"node {node_id} stopped heartbeating", node_id)
             for gen in self.generations():
                 gen.node_lost(node_id, verdict)

@@ -120,12 +120,9 @@ class Store:
             (NodeState.DOWN.value, reason, node_id),
         )
 
-    def sweep(self, now: float, timeout_s: float) -> list[NodeId]:
-        """Mark down every up node silent for ``timeout_s``; return their ids."""
-        stale = [n.node_id for n in self.nodes() if is_stale(n, now, timeout_s)]
-        for node_id in stale:
-            self.mark_down(node_id, "heartbeat-lost")
-        return stale
+    def silent(self, now: float, timeout_s: float) -> list[NodeRecord]:
+        """Every up node not heard from for ``timeout_s``."""
+        return [n for n in self.nodes() if is_stale(n, now, timeout_s)]
 
     def nodes(self) -> list[NodeRecord]:
         rows = self._db.query(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node_id")

@@ -120,25 +120,31 @@ class TurnRunner:
         """Deliver ``turn`` (one attempt); raises a typed error when it cannot."""
         t0 = time.monotonic()
         ids, params = self.check(session, turn.request)
-        self.tracker.admit()
         epoch = self.store.next_epoch(session.id)
         route, path, failures = await self._place(session)
-        gen = self.tracker.driver.new_generation(turn.id, route)  # its ledger records
+        _, held = self.tracker.reserve(route)  # Overloaded: the outbox tries again later
+        gen = self.tracker.driver.new_generation(turn.id, route, params)  # ledger records
         gen.session_id, gen.keep, gen.epoch = session.id, True, epoch
         gen.first_step = session.steps
         for step, step_ids in enumerate(session.history):
             gen.record_input(0, step, np.asarray(step_ids, dtype=np.int64))
-        if path == "reprefill" or not session.history:
-            await self.tracker.driver.open(gen)
-        elif not await self.tracker.driver.resume(gen, (session.kv_tokens, session.steps)):
-            path = "reprefill"
-        elif path == "hot" and any(link.unparked for link in gen.links):
-            path = "parked"
+        try:
+            if path == "reprefill" or not session.history:
+                await self.tracker.driver.open(gen)
+            elif not await self.tracker.driver.resume(gen, (session.kv_tokens, session.steps)):
+                path = "reprefill"
+            elif path == "hot" and any(link.unparked for link in gen.links):
+                path = "parked"
+        except BaseException:
+            held.release()
+            for link in gen.links:
+                link.close()
+            raise
         if not session.history:
             path = "hot"  # nothing to resume: a new session's first turn
         history = [t for step in session.history for t in step]
         done: DoneEvent | None = None
-        async for event in self.tracker.drive(gen, ids, params, history):
+        async for event in self.tracker.drive(gen, held, ids, params, history):
             if isinstance(event, DoneEvent):
                 done = event
             elif on_token is not None:

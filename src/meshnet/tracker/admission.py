@@ -1,0 +1,118 @@
+"""Admission: capacity is reserved before a route is opened, and what does not fit waits
+briefly in a bounded queue or is told to come back (``Overloaded``, 429 + Retry-After).
+
+The tracker holds at most ``max_in_flight`` generations, and a node at most as many
+streams as it says it can hold (its heartbeat's ``max_streams``, or
+``node_streams``). A request that finds no room waits, up to ``queue_wait_s``,
+for a generation to end; at most ``max_queued`` wait at once. Reserving is
+synchronous on the event loop, so two requests can never both take the last slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from meshnet.errors import Overloaded
+from meshnet.tracker.registry import NodeId, NodeRecord
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_in_flight: int = 64  # generations this tracker drives at once
+    node_streams: int = 32  # streams per node when the node does not say
+    max_queued: int = 256  # requests waiting for room; more get 429 at once
+    queue_wait_s: float = 1.0  # how long one waits before its 429
+
+    @property
+    def retry_after_s(self) -> int:
+        """What a refused client is told to wait: about one queue wait."""
+        return max(1, math.ceil(self.queue_wait_s))
+
+
+@dataclass
+class Reservation:
+    """One generation's hold on a tracker slot and on a stream of every node it uses."""
+
+    nodes: tuple[NodeId, ...]
+    _admission: Admission = field(repr=False)
+    released: bool = False
+
+    def release(self) -> None:
+        """Give the slots back (once; later calls do nothing)."""
+        if not self.released:
+            self.released = True
+            self._admission._give_back(self)
+
+
+class Admission:
+    """Counts reserved capacity; call from the tracker's event loop only."""
+
+    def __init__(self, config: AdmissionConfig) -> None:
+        self.config = config
+        self.streams: Counter[NodeId] = Counter()  # reserved streams per node
+        self.in_flight = 0
+        self._waiting = 0
+        self._freed = asyncio.Event()
+
+    def capacity(self, node: NodeRecord) -> int:
+        return node.load.max_streams or self.config.node_streams
+
+    def full_nodes(self, nodes: Iterable[NodeRecord]) -> frozenset[NodeId]:
+        """Nodes with no stream left for another generation."""
+        return frozenset(n.node_id for n in nodes if self.streams[n.node_id] >= self.capacity(n))
+
+    def reserve(self, nodes: Iterable[NodeId]) -> Reservation:
+        """Take a tracker slot and a stream on each node; ``Overloaded`` when no slot."""
+        if self.in_flight >= self.config.max_in_flight:
+            raise self.overloaded(f"{self.in_flight} generations in flight")
+        held = tuple(nodes)
+        self.in_flight += 1
+        self.streams.update(held)
+        return Reservation(held, self)
+
+    def overloaded(self, why: str) -> Overloaded:
+        return Overloaded(f"{why}; try again shortly", retry_after_s=self.config.retry_after_s)
+
+    async def acquire(self, attempt: Callable[[], T]) -> T:
+        """``attempt()`` (which reserves), waiting in the queue while it is ``Overloaded``.
+
+        Raises its last ``Overloaded`` when the queue is full or the wait ran out.
+        """
+        try:
+            return attempt()
+        except Overloaded:
+            if self._waiting >= self.config.max_queued:
+                raise
+        deadline = time.monotonic() + self.config.queue_wait_s
+        self._waiting += 1
+        try:
+            while True:
+                self._freed.clear()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return attempt()  # one last try; its Overloaded is the answer
+                try:
+                    async with asyncio.timeout(left):
+                        await self._freed.wait()
+                except TimeoutError:
+                    pass
+                try:
+                    return attempt()
+                except Overloaded:
+                    if time.monotonic() >= deadline:
+                        raise
+        finally:
+            self._waiting -= 1
+
+    def _give_back(self, r: Reservation) -> None:
+        self.in_flight -= 1
+        self.streams.subtract(r.nodes)
+        self._freed.set()  # every waiter tries again; those still without room wait on
