@@ -27,6 +27,7 @@ class NodeLoad(Frozen):
     max_batch: int = Field(default=0, ge=0)  # most sessions in one forward so far
     tokens_per_s: float = Field(default=0.0, ge=0.0)
     max_streams: int = Field(default=0, ge=0)  # Forward streams it can hold; 0: not said
+    relayed: int = Field(default=0, ge=0)  # steps whose input came from the previous hop
 
 
 class NodeAnnouncement(Frozen):

@@ -270,3 +270,30 @@ def test_a_parked_session_exports_the_kv_it_had(parking: NodeEngine) -> None:
     parked = engine.export_kv("s").result(5)
     assert (parked.epoch, parked.steps, parked.tokens) == (hot.epoch, hot.steps, hot.tokens)
     assert bytes(parked.payload) == bytes(hot.payload)
+
+
+def test_a_forwarding_hop_keeps_what_it_sent_and_a_rewind_cuts_it(
+    tiny_path: Path, tiny: LocalModel
+) -> None:
+    e = NodeEngine(EngineConfig())
+    e.start()
+    try:
+        e.load(str(tiny_path), LayerRange(0, 2)).result(timeout=30)
+        e.open("s", 1).result(5)
+
+        def step(ids: list[int], n: int, keep: bool = True) -> np.ndarray:
+            work = StepWork("s", 1, np.asarray(ids, np.int64), None, step=n, keep_output=keep)
+            return e.submit(work).result(10)
+
+        prompt, first, second = step([5, 6, 7], 0), step([9], 1), step([11], 2)
+        step([12], 3, keep=False)  # carried by the driver: not kept here
+        sent = e.sent("s", 0, 10).result(5)
+        assert [n for n, _ in sent] == [0, 1, 2]
+        for (_, got), want in zip(sent, [prompt, first, second], strict=True):
+            assert np.array_equal(got, want)
+        assert e.stats().kv_bytes > 0
+        e.open("s", 2, resume=True, rewind=(4, 2)).result(5)  # the last two steps unseen
+        assert [n for n, _ in e.sent("s", 0, 10).result(5)] == [0, 1]
+        assert e.sent("other", 0, 10).result(5) == []
+    finally:
+        e.stop()

@@ -33,6 +33,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--generation-timeout", type=float, default=600.0, help="seconds one generation may run"
     )
     p.add_argument("--max-recoveries", type=int, default=8, help="failovers per generation")
+    p.add_argument(
+        "--no-relay",
+        dest="relay",
+        action="store_false",
+        help="carry every hop's activations through the tracker instead of node to node",
+    )
     p.add_argument("--max-in-flight", type=int, default=64, help="generations at once")
     p.add_argument("--park-after", type=float, default=300.0, help="idle seconds; 0: never")
     p.add_argument("--evict-after", type=float, default=1800.0, help="parked seconds; 0: never")
@@ -60,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
                 step_timeout_s=args.step_timeout,
                 generation_timeout_s=args.generation_timeout,
                 max_recoveries=args.max_recoveries,
+                relay=args.relay,
             ),
             outbox=OutboxConfig(lease_s=args.turn_lease, max_attempts=args.turn_attempts),
             policy=SessionPolicy(

@@ -110,4 +110,5 @@ def _load(s: EngineStats) -> NodeLoad:
         max_batch=s.max_batch,
         tokens_per_s=round(s.tokens_per_s, 2),
         max_streams=s.max_streams,
+        relayed=s.relayed,
     )

@@ -99,6 +99,7 @@ class EngineStats:
     max_batch: int  # most sessions in one forward since start
     tokens_per_s: float  # rows per second over recent forwards
     max_streams: int  # Forward streams it holds at once
+    relayed: int = 0  # steps whose input came straight from the previous hop
 
 
 class NodeEngine:
@@ -202,6 +203,17 @@ class NodeEngine:
     def quarantine(self, session_id: str) -> Future[None]:
         """After a failed import: the session holds nothing (KV, steps, queued work)."""
         return self._control(lambda: self._drop(session_id))
+
+    def sent(self, session_id: str, first: int, end: int) -> Future[list[tuple[int, np.ndarray]]]:
+        """What this hop forwarded for a session in steps [first, end), as far as it holds it."""
+
+        def read() -> list[tuple[int, np.ndarray]]:
+            slot = self._slots.get(session_id)
+            if slot is None:
+                return []
+            return [(s, slot.sent[s]) for s in range(first, end) if s in slot.sent]
+
+        return self._control(read)
 
     def cancel(self, session_id: str) -> Future[None]:
         """Free a session's KV whatever its epoch, and fail its unfinished steps."""
@@ -320,6 +332,8 @@ class NodeEngine:
                 self._steps += 1
                 result = w.outputs[-1] if shard.is_last else np.concatenate(w.outputs)
                 slot = self._slots[w.session_id]
+                if w.keep_output and not shard.is_last:
+                    _keep_sent(slot, w, result)
                 slot.last_step = slot.steps
                 slot.steps += w.steps
                 slot.last_result = result
@@ -334,7 +348,7 @@ class NodeEngine:
         self._tokens_per_s = rate if not old else 0.8 * old + 0.2 * rate
 
     def _account(self) -> None:
-        self._budget.update(sum(s.kv.nbytes for s in self._slots.values()))
+        self._budget.update(sum(s.kv.nbytes + s.sent_bytes for s in self._slots.values()))
 
     def _apply_load(self, model_path: str, layers: LayerRange) -> Shard:
         f = open_gguf(model_path)
@@ -491,6 +505,17 @@ def _rewind(slot: Slot, tokens: int, steps: int) -> None:
         slot.steps = steps
         slot.last_step = -1
         slot.last_result = None
+        for step in [s for s in slot.sent if s >= steps]:
+            del slot.sent[step]
+
+
+def _keep_sent(slot: Slot, w: StepWork, result: np.ndarray) -> None:
+    """Log a forwarded output by step: a replayed run one row per decode step."""
+    if w.replay:
+        for row in range(result.shape[0]):
+            slot.sent[slot.steps + row] = result[row : row + 1]
+    else:
+        slot.sent[slot.steps] = result
 
 
 def _settle(future: Future[Any], apply: Callable[[], Any]) -> None:

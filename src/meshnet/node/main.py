@@ -88,9 +88,8 @@ def serve(cfg: NodeConfig) -> int:
     listen_host = cfg.listen.rsplit(":", 1)[0].strip("[]")
     host = cfg.advertise_host or listen_host
     offers = KVOffers(listen_host, host)  # node-to-node KV moves go over this bulk port
-    pb_grpc.add_NodeServicer_to_server(
-        NodeService(NodeIdentity(cfg.node_id, model_path), engine, offers), server
-    )
+    service = NodeService(NodeIdentity(cfg.node_id, model_path), engine, offers)
+    pb_grpc.add_NodeServicer_to_server(service, server)
     port = server.add_insecure_port(cfg.listen)
     if port == 0:
         raise MeshnetError(f"cannot listen on {cfg.listen}")
@@ -104,7 +103,7 @@ def serve(cfg: NodeConfig) -> int:
         address,
         cfg.engine.backend,
         cfg.engine.kv_budget_bytes,
-        engine.stats,
+        service.stats,
         cfg.heartbeat_s,
     )
     announcer.start()
@@ -114,6 +113,7 @@ def serve(cfg: NodeConfig) -> int:
     stop.wait()
     announcer.stop()
     server.stop(grace=1.0).wait()
+    service.relay.close()
     offers.close()
     engine.stop()
     return 0

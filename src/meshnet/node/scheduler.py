@@ -36,6 +36,12 @@ class Slot:
     steps: int = 0  # steps committed; the next step's number
     last_step: int = -1  # number of the last committed step (or replay's first step)
     last_result: np.ndarray | None = None  # the last committed step's output, for duplicates
+    # What this hop forwarded to the next one, by step: replayed into a replacement of it.
+    sent: dict[int, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(x.nbytes for x in self.sent.values())
 
 
 @dataclass
@@ -48,6 +54,7 @@ class StepWork:
     deadline: float | None  # time.monotonic() by which it must have started
     step: int | None = None  # the step's number in its session; None: not checked
     replay: bool = False  # each row is a decode step sent again: computed as one, counted as one
+    keep_output: bool = False  # forwarded to the next hop: keep it for replays
     future: Future[np.ndarray] = field(default_factory=Future)
     done_rows: int = 0  # prompt rows already run (chunked prefill)
     outputs: list[np.ndarray] = field(default_factory=list)

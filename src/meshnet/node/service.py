@@ -19,9 +19,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
+import numpy as np
 
 from meshnet.errors import (
     DeadlineExceeded,
@@ -38,8 +39,9 @@ from meshnet.layer_range import LayerRange
 from meshnet.model.logprobs import MAX_TOP_LOGPROBS, token_logprobs
 from meshnet.model.sampling import Sampler, SamplingParams
 from meshnet.model.shard import Shard
-from meshnet.node.engine import ExportedKV, NodeEngine, OpenedSlot
+from meshnet.node.engine import EngineStats, ExportedKV, NodeEngine, OpenedSlot
 from meshnet.node.kv_offers import KVOffers
+from meshnet.node.relay import Mailbox, RelaySender
 from meshnet.node.scheduler import StepWork
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
@@ -54,6 +56,9 @@ _NO_DEADLINE_S = 7 * 24 * 3600.0
 _TRANSFER_TIMEOUT_S = 60.0  # one KV import, whole stream
 _MAX_ADDRESS = 256
 _CONNECT_TIMEOUT_S = 5.0
+_RELAY_TIMEOUT_S = 10.0  # the next hop only files the input: more means it is stuck
+_RELAYS_PER_STREAM = 4  # relayed inputs waiting per stream the node holds
+_MAILBOX_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,13 @@ class NodeService(pb_grpc.NodeServicer):
         self.engine = engine
         self.offers = offers  # the bulk TCP port, when this node runs one
         self._streams = threading.BoundedSemaphore(engine.config.max_streams)
+        limit = engine.config.max_streams * _RELAYS_PER_STREAM
+        self.mailbox = Mailbox(limit, _MAILBOX_BYTES)  # inputs relayed by previous hops
+        self.relay = RelaySender()  # outputs to next hops
+
+    def stats(self) -> EngineStats:
+        """What the node reports with its heartbeat."""
+        return replace(self.engine.stats(), relayed=self.mailbox.delivered)
 
     def Forward(
         self, request_iterator: Iterator[pb.ForwardRequest], context: grpc.ServicerContext
@@ -122,6 +134,7 @@ class NodeService(pb_grpc.NodeServicer):
             for request in request_iterator:
                 yield self._step(opened, sampling, request, context)
         finally:
+            self.mailbox.drop(sid, epoch)
             if not opened.keep:
                 self.engine.release(sid, epoch).result(_CONTROL_TIMEOUT_S)
 
@@ -174,25 +187,30 @@ class NodeService(pb_grpc.NodeServicer):
         if request.WhichOneof("kind") != "step" or shard is None:
             return _failure(MalformedBundle("expected a Step"))
         step = request.step
-        limits = (
-            codec.TensorLimits("i64", 1, shard.spec.context_length)
-            if shard.is_first
-            else codec.TensorLimits("f32", 2, shard.spec.context_length, shard.spec.d_model)
-        )
         t0 = time.perf_counter()
         try:
-            x = codec.decode(step.input, limits)
-            if shard.is_first and (x.min() < 0 or x.max() >= shard.spec.vocab_size):
-                raise MalformedBundle(f"token ids must be in [0, {shard.spec.vocab_size})")
             remaining = _remaining_s(step.timeout_ms, context)
-            deadline = time.monotonic() + remaining if remaining is not None else None
+            started = time.monotonic()
+            x = self._input(o, step, shard, remaining, context)
+            deadline = started + remaining if remaining is not None else None
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             history = _history(step, shard.spec.context_length, shard.spec.vocab_size)
-            work = StepWork(o.session_id, o.epoch, x, deadline, step=step.step, replay=step.replay)
-            out = self.engine.submit(work).result(timeout=remaining)
+            work = StepWork(
+                o.session_id,
+                o.epoch,
+                x,
+                deadline,
+                step=step.step,
+                replay=step.replay,
+                keep_output=step.forward,
+            )
+            out = self.engine.submit(work).result(timeout=left)
         except TimeoutError:
             return _failure(DeadlineExceeded(f"step {step.step} did not finish in time"))
         except MeshnetError as e:
             return _failure(e)
+        if step.forward:
+            return self._forward_output(o, step, out, t0, deadline)
         if sampling is None:
             ms = (time.perf_counter() - t0) * 1000
             return pb.ForwardResponse(
@@ -211,6 +229,81 @@ class NodeService(pb_grpc.NodeServicer):
         return pb.ForwardResponse(
             result=pb.StepResult(step=step.step, sampled=sampled, compute_ms=ms)
         )
+
+    def _input(
+        self,
+        o: pb.Open,
+        step: pb.Step,
+        shard: Shard,
+        timeout_s: float | None,
+        context: grpc.ServicerContext,
+    ) -> np.ndarray:
+        """The step's input: in the message, or relayed by the previous hop."""
+        spec = shard.spec
+        if not step.relayed:
+            limits = (
+                codec.TensorLimits("i64", 1, spec.context_length)
+                if shard.is_first
+                else codec.TensorLimits("f32", 2, spec.context_length, spec.d_model)
+            )
+            x = codec.decode(step.input, limits)
+            if shard.is_first and (x.min() < 0 or x.max() >= spec.vocab_size):
+                raise MalformedBundle(f"token ids must be in [0, {spec.vocab_size})")
+            return x
+        if shard.is_first or not 0 < step.rows <= spec.context_length:
+            raise MalformedBundle("a relayed step needs a previous hop and 1 to context rows")
+        key = (o.session_id, o.epoch, step.step)
+        x = self.mailbox.take(key, timeout_s, context.is_active)
+        if x.shape[0] != step.rows:
+            raise MalformedBundle(f"the previous hop relayed {x.shape[0]} rows, not {step.rows}")
+        return x
+
+    def _forward_output(
+        self, o: pb.Open, step: pb.Step, out: np.ndarray, t0: float, deadline: float | None
+    ) -> pb.ForwardResponse:
+        """Send the output to the next hop; answer the driver without it."""
+        if not o.next_address:
+            return _failure(MalformedBundle("a forward step needs the next hop's address"))
+        frame = pb.RelayFrame(
+            session_id=o.session_id, epoch=o.epoch, step=step.step, input=codec.encode(out)
+        )
+        left = _RELAY_TIMEOUT_S
+        if deadline is not None:
+            left = min(left, max(deadline - time.monotonic(), 0.001))
+        try:
+            self.relay.send(o.next_address, frame, left)
+        except MeshnetError as e:
+            return _failure(e, blame=o.next_node_id)
+        ms = (time.perf_counter() - t0) * 1000
+        return pb.ForwardResponse(result=pb.StepResult(step=step.step, compute_ms=ms))
+
+    def Relay(self, request: pb.RelayFrame, context: grpc.ServicerContext) -> pb.RelayAck:
+        shard = self.engine.shard
+        if shard is None or shard.is_first:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node takes no relayed input")
+        if not request.session_id or len(request.session_id) > _MAX_SESSION_ID:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad session_id")
+        spec = shard.spec
+        try:
+            limits = codec.TensorLimits("f32", 2, spec.context_length, spec.d_model)
+            x = codec.decode(request.input, limits)
+            self.mailbox.put((request.session_id, request.epoch, request.step), x)
+        except Overloaded as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message)
+        except MeshnetError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
+        return pb.RelayAck()
+
+    def Outputs(
+        self, request: pb.OutputsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.StepOutput]:
+        if not request.session_id or len(request.session_id) > _MAX_SESSION_ID:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad session_id")
+        if request.end_step < request.first_step:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "end_step before first_step")
+        sent = self.engine.sent(request.session_id, request.first_step, request.end_step)
+        for step, x in sent.result(_CONTROL_TIMEOUT_S):
+            yield pb.StepOutput(step=step, output=codec.encode(x))
 
     def Configure(
         self, request: pb.ConfigureRequest, context: grpc.ServicerContext
@@ -492,6 +585,9 @@ def _fail(e: MeshnetError) -> pb.Failure:
     return pb.Failure(kind=e.kind, message=e.message, retryable=e.retryable)
 
 
-def _failure(e: MeshnetError) -> pb.ForwardResponse:
+def _failure(e: MeshnetError, blame: str = "") -> pb.ForwardResponse:
+    """A failed step's answer; ``blame``: the next hop, when the failure was reaching it."""
     log.info("step failed: %s", e)
-    return pb.ForwardResponse(failure=_fail(e))
+    failure = _fail(e)
+    failure.node_id = blame
+    return pb.ForwardResponse(failure=failure)

@@ -17,7 +17,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("session_id", "epoch", "fingerprint", "layer_start", "layer_end", "resume", "keep", "rewind", "rewind_tokens", "rewind_steps", "sampling")
+    __slots__ = ("session_id", "epoch", "fingerprint", "layer_start", "layer_end", "resume", "keep", "rewind", "rewind_tokens", "rewind_steps", "sampling", "next_address", "next_node_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,8 @@ class Open(_message.Message):
     REWIND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REWIND_STEPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     fingerprint: str
@@ -40,7 +42,9 @@ class Open(_message.Message):
     rewind_tokens: int
     rewind_steps: int
     sampling: Sampling
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., resume: _Optional[bool] = ..., keep: _Optional[bool] = ..., rewind: _Optional[bool] = ..., rewind_tokens: _Optional[int] = ..., rewind_steps: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    next_address: str
+    next_node_id: str
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., resume: _Optional[bool] = ..., keep: _Optional[bool] = ..., rewind: _Optional[bool] = ..., rewind_tokens: _Optional[int] = ..., rewind_steps: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., next_address: _Optional[str] = ..., next_node_id: _Optional[str] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "top_logprobs")
@@ -59,20 +63,26 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("step", "input", "timeout_ms", "replay", "draws", "history")
+    __slots__ = ("step", "input", "timeout_ms", "replay", "draws", "history", "relayed", "forward", "rows")
     STEP_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
     DRAWS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     step: int
     input: Tensor
     timeout_ms: int
     replay: bool
     draws: int
     history: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., replay: _Optional[bool] = ..., draws: _Optional[int] = ..., history: _Optional[_Iterable[int]] = ...) -> None: ...
+    relayed: bool
+    forward: bool
+    rows: int
+    def __init__(self, step: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., replay: _Optional[bool] = ..., draws: _Optional[int] = ..., history: _Optional[_Iterable[int]] = ..., relayed: _Optional[bool] = ..., forward: _Optional[bool] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("open", "step")
@@ -123,14 +133,50 @@ class Sampled(_message.Message):
     def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Failure(_message.Message):
-    __slots__ = ("kind", "message", "retryable")
+    __slots__ = ("kind", "message", "retryable", "node_id")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     kind: str
     message: str
     retryable: bool
-    def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
+    node_id: str
+    def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class RelayFrame(_message.Message):
+    __slots__ = ("session_id", "epoch", "step", "input")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    step: int
+    input: Tensor
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class RelayAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OutputsRequest(_message.Message):
+    __slots__ = ("session_id", "first_step", "end_step")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    END_STEP_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    first_step: int
+    end_step: int
+    def __init__(self, session_id: _Optional[str] = ..., first_step: _Optional[int] = ..., end_step: _Optional[int] = ...) -> None: ...
+
+class StepOutput(_message.Message):
+    __slots__ = ("step", "output")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    output: Tensor
+    def __init__(self, step: _Optional[int] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("opened", "result", "failure")

@@ -84,6 +84,16 @@ class NodeStub:
                 request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.ParkRequest.SerializeToString,
                 response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.ParkResponse.FromString,
                 _registered_method=True)
+        self.Relay = channel.unary_unary(
+                '/meshnet.v1.Node/Relay',
+                request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.RelayFrame.SerializeToString,
+                response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.RelayAck.FromString,
+                _registered_method=True)
+        self.Outputs = channel.unary_stream(
+                '/meshnet.v1.Node/Outputs',
+                request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.OutputsRequest.SerializeToString,
+                response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.StepOutput.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -151,6 +161,20 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Relay(self, request, context):
+        """Node to node: the previous hop's output for one step of a session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Outputs(self, request, context):
+        """What this hop forwarded for a session, for replaying into a replacement.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +227,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Park,
                     request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.ParkRequest.FromString,
                     response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.ParkResponse.SerializeToString,
+            ),
+            'Relay': grpc.unary_unary_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.RelayFrame.FromString,
+                    response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.RelayAck.SerializeToString,
+            ),
+            'Outputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.Outputs,
+                    request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.OutputsRequest.FromString,
+                    response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.StepOutput.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -475,6 +509,60 @@ class Node:
             '/meshnet.v1.Node/Park',
             meshnet_dot_protocol_dot_meshnet__pb2.ParkRequest.SerializeToString,
             meshnet_dot_protocol_dot_meshnet__pb2.ParkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnet.v1.Node/Relay',
+            meshnet_dot_protocol_dot_meshnet__pb2.RelayFrame.SerializeToString,
+            meshnet_dot_protocol_dot_meshnet__pb2.RelayAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Outputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/meshnet.v1.Node/Outputs',
+            meshnet_dot_protocol_dot_meshnet__pb2.OutputsRequest.SerializeToString,
+            meshnet_dot_protocol_dot_meshnet__pb2.StepOutput.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,33 +1,43 @@
 """The route driver: runs one generation through a chain of nodes, and fails over.
 
-For every step it sends the input through each hop in turn (token ids to the
-first, hidden states onward); the last hop samples the token under the
+A step normally runs as a relay: the driver sends the token ids to the first
+hop and a ``relayed`` step to every other, each hop sends its output straight
+to the next (``forward``), and the last hop samples the token under the
 sampling contract (the request's parameters and seed, and the generator's
 position, travel with each step, so a replacement samples exactly as the
-failed node would have) and answers it with its log-probabilities, never the
-vocabulary's logits. The driver yields each token as it is made. Every hop's
-input is logged per layer boundary.
+failed node would have) and answers it with its log-probabilities. The driver
+sees tokens, never tensors; per token the data crosses one link per hop plus
+the driver's two. Every forwarding hop keeps what it sent; the driver logs the
+first layer's input (the ids) itself.
+
+When hops hold different steps (after a failover) the driver sends a step
+through each hop in turn instead, carrying the hidden states and logging
+them per layer boundary.
 
 When a hop fails mid-generation the driver asks the tracker (the ``Fabric``)
-for a replacement of the failed span, opens the next epoch on every hop of
-the new route — survivors *resume* it, keeping their KV, which fences the old
-epoch — and replays the logged inputs of the failed span into the
-replacement only: the prompt as it was first sent, then every logged decode
-step in one message whose rows the node computes exactly as the one-row
-steps they were, so the rebuilt KV is bit-identical and the output
-continues exactly. When no survivor keeps its
-KV that is a restart from token zero, by the same code. The uncertain step is
-never resent on the old epoch. Every attempt ends in one ledger record.
+for a replacement of the failed span, fetches the inputs of that span from
+the surviving hop before it (what it forwarded), opens the next epoch on
+every hop of the new route — survivors *resume* it, keeping their KV cut back
+to the steps the driver saw them commit, which fences the old epoch — and
+replays the logged inputs of the failed span into the replacement only: the
+prompt as it was first sent, then every logged decode step in one message
+whose rows the node computes exactly as the one-row steps they were, so the
+rebuilt KV is bit-identical and the output continues exactly. When no survivor
+keeps its KV that is a restart from token zero, by the same code. The
+uncertain step is never resent on the old epoch. Every attempt ends in one
+ledger record.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import logging
 import time
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -51,9 +61,14 @@ from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.generation import Generation, PendingRecovery, Recovery
-from meshnet.tracker.hop_link import HopLink, open_link
+from meshnet.tracker.hop_link import HopLink, RelayBroken, open_link
 from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
 from meshnet.tracker.routes import Hop, Route
+
+log = logging.getLogger(__name__)
+
+_FORWARD_GRACE = 1.5
+_NO_RELAY_S = 300.0  # how long a pair that could not talk is left to the driver
 
 
 @dataclass(frozen=True)
@@ -83,6 +98,7 @@ class DriverLimits:
     generation_timeout_s: float = 600.0  # whole generation, also the streams' gRPC deadline
     max_recoveries: int = 8  # failovers one generation may take
     fence_timeout_s: float = 60.0  # how long a failed node is sent its fence
+    relay: bool = True  # hops send activations to each other; False: all through the driver
 
 
 @dataclass(frozen=True)
@@ -122,7 +138,8 @@ class RouteDriver:
         self.spec = spec
         self.tokenizer = tokenizer
         self.limits = limits
-        self._fencing: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[Any]] = set()  # background work still running
+        self._no_relay: dict[tuple[str, str], float] = {}  # pairs that cannot talk, until
 
     def new_generation(
         self, generation_id: str, route: Route, params: SamplingParams, top_logprobs: int = -1
@@ -236,11 +253,88 @@ class RouteDriver:
             await self._replay(gen, first, step)
             if gen.pending is not None:
                 gen.pending.replayed_steps += step - first
+            first = min(link.steps for link in gen.links)
         if gen.ready_at is None:
             gen.ready_at = time.monotonic()
+        if self.limits.relay and len(gen.links) > 1 and all(k.steps == step for k in gen.links):
+            return await self._relay_step(gen, step)
         sampled = await self._run_step(gen, step)
         assert isinstance(sampled, TokenLogprobs)  # no hop holds a step not yet sampled
         return sampled
+
+    async def _relay_step(self, gen: Generation, step: int) -> TokenLogprobs:
+        """Run ``step`` with activations going hop to hop; the token.
+
+        Hops that can reach the next one form a segment run at once; between
+        segments (a pair that could not talk) the driver carries the activations.
+        """
+        x = gen.recorded_input(0, step)
+        if x is None:
+            raise CacheMiss(f"no logged input for layer 0 at step {step}")
+        segments = self._segments(gen.links)
+        for i, segment in enumerate(segments):
+            if i:
+                gen.record_input(segment[0].hop.layers.start, step, x)
+            out = await self._run_segment(gen, segment, step, x)
+            if isinstance(out, TokenLogprobs):
+                return out
+            x = out
+        raise MalformedBundle("the route's last hop answered no token")
+
+    async def _run_segment(
+        self, gen: Generation, segment: list[HopLink], step: int, x: np.ndarray
+    ) -> np.ndarray | TokenLogprobs:
+        """``step`` on hops that relay to each other: all at once, the first given ``x``;
+        the last one's output. On the first failure the other hops' answers are
+        abandoned: the failover cuts every survivor back to the steps seen here."""
+        rows = int(x.shape[0])
+        last = len(segment) - 1
+        calls = [
+            asyncio.create_task(
+                self._exchange(
+                    gen,
+                    link,
+                    step,
+                    rows,
+                    i + 1,  # a hop waits for every hop before it
+                    input=codec.encode(x) if i == 0 else None,
+                    relayed=i > 0,
+                    forward=i < last,
+                    rows=rows,
+                )
+            )
+            for i, link in enumerate(segment)
+        ]
+        await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in calls if t.done() and not t.cancelled() and t.exception()]
+        if failed:
+            # The others are left to end with their streams (cancelling a read would end
+            # the call, and a survivor's KV with it, before the next epoch resumes it).
+            for t in calls:
+                self._abandon(t)
+            error = failed[0].exception()
+            assert error is not None
+            if isinstance(error, RelayBroken):
+                pair = (error.from_node, error.node_id)
+                self._no_relay[pair] = time.monotonic() + _NO_RELAY_S
+                log.warning("%s cannot reach %s: the driver carries between them", *pair)
+            raise error
+        out = self._output(gen, segment[-1], calls[-1].result(), rows)
+        for link in segment:
+            link.steps = step + 1
+            link.positions += rows
+        return out
+
+    def _segments(self, links: list[HopLink]) -> list[list[HopLink]]:
+        """The route cut where a hop does not relay to the next."""
+        now = time.monotonic()
+        segments = [[links[0]]]
+        for before, link in itertools.pairwise(links):
+            if self._no_relay.get((before.node_id, link.node_id), 0.0) > now:
+                segments.append([link])
+            else:
+                segments[-1].append(link)
+        return segments
 
     async def _replay(self, gen: Generation, first: int, end: int) -> None:
         """Send logged steps ``[first, end)`` to the hops lacking them: each prompt as it
@@ -317,30 +411,15 @@ class RouteDriver:
         replay: bool = False,
     ) -> np.ndarray | TokenLogprobs:
         """One step through one hop: its hidden states, or the last hop's sampled token."""
-        node = link.node_id
-        left = gen.deadline - time.monotonic()
         rows = int(x.shape[0])
-        budget = min(self.limits.step_timeout_s + rows * self.limits.row_timeout_s, left)
-        if budget <= 0:
-            raise DeadlineExceeded("the generation ran past its deadline")
-        request = pb.ForwardRequest(
-            step=pb.Step(
-                step=step,
-                input=codec.encode(x),
-                timeout_ms=max(1, int(budget * 1000)),
-                replay=replay,
-                draws=gen.draws if link.samples else 0,
-                history=gen.history if link.samples else (),
-            )
-        )
-        try:
-            reply = await link.exchange(request, budget)
-        except DeadlineExceeded:
-            if gen.deadline <= time.monotonic():  # the generation's own deadline, not the node's
-                raise DeadlineExceeded("the generation ran past its deadline") from None
-            raise
-        if reply.WhichOneof("kind") != "result" or reply.result.step != step:
-            raise MalformedBundle(f"node {node} sent no result for step {step}", node)
+        reply = await self._exchange(gen, link, step, rows, 1, input=codec.encode(x), replay=replay)
+        return self._output(gen, link, reply, rows)
+
+    def _output(
+        self, gen: Generation, link: HopLink, reply: pb.ForwardResponse, rows: int
+    ) -> np.ndarray | TokenLogprobs:
+        """A hop's answer, checked: the sampled token, or hidden states of every row."""
+        node = link.node_id
         if link.samples:
             return self._sampled(reply.result, gen.top_logprobs, node)
         limits = codec.TensorLimits("f32", 2, self.spec.context_length, self.spec.d_model)
@@ -348,9 +427,52 @@ class RouteDriver:
             out = codec.decode(reply.result.output, limits)
         except MalformedBundle as e:
             raise MalformedBundle(f"node {node} sent a bad tensor: {e.message}", node) from None
-        if out.shape[0] != x.shape[0]:
+        if out.shape[0] != rows:
             raise MalformedBundle(f"node {node} returned {out.shape[0]} rows", node)
         return out
+
+    async def _exchange(
+        self, gen: Generation, link: HopLink, step: int, size: int, waits: int, **fields: Any
+    ) -> pb.ForwardResponse:
+        """Send ``Step(step, **fields)`` to a hop and read its result, within a budget of
+        ``waits`` steps of ``size`` rows (a relayed hop waits for the hops before it)."""
+        node = link.node_id
+        left = gen.deadline - time.monotonic()
+        budget = (self.limits.step_timeout_s + size * self.limits.row_timeout_s) * waits
+        budget = min(budget, left)
+        if budget <= 0:
+            raise DeadlineExceeded("the generation ran past its deadline")
+        request = pb.ForwardRequest(
+            step=pb.Step(
+                step=step,
+                timeout_ms=max(1, int(budget * 1000)),
+                draws=gen.draws if link.samples else 0,
+                history=gen.history if link.samples else (),
+                **fields,
+            )
+        )
+        # A forwarding hop gets to answer past its own deadline: when the next hop does
+        # not take its output in time, it says so and names it.
+        wait = budget * _FORWARD_GRACE if fields.get("forward") else budget
+        try:
+            reply = await link.exchange(request, wait)
+        except DeadlineExceeded:
+            if gen.deadline <= time.monotonic():  # the generation's own deadline, not the node's
+                raise DeadlineExceeded("the generation ran past its deadline") from None
+            raise
+        if reply.WhichOneof("kind") != "result" or reply.result.step != step:
+            raise MalformedBundle(f"node {node} sent no result for step {step}", node)
+        return reply
+
+    def _abandon(self, task: asyncio.Task[Any]) -> None:
+        """Keep a task whose result no longer matters until it ends, its error unraised."""
+        self._background.add(task)
+        task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: an abandoned answer's failure is not news
 
     def _sampled(self, result: pb.StepResult, top: int, node: str) -> TokenLogprobs:
         """The last hop's token, checked: an id of the vocabulary, log-probabilities <= 0."""
@@ -398,6 +520,10 @@ class RouteDriver:
             }
             steps = max(link.steps for link in gen.links)
             rebuilt = [h for h in reroute.route if _key(h) not in survivors]
+            for h in rebuilt:
+                before = [s for s in survivors.values() if s.hop.layers.end == h.layers.start]
+                if before and not gen.has_inputs(h.layers.start, steps):
+                    await self._fetch_sent(gen, before[0], steps)
             if not all(gen.has_inputs(h.layers.start, steps) for h in rebuilt):
                 survivors = {}  # a span's inputs were never logged: restart from token zero
             gen.epoch += 1  # also after a failed try: its partly opened epoch stays fenced
@@ -425,6 +551,26 @@ class RouteDriver:
         pending.replacement = tuple(link.node_id for link in links if link.first_position == 0)
         pending.healed = reroute.healed
 
+    async def _fetch_sent(self, gen: Generation, link: HopLink, steps: int) -> None:
+        """Log what ``link``'s node forwarded in steps [0, ``steps``) that the driver lacks
+        (the inputs of the span after it). What it cannot give is left unlogged."""
+        start = link.hop.layers.end
+        have = gen.inputs.get(start, {})
+        first = next((s for s in range(steps) if s not in have), steps)
+        if first == steps:
+            return
+        request = pb.OutputsRequest(session_id=gen.kv_key, first_step=first, end_step=steps)
+        limits = codec.TensorLimits("f32", 2, self.spec.context_length, self.spec.d_model)
+        try:
+            stub = self.channels.stub(link.hop.address)
+            async for out in stub.Outputs(request, timeout=self.limits.open_timeout_s):
+                x = codec.decode(out.output, limits)
+                if first <= out.step < steps and x.shape[0] == gen.step_rows(out.step):
+                    gen.record_input(start, int(out.step), x)
+        except (grpc.aio.AioRpcError, MalformedBundle) as e:
+            # The driver restarts from token zero if the log stays incomplete.
+            log.warning("no outputs from node %s for %s: %s", link.node_id, gen.id, e)
+
     @staticmethod
     def _account_failover(gen: Generation, carried: list[HopLink], fabric: Fabric) -> None:
         """Close the old epoch's attempts: kept KV completed, a failed node's work failed."""
@@ -442,8 +588,8 @@ class RouteDriver:
     def _fence_later(self, hop: Hop, session_id: str, epoch: int) -> None:
         """Tell a failed node (if it ever comes back) that the session moved on."""
         task = asyncio.create_task(self._fence(hop, session_id, epoch))
-        self._fencing.add(task)
-        task.add_done_callback(self._fencing.discard)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _fence(self, hop: Hop, session_id: str, epoch: int) -> None:
         request = pb.FenceRequest(session_id=session_id, epoch=epoch)
@@ -465,7 +611,11 @@ class RouteDriver:
         any failure every opened link is closed and the first hop's (in route
         order) failure is raised.
         """
-        opens = [self._open_hop(gen, hop, survivors.get(_key(hop)), held) for hop in route]
+        after: list[Hop | None] = [*route[1:], None]
+        opens = [
+            self._open_hop(gen, hop, survivors.get(_key(hop)), held, nxt)
+            for hop, nxt in zip(route, after, strict=True)
+        ]
         results = await asyncio.gather(*opens, return_exceptions=True)
         links = [r[0] for r in results if isinstance(r, tuple)]
         failure = next((r for r in results if isinstance(r, BaseException)), None)
@@ -477,11 +627,18 @@ class RouteDriver:
         return links, carried
 
     async def _open_hop(
-        self, gen: Generation, hop: Hop, old: HopLink | None, held: tuple[int, int] | None
+        self,
+        gen: Generation,
+        hop: Hop,
+        old: HopLink | None,
+        held: tuple[int, int] | None,
+        after: Hop | None,
     ) -> tuple[HopLink, HopLink | None]:
-        """Open one hop; a survivor ``old`` whose KV the node still holds is carried over,
-        and so is a session's KV of ``held`` (positions, steps) left by its last turn."""
-        rewind = held if old is None else None
+        """Open one hop; a survivor ``old`` whose KV the node still holds is carried over
+        (cut back to what the driver saw it commit: a relayed step it finished unseen is
+        run again), and so is a session's KV of ``held`` (positions, steps) left by its
+        last turn. ``after``: the next hop, where it forwards its outputs."""
+        rewind = held if old is None else (old.positions, old.steps)
         samples = hop.layers.end == self.spec.n_layers
         link, opened = await open_link(
             self.channels.stub(hop.address),
@@ -498,6 +655,8 @@ class RouteDriver:
                 rewind_tokens=rewind[0] if rewind else 0,
                 rewind_steps=rewind[1] if rewind else 0,
                 sampling=_sampling(gen) if samples else None,
+                next_address=after.address if after else "",
+                next_node_id=after.node_id if after else "",
             ),
             max(gen.deadline - time.monotonic(), 0.001),
             self.limits.open_timeout_s,
@@ -506,7 +665,7 @@ class RouteDriver:
         link.unparked = bool(opened.unparked)
         if held_now == (0, 0):
             return link, None  # fresh (or the node lost the KV): the log is replayed into it
-        if rewind is not None:
+        if old is None and held is not None:
             link.steps, link.positions = held_now[1], held_now[0]
             link.first_position = held_now[0]
             return link, None  # the caller checks it holds what the session committed

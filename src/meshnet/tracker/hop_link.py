@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from meshnet.errors import (
+    Cancelled,
     DeadlineExceeded,
     MalformedBundle,
     MeshnetError,
@@ -29,6 +30,15 @@ from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.routes import Hop
 
 _PROBE_TIMEOUT_S = 1.0
+
+
+class RelayBroken(StreamReset):
+    """A node could not reach the next hop, which still answers the tracker: the two
+    cannot talk (addresses only the tracker can reach, a firewall between them)."""
+
+    def __init__(self, message: str, node_id: str, from_node: str) -> None:
+        super().__init__(message, node_id)
+        self.from_node = from_node
 
 
 @dataclass
@@ -44,6 +54,8 @@ class HopLink:
     unparked: bool = False  # the node read the session's KV back from its disk to open it
     verdict: MeshnetError | None = None  # set from outside before the call is cancelled
     samples: bool = False  # opened to sample: it answers tokens, not hidden states
+    next_node_id: str = ""  # the hop it forwards outputs to: it may blame a failure on it
+    next_address: str = ""
 
     @property
     def node_id(self) -> str:
@@ -57,6 +69,8 @@ class HopLink:
 
     def close(self) -> None:
         """End the stream; the node frees the session's KV of this epoch."""
+        if self.verdict is None:  # a read still waiting on it ends without a probe
+            self.verdict = Cancelled(f"the stream to {self.node_id} was closed")
         self.call.cancel()
 
     async def exchange(self, request: pb.ForwardRequest, timeout_s: float) -> pb.ForwardResponse:
@@ -87,8 +101,21 @@ class HopLink:
         if reply is grpc.aio.EOF:
             raise self.verdict or await _broken(self.hop, "closed the stream")
         if reply.WhichOneof("kind") == "failure":
-            raise error_for_kind(reply.failure.kind, f"node {node}: {reply.failure.message}", node)
+            f = reply.failure
+            if f.node_id and f.node_id == self.next_node_id:
+                raise await self._next_failed(f)
+            raise error_for_kind(f.kind, f"node {node}: {f.message}", node)
         return reply
+
+    async def _next_failed(self, f: pb.Failure) -> MeshnetError:
+        """The node could not hand its output to the next hop: that hop's failure, and
+        when the connection broke, whether that hop is alive or gone."""
+        message = f"node {self.node_id}: {f.message}"
+        if f.kind != StreamReset.kind:
+            return error_for_kind(f.kind, message, self.next_node_id)
+        if await answers(self.next_address, self.next_node_id):
+            return RelayBroken(message, self.next_node_id, self.node_id)
+        return WorkerDeath(message, self.next_node_id)
 
 
 async def open_link(
@@ -100,7 +127,14 @@ async def open_link(
 ) -> tuple[HopLink, pb.Opened]:
     """Open a hop's stream for one epoch; the node's ``Opened`` says what KV it holds."""
     call = stub.Forward(timeout=stream_timeout_s)
-    link = HopLink(hop, call, open_msg.epoch, samples=open_msg.HasField("sampling"))
+    link = HopLink(
+        hop,
+        call,
+        open_msg.epoch,
+        samples=open_msg.HasField("sampling"),
+        next_node_id=open_msg.next_node_id,
+        next_address=open_msg.next_address,
+    )
     try:
         reply = await link.exchange(pb.ForwardRequest(open=open_msg), open_timeout_s)
     except BaseException:

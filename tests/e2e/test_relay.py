@@ -1,0 +1,66 @@
+"""Activations flow node to node: in a 3-node route every hop after the first takes
+its input from the previous hop, not from the tracker, and the output is exactly
+the one the tracker-carried path (``--no-relay``) and a single process give."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import pytest
+from conftest import MeshFactory
+
+from meshnet.engine.generate import generate
+from meshnet.engine.local import LocalModel
+from meshnet.local_mesh import LocalMesh
+from meshnet.model.chat import ChatMessage
+from meshnet.model.sampling import SamplingParams
+
+pytestmark = pytest.mark.bundled
+
+BODY: dict[str, Any] = {
+    "model": "SmolLM2-135M-Instruct.Q4_1",
+    "messages": [{"role": "user", "content": "Name three colours."}],
+    "max_tokens": 16,
+    "temperature": 0.8,
+    "seed": 11,
+}
+
+
+def _relayed(mesh: LocalMesh, want: dict[str, int]) -> dict[str, int]:
+    """Each node's count of relayed steps, once heartbeats report ``want`` (or 10 s)."""
+    seen: dict[str, int] = {}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        nodes = httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]
+        seen = {n["node_id"]: n["load"]["relayed"] for n in nodes}
+        if seen == want:
+            break
+        time.sleep(0.2)
+    return seen
+
+
+def _solo(bundled: LocalModel) -> list[int]:
+    msgs = [ChatMessage(m["role"], m["content"]) for m in BODY["messages"]]
+    ids = bundled.tokenizer.encode(bundled.template.render(msgs))
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=11)
+    return generate(bundled.chain, bundled.tokenizer, ids, params).ids
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_hops_relay_to_each_other_with_the_same_output(
+    mesh_factory: MeshFactory, bundled: LocalModel, relay: bool
+) -> None:
+    mesh = mesh_factory("0:10,10:20,20:30", tracker_args=[] if relay else ["--no-relay"])
+    r = httpx.post(f"{mesh.url}/v1/chat/completions", json=BODY, timeout=120)
+    assert r.status_code == 200, r.text
+    ids = r.json()["meshnet"]["ids"]
+    assert ids == _solo(bundled)
+    steps = len(ids)  # the prefill, then one step per token after the first
+    want = (
+        {"node-0": 0, "node-1": steps, "node-2": steps}
+        if relay
+        else dict.fromkeys(("node-0", "node-1", "node-2"), 0)
+    )
+    assert _relayed(mesh, want) == want

@@ -1,0 +1,63 @@
+"""The relay mailbox: inputs sent by a previous hop wait for their step, bounded in
+count, bytes and time, and a step waits for its input only while it is wanted."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from meshnet.errors import Cancelled, DeadlineExceeded, Overloaded
+from meshnet.node.relay import Mailbox
+
+
+def x(rows: int = 1) -> np.ndarray:
+    return np.ones((rows, 4), dtype=np.float32)
+
+
+def test_an_input_that_came_first_is_taken_once() -> None:
+    box = Mailbox(max_entries=4, max_bytes=1 << 20)
+    box.put(("s", 1, 0), x(2))
+    assert box.take(("s", 1, 0), 1.0, lambda: True).shape == (2, 4)
+    with pytest.raises(DeadlineExceeded):
+        box.take(("s", 1, 0), 0.05, lambda: True)
+    assert box.delivered == 1
+
+
+def test_a_step_waits_for_its_input_and_not_for_another_epochs() -> None:
+    box = Mailbox(max_entries=4, max_bytes=1 << 20)
+    box.put(("s", 1, 3), x())  # the fenced epoch's input is not this step's
+    threading.Timer(0.05, lambda: box.put(("s", 2, 3), x(3))).start()
+    assert box.take(("s", 2, 3), 5.0, lambda: True).shape == (3, 4)
+
+
+def test_a_step_no_longer_wanted_stops_waiting() -> None:
+    box = Mailbox(max_entries=4, max_bytes=1 << 20)
+    t0 = time.monotonic()
+    with pytest.raises(Cancelled):
+        box.take(("s", 1, 0), None, lambda: time.monotonic() - t0 < 0.1)
+
+
+def test_the_mailbox_is_bounded_in_entries_and_bytes() -> None:
+    box = Mailbox(max_entries=2, max_bytes=1 << 20)
+    box.put(("a", 1, 0), x())
+    box.put(("b", 1, 0), x())
+    with pytest.raises(Overloaded):
+        box.put(("c", 1, 0), x())
+    box.put(("a", 1, 0), x())  # sent again: replaces, takes no more room
+    small = Mailbox(max_entries=8, max_bytes=100)
+    with pytest.raises(Overloaded):
+        small.put(("a", 1, 0), x(8))  # 128 bytes
+
+
+def test_inputs_nobody_takes_expire_and_a_released_session_drops_its_own() -> None:
+    box = Mailbox(max_entries=1, max_bytes=1 << 20, ttl_s=0.05)
+    box.put(("a", 1, 0), x())
+    time.sleep(0.1)
+    box.put(("b", 1, 0), x())  # the stale one made room
+    box.drop("b", 1)
+    box.put(("c", 1, 0), x())
+    with pytest.raises(DeadlineExceeded):
+        box.take(("b", 1, 0), 0.01, lambda: True)
