@@ -39,7 +39,7 @@ class NodeConfig:
     advertise_host: str | None  # host the tracker should dial, when not the listen host
     advertise_port: int | None = None  # port the tracker should dial, when not the bound one
     heartbeat_s: float = 1.0
-    control_workers: int = 16  # server threads kept for calls other than Forward streams
+    control_workers: int = 24  # server threads beside Forward streams: 8 relay streams, control
     threads: int = 1  # kernel threads (one pool per process)
     engine: EngineConfig = field(default_factory=EngineConfig)
 

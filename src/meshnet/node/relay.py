@@ -1,17 +1,22 @@
 """Node to node: a hop sends its output straight to the next hop of the route.
 
-The sender makes one ``Relay`` call per step on a channel kept per next-hop
-address. The receiver files the input in its ``Mailbox`` until the driver's
-step for it (marked ``relayed``) takes it; inputs can arrive before or after
-that step. The mailbox is bounded in entries and bytes, and inputs nobody
-took expire, so a peer cannot make a node hold memory it did not ask for.
+The sender keeps one long-lived ``RelayStream`` call per next-hop address (a
+unary call per step cost the node as much as the step's compute on the small
+model); every frame is answered in order. The receiver files the input in its
+``Mailbox`` until the driver's step for it (marked ``relayed``) takes it;
+inputs can arrive before or after that step. The mailbox is bounded in entries
+and bytes, and inputs nobody took expire, so a peer cannot make a node hold
+memory it did not ask for.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
@@ -23,6 +28,7 @@ from meshnet.errors import (
     MeshnetError,
     Overloaded,
     StreamReset,
+    error_for_kind,
 )
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
@@ -97,32 +103,80 @@ class Mailbox:
 
 
 class RelaySender:
-    """Sends outputs to next hops, one channel per address; thread-safe."""
+    """Sends outputs to next hops over one ``RelayStream`` per address; thread-safe."""
 
     def __init__(self) -> None:
-        self._channels: dict[str, grpc.Channel] = {}
+        self._streams: dict[str, _RelayStream] = {}
         self._lock = threading.Lock()
 
     def send(self, address: str, frame: pb.RelayFrame, timeout_s: float) -> None:
         """Deliver one step's output; a typed failure (of the next hop) when it cannot."""
-        try:
-            self._stub(address).Relay(frame, timeout=timeout_s)
-        except grpc.RpcError as e:
-            raise _relay_failure(e, address) from None
+        with self._lock:
+            stream = self._streams.get(address)
+            if stream is None or stream.broken is not None:  # a new stream after a failure
+                stream = self._streams[address] = _RelayStream(address)
+        stream.send(frame, timeout_s)
 
     def close(self) -> None:
         with self._lock:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
+            for stream in self._streams.values():
+                stream.close()
+            self._streams.clear()
 
-    def _stub(self, address: str) -> pb_grpc.NodeStub:
+
+class _RelayStream:
+    """One long-lived call to a next hop: frames go in order and are answered in order.
+
+    A reader thread matches each answer to the oldest frame still waiting (one
+    whose sender gave up waiting keeps its place), so order is never lost.
+    """
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.broken: MeshnetError | None = None
+        self._channel = grpc.insecure_channel(address, options=MESSAGE_OPTIONS)
+        self._frames: queue.Queue[pb.RelayFrame | None] = queue.Queue()
+        self._waiting: deque[Future[pb.RelayAck]] = deque()
+        self._lock = threading.Lock()
+        stub = pb_grpc.NodeStub(self._channel)
+        self._call = stub.RelayStream(iter(self._frames.get, None))
+        threading.Thread(target=self._read, name="relay-acks", daemon=True).start()
+
+    def send(self, frame: pb.RelayFrame, timeout_s: float) -> None:
+        answer: Future[pb.RelayAck] = Future()
         with self._lock:
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = grpc.insecure_channel(address, options=MESSAGE_OPTIONS)
-                self._channels[address] = channel
-            return pb_grpc.NodeStub(channel)
+            if self.broken is not None:
+                raise self.broken
+            self._waiting.append(answer)
+            self._frames.put(frame)
+        try:
+            ack = answer.result(timeout_s)
+        except TimeoutError:
+            raise DeadlineExceeded(f"{self.address} did not take a relayed input") from None
+        if ack.HasField("failure"):
+            raise error_for_kind(ack.failure.kind, f"{self.address}: {ack.failure.message}")
+
+    def close(self) -> None:
+        self._frames.put(None)
+        self._call.cancel()
+        self._channel.close()
+
+    def _read(self) -> None:
+        error: MeshnetError = StreamReset(f"the relay stream to {self.address} ended")
+        try:
+            for ack in self._call:
+                with self._lock:
+                    answer = self._waiting.popleft() if self._waiting else None
+                if answer is not None:
+                    answer.set_result(ack)
+        except grpc.RpcError as e:
+            error = _relay_failure(e, self.address)
+        with self._lock:
+            self.broken = error
+            waiting, self._waiting = self._waiting, deque()
+        for answer in waiting:
+            answer.set_exception(error)
+        self._frames.put(None)  # ends the request iterator if the call is still open
 
 
 def _relay_failure(e: grpc.RpcError, address: str) -> MeshnetError:

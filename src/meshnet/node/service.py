@@ -57,6 +57,7 @@ _TRANSFER_TIMEOUT_S = 60.0  # one KV import, whole stream
 _MAX_ADDRESS = 256
 _CONNECT_TIMEOUT_S = 5.0
 _RELAY_TIMEOUT_S = 10.0  # the next hop only files the input: more means it is stuck
+_MAX_RELAY_STREAMS = 8  # previous hops relaying to this node at once (a thread each)
 _RELAYS_PER_STREAM = 4  # relayed inputs waiting per stream the node holds
 _MAILBOX_BYTES = 256 << 20
 
@@ -80,6 +81,7 @@ class NodeService(pb_grpc.NodeServicer):
         limit = engine.config.max_streams * _RELAYS_PER_STREAM
         self.mailbox = Mailbox(limit, _MAILBOX_BYTES)  # inputs relayed by previous hops
         self.relay = RelaySender()  # outputs to next hops
+        self._relays = threading.BoundedSemaphore(_MAX_RELAY_STREAMS)  # from previous hops
 
     def stats(self) -> EngineStats:
         """What the node reports with its heartbeat."""
@@ -277,21 +279,31 @@ class NodeService(pb_grpc.NodeServicer):
         ms = (time.perf_counter() - t0) * 1000
         return pb.ForwardResponse(result=pb.StepResult(step=step.step, compute_ms=ms))
 
-    def Relay(self, request: pb.RelayFrame, context: grpc.ServicerContext) -> pb.RelayAck:
-        shard = self.engine.shard
-        if shard is None or shard.is_first:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node takes no relayed input")
-        if not request.session_id or len(request.session_id) > _MAX_SESSION_ID:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad session_id")
-        spec = shard.spec
+    def RelayStream(
+        self, request_iterator: Iterator[pb.RelayFrame], context: grpc.ServicerContext
+    ) -> Iterator[pb.RelayAck]:
+        if not self._relays.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many relay streams")
         try:
+            for frame in request_iterator:
+                yield self._file(frame)
+        finally:
+            self._relays.release()
+
+    def _file(self, frame: pb.RelayFrame) -> pb.RelayAck:
+        """File one relayed input in the mailbox, checked; the answer for its sender."""
+        shard = self.engine.shard
+        try:
+            if shard is None or shard.is_first:
+                raise ShardMismatch("this node takes no relayed input")
+            if not frame.session_id or len(frame.session_id) > _MAX_SESSION_ID:
+                raise MalformedBundle(f"session_id must have 1 to {_MAX_SESSION_ID} characters")
+            spec = shard.spec
             limits = codec.TensorLimits("f32", 2, spec.context_length, spec.d_model)
-            x = codec.decode(request.input, limits)
-            self.mailbox.put((request.session_id, request.epoch, request.step), x)
-        except Overloaded as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message)
+            x = codec.decode(frame.input, limits)
+            self.mailbox.put((frame.session_id, frame.epoch, frame.step), x)
         except MeshnetError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
+            return pb.RelayAck(failure=_fail(e))
         return pb.RelayAck()
 
     def Outputs(

@@ -157,8 +157,10 @@ class RelayFrame(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RelayAck(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("failure",)
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    failure: Failure
+    def __init__(self, failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
 
 class OutputsRequest(_message.Message):
     __slots__ = ("session_id", "first_step", "end_step")

@@ -84,8 +84,8 @@ class NodeStub:
                 request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.ParkRequest.SerializeToString,
                 response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.ParkResponse.FromString,
                 _registered_method=True)
-        self.Relay = channel.unary_unary(
-                '/meshnet.v1.Node/Relay',
+        self.RelayStream = channel.stream_stream(
+                '/meshnet.v1.Node/RelayStream',
                 request_serializer=meshnet_dot_protocol_dot_meshnet__pb2.RelayFrame.SerializeToString,
                 response_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.RelayAck.FromString,
                 _registered_method=True)
@@ -161,8 +161,9 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Relay(self, request, context):
-        """Node to node: the previous hop's output for one step of a session.
+    def RelayStream(self, request_iterator, context):
+        """Node to node: the previous hop's outputs, one frame per step of a session, each
+        acknowledged in order. One long-lived stream per pair of nodes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -228,8 +229,8 @@ def add_NodeServicer_to_server(servicer, server):
                     request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.ParkRequest.FromString,
                     response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.ParkResponse.SerializeToString,
             ),
-            'Relay': grpc.unary_unary_rpc_method_handler(
-                    servicer.Relay,
+            'RelayStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.RelayStream,
                     request_deserializer=meshnet_dot_protocol_dot_meshnet__pb2.RelayFrame.FromString,
                     response_serializer=meshnet_dot_protocol_dot_meshnet__pb2.RelayAck.SerializeToString,
             ),
@@ -520,7 +521,7 @@ class Node:
             _registered_method=True)
 
     @staticmethod
-    def Relay(request,
+    def RelayStream(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -530,10 +531,10 @@ class Node:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/meshnet.v1.Node/Relay',
+            '/meshnet.v1.Node/RelayStream',
             meshnet_dot_protocol_dot_meshnet__pb2.RelayFrame.SerializeToString,
             meshnet_dot_protocol_dot_meshnet__pb2.RelayAck.FromString,
             options,
