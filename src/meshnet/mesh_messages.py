@@ -12,7 +12,8 @@ MAX_ID = 128
 
 
 class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Infinity or NaN in a node's report would be stored and break every later read.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class NodeLoad(Frozen):

@@ -222,3 +222,21 @@ def test_full_kv_budget_is_429_and_the_mesh_keeps_serving(
         assert r.status_code == 429, r.text
         assert r.json()["error"]["code"] == "kv-budget-exhausted"
     assert _chat(mesh).status_code == 200
+
+
+def test_a_heartbeat_with_non_finite_numbers_is_400_and_poisons_nothing(
+    tiny_mesh: LocalMesh,
+) -> None:
+    load = {"sessions": 0, "kv_bytes": 0, "queue_depth": 0, "steps": 0}
+    beat = '{"load": {%s, "tokens_per_s": %s}, "fingerprint": "", "layer_start": 0, "layer_end": 0}'
+    fields = ", ".join(f'"{k}": {v}' for k, v in load.items())
+    for bad in ("Infinity", "NaN", "-Infinity"):
+        r = httpx.post(
+            f"{tiny_mesh.url}/mesh/nodes/node-0/heartbeat",
+            content=beat % (fields, bad),
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 400, r.text
+    assert httpx.get(f"{tiny_mesh.url}/admin/nodes").status_code == 200
+    assert httpx.get(f"{tiny_mesh.url}/healthz").status_code == 200
+    assert _chat(tiny_mesh).status_code == 200

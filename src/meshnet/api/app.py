@@ -21,7 +21,7 @@ def create_app(tracker: Tracker, services: SessionServices) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loops = [
-            asyncio.create_task(_sweep_forever(tracker)),
+            asyncio.create_task(sweep_forever(tracker)),
             asyncio.create_task(services.outbox.run_forever()),
             asyncio.create_task(services.sessions.run_policy_forever()),
         ]
@@ -45,9 +45,13 @@ def create_app(tracker: Tracker, services: SessionServices) -> FastAPI:
     return app
 
 
-async def _sweep_forever(tracker: Tracker) -> None:
-    """Mark down nodes that stopped heartbeating, every ``sweep_interval_s``."""
+async def sweep_forever(tracker: Tracker) -> None:
+    """Mark down nodes that stopped heartbeating, every ``sweep_interval_s``; a failed
+    pass (a database error, a bug) is logged and the next one runs as usual."""
     while True:
-        for node_id in await tracker.sweep():
-            log.warning("node %s missed its heartbeats: marked down", node_id)
+        try:
+            for node_id in await tracker.sweep():
+                log.warning("node %s missed its heartbeats: marked down", node_id)
+        except Exception:
+            log.exception("a heartbeat sweep failed; sweeping on")
         await asyncio.sleep(tracker.config.sweep_interval_s)
