@@ -1,0 +1,200 @@
+"""Decode through a mesh whose every link has added delay, against the bound it allows.
+
+In the relay design one token's critical path crosses ``hops + 1`` links: the
+tracker sends the token to the first node (1), each node sends its output to
+the next (``hops - 1``), the last node samples and sends the token to the
+tracker (1). The step requests the tracker sends the other hops at the same
+time, and each hop's acknowledgement, travel beside that path, not on it. So
+with ``d`` per one-way link and ``compute`` the per-token time of the same
+mesh with no delay, a token takes at least ``compute + (hops + 1) * d``: the
+bound is ``1 / (compute + (hops + 1) * d)`` tokens per second. With
+``--no-relay`` the tracker carries every hop's input and output, ``2 * hops``
+links a token.
+
+The delay is ``tc netem`` on veth links between network namespaces (each node
+in its own, see ``netem_links``) where the kernel has it; otherwise a user
+space forwarder in front of each node's gRPC port (``delay_proxy``), which
+delays every data-plane connection, tracker to node and node to node, each
+direction (the nodes' heartbeats to the tracker go around it). Compute is
+measured through the very same links with the delay set to 0, alternating
+with the delayed runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+from meshnet.benchmark.comparison import best
+from meshnet.benchmark.delay_proxy import DelayProxy
+from meshnet.benchmark.netem_links import NetemLinks, unavailable
+from meshnet.benchmark.running_mesh import mesh_for, served_model
+from meshnet.benchmark.serving import PROMPTS
+from meshnet.benchmark.streams import completion_body, decode_tok_s, run_streams
+from meshnet.errors import MeshnetError
+from meshnet.layer_range import LayerRange
+from meshnet.local_mesh import LocalMesh, free_port
+
+Transport = Literal["auto", "netem", "proxy"]
+
+
+def links_per_token(hops: int, relay: bool) -> int:
+    """One-way links on a token's critical path (see the module's docstring)."""
+    return hops + 1 if relay else 2 * hops
+
+
+def bound_tok_s(compute_ms: float, links: int, delay_ms: float) -> float:
+    """The most tokens per second a route can decode: compute plus each link's delay."""
+    return 1000.0 / (compute_ms + links * delay_ms)
+
+
+class Links(Protocol):
+    """The delayed links every mesh process talks over."""
+
+    name: str
+    tracker_host: str
+
+    def node_place(self, mesh: int, i: int) -> tuple[str, list[str], list[str]]:
+        """Node ``i`` of mesh ``mesh``: its --listen, command prefix, extra flags."""
+        ...
+
+    def set_delay(self, delay_ms: float) -> None: ...
+
+    def held_ms(self) -> float | None:
+        """The mean delay links really added since the last call, where known."""
+        ...
+
+
+@dataclass
+class _NetemPlaces:
+    links: NetemLinks
+    name: str = "tc netem, each node in its own network namespace"
+
+    @property
+    def tracker_host(self) -> str:
+        return self.links.host_ip
+
+    def node_place(self, mesh: int, i: int) -> tuple[str, list[str], list[str]]:
+        return f"{self.links.node_ip(i)}:0", self.links.prefix(i), []
+
+    def set_delay(self, delay_ms: float) -> None:
+        self.links.set_delay(delay_ms)
+
+    def held_ms(self) -> float | None:
+        return None  # netem holds each packet for the asked time
+
+
+@dataclass
+class _ProxyPlaces:
+    ports: dict[tuple[int, int], tuple[int, int]]  # (mesh, node) -> (listen, advertised)
+    proxy: DelayProxy
+    name: str = "user-space delay proxy before each node (no sch_netem in this kernel)"
+    tracker_host: str = "127.0.0.1"
+
+    def node_place(self, mesh: int, i: int) -> tuple[str, list[str], list[str]]:
+        listen, advertised = self.ports[(mesh, i)]
+        return f"127.0.0.1:{listen}", [], ["--advertise-port", str(advertised)]
+
+    def set_delay(self, delay_ms: float) -> None:
+        self.proxy.set_delay(delay_ms)
+
+    def held_ms(self) -> float | None:
+        return self.proxy.held_ms()
+
+
+@contextlib.contextmanager
+def delayed_links(transport: Transport, meshes: int, hops: int) -> Iterator[Links]:
+    """Links for ``meshes`` meshes of ``hops`` nodes; removed however the block ends.
+    ``auto`` takes netem where it works, else the proxy."""
+    why = unavailable() if transport != "proxy" else "the proxy was asked for"
+    if why is None:
+        links = NetemLinks(hops)
+        links.open()
+        try:
+            yield _NetemPlaces(links)
+        finally:
+            links.close()
+        return
+    if transport == "netem":
+        raise MeshnetError(f"cannot delay links with netem here: {why}")
+    ports = {(m, i): (free_port(), free_port()) for m in range(meshes) for i in range(hops)}
+    proxy = DelayProxy([(adv, listen) for listen, adv in ports.values()])
+    try:
+        yield _ProxyPlaces(ports, proxy, name=f"user-space delay proxy ({why})")
+    finally:
+        proxy.close()
+
+
+@dataclass
+class DelayedRoute:
+    """One mesh's rounds: tok/s with no delay and with the delay."""
+
+    relay: bool
+    url: str = ""
+    model: str = ""
+    plain: list[float] = field(default_factory=list)
+    delayed: list[float] = field(default_factory=list)
+    short: list[int] = field(default_factory=list)  # token counts of streams ended early
+
+    def decode(self, tokens: int) -> float:
+        body = completion_body(self.model, PROMPTS[0], tokens)
+        record = run_streams(self.url, [body])[0]
+        if record.tokens != tokens:
+            self.short.append(record.tokens)
+        return decode_tok_s(record)
+
+    def compute_ms(self) -> float:
+        return 1000.0 / best(self.plain)
+
+
+@contextlib.contextmanager
+def started_meshes(
+    links: Links,
+    data_dir: Path,
+    model: Path,
+    layout: list[LayerRange],
+    threads: int,
+    timeout_s: float = 180.0,
+) -> Iterator[list[DelayedRoute]]:
+    """Two meshes over ``links`` (the relay, then ``--no-relay``); stopped at the end."""
+    started: list[LocalMesh] = []
+    try:
+        routes = []
+        for m, relay in enumerate((True, False)):
+            mesh = mesh_for(data_dir / f"mesh{m}", model, threads, relay, host=links.tracker_host)
+            started.append(mesh)
+            mesh.start_tracker()
+            for i, layers in enumerate(layout):
+                listen, prefix, extra = links.node_place(m, i)
+                mesh.start_node(f"node-{i}", layers, listen=listen, prefix=prefix, extra=extra)
+            mesh.wait_ready(expected_nodes=len(layout), timeout_s=timeout_s)
+            routes.append(DelayedRoute(relay, mesh.url, served_model(mesh.url)))
+        yield routes
+    finally:
+        for mesh in started:
+            mesh.stop()
+
+
+def measure(
+    routes: list[DelayedRoute], links: Links, delay_ms: float, tokens: int, rounds: int
+) -> list[float]:
+    """Alternate no-delay and delayed runs of each route; the delays the links held."""
+    for route in routes:  # warm every hop and connection, then each delay's first run
+        for d in (0.0, delay_ms):
+            links.set_delay(d)
+            route.decode(tokens)
+    links.held_ms()
+    held: list[float] = []
+    for r in range(rounds):
+        for route in routes if r % 2 == 0 else routes[::-1]:
+            for d in (0.0, delay_ms) if r % 2 == 0 else (delay_ms, 0.0):
+                links.set_delay(d)
+                (route.delayed if d else route.plain).append(route.decode(tokens))
+                h = links.held_ms()
+                if d and h is not None:
+                    held.append(h)
+    links.set_delay(0.0)
+    return held

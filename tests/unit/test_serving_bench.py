@@ -1,0 +1,141 @@
+"""The serving benchmarks' pure parts: rates from streamed arrivals, the delay bound,
+the comparison rows, llama-server's command line; and the delay proxy on loopback."""
+
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from meshnet.benchmark.comparison import Comparison, best
+from meshnet.benchmark.delay_proxy import DelayProxy, parse_pairs
+from meshnet.benchmark.llama_server import server_argv
+from meshnet.benchmark.mesh_delay import bound_tok_s, links_per_token
+from meshnet.benchmark.streams import (
+    StreamRecord,
+    _is_token,
+    decode_tok_s,
+    end_to_end_tok_s,
+    steady_tok_s,
+)
+from meshnet.errors import MeshnetError
+from meshnet.local_mesh import free_port
+
+
+def _record(sent: float, arrivals: list[float], tokens: int | None = None) -> StreamRecord:
+    return StreamRecord(sent, tuple(arrivals), tokens or len(arrivals), "length")
+
+
+def test_decode_rate_counts_the_tokens_after_the_first() -> None:
+    # the first token at t=1 carries the prefill; 4 more in the next 2 s
+    assert decode_tok_s(_record(0.0, [1.0, 1.5, 2.0, 2.5, 3.0])) == pytest.approx(2.0)
+
+
+def test_decode_rate_takes_the_servers_token_count_over_the_chunks() -> None:
+    # two chunks, but the server says they held 5 tokens
+    assert decode_tok_s(_record(0.0, [1.0, 3.0], tokens=5)) == pytest.approx(2.0)
+
+
+def test_one_token_has_no_decode() -> None:
+    with pytest.raises(MeshnetError):
+        decode_tok_s(_record(0.0, [1.0]))
+
+
+def test_steady_rate_counts_every_stream_while_all_decode() -> None:
+    a = _record(0.0, [1.0, 2.0, 3.0, 4.0, 5.0])
+    b = _record(0.0, [2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 9.0])  # starts late, ends late
+    # window (2, 5]: a has 3, 4, 5; b has 2.5, 3, 3.5, 4, 4.5
+    assert steady_tok_s([a, b]) == pytest.approx(8 / 3)
+
+
+def test_streams_that_never_overlap_have_no_steady_window() -> None:
+    with pytest.raises(MeshnetError):
+        steady_tok_s([_record(0.0, [1.0, 2.0]), _record(0.0, [3.0, 4.0])])
+
+
+def test_end_to_end_rate_includes_the_wait_for_the_first_token() -> None:
+    records = [_record(0.0, [1.0, 2.0]), _record(1.0, [3.0, 4.0])]
+    assert end_to_end_tok_s(records) == pytest.approx(4 / 4.0)
+
+
+def test_token_chunks_are_told_from_opening_and_closing_ones() -> None:
+    opening = {"meshnet": {"route": []}}
+    assert not _is_token(opening, {"text": "", "finish_reason": None})
+    assert _is_token({"meshnet": {"ids": [5]}}, {"text": "", "finish_reason": None})
+    assert _is_token({}, {"text": " the", "finish_reason": None})
+    assert not _is_token({}, {"text": "", "finish_reason": "length"})
+
+
+def test_a_relay_token_crosses_one_link_per_hop_and_the_trackers_two() -> None:
+    assert links_per_token(3, relay=True) == 4
+    assert links_per_token(1, relay=True) == 2
+    assert links_per_token(3, relay=False) == 6
+
+
+def test_the_bound_adds_each_links_delay_to_compute() -> None:
+    assert bound_tok_s(20.0, 4, 10.0) == pytest.approx(1000 / 60)
+    assert bound_tok_s(20.0, 4, 0.0) == pytest.approx(50.0)
+
+
+def test_a_latency_goal_is_a_ceiling_a_rate_goal_a_floor() -> None:
+    latency = Comparison("ms", 23.0, 20.0, "one node", 1.15, "lower")
+    assert latency.ratio == pytest.approx(1.15) and latency.meets_goal
+    assert not Comparison("ms", 24.0, 20.0, "one node", 1.15, "lower").meets_goal
+    rate = Comparison("tok/s", 30.0, 20.0, "peer", 2.0)
+    assert rate.ratio == pytest.approx(1.5) and rate.meets_goal is False
+    alone = Comparison("tok/s", 30.0, None, "peer", 2.0)
+    assert alone.ratio is None and alone.meets_goal is None
+    assert "NOT met" in rate.line() and "met" in latency.line()
+
+
+def test_the_best_round_is_the_fastest() -> None:
+    assert best([3.0, 5.0, 4.0]) == 5.0
+    assert best([3.0, 5.0, 4.0], "lower") == 3.0
+    with pytest.raises(ValueError):
+        best([])
+
+
+def test_llama_server_gets_a_context_for_every_slot() -> None:
+    argv = server_argv(Path("/b"), Path("/m.gguf"), 8080, threads=2, slots=8, slot_ctx=256)
+    assert argv[0] == "/b/llama-server"
+    flags = dict(zip(argv[1::2], argv[2::2], strict=True))
+    assert flags == {
+        "-m": "/m.gguf",
+        "--host": "127.0.0.1",
+        "--port": "8080",
+        "-t": "2",
+        "-np": "8",
+        "-c": "2048",
+    }
+
+
+def test_proxy_pairs_parse() -> None:
+    assert parse_pairs(["9001=8001", "9002=8002"]) == [(9001, 8001), (9002, 8002)]
+
+
+def test_the_delay_proxy_forwards_every_byte_and_holds_them() -> None:
+    target = free_port()
+    server = socket.create_server(("127.0.0.1", target))
+
+    def echo() -> None:
+        conn, _ = server.accept()
+        with conn:
+            while data := conn.recv(1 << 16):
+                conn.sendall(data)
+
+    threading.Thread(target=echo, daemon=True).start()
+    listen = free_port()
+    proxy = DelayProxy([(listen, target)])
+    try:
+        proxy.set_delay(20.0)
+        payload = bytes(range(256)) * 400
+        with socket.create_connection(("127.0.0.1", listen)) as s:
+            s.sendall(payload)
+            got = b""
+            while len(got) < len(payload):
+                got += s.recv(1 << 16)
+        assert got == payload
+        assert proxy.held_ms() >= 20.0  # never sooner than asked
+    finally:
+        proxy.close()
+        server.close()
