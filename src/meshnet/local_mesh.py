@@ -3,7 +3,10 @@
 Used by ``meshnet up`` and by the end-to-end tests. Every process it starts is
 its child, logs to ``DATA_DIR/logs``, runs with one BLAS thread, and is asked
 to die with its parent (Linux ``PR_SET_PDEATHSIG``), so nothing outlives
-``stop()`` or a killed launcher.
+``stop()`` or a killed launcher. Each node gets a number of kernel threads
+(its ``--threads``, and ``NUMBA_NUM_THREADS`` as the cap of its pool): one by
+default, since the tests run several processes on a few cores; ``meshnet up``
+gives each node its share of the cores (``split_threads``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,18 @@ def even_layout(n_layers: int, nodes: int) -> list[LayerRange | None]:
     return list(split_evenly(n_layers, nodes))
 
 
+def split_threads(cores: int, nodes: int) -> list[int]:
+    """``cores`` kernel threads shared among ``nodes`` nodes, at least one each.
+
+    The first ``cores % nodes`` nodes take one more than the rest; with fewer
+    cores than nodes every node still gets one (they share the cores).
+    """
+    if nodes < 1:
+        return []
+    share, extra = divmod(max(cores, 1), nodes)
+    return [max(1, share + (i < extra)) for i in range(nodes)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,6 +72,7 @@ class LocalMesh:
     model: str | None = None
     heartbeat_s: float = 0.5
     heartbeat_timeout_s: float = 2.0
+    node_threads: int = 1  # kernel threads per node, unless start() is given a split
     extra_env: dict[str, str] = field(default_factory=dict)
     tracker_args: list[str] = field(default_factory=list)  # extra `meshnet tracker` flags
     node_args: list[str] = field(default_factory=list)  # extra `meshnet node` flags
@@ -77,12 +93,16 @@ class LocalMesh:
         layout: Sequence[LayerRange | None],
         timeout_s: float = 180.0,
         need_route: bool | None = None,
+        threads: Sequence[int] | None = None,
     ) -> None:
         """Start the tracker and one node per layout entry; wait for them (and, unless
-        ``need_route`` is False or every node is empty, for a complete route)."""
+        ``need_route`` is False or every node is empty, for a complete route).
+        ``threads`` gives each node its kernel threads (default: ``node_threads``)."""
+        if threads is not None and len(threads) != len(layout):
+            raise MeshnetError(f"{len(threads)} thread counts for {len(layout)} nodes")
         self.start_tracker()
         for i, layers in enumerate(layout):
-            self.start_node(f"node-{i}", layers)
+            self.start_node(f"node-{i}", layers, threads=threads[i] if threads else None)
         if need_route is None:
             need_route = any(r is not None for r in layout)
         self.wait_ready(expected_nodes=len(layout), timeout_s=timeout_s, need_route=need_route)
@@ -100,14 +120,18 @@ class LocalMesh:
         listen: str = "127.0.0.1:0",
         prefix: Sequence[str] = (),
         extra: Sequence[str] = (),
+        threads: int | None = None,
     ) -> subprocess.Popen[bytes]:
         """Start a node; ``prefix`` wraps the command (e.g. ``ip netns exec NS``),
-        ``extra`` adds flags for this node only."""
+        ``extra`` adds flags for this node only, ``threads`` its kernel threads
+        (default: ``node_threads``). Flags in ``node_args`` and ``extra`` come
+        last, so they override the mesh's own."""
+        threads = threads or self.node_threads
         args = ["node", "--tracker", self.url, "--node-id", node_id, "--listen", listen]
-        args += ["--heartbeat", str(self.heartbeat_s)]
+        args += ["--heartbeat", str(self.heartbeat_s), "--threads", str(threads)]
         args += ["--empty"] if layers is None else ["--layers", f"{layers.start}:{layers.end}"]
         args += [*self.node_args, *extra]
-        proc = self._spawn(node_id, args, prefix)
+        proc = self._spawn(node_id, args, prefix, threads)
         self.nodes[node_id] = proc
         self.killed.discard(node_id)
         return proc
@@ -163,13 +187,13 @@ class LocalMesh:
                 p.wait(timeout=5)
 
     def _spawn(
-        self, name: str, args: list[str], prefix: Sequence[str] = ()
+        self, name: str, args: list[str], prefix: Sequence[str] = (), kernel_threads: int = 1
     ) -> subprocess.Popen[bytes]:
-        # One kernel thread per process, and idle threads that sleep rather than spin:
-        # several processes share the machine's cores.
+        # One BLAS thread, the kernels' pool capped at the process's share, and idle
+        # threads that sleep rather than spin: several processes share the cores.
         threads = {
             "OPENBLAS_NUM_THREADS": "1",
-            "NUMBA_NUM_THREADS": "1",
+            "NUMBA_NUM_THREADS": str(kernel_threads),
             "OMP_WAIT_POLICY": "PASSIVE",
         }
         env = {**os.environ, **threads, "PYTHONUNBUFFERED": "1", **self.extra_env}

@@ -1,4 +1,5 @@
-"""``meshnet up`` starts a whole mesh and leaves no process behind after SIGTERM."""
+"""``meshnet up`` starts a whole mesh, passes the node and tracker options it was given
+to its children, and leaves no process behind after SIGTERM."""
 
 from __future__ import annotations
 
@@ -33,6 +34,20 @@ def _children(pid: int) -> set[int]:
     return found
 
 
+def _argv(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def _environ(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+    return dict(p.split("=", 1) for p in pairs if "=" in p)
+
+
+def _after(argv: list[str], flag: str) -> str:
+    """The value of the last ``flag`` in ``argv``: the one argparse keeps."""
+    return argv[len(argv) - argv[::-1].index(flag)]
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -57,6 +72,12 @@ def test_up_serves_then_stops_every_process_on_sigterm(tiny_path: Path, tmp_path
             str(tiny_path),
             "--data-dir",
             str(tmp_path),
+            "--threads",
+            "1",
+            "--max-queued-steps",
+            "100",
+            "--max-in-flight",
+            "16",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -73,6 +94,15 @@ def test_up_serves_then_stops_every_process_on_sigterm(tiny_path: Path, tmp_path
         assert f"http://127.0.0.1:{port}/v1" in line
         children = _children(up.pid)
         assert len(children) == 3  # tracker + 2 nodes
+        argvs = {pid: _argv(pid) for pid in children}
+        nodes = [pid for pid, argv in argvs.items() if "node" in argv]
+        (tracker,) = [pid for pid, argv in argvs.items() if "tracker" in argv]
+        assert len(nodes) == 2
+        for pid in nodes:
+            assert _after(argvs[pid], "--max-queued-steps") == "100"
+            assert _after(argvs[pid], "--threads") == "1"
+            assert _environ(pid)["NUMBA_NUM_THREADS"] == "1"
+        assert _after(argvs[tracker], "--max-in-flight") == "16"
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             timeout=60,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from meshnet.cli.options import add_options, declare_node_options
 from meshnet.layer_range import LayerRange
-from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 from meshnet.node.engine import EngineConfig
 from meshnet.node.main import NodeConfig, new_node_id, serve
 
@@ -23,14 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     group.add_argument("--layers", type=LayerRange.parse, help="START:END, half-open")
     group.add_argument("--empty", action="store_true", help="load nothing; wait for Configure")
     p.add_argument("--node-id", default=None, help="name on the mesh (default: random)")
-    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
-    p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS)
-    p.add_argument("--threads", type=int, default=1, help="kernel threads in this process")
-    p.add_argument("--kv-budget-mb", type=float, default=0.0, help="KV budget; 0 = unlimited")
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="rows per forward")
-    p.add_argument("--prefill-chunk", type=int, default=128, help="prompt rows per forward")
-    p.add_argument("--max-queued-steps", type=int, default=256)
     p.add_argument("--park-dir", help="where parked KV is kept (default: a temp directory)")
+    add_options(p, declare_node_options, "node options (also taken by `meshnet up`)")
     p.set_defaults(run=run)
 
 

@@ -1,4 +1,10 @@
-"""``meshnet up``: a whole local mesh (tracker + nodes) in one command."""
+"""``meshnet up``: a whole local mesh (tracker + nodes) in one command.
+
+It takes the node options of ``meshnet node`` and the tracker options of
+``meshnet tracker`` (declared once, in ``cli.options``) and passes the ones
+given on to every node and to the tracker. Each node's kernel threads are
+``--threads`` when given, else its share of the cores available to ``up``.
+"""
 
 from __future__ import annotations
 
@@ -9,35 +15,78 @@ import tempfile
 import threading
 from pathlib import Path
 
+from meshnet.cli.options import (
+    add_options,
+    declare_node_options,
+    declare_tracker_options,
+    given_argv,
+    positive_int,
+)
 from meshnet.client import stream_chat
-from meshnet.local_mesh import LocalMesh, even_layout, parse_layout
+from meshnet.local_mesh import LocalMesh, even_layout, parse_layout, split_threads
 from meshnet.model.info import load_model_info
+from meshnet.node.main import available_cores
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("up", help="start a tracker and nodes on this machine")
     shape = p.add_mutually_exclusive_group()
-    shape.add_argument("--nodes", type=int, default=3, help="nodes, layers split evenly")
+    shape.add_argument("--nodes", type=positive_int, default=3, help="nodes, layers split evenly")
     shape.add_argument("--layout", help='e.g. "0:10,10:20,20:30" ("empty" for an empty node)')
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--data-dir", type=Path, help="default: a new temporary directory")
     p.add_argument("--model", help="GGUF file (default: the bundled model)")
     p.add_argument("--once", metavar="MESSAGE", help="send one chat, print it, and stop")
+    add_options(
+        p,
+        declare_node_options,
+        "node options",
+        "passed to every node; the mesh's own heartbeat is 0.5 s",
+        given_only=True,
+    )
+    add_options(
+        p,
+        declare_tracker_options,
+        "tracker options",
+        "passed to the tracker; the mesh's own heartbeat timeout is 2 s",
+        given_only=True,
+    )
     p.set_defaults(run=run)
+
+
+def node_threads(args: argparse.Namespace, nodes: int) -> list[int]:
+    """Each node's kernel threads: ``--threads`` for all when given, else the cores
+    available to this process split among the nodes (at least one each)."""
+    given = getattr(args, "threads", None)
+    return [given] * nodes if given else split_threads(available_cores(), nodes)
+
+
+def local_mesh(args: argparse.Namespace, data_dir: Path) -> LocalMesh:
+    """The mesh ``args`` describe, with the node and tracker options it was given."""
+    return LocalMesh(
+        data_dir=data_dir,
+        port=args.port,
+        model=args.model,
+        node_args=given_argv(declare_node_options, args, skip={"threads"}),
+        tracker_args=given_argv(declare_tracker_options, args),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     spec = load_model_info(args.model).spec
     layout = parse_layout(args.layout) if args.layout else even_layout(spec.n_layers, args.nodes)
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="meshnet-"))
-    mesh = LocalMesh(data_dir=data_dir, port=args.port, model=args.model)
+    mesh = local_mesh(args, data_dir)
+    threads = node_threads(args, len(layout))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_on_signal)
     try:
         print(
-            f"starting tracker and {len(layout)} nodes (logs in {data_dir}/logs)", file=sys.stderr
+            f"starting tracker and {len(layout)} nodes, kernel threads {threads} "
+            f"(logs in {data_dir}/logs)",
+            file=sys.stderr,
         )
-        mesh.start(layout)
+        mesh.start(layout, threads=threads)
         print(f"meshnet API at {mesh.url}/v1", flush=True)
         if args.once is not None:
             print(f"> {args.once}")

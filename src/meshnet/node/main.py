@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import secrets
 import signal
 import threading
@@ -12,6 +13,7 @@ from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
+import numba
 
 from meshnet.backends.fast import set_threads
 from meshnet.errors import MeshnetError
@@ -40,7 +42,9 @@ class NodeConfig:
     advertise_port: int | None = None  # port the tracker should dial, when not the bound one
     heartbeat_s: float = 1.0
     control_workers: int = 24  # server threads beside Forward streams: 8 relay streams, control
-    threads: int = 1  # kernel threads (one pool per process)
+    # Kernel threads (one pool per process); None: every core this process may run
+    # on (``available_cores``). ``meshnet up`` gives each of its nodes a share.
+    threads: int | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -66,6 +70,29 @@ def _reuse_large_buffers() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, 2 << 30)
 
 
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity mask, which a container's
+    cpuset or ``taskset`` narrows (``os.cpu_count`` would count the whole machine)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _start_threads(requested: int | None) -> int:
+    """Size the kernels' pool; returns the threads it got.
+
+    ``NUMBA_NUM_THREADS`` caps the pool (``LocalMesh`` sets it to each node's
+    share); asking for more than the cap gets the cap, said once in the log.
+    """
+    wanted = requested or available_cores()
+    set_threads(wanted)
+    got = int(numba.get_num_threads())
+    if got < wanted:
+        log.warning("%d kernel threads asked, %d allowed by NUMBA_NUM_THREADS", wanted, got)
+    return got
+
+
 def new_node_id() -> str:
     return f"node-{secrets.token_hex(4)}"
 
@@ -73,7 +100,7 @@ def new_node_id() -> str:
 def serve(cfg: NodeConfig) -> int:
     """Run the node until SIGTERM or SIGINT; returns the exit status."""
     _reuse_large_buffers()
-    set_threads(cfg.threads)
+    threads = _start_threads(cfg.threads)
     engine = NodeEngine(cfg.engine)
     engine.start()
     model_path = cfg.model_path or str(bundled_model_path())
@@ -95,7 +122,7 @@ def serve(cfg: NodeConfig) -> int:
         raise MeshnetError(f"cannot listen on {cfg.listen}")
     server.start()
     address = f"{host}:{cfg.advertise_port or port}"
-    log.info("node %s serving on %s", cfg.node_id, address)
+    log.info("node %s serving on %s with %d kernel threads", cfg.node_id, address, threads)
     print(f"meshnet node {cfg.node_id} listening on {address}", flush=True)
     announcer = Announcer(
         cfg.tracker_url,

@@ -1,0 +1,135 @@
+"""Flags declared once and shared between commands.
+
+``meshnet node`` and ``meshnet up`` take the same node options, ``meshnet
+tracker`` and ``meshnet up`` the same tracker options. Each set is one
+``declare_*`` function that adds its flags to a parser (or argument group) and
+returns their actions. ``meshnet up`` adds them with ``given_only=True``: a flag
+left out is then absent from the parsed namespace, so ``given_argv`` writes back
+exactly the flags the user gave, and every child process keeps its own defaults
+for the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Collection
+
+from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
+
+# Anything argparse can add arguments to: a parser or one of its groups.
+ArgumentTarget = argparse.ArgumentParser | argparse._ArgumentGroup
+Declare = Callable[[ArgumentTarget], list[argparse.Action]]
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
+    """How a node runs, whatever layers it serves: backend, threads, limits, heartbeat."""
+    return [
+        p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS),
+        p.add_argument(
+            "--threads",
+            type=positive_int,
+            default=None,
+            help="kernel threads in this process (default: every core available to it, "
+            "os.sched_getaffinity; `meshnet up` splits them among its nodes)",
+        ),
+        p.add_argument("--kv-budget-mb", type=float, default=0.0, help="KV budget; 0 = unlimited"),
+        p.add_argument("--max-batch-tokens", type=int, default=512, help="rows per forward"),
+        p.add_argument("--prefill-chunk", type=int, default=128, help="prompt rows per forward"),
+        p.add_argument("--max-queued-steps", type=int, default=256),
+        p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats"),
+    ]
+
+
+def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
+    """How the tracker routes, times out, recovers and parks; not where it listens."""
+    return [
+        p.add_argument(
+            "--database",
+            help="postgresql://... to share state with other trackers "
+            "(default: DATA_DIR/tracker.db)",
+        ),
+        p.add_argument(
+            "--heartbeat-timeout",
+            type=float,
+            default=3.0,
+            help="seconds of silence before a node is marked down",
+        ),
+        p.add_argument("--step-timeout", type=float, default=30.0, help="seconds per shard step"),
+        p.add_argument(
+            "--generation-timeout",
+            type=float,
+            default=600.0,
+            help="seconds one generation may run",
+        ),
+        p.add_argument("--max-recoveries", type=int, default=8, help="failovers per generation"),
+        p.add_argument(
+            "--no-relay",
+            dest="relay",
+            action="store_false",
+            help="carry every hop's activations through the tracker instead of node to node",
+        ),
+        p.add_argument("--max-in-flight", type=int, default=64, help="generations at once"),
+        p.add_argument("--park-after", type=float, default=300.0, help="idle seconds; 0: never"),
+        p.add_argument(
+            "--evict-after", type=float, default=1800.0, help="parked seconds; 0: never"
+        ),
+        p.add_argument(
+            "--kv-pressure", type=float, default=0.9, help="share of a node's KV budget that parks"
+        ),
+        p.add_argument("--policy-interval", type=float, default=5.0, help="seconds between passes"),
+        p.add_argument(
+            "--turn-lease", type=float, default=15.0, help="seconds a claimed turn is held"
+        ),
+        p.add_argument(
+            "--turn-attempts", type=int, default=6, help="deliveries before a turn fails"
+        ),
+    ]
+
+
+def add_options(
+    parser: argparse.ArgumentParser,
+    declare: Declare,
+    title: str,
+    description: str | None = None,
+    *,
+    given_only: bool = False,
+) -> None:
+    """Add one shared set of flags to ``parser`` as a titled group.
+
+    With ``given_only`` the flags have no defaults of their own: one the user
+    leaves out does not appear in the namespace (see ``given_argv``).
+    """
+    actions = declare(parser.add_argument_group(title, description))
+    if given_only:
+        for action in actions:
+            action.default = argparse.SUPPRESS
+
+
+def given_argv(declare: Declare, args: argparse.Namespace, skip: Collection[str] = ()) -> list[str]:
+    """The command-line words of the flags of ``declare`` present in ``args``.
+
+    ``args`` comes from a parser that added ``declare`` with ``given_only``, so
+    present means given. ``skip`` names destinations the caller passes on its own.
+    """
+    given = vars(args)
+    argv: list[str] = []
+    for action in declare(argparse.ArgumentParser(add_help=False)):
+        if action.dest not in given or action.dest in skip:
+            continue
+        flag = action.option_strings[0]
+        if action.nargs == 0:  # store_true / store_false: the flag itself is the value
+            argv.append(flag)
+        else:
+            argv += [flag, str(given[action.dest])]
+    return argv
