@@ -1,25 +1,66 @@
 #!/usr/bin/env bash
-# Build llama.cpp once, outside the repo, as the speed peer for `meshnet bench`.
+# Build llama.cpp, outside the repo, as the speed peer for `meshnet bench`.
 #
 # The source is the copy vendored in the llama-cpp-python sdist (PyPI is the one
-# registry we can reach). GGML_NATIVE=OFF and AMX off: the default -march=native
-# build segfaults on this CPU. The binaries land in $LLAMACPP_HOME/bin
-# (default ~/.cache/meshnet/llama.cpp/bin); a second run is a no-op.
+# registry we can reach). The peer gets every vector extension this host has, as
+# meshnet's kernels do: each GGML_* ISA option below is ON exactly when
+# /proc/cpuinfo lists its flags (AVX-512 F/CD/VL/DQ/BW, VBMI, VNNI, BF16,
+# AVX-VNNI, ...). GGML_NATIVE stays OFF and AMX stays off: the -march=native
+# build segfaulted on this CPU, so the flags are passed one by one.
+#
+# The options chosen are recorded in $home/build-flags (default home
+# ~/.cache/meshnet/llama.cpp, or $LLAMACPP_HOME; binaries in $home/bin). A run
+# whose options match that record and whose binaries exist is a no-op; any
+# difference (another host, an old build without the record) rebuilds.
+# `meshnet bench` reads the record to say which extensions its peer has.
 set -euo pipefail
 
 version="${LLAMACPP_PY_VERSION:-0.3.36}"
 home="${LLAMACPP_HOME:-$HOME/.cache/meshnet/llama.cpp}"
 python="${PYTHON:-python3}"
+cpuinfo="${CPUINFO:-/proc/cpuinfo}"
 # llama-quantize makes the K-quant bench model; llama-tokenize and llama-server are the
 # tokenizer and logits oracles of scripts/record_arch_oracles.py.
 targets=(llama-bench llama-batched-bench llama-server ggml-rpc-server llama-cli llama-quantize llama-tokenize)
 
+# The host's CPU flags, one per line (the first "flags" line: all cores are alike).
+host_flags="$(grep -m1 '^flags' "$cpuinfo" | cut -d: -f2 | tr ' ' '\n' | grep -v '^$' || true)"
+has() {
+  local f
+  for f in "$@"; do grep -qx "$f" <<<"$host_flags" || return 1; done
+}
+
+# GGML option -> the /proc/cpuinfo flags it needs. GGML_AVX512 compiles with
+# -mavx512f -mavx512cd -mavx512vl -mavx512dq -mavx512bw, so it needs all five.
+isa_options=(
+  "GGML_SSE42:sse4_2"
+  "GGML_AVX:avx"
+  "GGML_AVX2:avx2"
+  "GGML_FMA:fma"
+  "GGML_F16C:f16c"
+  "GGML_BMI2:bmi2"
+  "GGML_AVX_VNNI:avx_vnni"
+  "GGML_AVX512:avx512f avx512cd avx512vl avx512dq avx512bw"
+  "GGML_AVX512_VBMI:avx512f avx512vbmi"
+  "GGML_AVX512_VNNI:avx512f avx512_vnni"
+  "GGML_AVX512_BF16:avx512f avx512_bf16"
+)
+flags=(-DGGML_NATIVE=OFF)
+for entry in "${isa_options[@]}"; do
+  option="${entry%%:*}"
+  # shellcheck disable=SC2086 # the needed flags are space-separated on purpose
+  if has ${entry#*:}; then flags+=("-D$option=ON"); else flags+=("-D$option=OFF"); fi
+done
+flags+=(-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+record="llama-cpp-python $version ${flags[*]}"
+
 built=1
 for t in "${targets[@]}"; do [ -x "$home/bin/$t" ] || built=0; done
-if [ "$built" = 1 ]; then
-  echo "llama.cpp already built in $home/bin"
+if [ "$built" = 1 ] && [ "$(cat "$home/build-flags" 2>/dev/null)" = "$record" ]; then
+  echo "llama.cpp already built in $home/bin with: ${flags[*]}"
   exit 0
 fi
+echo "building llama.cpp with: ${flags[*]}"
 
 mkdir -p "$home/src"
 cd "$home/src"
@@ -30,16 +71,23 @@ fi
 [ -d "llama_cpp_python-$version" ] || tar xzf "$sdist"
 src="$home/src/llama_cpp_python-$version/vendor/llama.cpp"
 
+# The old record goes before the build starts: a build that fails half-way
+# leaves binaries that match neither the old options nor the new ones.
+rm -f "$home/build-flags"
 cmake -S "$src" -B "$home/build" \
-  -DCMAKE_BUILD_TYPE=Release \
-  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-  -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+  -DCMAKE_BUILD_TYPE=Release "${flags[@]}" \
   -DGGML_RPC=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF
 cmake --build "$home/build" --config Release -j "$(nproc)" --target "${targets[@]}"
 
 mkdir -p "$home/bin"
+# Copied then renamed: a peer still running from the old binary keeps its file.
 for t in "${targets[@]}"; do
-  cp "$home/build/bin/$t" "$home/bin/" 2>/dev/null || echo "note: $t was not built"
+  if cp "$home/build/bin/$t" "$home/bin/.$t.new" 2>/dev/null; then
+    mv -f "$home/bin/.$t.new" "$home/bin/$t"
+  else
+    echo "note: $t was not built"
+  fi
 done
+echo "$record" >"$home/build-flags"
 echo "llama.cpp built in $home/bin"

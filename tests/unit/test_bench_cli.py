@@ -1,5 +1,5 @@
-"""`meshnet bench`: rounds on our side alone (no peer) on the tiny model, and the best
-of each figure over rounds."""
+"""`meshnet bench`: rounds on our side alone (no peer) on the tiny model, the best
+of each figure over rounds, and the vector extensions the peer was built with."""
 
 import json
 from pathlib import Path
@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from meshnet.benchmark.figures import Throughput
+from meshnet.benchmark.llamacpp import peer_isa
 from meshnet.cli.main import main
 
 
@@ -35,3 +36,12 @@ def test_rounds_must_be_a_positive_count(tiny_path: Path, capsys, rounds: str) -
         main(["bench", "--model", str(tiny_path), "--no-peer", "--rounds", rounds])
     assert exit_.value.code == 2
     assert "--rounds" in capsys.readouterr().err
+
+
+def test_the_peers_extensions_are_read_from_its_build_record(tmp_path: Path) -> None:
+    (tmp_path / "bin").mkdir()
+    assert peer_isa(tmp_path / "bin") is None  # built before the record existed
+    record = "llama-cpp-python 0.3.36 -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON "
+    record += "-DGGML_AVX512_VNNI=ON -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF\n"
+    (tmp_path / "build-flags").write_text(record)
+    assert peer_isa(tmp_path / "bin") == ["AVX2", "AVX512", "AVX512_VNNI"]

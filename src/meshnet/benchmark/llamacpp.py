@@ -4,6 +4,9 @@ The binaries come from ``bench/build_llamacpp.sh`` (built outside the repo).
 ``llama-bench`` gives prefill and batch-1 decode; ``llama-batched-bench``
 gives aggregate decode of B parallel sequences, as ``llama-server -np B`` runs
 them. One call is one round; ``meshnet bench`` alternates rounds with ours.
+The build script records the ``GGML_*`` options it built with beside ``bin/``;
+``peer_isa`` reads them back so a figure says which vector extensions the peer
+had.
 """
 
 from __future__ import annotations
@@ -30,6 +33,23 @@ def find_llamacpp(bin_dir: str | None = None) -> Path | None:
         if (d / "llama-bench").is_file() and (d / "llama-batched-bench").is_file():
             return d
     return None
+
+
+def peer_isa(bin_dir: Path) -> list[str] | None:
+    """The instruction-set options llama.cpp in ``bin_dir`` was built with (``AVX2``,
+    ``AVX512``, ``AVX512_VNNI``, ...), from the ``build-flags`` record that
+    ``bench/build_llamacpp.sh`` writes; None when there is no record (a build made
+    before the record existed, or by hand)."""
+    try:
+        record = (bin_dir.parent / "build-flags").read_text()
+    except OSError:
+        return None
+    isa = []
+    for word in record.split():
+        name, _, value = word.removeprefix("-D").partition("=")
+        if name.startswith("GGML_") and name != "GGML_NATIVE" and value == "ON":
+            isa.append(name.removeprefix("GGML_"))
+    return isa
 
 
 def bench_llamacpp(

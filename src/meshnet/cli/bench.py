@@ -15,7 +15,8 @@ from meshnet.backends.fast import set_threads
 from meshnet.backends.quant import kernel_name
 from meshnet.benchmark.engine import bench_engine, warm_up
 from meshnet.benchmark.figures import Throughput
-from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp
+from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp, peer_isa
+from meshnet.cli.options import positive_int
 from meshnet.engine.local import load_local_model
 from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 
@@ -28,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
     p.add_argument("--threads", type=int, default=2, help="threads for both sides")
-    p.add_argument("--rounds", type=_positive, default=5, help="rounds per side, taken in turns")
+    p.add_argument("--rounds", type=positive_int, default=5, help="rounds per side, taken in turns")
     p.add_argument("--llamacpp", help="directory with llama-bench (default: found or skipped)")
     p.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     p.add_argument("--json", action="store_true")
@@ -60,10 +61,14 @@ def run(args: argparse.Namespace) -> int:
     peer = Throughput.best(peer_rounds) if peer_rounds else None
     rows = _rows(args.prompt_tokens, ours.prefill_tok_s, ours.decode_tok_s, peer)
     backend = args.backend + (f" ({kernel_name()} kernels)" if args.backend == "fast" else "")
+    isa = peer_isa(bin_dir) if bin_dir is not None else None
     if args.json:
-        print(json.dumps({"backend": backend, "threads": args.threads, "rows": rows}))
+        report = {"backend": backend, "threads": args.threads, "llamacpp_isa": isa, "rows": rows}
+        print(json.dumps(report))
         return 0
     print(f"backend {backend}, {args.threads} threads on each side")
+    if bin_dir is not None:
+        print(f"llama.cpp in {bin_dir}, built with {_isa_text(isa)}")
     print(f"{'figure':<22}{'meshnet':>12}{'llama.cpp':>12}{'ratio':>8}")
     for r in rows:
         theirs = f"{r['llamacpp']:.1f}" if r["llamacpp"] else "-"
@@ -74,11 +79,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+def _isa_text(isa: list[str] | None) -> str:
+    if isa is None:
+        return "unrecorded extensions (rerun bench/build_llamacpp.sh to record them)"
+    return " ".join(isa) if isa else "no vector extensions"
 
 
 def _rows(
