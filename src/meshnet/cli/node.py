@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
                 max_batch_tokens=args.max_batch_tokens,
                 prefill_chunk=args.prefill_chunk,
                 max_queued_steps=args.max_queued_steps,
+                max_streams=args.max_streams,
                 backend=args.backend,
                 park_dir=args.park_dir,
             ),

@@ -47,6 +47,12 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
         p.add_argument("--max-batch-tokens", type=int, default=512, help="rows per forward"),
         p.add_argument("--prefill-chunk", type=int, default=128, help="prompt rows per forward"),
         p.add_argument("--max-queued-steps", type=int, default=256),
+        p.add_argument(
+            "--max-streams",
+            type=positive_int,
+            default=64,
+            help="generations this node serves at once; more are refused (429)",
+        ),
         p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats"),
     ]
 
@@ -80,6 +86,18 @@ def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
             help="carry every hop's activations through the tracker instead of node to node",
         ),
         p.add_argument("--max-in-flight", type=int, default=64, help="generations at once"),
+        p.add_argument(
+            "--max-queued",
+            type=int,
+            default=256,
+            help="requests that wait for capacity; more get 429 at once",
+        ),
+        p.add_argument(
+            "--queue-wait",
+            type=float,
+            default=1.0,
+            help="seconds a request waits for capacity before its 429",
+        ),
         p.add_argument("--park-after", type=float, default=300.0, help="idle seconds; 0: never"),
         p.add_argument(
             "--evict-after", type=float, default=1800.0, help="parked seconds; 0: never"

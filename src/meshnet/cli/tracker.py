@@ -32,7 +32,10 @@ def run(args: argparse.Namespace) -> int:
             database=args.database,
             model_path=args.model,
             tracker=TrackerConfig(
-                heartbeat_timeout_s=args.heartbeat_timeout, max_in_flight=args.max_in_flight
+                heartbeat_timeout_s=args.heartbeat_timeout,
+                max_in_flight=args.max_in_flight,
+                max_queued=args.max_queued,
+                queue_wait_s=args.queue_wait,
             ),
             driver=DriverLimits(
                 step_timeout_s=args.step_timeout,
