@@ -14,7 +14,11 @@
    ``ggml-rpc-server`` processes (goal >= 1.5x).
 
 Rounds alternate between the sides; each figure is its best round (see
-bench/README.md). Every process started is stopped at the end, however it ends.
+bench/README.md). Each measurement waits up to ``--quiet-wait`` seconds for
+idle CPUs and is taken again (``--retries``) when other processes used over
+10 % of the CPUs meanwhile; a figure with no undisturbed measurement is marked
+``*``. Every try is printed with the share others used. Every process started
+is stopped at the end, however it ends.
 Without bench/build_llamacpp.sh's build, our figures print alone.
 """
 
@@ -26,6 +30,7 @@ from pathlib import Path
 
 from meshnet.benchmark.comparison import table
 from meshnet.benchmark.llamacpp import find_llamacpp
+from meshnet.benchmark.quiet import Quiet
 from meshnet.benchmark.serving import ServingSetup, api_vs_llama_server, mesh_vs_single
 from meshnet.model.bundled import bundled_model_path
 
@@ -40,6 +45,8 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=8, help="concurrent streams; llama-server -np")
     p.add_argument("--mesh-threads", type=int, default=1, help="kernel threads per mesh node")
     p.add_argument("--layout", default="0:10,10:20,20:30")
+    p.add_argument("--quiet-wait", type=float, default=20.0, help="seconds to wait for idle CPUs")
+    p.add_argument("--retries", type=int, default=2, help="tries again of a disturbed measurement")
     p.add_argument("--only", choices=["api", "mesh"], help="run one comparison")
     p.add_argument("--logs", help="keep the processes' logs here (default: a temp dir)")
     args = p.parse_args()
@@ -54,12 +61,14 @@ def main() -> None:
             streams=args.streams,
             mesh_threads=args.mesh_threads,
             layout=args.layout,
+            quiet=Quiet(max_wait_s=args.quiet_wait, retries=args.retries),
         )
         if setup.bin_dir is None:
             print("no llama.cpp build (bench/build_llamacpp.sh): our figures alone")
         print(
             f"greedy completions of {setup.tokens} tokens, streamed; best of {setup.rounds} "
-            "alternating rounds; tok/s as the client sees tokens after the first"
+            "alternating rounds; tok/s as the client sees tokens after the first; "
+            "* = every try disturbed by other processes"
         )
         if args.only in (None, "api"):
             rows, notes = api_vs_llama_server(setup)

@@ -11,6 +11,15 @@ from meshnet.benchmark.comparison import Comparison, best
 from meshnet.benchmark.delay_proxy import DelayProxy, parse_pairs
 from meshnet.benchmark.llama_server import server_argv
 from meshnet.benchmark.mesh_delay import bound_tok_s, links_per_token
+from meshnet.benchmark.quiet import (
+    Measured,
+    ProcTimes,
+    Quiet,
+    busy_share,
+    cpu_times,
+    parse_proc_stat,
+    tree_jiffies,
+)
 from meshnet.benchmark.streams import (
     StreamRecord,
     _is_token,
@@ -107,6 +116,54 @@ def test_llama_server_gets_a_context_for_every_slot() -> None:
         "-np": "8",
         "-c": "2048",
     }
+
+
+def test_busy_share_is_non_idle_time_over_all_time() -> None:
+    #          user nice system idle iowait irq softirq steal guest guest_nice
+    before = cpu_times("cpu  100 0 50 800 50 0 0 0 10 0\ncpu0 1 2 3 4\n")
+    after = cpu_times("cpu  130 0 60 850 60 0 0 0 20 0\n")
+    assert before == (150, 1000)  # guest time is inside user: not counted twice
+    assert busy_share(before, after) == pytest.approx(40 / 100)
+    assert busy_share(after, after) == 0.0
+
+
+def test_a_process_stat_line_parses_whatever_its_name_holds() -> None:
+    # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt
+    # utime stime cutime cstime ...
+    line = "42 (a (b) c) S 7 42 42 0 -1 0 0 0 0 0 120 30 5 6 20 0 1 0\n"
+    assert parse_proc_stat(line) == ProcTimes(ppid=7, own=150, reaped=11)
+
+
+def test_our_cpu_time_is_the_tree_under_us_and_what_it_reaped() -> None:
+    procs = {
+        1: ProcTimes(0, 1000, 0),  # init: not ours
+        10: ProcTimes(1, 5, 40),  # us; 40 from children already waited for
+        11: ProcTimes(10, 100, 0),  # a server we started
+        12: ProcTimes(11, 7, 0),  # its child
+        20: ProcTimes(1, 300, 0),  # a neighbour
+    }
+    assert tree_jiffies(procs, 10) == 5 + 40 + 100 + 7
+    assert tree_jiffies(procs, 99) == 0
+
+
+def test_figures_come_from_undisturbed_tries_where_there_are_any() -> None:
+    quiet = Quiet(threshold=0.1)
+    tries = [Measured(90.0, 0.5), Measured(70.0, 0.05), Measured(60.0, 0.0)]
+    assert quiet.best(tries) == (70.0, True)
+    assert quiet.best(tries, "lower") == (60.0, True)
+    assert quiet.best([Measured(90.0, 0.5), Measured(80.0, 0.3)]) == (90.0, False)
+
+
+def test_a_disturbed_measurement_is_taken_again_up_to_the_retries(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import meshnet.benchmark.quiet as quiet_module
+
+    shares = iter([0.5, 0.4, 0.02, 0.9])
+    monkeypatch.setattr(quiet_module, "wait_idle", lambda *a: None)
+    monkeypatch.setattr(quiet_module, "others_share", lambda b, a: next(shares))
+    runs = iter([1.0, 2.0, 3.0, 4.0])
+    tries = Quiet(retries=2).measure(lambda: next(runs))
+    assert tries == [Measured(1.0, 0.5), Measured(2.0, 0.4), Measured(3.0, 0.02)]
+    assert Quiet(retries=0).measure(lambda: next(runs)) == [Measured(4.0, 0.9)]
 
 
 def test_proxy_pairs_parse() -> None:

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from meshnet.benchmark.comparison import best
 from meshnet.benchmark.delay_proxy import DelayProxy
 from meshnet.benchmark.netem_links import NetemLinks, unavailable
+from meshnet.benchmark.quiet import Measured, Quiet
 from meshnet.benchmark.running_mesh import mesh_for, served_model
 from meshnet.benchmark.serving import PROMPTS
 from meshnet.benchmark.streams import completion_body, decode_tok_s, run_streams
@@ -135,8 +135,8 @@ class DelayedRoute:
     relay: bool
     url: str = ""
     model: str = ""
-    plain: list[float] = field(default_factory=list)
-    delayed: list[float] = field(default_factory=list)
+    plain: list[Measured] = field(default_factory=list)  # tok/s with no delay, every try
+    delayed: list[Measured] = field(default_factory=list)  # with the delay, every try
     short: list[int] = field(default_factory=list)  # token counts of streams ended early
 
     def decode(self, tokens: int) -> float:
@@ -146,8 +146,13 @@ class DelayedRoute:
             self.short.append(record.tokens)
         return decode_tok_s(record)
 
-    def compute_ms(self) -> float:
-        return 1000.0 / best(self.plain)
+    def compute_ms(self, quiet: Quiet) -> tuple[float, bool]:
+        """Per-token ms with no delay (the fastest undisturbed try), and whether one was."""
+        tok_s, calm = quiet.best(self.plain)
+        return 1000.0 / tok_s, calm
+
+    def delayed_tok_s(self, quiet: Quiet) -> tuple[float, bool]:
+        return quiet.best(self.delayed)
 
 
 @contextlib.contextmanager
@@ -179,9 +184,15 @@ def started_meshes(
 
 
 def measure(
-    routes: list[DelayedRoute], links: Links, delay_ms: float, tokens: int, rounds: int
+    routes: list[DelayedRoute],
+    links: Links,
+    delay_ms: float,
+    tokens: int,
+    rounds: int,
+    quiet: Quiet,
 ) -> list[float]:
-    """Alternate no-delay and delayed runs of each route; the delays the links held."""
+    """Alternate no-delay and delayed runs of each route, under the ``quiet`` rule;
+    the delays the links held."""
     for route in routes:  # warm every hop and connection, then each delay's first run
         for d in (0.0, delay_ms):
             links.set_delay(d)
@@ -192,7 +203,8 @@ def measure(
         for route in routes if r % 2 == 0 else routes[::-1]:
             for d in (0.0, delay_ms) if r % 2 == 0 else (delay_ms, 0.0):
                 links.set_delay(d)
-                (route.delayed if d else route.plain).append(route.decode(tokens))
+                tries = quiet.measure(lambda route=route: route.decode(tokens))
+                (route.delayed if d else route.plain).extend(tries)
                 h = links.held_ms()
                 if d and h is not None:
                     held.append(h)

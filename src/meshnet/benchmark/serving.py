@@ -15,9 +15,12 @@ does:
    tracker), and llama.cpp's RPC layer split over two ``ggml-rpc-server``
    processes of one thread each.
 
-Every figure is the rate at which a client sees streamed tokens after the
-first (``streams``): sampling, the HTTP edge and every hop included. Greedy,
-the same prompts and ``max_tokens`` on both sides; llama-server is told
+Each measurement is taken once the CPUs are idle, and taken again when other
+processes used more than a little of them meanwhile (``quiet``); figures come
+from the undisturbed measurements, and are marked where none was. Every figure
+is the rate at which a client sees streamed tokens after the first
+(``streams``): sampling, the HTTP edge and every hop included. Greedy, the
+same prompts and ``max_tokens`` on both sides; llama-server is told
 ``ignore_eos`` and the prompts are ones meshnet does not end early, so both
 decode the same positions (a side that stopped short is reported).
 """
@@ -25,14 +28,15 @@ decode the same positions (a side that stopped short is reported).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
 
-from meshnet.benchmark.comparison import Comparison, best
+from meshnet.benchmark.comparison import Better, Comparison
 from meshnet.benchmark.llama_server import llama_server
 from meshnet.benchmark.mesh import llamacpp_rpc_tok_s
+from meshnet.benchmark.quiet import Measured, Quiet
 from meshnet.benchmark.running_mesh import running_mesh, served_model
 from meshnet.benchmark.streams import (
     StreamRecord,
@@ -69,45 +73,70 @@ class ServingSetup:
     streams: int = 8  # concurrent streams, llama-server's -np
     mesh_threads: int = 1  # kernel threads of each node in the mesh comparison
     layout: str = "0:10,10:20,20:30"
+    quiet: Quiet = field(default_factory=Quiet)  # how neighbours' load is kept out
 
 
 @dataclass
 class _Side:
-    """One server's rounds."""
+    """One server's measurements, every try kept."""
 
+    name: str
     url: str
     model: str
-    tokens: int
-    single: list[float] = field(default_factory=list)  # tok/s, one stream
-    steady: list[float] = field(default_factory=list)  # aggregate tok/s, all decoding
-    e2e: list[float] = field(default_factory=list)  # aggregate tok/s, prefill included
+    setup: ServingSetup
+    figures: dict[str, list[Measured]] = field(default_factory=dict)
     short: list[str] = field(default_factory=list)  # streams that ended early
+    log: list[str] = field(default_factory=list)  # every try, for the record
 
-    def bodies(self, n: int) -> list[dict[str, Any]]:
-        return [
-            completion_body(self.model, PROMPTS[i % len(PROMPTS)], self.tokens) for i in range(n)
-        ]
-
-    def stream(self, n: int) -> list[StreamRecord]:
-        records = run_streams(self.url, self.bodies(n))
+    def streams(self, n: int) -> list[StreamRecord]:
+        tokens = self.setup.tokens
+        bodies = [completion_body(self.model, PROMPTS[i % len(PROMPTS)], tokens) for i in range(n)]
+        records = run_streams(self.url, bodies)
         self.short += [
-            f"{r.tokens} tokens ({r.finish_reason})" for r in records if r.tokens != self.tokens
+            f"{r.tokens} tokens ({r.finish_reason})" for r in records if r.tokens != tokens
         ]
         return records
 
-    def warm(self, n: int) -> None:
-        run_streams(self.url, self.bodies(n))
+    def measure(self, figure: str, run: Callable[[], float]) -> list[Measured]:
+        """``run()`` under the setup's ``quiet`` rule; each try filed under ``figure``."""
+        tries = self.setup.quiet.measure(run)
+        self.file(figure, tries)
+        return tries
+
+    def file(self, figure: str, tries: Sequence[Measured]) -> None:
+        self.figures.setdefault(figure, []).extend(tries)
+        for m in tries:
+            self.log.append(f"{self.name}, {figure}: {m.value:8.2f}  (others used {m.others:.0%})")
+
+    def single(self) -> None:
+        self.measure("1 stream tok/s", lambda: decode_tok_s(self.streams(1)[0]))
+
+    def many(self) -> None:
+        """``streams`` at once: the steady aggregate, and (same tries) with prefill."""
+        e2e: list[float] = []
+
+        def run() -> float:
+            records = self.streams(self.setup.streams)
+            e2e.append(end_to_end_tok_s(records))
+            return steady_tok_s(records)
+
+        tries = self.measure("steady tok/s", run)
+        self.file(
+            "tok/s incl. prefill", [Measured(v, m.others) for v, m in zip(e2e, tries, strict=True)]
+        )
+
+    def best(self, figure: str, better: Better = "higher") -> tuple[float, bool]:
+        return self.setup.quiet.best(self.figures[figure], better)
 
 
 def api_vs_llama_server(setup: ServingSetup) -> tuple[list[Comparison], list[str]]:
-    """Comparison 1; the rows and notes (streams that ended short)."""
+    """Comparison 1; the rows, and notes: every try, streams that ended short."""
     whole = [LayerRange(0, _n_layers(setup.layout))]
     with contextlib.ExitStack() as stack:
         mesh = stack.enter_context(
             running_mesh(setup.data_dir / "node", setup.model, whole, setup.threads)
         )
-        ours = _Side(mesh.url, served_model(mesh.url), setup.tokens)
-        sides = [ours]
+        sides = [_Side("meshnet", mesh.url, served_model(mesh.url), setup)]
         if setup.bin_dir is not None:
             log = setup.data_dir / "llama-server.log"
             slot_ctx = 2 * (setup.tokens + 64)  # each slot holds a prompt and its completion
@@ -116,97 +145,102 @@ def api_vs_llama_server(setup: ServingSetup) -> tuple[list[Comparison], list[str
                     setup.bin_dir, setup.model, setup.threads, setup.streams, slot_ctx, log
                 )
             )
-            sides.append(_Side(url, "llama", setup.tokens))
+            sides.append(_Side("llama-server", url, "llama", setup))
         for side in sides:
-            side.warm(1)
-            side.warm(setup.streams)
+            side.streams(1)  # warm
+            side.streams(setup.streams)
         for r in range(setup.rounds):
             for side in sides if r % 2 == 0 else sides[::-1]:
-                side.single.append(decode_tok_s(side.stream(1)[0]))
-                many = side.stream(setup.streams)
-                side.steady.append(steady_tok_s(many))
-                side.e2e.append(end_to_end_tok_s(many))
-    theirs = sides[1] if len(sides) > 1 else None
+                side.single()
+                side.many()
+    ours, theirs = sides[0], (sides[1] if len(sides) > 1 else None)
     name = f"llama-server -t {setup.threads} -np {setup.streams}"
     n = setup.streams
     rows = [
-        _row("1 stream, decode tok/s", ours.single, theirs and theirs.single, name, 1.2),
-        _row(
-            f"{n} streams, aggregate decode tok/s", ours.steady, theirs and theirs.steady, name, 2.0
-        ),
-        _row(f"{n} streams, tok/s incl. prefill", ours.e2e, theirs and theirs.e2e, name, None),
+        _row("1 stream, decode tok/s", ours, theirs, "1 stream tok/s", name, 1.2),
+        _row(f"{n} streams, aggregate decode tok/s", ours, theirs, "steady tok/s", name, 2.0),
+        _row(f"{n} streams, tok/s incl. prefill", ours, theirs, "tok/s incl. prefill", name, None),
     ]
-    notes = [f"meshnet stream ended short: {s}" for s in ours.short]
-    notes += [f"llama-server stream ended short: {s}" for s in theirs.short] if theirs else []
-    return rows, notes
+    return rows, _notes(sides)
 
 
 def mesh_vs_single(setup: ServingSetup) -> tuple[list[Comparison], list[str]]:
-    """Comparison 2; the rows and notes."""
+    """Comparison 2; the rows, and notes: every try, streams that ended short."""
     layout = parse_layout(setup.layout)
     whole = [LayerRange(0, _n_layers(setup.layout))]
-    t = setup.mesh_threads
+    t, data = setup.mesh_threads, setup.data_dir
+    rpc = _Side("llama.cpp RPC", "", "", setup)
+    run_rpc = None
+    if setup.bin_dir is not None and (setup.bin_dir / "ggml-rpc-server").exists():
+        run_rpc = partial(llamacpp_rpc_tok_s, setup.bin_dir, setup.model, 2, setup.tokens, 1)
     with contextlib.ExitStack() as stack:
         meshes = {
-            "single": stack.enter_context(
-                running_mesh(setup.data_dir / "one", setup.model, whole, t)
-            ),
-            "relay": stack.enter_context(
-                running_mesh(setup.data_dir / "relay", setup.model, layout, t)
-            ),
-            "star": stack.enter_context(
-                running_mesh(setup.data_dir / "star", setup.model, layout, t, relay=False)
-            ),
+            "1 node": running_mesh(data / "one", setup.model, whole, t),
+            "relay": running_mesh(data / "relay", setup.model, layout, t),
+            "--no-relay": running_mesh(data / "star", setup.model, layout, t, relay=False),
         }
-        sides = {k: _Side(m.url, served_model(m.url), setup.tokens) for k, m in meshes.items()}
-        for side in sides.values():
-            side.warm(1)
-        order = list(sides)
-        rpc: list[float] = []
+        sides = []
+        for name, cm in meshes.items():
+            mesh = stack.enter_context(cm)
+            sides.append(_Side(name, mesh.url, served_model(mesh.url), setup))
+            sides[-1].streams(1)  # warm
         for r in range(setup.rounds):
-            for k in order[r % len(order) :] + order[: r % len(order)]:
-                sides[k].single.append(decode_tok_s(sides[k].stream(1)[0]))
-            if setup.bin_dir is not None and (setup.bin_dir / "ggml-rpc-server").exists():
-                rpc.append(llamacpp_rpc_tok_s(setup.bin_dir, setup.model, 2, setup.tokens, 1))
-    ms = {k: 1000 / best(s.single) for k, s in sides.items()}
+            for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
+                side.single()
+            if run_rpc is not None:
+                rpc.measure("1 stream tok/s", run_rpc)
+    one, relay, star = sides
     hops = len(layout)
-    one = f"meshnet 1 node, {t} thr"
     rows = [
-        Comparison(
-            f"{hops}-node mesh vs 1 node, ms/token", ms["relay"], ms["single"], one, 1.15, "lower"
+        _ms_row(
+            f"{hops}-node mesh vs 1 node, ms/token", relay, one, f"meshnet 1 node, {t} thr", 1.15
         ),
-        Comparison(
-            f"{hops}-node --no-relay vs 1 node, ms/token",
-            ms["star"],
-            ms["single"],
-            one,
-            None,
-            "lower",
+        _ms_row(
+            f"{hops}-node --no-relay vs 1 node, ms/token", star, one, f"meshnet 1 node, {t} thr"
         ),
-        Comparison(
-            f"{hops}-node relay vs --no-relay, ms/token",
-            ms["relay"],
-            ms["star"],
-            "meshnet --no-relay",
-            None,
-            "lower",
-        ),
+        _ms_row(f"{hops}-node relay vs --no-relay, ms/token", relay, star, "meshnet --no-relay"),
         _row(
             f"{hops}-node mesh, decode tok/s",
-            sides["relay"].single,
-            rpc or None,
+            relay,
+            rpc if rpc.figures else None,
+            "1 stream tok/s",
             "llama.cpp RPC 2-way",
             1.5,
         ),
     ]
-    notes = [f"{k} stream ended short: {s}" for k, side in sides.items() for s in side.short]
-    return rows, notes
+    return rows, _notes([*sides, rpc])
+
+
+def _notes(sides: Sequence[_Side]) -> list[str]:
+    """Every try in order of side, then any stream that ended short."""
+    notes = [line for side in sides for line in side.log]
+    return notes + [f"{side.name} stream ended short: {s}" for side in sides for s in side.short]
 
 
 def _row(
-    figure: str, ours: Sequence[float], peer: Sequence[float] | None, name: str, goal: float | None
+    figure: str,
+    ours: _Side,
+    theirs: _Side | None,
+    key: str,
+    name: str,
+    goal: float | None,
 ) -> Comparison:
-    return Comparison(figure, best(ours), best(peer) if peer else None, name, goal)
+    """``key``'s best on each side; the figure is marked (*) when a side had no
+    undisturbed try."""
+    value, calm = ours.best(key)
+    peer, peer_calm = theirs.best(key) if theirs is not None else (None, True)
+    mark = "" if calm and peer_calm else " *"
+    return Comparison(figure + mark, value, peer, name, goal)
+
+
+def _ms_row(
+    figure: str, ours: _Side, theirs: _Side, name: str, goal: float | None = None
+) -> Comparison:
+    """Per-token milliseconds of two sides' single streams (the best is the fastest)."""
+    value, calm = ours.best("1 stream tok/s")
+    peer, peer_calm = theirs.best("1 stream tok/s")
+    mark = "" if calm and peer_calm else " *"
+    return Comparison(figure + mark, 1000 / value, 1000 / peer, name, goal, "lower")
 
 
 def _n_layers(layout: str) -> int:
