@@ -240,3 +240,23 @@ def test_a_heartbeat_with_non_finite_numbers_is_400_and_poisons_nothing(
     assert httpx.get(f"{tiny_mesh.url}/admin/nodes").status_code == 200
     assert httpx.get(f"{tiny_mesh.url}/healthz").status_code == 200
     assert _chat(tiny_mesh).status_code == 200
+
+
+def test_a_body_past_the_limit_is_413_before_it_is_parsed(tiny_mesh: LocalMesh) -> None:
+    big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * (10 << 20)}]}
+    t0 = time.monotonic()
+    r = httpx.post(f"{tiny_mesh.url}/v1/chat/completions", json=big, timeout=60)
+    assert r.status_code == 413, r.text[:200]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert time.monotonic() - t0 < 10
+    chunks = iter(
+        [b'{"model": "tiny", "messages": [{"role": "user", "content": "'] + [b"x" * 65536] * 160
+    )
+    r = httpx.post(  # no Content-Length: counted as it streams in
+        f"{tiny_mesh.url}/v1/chat/completions",
+        content=chunks,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 413, r.text[:200]
+    assert _chat(tiny_mesh).status_code == 200

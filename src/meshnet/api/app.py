@@ -10,11 +10,14 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from meshnet.api import admin, mesh, openai, sessions
+from meshnet.api.body_limit import BodyLimit
 from meshnet.api.errors import install_error_handlers
 from meshnet.api.state import SessionServices
 from meshnet.tracker.service import Tracker
 
 log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 << 20
 
 
 def create_app(tracker: Tracker, services: SessionServices) -> FastAPI:
@@ -35,6 +38,9 @@ def create_app(tracker: Tracker, services: SessionServices) -> FastAPI:
             await tracker.channels.close()
 
     app = FastAPI(title="meshnet tracker", lifespan=lifespan)
+    # No further than the largest request we take (a million-character prompt,
+    # JSON-escaped): a bigger body is 413 before it costs parsing.
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     app.state.tracker = tracker
     app.state.sessions = services
     install_error_handlers(app)

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 _TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
+    413: "invalid_request_error",
     409: "conflict_error",
     410: "gone_error",
     422: "invalid_request_error",

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from meshnet.api.errors import error_body
 from meshnet.api.logprobs import LogprobShape
@@ -29,6 +30,7 @@ from meshnet.api.schemas import (
 from meshnet.api.state import tracker_of
 from meshnet.errors import MeshnetError, RequestError
 from meshnet.model.chat import ChatMessage
+from meshnet.model.info import ModelInfo
 from meshnet.tracker.driver import DoneEvent, TokenEvent
 from meshnet.tracker.routes import route_json
 from meshnet.tracker.service import Started, Tracker
@@ -54,9 +56,12 @@ async def chat_completions(
     tracker = tracker_of(request)
     require_model(body.model, tracker.model.name)
     messages = [ChatMessage(m.role, m.content) for m in body.messages]
-    text = tracker.model.template.render(messages, add_generation_prompt=True)
-    prompt_ids = tracker.model.tokenizer.encode(text)
+    prompt_ids = await run_in_threadpool(_chat_ids, tracker.model, messages)  # not on the loop
     return await _complete(tracker, body, prompt_ids, "chat")
+
+
+def _chat_ids(model: ModelInfo, messages: list[ChatMessage]) -> list[int]:
+    return model.tokenizer.encode(model.template.render(messages, add_generation_prompt=True))
 
 
 @router.post("/v1/completions", response_model=None)
@@ -66,7 +71,7 @@ async def completions(
     tracker = tracker_of(request)
     require_model(body.model, tracker.model.name)
     if isinstance(body.prompt, str):
-        prompt_ids = tracker.model.tokenizer.encode(body.prompt)
+        prompt_ids = await run_in_threadpool(tracker.model.tokenizer.encode, body.prompt)
     else:
         prompt_ids = list(body.prompt)
     if not prompt_ids:
