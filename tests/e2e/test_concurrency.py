@@ -10,11 +10,9 @@ from typing import Any
 import httpx
 import pytest
 from conftest import MeshFactory
+from solo import solo_chat_ids
 
-from meshnet.engine.generate import generate
 from meshnet.engine.local import LocalModel
-from meshnet.model.chat import ChatMessage
-from meshnet.model.sampling import SamplingParams
 
 pytestmark = pytest.mark.bundled
 
@@ -36,18 +34,6 @@ def _request(i: int) -> dict[str, Any]:
     return body
 
 
-def _solo(model: LocalModel, body: dict[str, Any]) -> list[int]:
-    msgs = [ChatMessage(m["role"], m["content"]) for m in body["messages"]]
-    ids = model.tokenizer.encode(model.template.render(msgs))
-    params = SamplingParams(
-        max_tokens=body["max_tokens"],
-        temperature=body["temperature"],
-        top_p=body.get("top_p", 1.0),
-        seed=body.get("seed"),
-    )
-    return generate(model.chain, model.tokenizer, ids, params).ids
-
-
 def test_sixteen_concurrent_streams_each_get_their_solo_output(
     mesh_factory: MeshFactory, bundled: LocalModel
 ) -> None:
@@ -61,7 +47,7 @@ def test_sixteen_concurrent_streams_each_get_their_solo_output(
 
     with ThreadPoolExecutor(16) as pool:
         together = list(pool.map(run, bodies))
-    assert together == [_solo(bundled, b) for b in bodies]
+    assert together == [solo_chat_ids(bundled, b) for b in bodies]
     nodes = httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:

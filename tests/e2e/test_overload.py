@@ -11,11 +11,9 @@ from typing import Any
 import httpx
 import pytest
 from conftest import MeshFactory
+from solo import solo_chat_ids
 
-from meshnet.engine.generate import generate
 from meshnet.engine.local import LocalModel
-from meshnet.model.chat import ChatMessage
-from meshnet.model.sampling import SamplingParams
 
 pytestmark = pytest.mark.bundled
 
@@ -37,18 +35,6 @@ def _body(i: int) -> dict[str, Any]:
     else:
         body.update(temperature=0)
     return body
-
-
-def _solo(model: LocalModel, body: dict[str, Any]) -> list[int]:
-    msgs = [ChatMessage(m["role"], m["content"]) for m in body["messages"]]
-    ids = model.tokenizer.encode(model.template.render(msgs))
-    params = SamplingParams(
-        max_tokens=body["max_tokens"],
-        temperature=body["temperature"],
-        top_p=body.get("top_p", 1.0),
-        seed=body.get("seed"),
-    )
-    return generate(model.chain, model.tokenizer, ids, params).ids
 
 
 async def _call(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -109,7 +95,7 @@ def test_a_burst_of_200_gets_exact_answers_or_429_and_no_5xx(
     for body, ids in answered:
         key = repr(sorted((k, v) for k, v in body.items() if k != "stream"))
         if key not in solos:
-            solos[key] = _solo(bundled, body)
+            solos[key] = solo_chat_ids(bundled, body)
         assert ids == solos[key]
     deadline = time.monotonic() + 10
     nodes = httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]
@@ -120,4 +106,4 @@ def test_a_burst_of_200_gets_exact_answers_or_429_and_no_5xx(
     assert all(p.poll() is None for p in mesh.nodes.values())
     after = httpx.post(url, json={**_body(0), "stream": False}, timeout=120)
     assert after.status_code == 200
-    assert after.json()["meshnet"]["ids"] == _solo(bundled, _body(0))
+    assert after.json()["meshnet"]["ids"] == solo_chat_ids(bundled, _body(0))

@@ -10,12 +10,10 @@ from typing import Any
 import httpx
 import pytest
 from conftest import MeshFactory
+from solo import solo_chat_ids
 
-from meshnet.engine.generate import generate
 from meshnet.engine.local import LocalModel
 from meshnet.local_mesh import LocalMesh
-from meshnet.model.chat import ChatMessage
-from meshnet.model.sampling import SamplingParams
 
 pytestmark = pytest.mark.bundled
 
@@ -41,13 +39,6 @@ def _relayed(mesh: LocalMesh, want: dict[str, int]) -> dict[str, int]:
     return seen
 
 
-def _solo(bundled: LocalModel) -> list[int]:
-    msgs = [ChatMessage(m["role"], m["content"]) for m in BODY["messages"]]
-    ids = bundled.tokenizer.encode(bundled.template.render(msgs))
-    params = SamplingParams(max_tokens=16, temperature=0.8, seed=11)
-    return generate(bundled.chain, bundled.tokenizer, ids, params).ids
-
-
 @pytest.mark.parametrize("relay", [True, False])
 def test_hops_relay_to_each_other_with_the_same_output(
     mesh_factory: MeshFactory, bundled: LocalModel, relay: bool
@@ -56,7 +47,7 @@ def test_hops_relay_to_each_other_with_the_same_output(
     r = httpx.post(f"{mesh.url}/v1/chat/completions", json=BODY, timeout=120)
     assert r.status_code == 200, r.text
     ids = r.json()["meshnet"]["ids"]
-    assert ids == _solo(bundled)
+    assert ids == solo_chat_ids(bundled, BODY)
     steps = len(ids)  # the prefill, then one step per token after the first
     want = (
         {"node-0": 0, "node-1": steps, "node-2": steps}

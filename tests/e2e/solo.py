@@ -1,0 +1,24 @@
+"""What a chat request body gives when run alone in one process: the oracle the mesh's
+answers are compared with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshnet.engine.generate import generate
+from meshnet.engine.local import LocalModel
+from meshnet.model.chat import ChatMessage
+from meshnet.model.sampling import SamplingParams
+
+
+def solo_chat_ids(model: LocalModel, body: dict[str, Any]) -> list[int]:
+    """The ids an OpenAI chat ``body`` generates in-process (its sampling fields honoured)."""
+    msgs = [ChatMessage(m["role"], m["content"]) for m in body["messages"]]
+    ids = model.tokenizer.encode(model.template.render(msgs))
+    params = SamplingParams(
+        max_tokens=body["max_tokens"],
+        temperature=body.get("temperature", 1.0),
+        top_p=body.get("top_p", 1.0),
+        seed=body.get("seed"),
+    )
+    return generate(model.chain, model.tokenizer, ids, params).ids
