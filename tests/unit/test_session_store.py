@@ -52,6 +52,24 @@ def test_a_turn_is_accepted_once_per_idempotency_key(db: Database) -> None:
         store.accept_turn("nobody", "t5", None, "h", REQUEST, 4.0)
 
 
+@pytest.mark.parametrize(("kind", "again_new"), [("no-route", True), ("bad-request", False)])
+def test_a_key_whose_turn_failed_retryably_takes_the_request_again(
+    db: Database, kind: str, again_new: bool
+) -> None:
+    store = SessionStore(db)
+    store.create("s", "sys", 0.0)
+    first = store.accept_turn("s", "t1", "key", "h", REQUEST, 1.0)
+    assert store.claim(first, "A", 10.0, 1.0)
+    store.fail_turn("t1", "A", {"kind": kind, "message": "x"})
+    again = store.accept_turn("s", "t2", "key", "h", REQUEST, 2.0)
+    if again_new:  # the mesh had no route then: the client's retry is a new turn
+        assert again.id == "t2" and again.status is TurnStatus.PENDING
+        assert store.accept_turn("s", "t3", "key", "h", REQUEST, 3.0).id == "t2"
+        assert store.turn("t1").status is TurnStatus.FAILED  # the first stays, keyless
+    else:  # a request that can never succeed keeps its answer
+        assert again.id == "t1" and again.status is TurnStatus.FAILED
+
+
 def test_turns_are_delivered_in_order_under_one_lease(db: Database) -> None:
     store = SessionStore(db)
     store.create("s", None, 0.0)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from meshnet.errors import IdempotencyConflict, NotFound, SessionGone
+from meshnet.errors import IdempotencyConflict, NotFound, SessionGone, error_for_kind
 from meshnet.layer_range import LayerRange
 from meshnet.tracker.database import Database, Row, Tx
 from meshnet.tracker.routes import Hop, Route
@@ -282,7 +282,12 @@ class SessionStore:
                             raise IdempotencyConflict(
                                 "this Idempotency-Key was used with a different request"
                             )
-                        raise _Rollback(_turn(rows[0][:-1]))
+                        first = _turn(rows[0][:-1])
+                        if not _failed_for_now(first):
+                            raise _Rollback(first)
+                        # It failed for want of capacity or a route: the key takes the
+                        # request again as a new turn, the failed one kept without it.
+                        tx.run("UPDATE turns SET idempotency_key = NULL WHERE id = ?", (first.id,))
                 if validate is not None:
                     validate(session)
                 tx.run(
@@ -539,6 +544,14 @@ def _session(r: Row) -> SessionRecord:
         snapshot_id=snapshot_id,
         last_used=float(used),
     )
+
+
+def _failed_for_now(turn: TurnRecord) -> bool:
+    """A turn that failed with a kind that may succeed later (no route, overload...)."""
+    if turn.status is not TurnStatus.FAILED:
+        return False
+    kind = (turn.error or {}).get("kind", "")
+    return bool(kind) and error_for_kind(str(kind), "").retryable
 
 
 def _turn(r: Row) -> TurnRecord:
