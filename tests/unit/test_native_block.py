@@ -131,3 +131,27 @@ def test_elementwise_kernels_refuse_mismatched_buffers() -> None:
         native.rope(x, table[:1], table[:1], 2, 3, 8, 4)
     with pytest.raises(ValueError):
         native.glu(np.zeros((2, 16), np.float32), np.zeros((2, 7), np.float32), 2, 8, 1)
+
+
+def test_a_block_gives_the_same_bits_at_both_vector_widths(backend: FastBackend) -> None:
+    """Prompt rows then a decode row through one block with AVX2's 8-row matmul vectors
+    and with the widest the CPU has (AVX-512's 16 where it has them), and again with the
+    scratch already warm: the same bits every time."""
+    handle = backend._native._handles[0]  # type: ignore[union-attr]
+    d, pairs = backend.spec.d_model, backend.spec.rope.pairs
+    rng = np.random.default_rng(1)
+    prompt = rng.standard_normal((37, d)).astype(np.float32)
+    step = rng.standard_normal((1, d)).astype(np.float32)
+    angles = rng.uniform(-3, 3, (38, pairs)).astype(np.float32)
+    cos, sin = np.cos(angles), np.sin(angles)
+    results = []
+    for wide in (False, True, False, True):
+        kv = backend.new_kv()
+        kv.reserve(38)
+        keys, values = kv.buffers(0)
+        x0, x1 = prompt.copy(), step.copy()
+        native.run_block(handle, x0, cos[:37], sin[:37], [(keys, values, 0, 37, 0)], 2, wide)
+        native.run_block(handle, x1, cos[37:], sin[37:], [(keys, values, 37, 1, 0)], 2, wide)
+        results.append(np.concatenate([x0, x1]))
+    for other in results[1:]:
+        assert np.array_equal(results[0], other)

@@ -6,6 +6,10 @@ dequantized rows."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -16,7 +20,7 @@ from meshnet.backends import quant
 from meshnet.errors import UnsupportedTensorType
 from meshnet.model.gguf_file import open_gguf
 
-NATIVE_BUILT = quant.kernel_name() == "avx2"
+NATIVE_BUILT = quant.NATIVE is not None
 # numba; the native kernels with AVX2 vectors; the native kernels at their widest
 PATHS = ["numba", "avx2", "best"] if NATIVE_BUILT else ["numba"]
 K_TYPES = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
@@ -151,3 +155,38 @@ def test_only_one_block_type_is_stacked() -> None:
     parts = [_matrix(QT.Q4_K, 16, "best")[0], _matrix(QT.Q6_K, 16, "best")[0]]
     with pytest.raises(ValueError):
         quant.stack_rows(parts)
+
+
+def _kernel_name_in_a_process(isa: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "MESHNET_ISA"}
+    if isa is not None:
+        env["MESHNET_ISA"] = isa
+    code = "from meshnet.backends import quant; print(quant.kernel_name())"
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+@pytest.mark.skipif(not NATIVE_BUILT, reason="the native kernels are not built")
+def test_kernel_name_says_which_vectors_run_and_meshnet_isa_chooses_them() -> None:
+    widest = "avx512" if _cpu_flags() >= {"avx512f", "avx512vl", "avx512dq", "avx512bw"} else "avx2"
+    assert quant.kernel_name() in ("avx2", "avx512")
+    assert _kernel_name_in_a_process(None).stdout.strip() == widest
+    assert _kernel_name_in_a_process("auto").stdout.strip() == widest
+    assert _kernel_name_in_a_process("avx2").stdout.strip() == "avx2"
+    wanted = _kernel_name_in_a_process("avx512")
+    if widest == "avx512":
+        assert wanted.stdout.strip() == "avx512"
+    else:  # a CPU without AVX-512 cannot be asked for it
+        assert wanted.returncode != 0 and "MESHNET_ISA" in wanted.stderr
+    typo = _kernel_name_in_a_process("avx3")
+    assert typo.returncode != 0 and "MESHNET_ISA=avx3" in typo.stderr
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(line for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())

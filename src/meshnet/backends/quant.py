@@ -33,15 +33,17 @@ F32 = np.float32
 QK = layouts.QK
 _CHUNK_ROWS = 256  # rows dequantized at a time by the numba path's float32 matmul
 
-try:  # AVX2 kernels built by `pip install` where a compiler and the CPU allow
+try:  # AVX2/AVX-512 kernels built by `pip install` where a compiler and the CPU allow
     from meshnet.backends import _native as NATIVE
 except ImportError:
     NATIVE = None
 
 
 def kernel_name() -> str:
-    """Which kernels multiply quantized blocks in this process."""
-    return "avx2" if NATIVE is not None else "numba"
+    """Which kernels multiply quantized blocks in this process: "avx512" or "avx2" (the
+    native matmul's vectors; ``MESHNET_ISA=avx2`` keeps an AVX-512 CPU to AVX2), or
+    "numba" where the extension is not built."""
+    return NATIVE.isa() if NATIVE is not None else "numba"
 
 
 class Split(NamedTuple):

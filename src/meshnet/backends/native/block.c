@@ -8,10 +8,76 @@
  * dozen calls per block.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "native.h"
+
+/*
+ * Each calling thread's scratch for forward_block, kept between calls: a decode step
+ * runs every block in turn, and a block's scratch freshly allocated each time came from
+ * new pages whenever the allocator maps large blocks on their own (memory.settle does,
+ * from 1 MB), ~12 ms a 32-row step of the bundled model. Scratch beyond SCRATCH_KEEP
+ * bytes (a long prompt chunk's) is released after its call, so a node keeps at most
+ * this much per thread; a thread's scratch is freed when the thread ends.
+ */
+#define SCRATCH_KEEP ((size_t)4 << 20)
+
+typedef struct {
+    void *buf;
+    size_t size;
+} scratch_t;
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static int scratch_key_ok;
+
+static void scratch_free(void *p) {
+    scratch_t *s = p;
+    free(s->buf);
+    free(s);
+}
+
+static void scratch_init(void) { scratch_key_ok = pthread_key_create(&scratch_key, scratch_free) == 0; }
+
+/* The calling thread's scratch record (NULL when out of memory). */
+static scratch_t *scratch_of_thread(void) {
+    pthread_once(&scratch_once, scratch_init);
+    if (!scratch_key_ok) return NULL;
+    scratch_t *s = pthread_getspecific(scratch_key);
+    if (s == NULL) {
+        s = calloc(1, sizeof(scratch_t));
+        if (s == NULL || pthread_setspecific(scratch_key, s) != 0) {
+            free(s);
+            return NULL;
+        }
+    }
+    return s;
+}
+
+/* At least ``bytes`` of 64-byte aligned scratch for this call (NULL when out of memory);
+ * give it back with scratch_release. */
+static void *scratch_take(scratch_t *s, size_t bytes) {
+    if (s->size < bytes) {
+        free(s->buf);
+        s->size = 0;
+        if (posix_memalign(&s->buf, 64, bytes) != 0) {
+            s->buf = NULL;
+            return NULL;
+        }
+        s->size = bytes;
+    }
+    return s->buf;
+}
+
+static void scratch_release(scratch_t *s) {
+    if (s->size > SCRATCH_KEEP) {
+        free(s->buf);
+        s->buf = NULL;
+        s->size = 0;
+    }
+}
 
 /* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, the squares summed in one 8-lane chain. */
 static void rms_norm(const float *x, const float *w, Py_ssize_t T, Py_ssize_t d, float eps,
@@ -69,7 +135,7 @@ static inline __m256 silu256(__m256 g) {
 
 void glu(const float *gate, const float *up, Py_ssize_t stride, Py_ssize_t T, Py_ssize_t d_ff,
          float *act, int gelu, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (T > 1) /* one row: no team */
     for (Py_ssize_t t = 0; t < T; t++) {
         const float *g = gate + t * stride, *u = up + t * stride;
         Py_ssize_t c = 0;
@@ -93,20 +159,20 @@ static void add_into(float *x, const float *y, Py_ssize_t n) {
 
 /* q, k, v [T, heads, hd] from the block's Q/K/V projection of h, biases added. */
 static int project_qkv(const block_t *b, const float *h, Py_ssize_t T, float *qkv, float *q,
-                       float *k, float *v, int threads) {
+                       float *k, float *v, int threads, int wide) {
     const heads_t *hs = &b->heads;
     const Py_ssize_t qw = (Py_ssize_t)hs->n_heads * hs->hd, kw = (Py_ssize_t)hs->n_kv * hs->hd;
     const Py_ssize_t width = qw + 2 * kw;
     if (b->n_qkv == 1) {
-        if (qmatmul(&b->qkv[0], h, T, qkv, threads) < 0) return -1;
+        if (qmatmul(&b->qkv[0], h, T, qkv, threads, wide) < 0) return -1;
         for (Py_ssize_t t = 0; t < T; t++) {
             memcpy(q + t * qw, qkv + t * width, qw * sizeof(float));
             memcpy(k + t * kw, qkv + t * width + qw, kw * sizeof(float));
             memcpy(v + t * kw, qkv + t * width + qw + kw, kw * sizeof(float));
         }
-    } else if (qmatmul(&b->qkv[0], h, T, q, threads) < 0 ||
-               qmatmul(&b->qkv[1], h, T, k, threads) < 0 ||
-               qmatmul(&b->qkv[2], h, T, v, threads) < 0) {
+    } else if (qmatmul(&b->qkv[0], h, T, q, threads, wide) < 0 ||
+               qmatmul(&b->qkv[1], h, T, k, threads, wide) < 0 ||
+               qmatmul(&b->qkv[2], h, T, v, threads, wide) < 0) {
         return -1;
     }
     if (b->qkv_bias != NULL)
@@ -119,21 +185,23 @@ static int project_qkv(const block_t *b, const float *h, Py_ssize_t T, float *qk
 }
 
 int forward_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, const float *sin,
-                  const seq_t *seqs, Py_ssize_t n, int threads) {
+                  const seq_t *seqs, Py_ssize_t n, int threads, int wide) {
     const heads_t *hs = &b->heads;
     const Py_ssize_t d = b->d, qw = (Py_ssize_t)hs->n_heads * hs->hd;
     const Py_ssize_t kw = (Py_ssize_t)hs->n_kv * hs->hd, width = qw + 2 * kw;
     /* h | qkv | q | k | v | attn | o, then gate/up and act reuse the front */
     const Py_ssize_t front = T * (d + width + qw + 2 * kw + qw + d);
     const Py_ssize_t ffn = T * (d + 3 * b->d_ff);
-    float *buf = malloc((front > ffn ? front : ffn) * sizeof(float) + 32);
+    scratch_t *scratch = scratch_of_thread();
+    if (scratch == NULL) return -1;
+    float *buf = scratch_take(scratch, (front > ffn ? front : ffn) * sizeof(float) + 32);
     if (buf == NULL) return -1;
     float *h = buf, *qkv = h + T * d, *q = qkv + T * width, *k = q + T * qw, *v = k + T * kw;
     float *attn = v + T * kw, *o = attn + T * qw;
     int status = -1;
 
     rms_norm(x, b->attn_norm, T, d, b->eps, h);
-    if (project_qkv(b, h, T, qkv, q, k, v, threads) < 0) goto done;
+    if (project_qkv(b, h, T, qkv, q, k, v, threads, wide) < 0) goto done;
     if (b->q_norm != NULL) { /* each head its own row */
         rms_norm(q, b->q_norm, T * hs->n_heads, hs->hd, b->eps, q);
         rms_norm(k, b->k_norm, T * hs->n_kv, hs->hd, b->eps, k);
@@ -141,26 +209,26 @@ int forward_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, co
     rope(q, T, hs->n_heads, hs->hd, b->rope_pairs, cos, sin, b->rope_halves);
     rope(k, T, hs->n_kv, hs->hd, b->rope_pairs, cos, sin, b->rope_halves);
     if (attend_rows(hs, q, k, v, attn, seqs, n, threads) < 0) goto done;
-    if (qmatmul(&b->wo, attn, T, o, threads) < 0) goto done;
+    if (qmatmul(&b->wo, attn, T, o, threads, wide) < 0) goto done;
     if (b->post_attn_norm != NULL) rms_norm(o, b->post_attn_norm, T, d, b->eps, o);
     add_into(x, o, T * d);
 
     float *gu = buf + T * d, *act = gu + T * 2 * b->d_ff;
     rms_norm(x, b->ffn_norm, T, d, b->eps, h);
     if (b->n_gate_up == 1) {
-        if (qmatmul(&b->gate_up[0], h, T, gu, threads) < 0) goto done;
+        if (qmatmul(&b->gate_up[0], h, T, gu, threads, wide) < 0) goto done;
         glu(gu, gu + b->d_ff, 2 * b->d_ff, T, b->d_ff, act, b->gelu, threads);
     } else {
         float *gate = gu, *up = gu + T * b->d_ff;
-        if (qmatmul(&b->gate_up[0], h, T, gate, threads) < 0) goto done;
-        if (qmatmul(&b->gate_up[1], h, T, up, threads) < 0) goto done;
+        if (qmatmul(&b->gate_up[0], h, T, gate, threads, wide) < 0) goto done;
+        if (qmatmul(&b->gate_up[1], h, T, up, threads, wide) < 0) goto done;
         glu(gate, up, b->d_ff, T, b->d_ff, act, b->gelu, threads);
     }
-    if (qmatmul(&b->down, act, T, h, threads) < 0) goto done;
+    if (qmatmul(&b->down, act, T, h, threads, wide) < 0) goto done;
     if (b->post_ffn_norm != NULL) rms_norm(h, b->post_ffn_norm, T, d, b->eps, h);
     add_into(x, h, T * d);
     status = 0;
 done:
-    free(buf);
+    scratch_release(scratch);
     return status;
 }

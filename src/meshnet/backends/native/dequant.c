@@ -9,19 +9,6 @@
 
 #include "native.h"
 
-const Py_ssize_t GROUP_BYTES[TYPE_COUNT] = {
-    2 * GROUP_ROWS + 16 * GROUP_ROWS,  /* Q4_0: d, 16 byte columns */
-    4 * GROUP_ROWS + 16 * GROUP_ROWS,  /* Q4_1: d, m, 16 byte columns */
-    2 * GROUP_ROWS + 32 * GROUP_ROWS,  /* Q8_0: d, 32 byte columns */
-    K_QS4 + 128 * GROUP_ROWS,          /* Q4_K: 2368 = 16 rows x 144 + 64 */
-    K_QS5 + 128 * GROUP_ROWS,          /* Q5_K: 2880 = 16 rows x 176 + 64 */
-    K6_SUB + 16 * K6_SUB_BYTES,        /* Q6_K: 3360 = 16 rows x 210 */
-    0, 0,                              /* Q2_K, Q3_K: row-wise */
-    2 * GROUP_ROWS + 20 * GROUP_ROWS,  /* Q5_0: d, 16 nibble and 4 fifth-bit columns */
-    4 * GROUP_ROWS + 20 * GROUP_ROWS,  /* Q5_1: d, m, 16 nibble and 4 fifth-bit columns */
-    0, 0, 0,                           /* F16, BF16, F32: row-wise */
-};
-
 /* GGUF bytes of a row of a row-wise type. */
 static Py_ssize_t rowwise_bytes(int type, Py_ssize_t nb) {
     switch (type) {

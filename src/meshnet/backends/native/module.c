@@ -4,6 +4,7 @@
  * raises ValueError and writes nothing.
  */
 #include <math.h>
+#include <stdlib.h>
 
 #include "native.h"
 
@@ -39,7 +40,7 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
     }
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = qmatmul_tiles(&w, x.buf, T, out.buf, threads, wide);
+    status = qmatmul(&w, x.buf, T, out.buf, threads, wide);
     Py_END_ALLOW_THREADS
     result = kernel_result(status);
 done:
@@ -309,8 +310,9 @@ fail:
 static PyObject *run_block(PyObject *self, PyObject *args) {
     PyObject *capsule, *entries;
     Py_buffer x, cos, sin;
-    int threads;
-    if (!PyArg_ParseTuple(args, "Ow*y*y*Oi", &capsule, &x, &cos, &sin, &entries, &threads))
+    int threads, wide = 1;
+    if (!PyArg_ParseTuple(args, "Ow*y*y*Oi|p", &capsule, &x, &cos, &sin, &entries, &threads,
+                          &wide))
         return NULL;
     PyObject *result = NULL;
     entries_t es = {NULL, NULL, 0};
@@ -327,7 +329,7 @@ static PyObject *run_block(PyObject *self, PyObject *args) {
     if (read_entries(entries, T, &b->heads, &es) < 0) goto done;
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = forward_block(b, x.buf, T, cos.buf, sin.buf, es.seqs, es.n, threads);
+    status = forward_block(b, x.buf, T, cos.buf, sin.buf, es.seqs, es.n, threads, wide);
     Py_END_ALLOW_THREADS
     result = kernel_result(status);
 done:
@@ -385,7 +387,12 @@ done:
     return result;
 }
 
+static PyObject *isa(PyObject *self, PyObject *unused) { return PyUnicode_FromString(isa_name()); }
+
 static PyMethodDef methods[] = {
+    {"isa", isa, METH_NOARGS,
+     "isa(): the matmul's vectors in this process, \"avx512\" or \"avx2\" (MESHNET_ISA=avx2\n"
+     "at import keeps an AVX-512 CPU to the AVX2 kernels; unset or auto: the widest)"},
     {"matmul", matmul, METH_VARARGS,
      "matmul(packed, x, out, rows, nb, T, type, threads, wide=True): out[t, r] =\n"
      "W[r] . x[t], W in the layout of its type (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q4_K, 4 Q5_K,\n"
@@ -406,8 +413,9 @@ static PyMethodDef methods[] = {
      "each matrix (packed, rows, nb, type), qkv and gate_up tuples of one fused matrix or\n"
      "their parts, the vectors after ffn_norm None where the family has none"},
     {"run_block", run_block, METH_VARARGS,
-     "run_block(block, x, cos, sin, entries, threads): x [T, d] += the block's output for\n"
-     "T rows, prompt or decode (entries as for attend)"},
+     "run_block(block, x, cos, sin, entries, threads, wide=True): x [T, d] += the block's\n"
+     "output for T rows, prompt or decode (entries as for attend); wide=False keeps its\n"
+     "matmuls to AVX2 vectors (the same bits)"},
     {"rope", py_rope, METH_VARARGS,
      "rope(x, cos, sin, T, heads, head_dim, pairs, halves=False): rotary embedding of\n"
      "x [T, heads, head_dim] in place, cos/sin [T, pairs]; pairs (2i, 2i+1) or (i, i+pairs)"},
@@ -417,13 +425,22 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
-                                    "AVX2 kernels of the fast backend", -1, methods};
+                                    "AVX2 and AVX-512 kernels of the fast backend", -1, methods};
 
 PyMODINIT_FUNC PyInit__native(void) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
         !__builtin_cpu_supports("f16c")) {
         PyErr_SetString(PyExc_ImportError, "this CPU lacks AVX2/FMA/F16C");
+        return NULL;
+    }
+    /* Like OMP_NUM_THREADS, a process-wide setting of the library, read once: it reaches
+     * every process a mesh starts, so AVX2 kernels can be measured on an AVX-512 host. */
+    const char *wanted = getenv("MESHNET_ISA");
+    if (select_isa(wanted) < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "MESHNET_ISA=%s: expected avx2, avx512 (where the CPU has it) or auto",
+                     wanted);
         return NULL;
     }
     return PyModule_Create(&module);

@@ -55,7 +55,6 @@ enum {
  * The other types keep the GGUF's own rows (no padding).
  */
 #define GROUP_ROWS 16
-extern const Py_ssize_t GROUP_BYTES[TYPE_COUNT]; /* per block or super-block (K); 0: row-wise */
 
 /* Byte offsets of the fields in a K-quant group's super-block. */
 enum {
@@ -69,6 +68,22 @@ enum {
     K6_SC = 2 * GROUP_ROWS,                          /* Q6_K: 16 x 16 int8 */
     K6_SUB = K6_SC + 16 * GROUP_ROWS,                /* Q6_K: 16 sub-blocks of ... */
     K6_SUB_BYTES = 12 * GROUP_ROWS,                  /* ... 8 nibble + 4 high-bit columns */
+};
+
+/* A group's bytes per block, or per super-block (K-quants); 0: row-wise. Defined here, not
+ * in one unit, so the tiles' strides are constants where the type is (a stride read from
+ * memory cost the Q8_0 tiles ~20%). */
+static const Py_ssize_t GROUP_BYTES[TYPE_COUNT] = {
+    2 * GROUP_ROWS + 16 * GROUP_ROWS,  /* Q4_0: d, 16 byte columns */
+    4 * GROUP_ROWS + 16 * GROUP_ROWS,  /* Q4_1: d, m, 16 byte columns */
+    2 * GROUP_ROWS + 32 * GROUP_ROWS,  /* Q8_0: d, 32 byte columns */
+    K_QS4 + 128 * GROUP_ROWS,          /* Q4_K: 2368 = 16 rows x 144 + 64 */
+    K_QS5 + 128 * GROUP_ROWS,          /* Q5_K: 2880 = 16 rows x 176 + 64 */
+    K6_SUB + 16 * K6_SUB_BYTES,        /* Q6_K: 3360 = 16 rows x 210 */
+    0, 0,                              /* Q2_K, Q3_K: row-wise */
+    2 * GROUP_ROWS + 20 * GROUP_ROWS,  /* Q5_0: d, 16 nibble and 4 fifth-bit columns */
+    4 * GROUP_ROWS + 20 * GROUP_ROWS,  /* Q5_1: d, m, 16 nibble and 4 fifth-bit columns */
+    0, 0, 0,                           /* F16, BF16, F32: row-wise */
 };
 
 typedef struct {
@@ -90,13 +105,18 @@ void dequant_block(int type, const uint8_t *row, Py_ssize_t b, float *out);
 /* out[0 .. nb * QK) = row r of w, exactly as gguf-py dequantizes it. */
 void qmat_row(const qmat_t *w, Py_ssize_t r, float *out);
 
-/* out[t, r] = W[r] . x[t] for x [T, nb * QK]. Returns -1 when out of memory. */
-int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads);
+/* out[t, r] = W[r] . x[t] for x [T, nb * QK]; -1 when out of memory. wide 0 keeps to
+ * AVX2's 8-row vectors where the process runs AVX-512 ones (the same bits: tests check
+ * that both agree). */
+int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads, int wide);
 
-/* The same, bit for bit; allow_wide 0 keeps to AVX2's 8-row vectors even where AVX-512
- * would give 16-row ones (so tests can check that both agree). */
-int qmatmul_tiles(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads,
-                  int allow_wide);
+/* The matmul's instruction set for this process, chosen once at import: "avx2", "avx512"
+ * (where the CPU has AVX-512 F/VL/DQ/BW), or "auto"/NULL/"" for the widest the CPU has.
+ * -1 for a name it does not know or a set the CPU lacks. */
+int select_isa(const char *name);
+
+/* "avx512" or "avx2": the vectors the matmul runs (every other kernel is AVX2). */
+const char *isa_name(void);
 
 /* One sequence's rows in a batch, and its cache of one layer. */
 typedef struct {
@@ -145,7 +165,7 @@ typedef struct {
  * and values are stored in its cache. -1 when out of memory: the step is then void
  * (x half updated, keys and values written past the committed positions only). */
 int forward_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, const float *sin,
-                  const seq_t *seqs, Py_ssize_t n, int threads);
+                  const seq_t *seqs, Py_ssize_t n, int threads, int wide);
 
 /* Rotary embedding, in place, of x [T, heads, hd]: ``pairs`` pairs of each head turned by
  * cos, sin [T, pairs]; the pairs are (2i, 2i + 1), or (i, i + pairs) with ``halves``. */
