@@ -285,8 +285,10 @@ class RouteDriver:
         self, gen: Generation, segment: list[HopLink], step: int, x: np.ndarray
     ) -> np.ndarray | TokenLogprobs:
         """``step`` on hops that relay to each other: all at once, the first given ``x``;
-        the last one's output. On the first failure the other hops' answers are
-        abandoned: the failover cuts every survivor back to the steps seen here."""
+        the last one's output, as soon as it comes. The forwarding hops' answers are
+        read while the next step runs (each before that hop's next one). On the
+        first failure the other answers are abandoned: the failover cuts every
+        survivor back to the steps seen here."""
         rows = int(x.shape[0])
         last = len(segment) - 1
         calls = [
@@ -305,7 +307,11 @@ class RouteDriver:
             )
             for i, link in enumerate(segment)
         ]
-        await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
+        waiting = set(calls)
+        failed: list[asyncio.Task[pb.ForwardResponse]] = []
+        while not calls[-1].done() and not failed:
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            failed = [t for t in done if not t.cancelled() and t.exception()]
         failed = [t for t in calls if t.done() and not t.cancelled() and t.exception()]
         if failed:
             # The others are left to end with their streams (cancelling a read would end
@@ -320,10 +326,19 @@ class RouteDriver:
                 log.warning("%s cannot reach %s: the driver carries between them", *pair)
             raise error
         out = self._output(gen, segment[-1], calls[-1].result(), rows)
-        for link in segment:
-            link.steps = step + 1
+        for link, call in zip(segment, calls, strict=True):
+            link.steps = step + 1  # the token came: every hop before it committed the step
             link.positions += rows
+            link.unread = call if link is not segment[-1] else None
         return out
+
+    @staticmethod
+    async def _read_unread(link: HopLink) -> None:
+        """A forwarding hop's answer to its previous step: an acknowledgement, or the
+        failure that step met after all (raised now, and failed over as usual)."""
+        task, link.unread = link.unread, None
+        if task is not None:
+            await task
 
     def _segments(self, links: list[HopLink]) -> list[list[HopLink]]:
         """The route cut where a hop does not relay to the next."""
@@ -436,6 +451,7 @@ class RouteDriver:
     ) -> pb.ForwardResponse:
         """Send ``Step(step, **fields)`` to a hop and read its result, within a budget of
         ``waits`` steps of ``size`` rows (a relayed hop waits for the hops before it)."""
+        await self._read_unread(link)  # answers on a stream come in order
         node = link.node_id
         left = gen.deadline - time.monotonic()
         budget = (self.limits.step_timeout_s + size * self.limits.row_timeout_s) * waits

@@ -56,6 +56,8 @@ class HopLink:
     samples: bool = False  # opened to sample: it answers tokens, not hidden states
     next_node_id: str = ""  # the hop it forwards outputs to: it may blame a failure on it
     next_address: str = ""
+    # A forwarding hop's answer to its last step, read while the next step runs.
+    unread: asyncio.Task[pb.ForwardResponse] | None = None
 
     @property
     def node_id(self) -> str:
@@ -71,6 +73,8 @@ class HopLink:
         """End the stream; the node frees the session's KV of this epoch."""
         if self.verdict is None:  # a read still waiting on it ends without a probe
             self.verdict = Cancelled(f"the stream to {self.node_id} was closed")
+        if self.unread is not None:  # nobody will read it now: its end is not news
+            self.unread.add_done_callback(_retrieved)
         self.call.cancel()
 
     async def exchange(self, request: pb.ForwardRequest, timeout_s: float) -> pb.ForwardResponse:
@@ -116,6 +120,11 @@ class HopLink:
         if await answers(self.next_address, self.next_node_id):
             return RelayBroken(message, self.next_node_id, self.node_id)
         return WorkerDeath(message, self.next_node_id)
+
+
+def _retrieved(task: asyncio.Task[pb.ForwardResponse]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def open_link(
