@@ -40,12 +40,14 @@ def gguf_bytes(data: np.ndarray, qtype: QT) -> np.ndarray:
     return gguf.quants.quantize(data, qtype)
 
 
-def _matrix(qtype: QT, rows: int, path: str, seed: int = 0) -> tuple[quant.QuantMatrix, np.ndarray]:
+def _matrix(
+    qtype: QT, rows: int, path: str, seed: int = 0, cols: int = COLS
+) -> tuple[quant.QuantMatrix, np.ndarray]:
     """A random matrix of ``qtype`` for ``path`` and its gguf-py dequantization."""
-    data = np.random.default_rng(seed).standard_normal((rows, COLS)).astype(np.float32) * 0.2
+    data = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.2
     raw = gguf_bytes(data, qtype)
-    w = quant.from_blocks(raw, qtype, (rows, COLS), native=path != "numba")
-    return w, gguf.quants.dequantize(raw, qtype).reshape(rows, COLS)
+    w = quant.from_blocks(raw, qtype, (rows, cols), native=path != "numba")
+    return w, gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
 
 
 def _matmul(x: np.ndarray, w: quant.QuantMatrix, path: str) -> np.ndarray:
@@ -79,6 +81,25 @@ def test_every_tile_shape_gives_a_row_the_same_bits(qtype: QT, path: str, rows: 
         assert np.array_equal(_matmul(x[:batch], w, path), alone[:batch])
         shifted = _matmul(x[40 - batch :], w, path)  # the same rows at other places
         assert np.array_equal(shifted, alone[40 - batch :])
+
+
+@pytest.mark.skipif(not NATIVE_BUILT, reason="the native kernels are not built")
+@pytest.mark.parametrize("blocky", [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q5_1])
+def test_wide_rows_in_large_batches_give_a_row_the_same_bits(blocky: QT) -> None:
+    """Rows of more blocks than AVX2's large batches unpack at a time (64): each token
+    gets what it gets alone, at either vector width and thread count."""
+    w, dense = _matrix(blocky, 37, "best", seed=5, cols=32 * 70)
+    x = np.random.default_rng(5).standard_normal((20, w.cols)).astype(np.float32)
+    alone = np.concatenate([quant.matmul(x[i : i + 1], w, wide=False) for i in range(20)])
+    packed, rows, nb, code = quant.native_args(w)
+    for threads in (1, 2):
+        for wide in (False, True):
+            out = np.empty((20, rows), np.float32)
+            quant.NATIVE.matmul(packed, x, out, rows, nb, 20, code, threads, wide)
+            assert np.array_equal(out, alone)
+    exact = x.astype(np.float64) @ dense.T.astype(np.float64)
+    scale = np.abs(x).astype(np.float64) @ np.abs(dense).T.astype(np.float64)
+    assert np.all(np.abs(alone - exact) <= 1e-5 * scale)
 
 
 @pytest.mark.skipif(not NATIVE_BUILT, reason="the native kernels are not built")

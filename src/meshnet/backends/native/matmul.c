@@ -14,6 +14,7 @@
  * to keep the FMA units busy, never that order: results do not depend on the batch
  * size, a row's place in it, the thread split or the vector width.
  */
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -22,6 +23,7 @@
 typedef struct {
     const qmat_t *w;
     const float *x;  /* T * cols */
+    const float *xp; /* the unpacked tiles' tokens, see pack_tokens; NULL where unused */
     const float *sx; /* per token, sums of x over each block (4- and 5-bit types) or
                       * each 16 columns (Q6_K), in order; NULL for the other types */
     float *out;      /* T * rows */
@@ -35,6 +37,14 @@ typedef struct {
  * too (once per group): every layer of the bundled model, one token, one thread, 9.0 ->
  * 7.5 ms when the weights come from memory, not cache. */
 #define PREFETCH_BLOCKS 4
+
+/* Batches from this many tokens up take the AVX2 tiles that unpack each group's quants once
+ * (matmul_tile.h, unpacked_rows). */
+#ifndef AVX2_UNPACK_MIN_T
+#define AVX2_UNPACK_MIN_T 16
+#endif
+#define UNPACK_BLOCKS 64 /* blocks unpacked at a time: 128 KB of a group's quants */
+#define UNPACK_TT 6      /* tokens per unpacked tile: 2 x 6 chains, 2 weights, 1 token */
 
 #define WIDE __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq,avx512bw")))
 
@@ -98,6 +108,7 @@ static inline void store8(float *p, __m256 v, int n) {
 #define FNMA _mm256_fnmadd_ps
 #define LOAD _mm256_load_ps
 #define OR_AND(a, b, k) _mm256_or_si256(a, _mm256_and_si256(b, _mm256_set1_epi32(k)))
+#define UNPACK_MIN_T AVX2_UNPACK_MIN_T
 #include "matmul_tile.h"
 
 /* AVX-512: sixteen rows per vector (a whole group), 32 registers: batches take tiles
@@ -132,6 +143,7 @@ static inline WIDE void store16(float *p, __m512 v, int n) {
 #define FNMA _mm512_fnmadd_ps
 #define LOAD _mm512_load_ps
 #define OR_AND(a, b, k) _mm512_ternarylogic_epi32(a, b, _mm512_set1_epi32(k), 0xF8)
+#define UNPACK_MIN_T 0 /* its in-register tiles of 12 tokens unpack little per FMA */
 #include "matmul_tile.h"
 
 /* Per token, the sums of x over each piece of ``width`` columns, in order (the offsets
@@ -174,6 +186,25 @@ int select_isa(const char *name) {
 
 const char *isa_name(void) { return wide_isa ? "avx512" : "avx2"; }
 
+/* The tokens of each unpacked tile (UNPACK_TT wide, as even as unpacked_rows makes them)
+ * rearranged so that one block's values lie in FMA chain order, a column's tokens side
+ * by side: tile at t0 of width TT, block b, chain step k, token t at
+ * xp[t0 * cols + (b * QK + k) * TT + t]. Its broadcasts then have constant offsets. */
+static void pack_tokens(const float *x, Py_ssize_t T, Py_ssize_t nb, int in_order, float *xp) {
+    const Py_ssize_t cols = nb * QK, tiles = (T + UNPACK_TT - 1) / UNPACK_TT;
+    Py_ssize_t t0 = 0;
+    for (Py_ssize_t i = 0; i < tiles; i++) {
+        const int width = (int)(T / tiles + (i < T % tiles));
+        for (Py_ssize_t b = 0; b < nb; b++)
+            for (int k = 0; k < QK; k++) {
+                const int c = in_order ? k : (k % 2 ? QK / 2 + k / 2 : k / 2);
+                for (int t = 0; t < width; t++)
+                    xp[t0 * cols + (b * QK + k) * width + t] = x[(t0 + t) * cols + b * QK + c];
+            }
+        t0 += width;
+    }
+}
+
 int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads, int wide) {
     float *sx = NULL;
     const int type = w->type;
@@ -185,17 +216,39 @@ int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threa
     }
     const int isa512 = wide && wide_isa;
     const int lanes = isa512 ? 16 : 8;
-    const job_t j = {w, x, sx, out, T};
+    /* The AVX2 batches' unpacked tiles: their tokens packed, and per thread the unpacked
+     * quants and sums. */
+    float *scratch = NULL, *xp = NULL;
+    Py_ssize_t per_thread = 0;
+    if (!isa512 && T >= AVX2_UNPACK_MIN_T && IS_BLOCKWISE(type)) {
+        per_thread = (UNPACK_BLOCKS * QK + T) * GROUP_ROWS;
+        scratch = aligned_alloc(64, (size_t)threads * per_thread * sizeof(float));
+        xp = malloc(T * w->nb * QK * sizeof(float));
+        if (scratch == NULL || xp == NULL) {
+            free(scratch);
+            free(xp);
+            free(sx);
+            return -1;
+        }
+        pack_tokens(x, T, w->nb, type == Q8_0, xp);
+    }
+    const job_t j = {w, x, xp, sx, out, T};
     /* Threads take whole tiles of row vectors (four for a lone token, else two), a few
      * at a time as they come free: on a shared machine one core may run slower. */
     const Py_ssize_t vectors = (w->rows + lanes - 1) / lanes, unit = T == 1 ? 4 : 2;
     const Py_ssize_t units = (vectors + unit - 1) / unit;
-#pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
-    for (Py_ssize_t u = 0; u < units; u++) {
-        const Py_ssize_t v0 = u * unit, v1 = v0 + unit < vectors ? v0 + unit : vectors;
-        if (isa512) rows_avx512(&j, v0, v1);
-        else rows_avx2(&j, v0, v1);
+#pragma omp parallel num_threads(threads)
+    {
+        float *mine = scratch == NULL ? NULL : scratch + omp_get_thread_num() * per_thread;
+#pragma omp for schedule(dynamic, 2)
+        for (Py_ssize_t u = 0; u < units; u++) {
+            const Py_ssize_t v0 = u * unit, v1 = v0 + unit < vectors ? v0 + unit : vectors;
+            if (isa512) rows_avx512(&j, v0, v1, mine);
+            else rows_avx2(&j, v0, v1, mine);
+        }
     }
+    free(scratch);
+    free(xp);
     free(sx);
     return 0;
 }

@@ -341,13 +341,140 @@ static inline __attribute__((always_inline)) TARGET void FN(token_tiles)(const j
     }
 }
 
+#if UNPACK_MIN_T
+/*
+ * Batches of UNPACK_MIN_T tokens or more, 8-lane vectors, the types of blocks of 32:
+ * each group's quants are unpacked to float32 once (UNPACK_BLOCKS blocks at a time, in
+ * the order of their FMA chain), and tiles of the group's two row vectors x up to 6
+ * tokens then meet them from cache. With AVX2's 16 registers the in-register tiles
+ * (2 x 4) spend more operations unpacking than multiplying; here every column is loaded,
+ * not unpacked, and 12 chains run side by side. The same operations per (row, token) in
+ * the same order as FN(tile): the same bits.
+ */
+/* wq[(b - b0) * QK + k][16] = quant k of block b in chain order (4- and 5-bit: columns
+ * 0, 16, 1, 17, ...; Q8_0: 0, 1, ...) for rows v * LANES .. of RV row vectors. */
+static inline __attribute__((always_inline)) TARGET void FN(unpack_blocks)(
+    const job_t *j, const int type, const Py_ssize_t v, const int RV, const Py_ssize_t b0,
+    const Py_ssize_t b1, float *wq) {
+    const qmat_t *w = j->w;
+    const Py_ssize_t nb = w->nb, gb = GROUP_BYTES[type];
+    const int with_min = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
+    const int quants = with_min ? 4 * GROUP_ROWS : 2 * GROUP_ROWS;
+    const uint8_t *group = w->packed + (v * LANES / GROUP_ROWS) * nb * gb;
+    for (Py_ssize_t b = b0; b < b1; b++) {
+        float *out = wq + (b - b0) * QK * GROUP_ROWS;
+        for (int r = 0; r < RV; r++) {
+            const uint8_t *p = group + b * gb + r * LANES; /* lane r * LANES of the group */
+            if (type == Q8_0) {
+                for (int c = 0; c < QK; c++)
+                    _mm256_store_ps(out + c * GROUP_ROWS + r * LANES,
+                                    CVT(S8(p + quants + c * GROUP_ROWS)));
+                continue;
+            }
+#pragma GCC unroll 16
+            for (int i = 0; i < QK / 2; i++) {
+                const IVEC z = U8(p + quants + i * GROUP_ROWS);
+                IVEC lo = AND15(z), hi = SHR4(z);
+                if (five) {
+                    const uint8_t *qh = p + quants + 16 * GROUP_ROWS;
+                    const IVEC h0 = U8(qh + (i / 8) * GROUP_ROWS);
+                    const IVEC h1 = U8(qh + (2 + i / 8) * GROUP_ROWS);
+                    const int bit = i % 8;
+                    lo = OR_AND(lo, bit <= 4 ? SLL(h0, 4 - bit) : SRL(h0, bit - 4), 16);
+                    hi = OR_AND(hi, bit <= 4 ? SLL(h1, 4 - bit) : SRL(h1, bit - 4), 16);
+                }
+                _mm256_store_ps(out + (2 * i) * GROUP_ROWS + r * LANES, CVT(lo));
+                _mm256_store_ps(out + (2 * i + 1) * GROUP_ROWS + r * LANES, CVT(hi));
+            }
+        }
+    }
+}
+
+/* Tokens t0 .. t0 + TT - 1 of RV row vectors from v over blocks [b0, b1) unpacked in wq;
+ * acc [T][16] carries each (row, token)'s sum between calls (zero before block 0). */
+static inline __attribute__((always_inline)) TARGET void FN(unpacked_tile)(
+    const job_t *j, const int type, const Py_ssize_t v, const int RV, const Py_ssize_t b0,
+    const Py_ssize_t b1, const float *wq, float *acc, const Py_ssize_t t0, const int TT) {
+    const qmat_t *w = j->w;
+    const Py_ssize_t nb = w->nb, cols = nb * QK, gb = GROUP_BYTES[type];
+    const int with_min = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
+    const uint8_t *group = w->packed + (v * LANES / GROUP_ROWS) * nb * gb;
+    for (Py_ssize_t b = b0; b < b1; b++) {
+        const float *xb = j->xp + t0 * cols + b * QK * TT; /* [k][TT]: see pack_tokens */
+        const float *wb = wq + (b - b0) * QK * GROUP_ROWS;
+        VEC s[2][UNPACK_TT];
+        for (int r = 0; r < RV; r++)
+            for (int t = 0; t < TT; t++) s[r][t] = ZERO();
+#pragma GCC unroll 32
+        for (int k = 0; k < QK; k++) {
+            VEC wc[2];
+            for (int r = 0; r < RV; r++) wc[r] = LOAD(wb + k * GROUP_ROWS + r * LANES);
+            for (int t = 0; t < TT; t++) {
+                const VEC xc = SET1(xb[k * TT + t]);
+                for (int r = 0; r < RV; r++) s[r][t] = FMA(wc[r], xc, s[r][t]);
+            }
+        }
+        const uint8_t *p = group + b * gb;
+        for (int r = 0; r < RV; r++) {
+            const VEC d = HALVES(p + 2 * r * LANES);
+            const VEC m = with_min ? HALVES(p + 2 * GROUP_ROWS + 2 * r * LANES)
+                                   : MUL(d, SET1(five ? -16.0f : -8.0f));
+            for (int t = 0; t < TT; t++) {
+                float *a = acc + (t0 + t) * GROUP_ROWS + r * LANES;
+                VEC sum = FMA(d, s[r][t], LOAD(a));
+                if (type != Q8_0) sum = FMA(m, SET1(j->sx[(t0 + t) * nb + b]), sum);
+                _mm256_store_ps(a, sum);
+            }
+        }
+    }
+}
+
+/* Every token of RV row vectors from v (one group) through the unpacked tiles; scratch
+ * holds UNPACK_BLOCKS * QK * 16 + T * 16 floats. */
+static inline __attribute__((always_inline)) TARGET void FN(unpacked_rows)(
+    const job_t *j, const int type, const Py_ssize_t v, const int RV, float *scratch) {
+    const qmat_t *w = j->w;
+    float *wq = scratch, *acc = scratch + UNPACK_BLOCKS * QK * GROUP_ROWS;
+    memset(acc, 0, j->T * GROUP_ROWS * sizeof(float));
+    const Py_ssize_t tiles = (j->T + UNPACK_TT - 1) / UNPACK_TT;
+    for (Py_ssize_t b0 = 0; b0 < w->nb; b0 += UNPACK_BLOCKS) {
+        const Py_ssize_t b1 = b0 + UNPACK_BLOCKS < w->nb ? b0 + UNPACK_BLOCKS : w->nb;
+        FN(unpack_blocks)(j, type, v, RV, b0, b1, wq);
+        Py_ssize_t t = 0;
+        for (Py_ssize_t i = 0; i < tiles; i++) {
+            const int width = (int)(j->T / tiles + (i < j->T % tiles));
+#define UT(n, rv) FN(unpacked_tile)(j, type, v, rv, b0, b1, wq, acc, t, n)
+#define UTS(n) if (RV == 2) UT(n, 2); else UT(n, 1); break
+            switch (width) {
+            case 6: UTS(6);
+            case 5: UTS(5);
+            case 4: UTS(4);
+            case 3: UTS(3);
+            case 2: UTS(2);
+            default: UTS(1);
+            }
+#undef UTS
+#undef UT
+            t += width;
+        }
+    }
+    for (int r = 0; r < RV; r++) {
+        const Py_ssize_t row = (v + r) * LANES;
+        const int n = w->rows - row < LANES ? (int)(w->rows - row) : LANES;
+        for (Py_ssize_t t = 0; t < j->T; t++)
+            STORE(j->out + t * w->rows + row, LOAD(acc + t * GROUP_ROWS + r * LANES), n);
+    }
+}
+#endif
+
 /* Row vectors [v0, v1) for every token: a lone token takes four row vectors at once
  * (four FMA chains to hide the latency), two or three tokens two, larger batches
  * BATCH_RV (their tiles of tokens give chains enough). */
 static inline __attribute__((always_inline)) TARGET void FN(rows_typed)(const job_t *j,
                                                                         const int type,
                                                                         Py_ssize_t v0,
-                                                                        Py_ssize_t v1) {
+                                                                        Py_ssize_t v1,
+                                                                        float *scratch) {
     Py_ssize_t v = v0;
     if (j->T == 1) {
         for (; v + 4 <= v1; v += 4) FN(any_tile)(j, type, v, 4, 0, 1);
@@ -358,6 +485,13 @@ static inline __attribute__((always_inline)) TARGET void FN(rows_typed)(const jo
         for (; v < v1; v++) FN(token_tiles)(j, type, v, 1);
         return;
     }
+#if UNPACK_MIN_T
+    if (j->T >= UNPACK_MIN_T && IS_BLOCKWISE(type) && scratch != NULL) {
+        for (; v + 2 <= v1; v += 2) FN(unpacked_rows)(j, type, v, 2, scratch);
+        if (v < v1) FN(unpacked_rows)(j, type, v, 1, scratch);
+        return;
+    }
+#endif
     for (; v + 2 <= v1; v += 2) FN(token_tiles)(j, type, v, 2);
     if (v < v1) FN(token_tiles)(j, type, v, 1);
 }
@@ -366,8 +500,8 @@ static inline __attribute__((always_inline)) TARGET void FN(rows_typed)(const jo
  * was optimised worse (its 8-lane tiles ran 10-20% slower). */
 #define ROWS_OF(name, code)                                                                  \
     static __attribute__((noinline)) TARGET void FN(CAT(rows_, name))(                       \
-        const job_t *j, Py_ssize_t v0, Py_ssize_t v1) {                                      \
-        FN(rows_typed)(j, code, v0, v1);                                                     \
+        const job_t *j, Py_ssize_t v0, Py_ssize_t v1, float *scratch) {                      \
+        FN(rows_typed)(j, code, v0, v1, scratch);                                            \
     }
 ROWS_OF(q4_0, Q4_0)
 ROWS_OF(q4_1, Q4_1)
@@ -380,17 +514,17 @@ ROWS_OF(q6_k, Q6_K)
 ROWS_OF(rowwise, F32) /* every row-wise type: see ftile */
 #undef ROWS_OF
 
-static TARGET void FN(rows)(const job_t *j, Py_ssize_t v0, Py_ssize_t v1) {
+static TARGET void FN(rows)(const job_t *j, Py_ssize_t v0, Py_ssize_t v1, float *scratch) {
     switch (j->w->type) {
-    case Q4_0: FN(rows_q4_0)(j, v0, v1); break;
-    case Q4_1: FN(rows_q4_1)(j, v0, v1); break;
-    case Q8_0: FN(rows_q8_0)(j, v0, v1); break;
-    case Q5_0: FN(rows_q5_0)(j, v0, v1); break;
-    case Q5_1: FN(rows_q5_1)(j, v0, v1); break;
-    case Q4_K: FN(rows_q4_k)(j, v0, v1); break;
-    case Q5_K: FN(rows_q5_k)(j, v0, v1); break;
-    case Q6_K: FN(rows_q6_k)(j, v0, v1); break;
-    default: FN(rows_rowwise)(j, v0, v1); break;
+    case Q4_0: FN(rows_q4_0)(j, v0, v1, scratch); break;
+    case Q4_1: FN(rows_q4_1)(j, v0, v1, scratch); break;
+    case Q8_0: FN(rows_q8_0)(j, v0, v1, scratch); break;
+    case Q5_0: FN(rows_q5_0)(j, v0, v1, scratch); break;
+    case Q5_1: FN(rows_q5_1)(j, v0, v1, scratch); break;
+    case Q4_K: FN(rows_q4_k)(j, v0, v1, scratch); break;
+    case Q5_K: FN(rows_q5_k)(j, v0, v1, scratch); break;
+    case Q6_K: FN(rows_q6_k)(j, v0, v1, scratch); break;
+    default: FN(rows_rowwise)(j, v0, v1, scratch); break;
     }
 }
 
@@ -424,3 +558,4 @@ static TARGET void FN(rows)(const job_t *j, Py_ssize_t v0, Py_ssize_t v1) {
 #undef FNMA
 #undef LOAD
 #undef OR_AND
+#undef UNPACK_MIN_T
