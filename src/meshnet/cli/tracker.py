@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from meshnet.cli.options import add_options, declare_tracker_options
+from meshnet.tracker.admission import AdmissionConfig
 from meshnet.tracker.driver import DriverLimits
 from meshnet.tracker.main import TrackerProcessConfig, serve
 from meshnet.tracker.outbox import OutboxConfig
@@ -33,9 +34,11 @@ def run(args: argparse.Namespace) -> int:
             model_path=args.model,
             tracker=TrackerConfig(
                 heartbeat_timeout_s=args.heartbeat_timeout,
-                max_in_flight=args.max_in_flight,
-                max_queued=args.max_queued,
-                queue_wait_s=args.queue_wait,
+                admission=AdmissionConfig(
+                    max_in_flight=args.max_in_flight,
+                    max_queued=args.max_queued,
+                    queue_wait_s=args.queue_wait,
+                ),
             ),
             driver=DriverLimits(
                 step_timeout_s=args.step_timeout,

@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -60,16 +60,7 @@ class TrackerConfig:
     heartbeat_timeout_s: float = 3.0  # silence after which a node is probed, and if gone, down
     sweep_interval_s: float = 0.5
     heal_timeout_s: float = 120.0  # an empty node loading a failed span
-    max_in_flight: int = 64  # generations at once; more wait in the queue, then get 429
-    node_streams: int = 32  # streams per node when its heartbeat does not say
-    max_queued: int = 256  # requests waiting for capacity; more get 429 at once
-    queue_wait_s: float = 1.0  # how long a request waits for capacity before its 429
-
-    @property
-    def admission(self) -> AdmissionConfig:
-        return AdmissionConfig(
-            self.max_in_flight, self.node_streams, self.max_queued, self.queue_wait_s
-        )
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # capacity, queue
 
 
 @dataclass(frozen=True)
