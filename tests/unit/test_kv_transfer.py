@@ -9,23 +9,35 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from meshnet.auth.grpc_auth import NodeGate
+from meshnet.auth.keys import new_secret
+from meshnet.auth.mesh_keys import MeshKeys, Metadata
+from meshnet.auth.signing import PREFIX_KEY
 from meshnet.kv.transfer import export_frames
 from meshnet.layer_range import LayerRange
 from meshnet.node.engine import NodeEngine
+from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.scheduler import StepWork
 from meshnet.node.service import NodeIdentity, NodeService
 from meshnet.protocol import meshnet_pb2 as pb
 
+KEYS = MeshKeys(new_secret())  # the tracker's side: signs its calls to the nodes
+PREFIX = "prefix-of-s"  # the token prefix hash the tracker vouches for session "s"
+
 
 class Context:
-    """The part of a gRPC server context the KV calls use."""
+    """The part of a gRPC server context the KV calls use, with the call's metadata."""
 
-    def __init__(self, remaining: float | None = None) -> None:
+    def __init__(self, remaining: float | None = None, metadata: Metadata = ()) -> None:
         self.remaining = remaining
+        self.metadata = metadata
         self.cancelled = threading.Event()
 
     def time_remaining(self) -> float | None:
         return self.remaining
+
+    def invocation_metadata(self) -> Metadata:
+        return self.metadata
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -38,7 +50,8 @@ def _service(tiny_path: Path) -> NodeService:
     engine = NodeEngine()
     engine.start()
     engine.load(str(tiny_path), LayerRange(0, 4)).result(30)
-    return NodeService(NodeIdentity("n", str(tiny_path)), engine)
+    identity = NodeIdentity("n", str(tiny_path), ModelDirs.of([tiny_path.parent]))
+    return NodeService(identity, engine, NodeGate(KEYS.node_key("n")))
 
 
 @pytest.fixture
@@ -63,14 +76,17 @@ def _session(engine: NodeEngine) -> None:
 
 
 def _frames(service: NodeService, chunk_bytes: int = 1024) -> list[pb.KVFrame]:
-    got = list(service.StateGet(pb.StateGetRequest(session_id="s"), Context()))  # type: ignore[arg-type]
+    get = pb.StateGetRequest(session_id="s", token_prefix_hash=PREFIX)
+    signed = Context(metadata=KEYS.call(service.identity.node_id, "StateGet"))
+    got = list(service.StateGet(get, signed))  # type: ignore[arg-type]
     header = got[0].header
     payload = b"".join(f.chunk.data for f in got[1:-1])
     return list(export_frames(header, payload, chunk_bytes))
 
 
 def _put(service: NodeService, frames: list[pb.KVFrame]) -> pb.StatePutResponse:
-    return service.StatePut(iter(frames), Context())  # type: ignore[arg-type]
+    vouched = Context(metadata=((PREFIX_KEY, PREFIX),))
+    return service.StatePut(iter(frames), vouched)  # type: ignore[arg-type]
 
 
 def test_imported_kv_continues_bit_identically(nodes: tuple[NodeService, NodeService]) -> None:
@@ -134,7 +150,7 @@ def test_a_stalled_stream_is_cut_off_by_one_deadline(
     a, b = nodes
     _session(a.engine)
     frames = _frames(a)
-    context = Context(remaining=0.3)
+    context = Context(remaining=0.3, metadata=((PREFIX_KEY, PREFIX),))
 
     def trickle() -> Iterator[pb.KVFrame]:
         yield frames[0]
