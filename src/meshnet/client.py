@@ -11,14 +11,19 @@ import httpx
 from meshnet.errors import MeshnetError
 
 
-def served_model(url: str) -> str:
-    r = httpx.get(f"{url}/v1/models", timeout=10.0)
+def _auth(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"}
+
+
+def served_model(url: str, api_key: str) -> str:
+    r = httpx.get(f"{url}/v1/models", headers=_auth(api_key), timeout=10.0)
     r.raise_for_status()
     return str(r.json()["data"][0]["id"])
 
 
 def stream_chat(
     url: str,
+    api_key: str,
     messages: list[dict[str, str]],
     max_tokens: int = 256,
     temperature: float = 0.0,
@@ -27,7 +32,7 @@ def stream_chat(
 ) -> Iterator[str]:
     """Yield the assistant's text as it streams; raise ``MeshnetError`` on an API error."""
     body: dict[str, Any] = {
-        "model": served_model(url),
+        "model": served_model(url, api_key),
         "messages": messages,
         "stream": True,
         "max_tokens": max_tokens,
@@ -35,7 +40,8 @@ def stream_chat(
     }
     if seed is not None:
         body["seed"] = seed
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout_s) as r:
+    chat = f"{url}/v1/chat/completions"
+    with httpx.stream("POST", chat, json=body, headers=_auth(api_key), timeout=timeout_s) as r:
         if r.status_code != 200:
             r.read()
             raise MeshnetError(f"HTTP {r.status_code}: {r.text}")

@@ -13,6 +13,8 @@ the API edge::
     │   └── LayerRangeError          layer-range-invalid      no         400
     ├── TokenizerError               tokenizer-invalid        no         400
     ├── RequestError                 bad-request              no         400
+    │   ├── Unauthenticated          unauthenticated          no         401
+    │   ├── PermissionDenied         permission-denied        no         403
     │   ├── ModelNotFound            model-not-found          no         404
     │   ├── NotFound                 not-found                no         404
     │   ├── SessionGone              session-gone             no         410
@@ -23,6 +25,7 @@ the API edge::
     ├── CacheMiss                    cache-miss               yes        409
     ├── NoRoute                      no-route                 yes        503
     ├── Overloaded                   overloaded               yes        429
+    │   └── QuotaExceeded            quota-exceeded           yes        429
     ├── KVBudgetExhausted            kv-budget-exhausted      yes        429
     ├── Cancelled                    cancelled                no         499
     ├── KVImportFailed               kv-import-failed         yes        502
@@ -109,6 +112,20 @@ class ModelNotFound(RequestError):
     http_status = 404
 
 
+class Unauthenticated(RequestError):
+    """No credential, or one that does not check out (bad key, bad signature, expired)."""
+
+    kind = "unauthenticated"
+    http_status = 401
+
+
+class PermissionDenied(RequestError):
+    """A valid credential that does not allow this call."""
+
+    kind = "permission-denied"
+    http_status = 403
+
+
 class NotFound(RequestError):
     """A request names something (a generation, a session) that does not exist."""
 
@@ -178,6 +195,12 @@ class Overloaded(MeshnetError):
     def __init__(self, message: str, node_id: str = "", retry_after_s: int = 1) -> None:
         super().__init__(message, node_id)
         self.retry_after_s = retry_after_s
+
+
+class QuotaExceeded(Overloaded):
+    """A tenant is over one of its quotas; ``retry_after_s`` says when it has room again."""
+
+    kind = "quota-exceeded"
 
 
 class KVBudgetExhausted(MeshnetError):

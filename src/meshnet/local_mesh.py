@@ -26,6 +26,8 @@ from typing import Any
 
 import httpx
 
+from meshnet.auth.credentials import NODE_KEY_ENV, ensure_user_credentials
+from meshnet.auth.keys import ensure_mesh_secret, node_key
 from meshnet.errors import MeshnetError
 from meshnet.layer_range import LayerRange, split_evenly
 
@@ -83,10 +85,26 @@ class LocalMesh:
     def __post_init__(self) -> None:
         self.port = self.port or free_port()
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
+        # The tracker reads (or would make) the same files: the mesh's credentials exist
+        # before any process starts, so each node can be given its own key.
+        self.mesh_secret = ensure_mesh_secret(self.data_dir)
+        self.credentials = ensure_user_credentials(self.data_dir)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def api_headers(self) -> dict[str, str]:
+        """What a client of the default tenant sends."""
+        return {"Authorization": f"Bearer {self.credentials.api_key}"}
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.credentials.admin_token}"}
+
+    def node_key(self, node_id: str) -> str:
+        return node_key(self.mesh_secret, node_id)
 
     def start(
         self,
@@ -131,7 +149,7 @@ class LocalMesh:
         args += ["--heartbeat", str(self.heartbeat_s), "--threads", str(threads)]
         args += ["--empty"] if layers is None else ["--layers", f"{layers.start}:{layers.end}"]
         args += [*self.node_args, *extra]
-        proc = self._spawn(node_id, args, prefix, threads)
+        proc = self._spawn(node_id, args, prefix, threads, {NODE_KEY_ENV: self.node_key(node_id)})
         self.nodes[node_id] = proc
         self.killed.discard(node_id)
         return proc
@@ -187,7 +205,12 @@ class LocalMesh:
                 p.wait(timeout=5)
 
     def _spawn(
-        self, name: str, args: list[str], prefix: Sequence[str] = (), kernel_threads: int = 1
+        self,
+        name: str,
+        args: list[str],
+        prefix: Sequence[str] = (),
+        kernel_threads: int = 1,
+        secrets: dict[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
         # One BLAS thread, the kernels' pool capped at the process's share, and idle
         # threads that sleep rather than spin: several processes share the cores.
@@ -196,7 +219,13 @@ class LocalMesh:
             "NUMBA_NUM_THREADS": str(kernel_threads),
             "OMP_WAIT_POLICY": "PASSIVE",
         }
-        env = {**os.environ, **threads, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        env = {
+            **os.environ,
+            **threads,
+            "PYTHONUNBUFFERED": "1",
+            **self.extra_env,
+            **(secrets or {}),
+        }
         cmd = [*prefix, sys.executable, "-m", "meshnet.cli.main", *args]
         if self.model:
             cmd += ["--model", self.model]

@@ -5,15 +5,17 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
 
+from meshnet.api.auth import auth_of, require_admin
 from meshnet.api.schemas import PinRouteRequest
 from meshnet.api.state import tracker_of
+from meshnet.auth.tenants import Quotas
 from meshnet.errors import MeshnetError, NotFound
-from meshnet.tracker.registry import NodeState
 from meshnet.tracker.routes import route_json
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(require_admin)])
 
 
 @router.get("/admin/nodes")
@@ -100,20 +102,39 @@ async def ledger(
     }
 
 
-@router.get("/healthz")
-async def healthz(request: Request) -> dict[str, Any]:
-    tracker = tracker_of(request)
-    try:
-        route_json(tracker.route())
-        complete, reason = True, None
-    except MeshnetError as e:
-        complete, reason = False, e.message
-    nodes = tracker.store.nodes()
-    return {
-        "status": "ok",
-        "model": tracker.model.name,
-        "route_complete": complete,
-        "reason": reason,
-        "nodes_up": sum(n.state is NodeState.UP for n in nodes),
-        "nodes_routable": sum(n.routable for n in nodes),
-    }
+class NewTenant(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, max_length=64)
+    requests_per_min: int = Field(default=0, ge=0, le=10**9)
+    tokens_per_min: int = Field(default=0, ge=0, le=10**12)
+    max_streams: int = Field(default=0, ge=0, le=10**6)
+    max_sessions: int = Field(default=0, ge=0, le=10**9)
+    max_kv_bytes: int = Field(default=0, ge=0, le=2**62)
+
+
+@router.post("/admin/tenants")
+async def create_tenant(body: NewTenant, request: Request) -> dict[str, Any]:
+    """Create a tenant (or set an existing one's quotas; 0 is no limit)."""
+    quotas = Quotas(**body.model_dump(exclude={"id"}))
+    tenant = auth_of(request).tenants.create_tenant(body.id, quotas)
+    return {"id": tenant.id, "quotas": asdict(tenant.quotas)}
+
+
+@router.get("/admin/tenants")
+async def list_tenants(request: Request) -> dict[str, Any]:
+    tenants = auth_of(request).tenants.tenants()
+    return {"tenants": [{"id": t.id, "quotas": asdict(t.quotas)} for t in tenants]}
+
+
+@router.post("/admin/tenants/{tenant_id}/keys")
+async def issue_key(tenant_id: str, request: Request) -> dict[str, Any]:
+    """A new API key for the tenant; it is shown this once (only its digest is kept)."""
+    key, key_id = auth_of(request).tenants.issue_key(tenant_id)
+    return {"tenant": tenant_id, "key_id": key_id, "api_key": key}
+
+
+@router.delete("/admin/keys/{key_id}")
+async def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
+    auth_of(request).tenants.revoke_key(key_id)
+    return {"key_id": key_id, "revoked": True}

@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "invalid_request_error",
     409: "conflict_error",

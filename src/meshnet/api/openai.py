@@ -15,10 +15,11 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from meshnet.api.auth import CallingTenant, auth_of, require_tenant
 from meshnet.api.errors import error_body
 from meshnet.api.logprobs import LogprobShape
 from meshnet.api.schemas import (
@@ -28,6 +29,7 @@ from meshnet.api.schemas import (
     require_model,
 )
 from meshnet.api.state import tracker_of
+from meshnet.auth.quotas import Slot
 from meshnet.errors import MeshnetError, RequestError
 from meshnet.model.chat import ChatMessage
 from meshnet.model.info import ModelInfo
@@ -40,7 +42,7 @@ router = APIRouter()
 log = logging.getLogger(__name__)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", dependencies=[Depends(require_tenant)])
 async def list_models(request: Request) -> dict[str, Any]:
     model = tracker_of(request).model
     return {
@@ -51,13 +53,14 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
-    body: ChatCompletionRequest, request: Request
+    body: ChatCompletionRequest, request: Request, tenant: CallingTenant
 ) -> JSONResponse | StreamingResponse:
     tracker = tracker_of(request)
     require_model(body.model, tracker.model.name)
     messages = [ChatMessage(m.role, m.content) for m in body.messages]
     prompt_ids = await run_in_threadpool(_chat_ids, tracker.model, messages)  # not on the loop
-    return await _complete(tracker, body, prompt_ids, "chat")
+    slot = auth_of(request).quotas.admit(tenant, len(prompt_ids))
+    return await _complete(tracker, body, prompt_ids, "chat", slot)
 
 
 def _chat_ids(model: ModelInfo, messages: list[ChatMessage]) -> list[int]:
@@ -66,7 +69,7 @@ def _chat_ids(model: ModelInfo, messages: list[ChatMessage]) -> list[int]:
 
 @router.post("/v1/completions", response_model=None)
 async def completions(
-    body: CompletionRequest, request: Request
+    body: CompletionRequest, request: Request, tenant: CallingTenant
 ) -> JSONResponse | StreamingResponse:
     tracker = tracker_of(request)
     require_model(body.model, tracker.model.name)
@@ -76,30 +79,53 @@ async def completions(
         prompt_ids = list(body.prompt)
     if not prompt_ids:
         raise RequestError("the prompt encodes to no tokens")
-    return await _complete(tracker, body, prompt_ids, "text")
+    slot = auth_of(request).quotas.admit(tenant, len(prompt_ids))
+    return await _complete(tracker, body, prompt_ids, "text", slot)
 
 
 async def _complete(
-    tracker: Tracker, body: _Sampling, prompt_ids: list[int], kind: Kind
+    tracker: Tracker, body: _Sampling, prompt_ids: list[int], kind: Kind, slot: Slot
 ) -> JSONResponse | StreamingResponse:
-    started = await tracker.start(prompt_ids, body.sampling(), body.top_logprobs_wanted)
-    reply = _Reply(kind, tracker.model.name, started, LogprobShape(kind, tracker.model.tokenizer))
-    if body.stream:
-        # The prefill runs before the response starts, so its failures (a full KV
-        # budget, a dead node) still get their own HTTP status, not a 200 and an error event.
-        first = await anext(started.events)
-        return StreamingResponse(
-            _sse(reply, _prepend(first, started.events), body.include_usage),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    done: DoneEvent | None = None
-    async for event in started.events:
-        if isinstance(event, DoneEvent):
-            done = event
+    """Run the generation under the tenant's ``slot``, which ends with it however it ends."""
+    try:
+        started = await tracker.start(prompt_ids, body.sampling(), body.top_logprobs_wanted)
+        events = _metered(started.events, slot)
+        shape = LogprobShape(kind, tracker.model.tokenizer)
+        reply = _Reply(kind, tracker.model.name, started, shape)
+        if body.stream:
+            # The prefill runs before the response starts, so its failures (a full KV
+            # budget, a dead node) still get their own HTTP status, not a 200 and an error.
+            first = await anext(events)
+            return StreamingResponse(
+                _sse(reply, _prepend(first, events), body.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        done: DoneEvent | None = None
+        async for event in events:
+            if isinstance(event, DoneEvent):
+                done = event
+    except BaseException:
+        slot.end()
+        raise
     if done is None:
         raise MeshnetError("the generation ended without a result")
     return JSONResponse(reply.whole(done))
+
+
+async def _metered(
+    events: AsyncGenerator[TokenEvent | DoneEvent, None], slot: Slot
+) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
+    """The generation's events; its tokens are charged to the tenant and its stream freed
+    when it ends."""
+    try:
+        async for event in events:
+            if isinstance(event, TokenEvent):
+                slot.charge(1)
+            yield event
+    finally:
+        slot.end()
+        await events.aclose()
 
 
 class _Reply:

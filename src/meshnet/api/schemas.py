@@ -96,6 +96,13 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
+    @model_validator(mode="after")
+    def _bounded_prompt(self) -> ChatCompletionRequest:
+        total = sum(len(m.content) for m in self.messages)
+        if total > MAX_PROMPT_CHARS:
+            raise ValueError(f"the messages hold {total} characters, at most {MAX_PROMPT_CHARS}")
+        return self
+
     @property
     def top_logprobs_wanted(self) -> int:
         return (self.top_logprobs or 0) if self.logprobs else -1

@@ -17,9 +17,12 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from meshnet.api.auth import CallingTenant, auth_of, require_owner
 from meshnet.api.errors import error_body
 from meshnet.api.schemas import DEFAULT_MAX_TOKENS, MAX_PROMPT_CHARS
-from meshnet.api.state import outbox_of, sessions_of
+from meshnet.api.state import outbox_of, sessions_of, tracker_of
+from meshnet.auth.quotas import check_kv, check_sessions
+from meshnet.auth.tenants import Tenant
 from meshnet.errors import MeshnetError, NotFound, RequestError, SessionGone, error_for_kind
 from meshnet.model.sampling import MAX_STOP_STRINGS
 from meshnet.tracker.driver import TokenEvent
@@ -52,38 +55,63 @@ class TurnRequest(_Strict):
     stream: bool = False
 
 
+def _usage(request: Request, tenant: Tenant) -> tuple[int, int]:
+    """The tenant's sessions not ended, and the bytes of KV they hold."""
+    store = sessions_of(request).store
+    spec = tracker_of(request).model.spec
+    per_token = 2 * spec.n_layers * spec.kv_width * 4  # keys and values, float32
+    owned = (store.find(s) for s in auth_of(request).tenants.owned(tenant.id))
+    live = [s for s in owned if s is not None and not s.state.terminal]
+    return len(live), sum(s.kv_tokens for s in live) * per_token
+
+
 @router.post("/v1/sessions")
-async def create_session(request: Request, body: NewSession | None = None) -> dict[str, Any]:
+async def create_session(
+    request: Request, tenant: CallingTenant, body: NewSession | None = None
+) -> dict[str, Any]:
+    if tenant.quotas.max_sessions:
+        check_sessions(tenant, _usage(request, tenant)[0])
+    auth_of(request).quotas.admit(tenant, stream=False)
     session = sessions_of(request).create(body.system if body else None)
+    auth_of(request).tenants.own(session.id, tenant.id)
     return {"id": session.id, "state": session.state.value}
 
 
 @router.get("/v1/sessions/{session_id}")
-async def get_session(session_id: str, request: Request) -> dict[str, Any]:
+async def get_session(session_id: str, request: Request, tenant: CallingTenant) -> dict[str, Any]:
+    require_owner(request, tenant, session_id)
     sessions = sessions_of(request)
     return sessions.describe(sessions.store.get(session_id))
 
 
 @router.delete("/v1/sessions/{session_id}")
-async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
+async def delete_session(
+    session_id: str, request: Request, tenant: CallingTenant
+) -> dict[str, Any]:
+    require_owner(request, tenant, session_id)
     session = await sessions_of(request).end(session_id)
     return {"id": session.id, "state": session.state.value}
 
 
 @router.post("/v1/sessions/{session_id}/park")
-async def park_session(session_id: str, request: Request) -> dict[str, Any]:
+async def park_session(session_id: str, request: Request, tenant: CallingTenant) -> dict[str, Any]:
+    require_owner(request, tenant, session_id)
     sessions = sessions_of(request)
     return sessions.describe(await sessions.park(session_id))
 
 
 @router.post("/v1/sessions/{session_id}/evict")
-async def evict_session(session_id: str, request: Request) -> dict[str, Any]:
+async def evict_session(session_id: str, request: Request, tenant: CallingTenant) -> dict[str, Any]:
+    require_owner(request, tenant, session_id)
     sessions = sessions_of(request)
     return sessions.describe(await sessions.evict(session_id))
 
 
 @router.get("/v1/sessions/{session_id}/turns/{turn_id}", response_model=None)
-async def get_turn(session_id: str, turn_id: str, request: Request) -> JSONResponse:
+async def get_turn(
+    session_id: str, turn_id: str, request: Request, tenant: CallingTenant
+) -> JSONResponse:
+    require_owner(request, tenant, session_id)
     turn = sessions_of(request).store.turn(turn_id)
     if turn.session_id != session_id:
         raise NotFound(f"no turn {turn_id!r} in session {session_id!r}")
@@ -95,8 +123,15 @@ async def add_turn(
     session_id: str,
     body: TurnRequest,
     request: Request,
+    tenant: CallingTenant,
     idempotency_key: str | None = Header(default=None, max_length=_MAX_KEY),
 ) -> JSONResponse | StreamingResponse:
+    require_owner(request, tenant, session_id)
+    if tenant.quotas.max_kv_bytes:
+        check_kv(tenant, _usage(request, tenant)[1])
+    # Counted as a request (and its tokens as they come); the turn, once accepted, runs
+    # to its end whatever the client does, so it holds no stream of the tenant's.
+    auth_of(request).quotas.admit(tenant, stream=False)
     outbox = outbox_of(request)
     fields = body.model_dump(exclude={"stream"})
     turn = outbox.accept(session_id, idempotency_key, fields)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 
+from meshnet.auth.credentials import MESH_SECRET_ENV, NODE_KEY_ENV, node_credential
 from meshnet.cli.options import add_options, declare_node_options
 from meshnet.layer_range import LayerRange
 from meshnet.node.engine import EngineConfig
@@ -24,18 +26,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     group.add_argument("--empty", action="store_true", help="load nothing; wait for Configure")
     p.add_argument("--node-id", default=None, help="name on the mesh (default: random)")
     p.add_argument("--park-dir", help="where parked KV is kept (default: a temp directory)")
+    p.add_argument(
+        "--model-dir",
+        action="append",
+        default=[],
+        help="a directory the tracker may load models from (repeatable; --model's is included)",
+    )
+    p.add_argument(
+        "--node-key-file",
+        help=f"this node's credential (or ${NODE_KEY_ENV}; `meshnet credentials node-key`)",
+    )
+    p.add_argument(
+        "--mesh-secret-file",
+        help=f"derive the credential from the mesh secret (or ${MESH_SECRET_ENV})",
+    )
     add_options(p, declare_node_options, "node options (also taken by `meshnet up`)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    node_id = args.node_id or new_node_id()
+    key = node_credential(node_id, args.node_key_file, args.mesh_secret_file, os.environ)
     return serve(
         NodeConfig(
             tracker_url=args.tracker,
             listen=args.listen,
             model_path=args.model,
             layers=None if args.empty else args.layers,
-            node_id=args.node_id or new_node_id(),
+            node_id=node_id,
+            node_key=key,
+            model_dirs=tuple(args.model_dir),
             advertise_host=args.advertise_host,
             advertise_port=args.advertise_port,
             heartbeat_s=args.heartbeat,

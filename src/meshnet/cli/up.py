@@ -15,6 +15,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from meshnet.auth.credentials import CREDENTIALS_FILE
 from meshnet.cli.options import (
     add_options,
     declare_node_options,
@@ -88,9 +89,11 @@ def run(args: argparse.Namespace) -> int:
         )
         mesh.start(layout, threads=threads)
         print(f"meshnet API at {mesh.url}/v1", flush=True)
+        print(f"credentials (API key, admin token) in {data_dir / CREDENTIALS_FILE}", flush=True)
         if args.once is not None:
             print(f"> {args.once}")
-            for piece in stream_chat(mesh.url, [{"role": "user", "content": args.once}]):
+            question = [{"role": "user", "content": args.once}]
+            for piece in stream_chat(mesh.url, mesh.credentials.api_key, question):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             print()

@@ -120,10 +120,14 @@ def read_stream(
     check: Callable[[pb.KVHeader], None],
     deadline: float,
 ) -> tuple[pb.KVHeader, bytearray]:
-    """Read and verify one whole stream; the payload only when everything checks out."""
+    """Read and verify one whole stream; the payload only when everything checks out.
+
+    The payload grows as verified chunks arrive: a sender that stops after its
+    header costs the receiver nothing.
+    """
     header = _next(frames, deadline, "header").header
     check(header)
-    payload = bytearray(header.total_bytes)
+    payload = bytearray()
     hashes: list[bytes] = []
     n_chunks = -(-header.total_bytes // header.chunk_bytes)
     for index in range(n_chunks):
@@ -138,7 +142,7 @@ def read_stream(
         hashed = digest(data)
         if hashed != frame.chunk.digest:
             raise KVImportFailed(f"chunk {index} does not match its hash", "chunk-hash")
-        payload[start : start + size] = data
+        payload += data
         hashes.append(hashed)
     trailer = _next(frames, deadline, "trailer")
     if trailer.WhichOneof("kind") != "trailer":

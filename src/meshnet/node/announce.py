@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import httpx
 
+from meshnet.auth.node_http import NodeAuth
 from meshnet.mesh_messages import Heartbeat, HeartbeatReply, NodeAnnouncement, NodeLoad
 from meshnet.node.engine import EngineStats
 
@@ -27,6 +28,7 @@ class Announcer:
         self,
         tracker_url: str,
         node_id: str,
+        node_key: str,
         address: str,
         backend: str,
         kv_budget_bytes: int,
@@ -35,6 +37,7 @@ class Announcer:
     ) -> None:
         self.tracker_url = tracker_url.rstrip("/")
         self.node_id = node_id
+        self._auth = NodeAuth(node_id, node_key)
         self.address = address
         self.backend = backend
         self.kv_budget_bytes = kv_budget_bytes
@@ -51,7 +54,7 @@ class Announcer:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        with httpx.Client(timeout=5.0) as http:
+        with httpx.Client(timeout=5.0, auth=self._auth) as http:
             registered = False
             backoff = 0.1
             while not self._stop.is_set():

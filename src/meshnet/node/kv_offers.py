@@ -26,6 +26,7 @@ _TICKET_TIMEOUT_S = 5.0
 _SEND_TIMEOUT_S = 60.0
 _OFFER_TTL_S = 60.0
 _MAX_OFFERS = 64
+MAX_CONNECTIONS = 8  # fetches served at once; more are closed at once (a thread each)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class KVOffers:
         self.address = f"{advertise_host}:{self._listener.getsockname()[1]}"
         self._offers: dict[bytes, _Offer] = {}
         self._lock = threading.Lock()
+        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._thread = threading.Thread(target=self._accept, name="kv-bulk", daemon=True)
         self._thread.start()
 
@@ -68,7 +70,16 @@ class KVOffers:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            if not self._connections.acquire(blocking=False):
+                conn.close()  # the fetcher reads a closed stream: source-missing, try later
+                continue
+            threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        try:
+            self._serve(conn)
+        finally:
+            self._connections.release()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:

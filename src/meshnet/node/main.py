@@ -11,10 +11,12 @@ import signal
 import threading
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import numba
 
+from meshnet.auth.grpc_auth import NodeGate
 from meshnet.backends.fast import set_threads
 from meshnet.errors import MeshnetError
 from meshnet.layer_range import LayerRange
@@ -22,6 +24,7 @@ from meshnet.model.bundled import bundled_model_path
 from meshnet.node.announce import Announcer
 from meshnet.node.engine import EngineConfig, NodeEngine
 from meshnet.node.kv_offers import KVOffers
+from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.service import NodeIdentity, NodeService
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.codec import MESSAGE_OPTIONS
@@ -38,6 +41,7 @@ class NodeConfig:
     model_path: str | None  # None: the bundled model
     layers: LayerRange | None  # None: start empty and wait for a Configure
     node_id: str  # stable name on the mesh
+    node_key: str  # its credential (meshnet.auth.keys.node_key)
     advertise_host: str | None  # host the tracker should dial, when not the listen host
     advertise_port: int | None = None  # port the tracker should dial, when not the bound one
     heartbeat_s: float = 1.0
@@ -46,6 +50,7 @@ class NodeConfig:
     # on (``available_cores``). ``meshnet up`` gives each of its nodes a share.
     threads: int | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
+    model_dirs: tuple[str, ...] = ()  # Configure loads only from these (and the start model's)
 
 
 _M_TRIM_THRESHOLD = -1
@@ -106,16 +111,19 @@ def serve(cfg: NodeConfig) -> int:
     model_path = cfg.model_path or str(bundled_model_path())
     if cfg.layers is not None:
         engine.load(model_path, cfg.layers).result()
+    gate = NodeGate(cfg.node_key)
     server = grpc.server(
         futures.ThreadPoolExecutor(
             max_workers=cfg.engine.max_streams + cfg.control_workers, thread_name_prefix="grpc"
         ),
+        interceptors=[gate],
         options=MESSAGE_OPTIONS,
     )
     listen_host = cfg.listen.rsplit(":", 1)[0].strip("[]")
     host = cfg.advertise_host or listen_host
     offers = KVOffers(listen_host, host)  # node-to-node KV moves go over this bulk port
-    service = NodeService(NodeIdentity(cfg.node_id, model_path), engine, offers)
+    dirs = ModelDirs.of([*cfg.model_dirs, Path(model_path).parent])
+    service = NodeService(NodeIdentity(cfg.node_id, model_path, dirs), engine, gate, offers)
     pb_grpc.add_NodeServicer_to_server(service, server)
     port = server.add_insecure_port(cfg.listen)
     if port == 0:
@@ -127,6 +135,7 @@ def serve(cfg: NodeConfig) -> int:
     announcer = Announcer(
         cfg.tracker_url,
         cfg.node_id,
+        cfg.node_key,
         address,
         cfg.engine.backend,
         cfg.engine.kv_budget_bytes,

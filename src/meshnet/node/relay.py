@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from meshnet.auth.signing import METADATA_KEY
 from meshnet.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -109,12 +110,13 @@ class RelaySender:
         self._streams: dict[str, _RelayStream] = {}
         self._lock = threading.Lock()
 
-    def send(self, address: str, frame: pb.RelayFrame, timeout_s: float) -> None:
-        """Deliver one step's output; a typed failure (of the next hop) when it cannot."""
+    def send(self, address: str, token: str, frame: pb.RelayFrame, timeout_s: float) -> None:
+        """Deliver one step's output; a typed failure (of the next hop) when it cannot.
+        ``token``: the tracker's leave to relay there, shown when a stream opens."""
         with self._lock:
             stream = self._streams.get(address)
             if stream is None or stream.broken is not None:  # a new stream after a failure
-                stream = self._streams[address] = _RelayStream(address)
+                stream = self._streams[address] = _RelayStream(address, token)
         stream.send(frame, timeout_s)
 
     def close(self) -> None:
@@ -131,7 +133,7 @@ class _RelayStream:
     whose sender gave up waiting keeps its place), so order is never lost.
     """
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: str) -> None:
         self.address = address
         self.broken: MeshnetError | None = None
         self._channel = grpc.insecure_channel(address, options=MESSAGE_OPTIONS)
@@ -139,7 +141,9 @@ class _RelayStream:
         self._waiting: deque[Future[pb.RelayAck]] = deque()
         self._lock = threading.Lock()
         stub = pb_grpc.NodeStub(self._channel)
-        self._call = stub.RelayStream(iter(self._frames.get, None))
+        self._call = stub.RelayStream(
+            iter(self._frames.get, None), metadata=((METADATA_KEY, token),)
+        )
         threading.Thread(target=self._read, name="relay-acks", daemon=True).start()
 
     def send(self, frame: pb.RelayFrame, timeout_s: float) -> None:

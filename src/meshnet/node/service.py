@@ -24,12 +24,16 @@ from dataclasses import dataclass, replace
 import grpc
 import numpy as np
 
+from meshnet.auth.grpc_auth import NodeGate
+from meshnet.auth.mesh_keys import SERVICE
+from meshnet.auth.signing import METADATA_KEY, PREFIX_KEY, require_peer
 from meshnet.errors import (
     DeadlineExceeded,
     KVImportFailed,
     MalformedBundle,
     MeshnetError,
     Overloaded,
+    PermissionDenied,
     RequestError,
     ShardMismatch,
 )
@@ -41,6 +45,7 @@ from meshnet.model.sampling import Sampler, SamplingParams
 from meshnet.model.shard import Shard
 from meshnet.node.engine import EngineStats, ExportedKV, NodeEngine, OpenedSlot
 from meshnet.node.kv_offers import KVOffers
+from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.relay import Mailbox, RelaySender
 from meshnet.node.scheduler import StepWork
 from meshnet.protocol import codec
@@ -55,6 +60,8 @@ _MAX_SESSION_ID = 128
 _NO_DEADLINE_S = 7 * 24 * 3600.0
 _TRANSFER_TIMEOUT_S = 60.0  # one KV import, whole stream
 _MAX_ADDRESS = 256
+_MAX_PREFIX_HASH = 128
+MAX_IMPORTS = 4  # KV imports at once; one more is refused (reason "busy") before it reads
 _CONNECT_TIMEOUT_S = 5.0
 _RELAY_TIMEOUT_S = 10.0  # the next hop only files the input: more means it is stuck
 _MAX_RELAY_STREAMS = 8  # previous hops relaying to this node at once (a thread each)
@@ -66,22 +73,31 @@ _MAILBOX_BYTES = 256 << 20
 class NodeIdentity:
     node_id: str
     model_path: str | None  # the model loaded at start, if any
+    model_dirs: ModelDirs  # where Configure may load models from
 
 
 class NodeService(pb_grpc.NodeServicer):
-    """Serves Forward, Configure and Info for one ``NodeEngine``."""
+    """Serves Forward, Configure and Info for one ``NodeEngine``. ``gate`` (the server's
+    interceptor) has let in only the tracker's calls and peers' tokens; the handlers
+    check what a peer token's scope allows."""
 
     def __init__(
-        self, identity: NodeIdentity, engine: NodeEngine, offers: KVOffers | None = None
+        self,
+        identity: NodeIdentity,
+        engine: NodeEngine,
+        gate: NodeGate,
+        offers: KVOffers | None = None,
     ) -> None:
         self.identity = identity
         self.engine = engine
+        self.gate = gate
         self.offers = offers  # the bulk TCP port, when this node runs one
         self._streams = threading.BoundedSemaphore(engine.config.max_streams)
         limit = engine.config.max_streams * _RELAYS_PER_STREAM
         self.mailbox = Mailbox(limit, _MAILBOX_BYTES)  # inputs relayed by previous hops
         self.relay = RelaySender()  # outputs to next hops
         self._relays = threading.BoundedSemaphore(_MAX_RELAY_STREAMS)  # from previous hops
+        self._imports = threading.BoundedSemaphore(MAX_IMPORTS)
 
     def stats(self) -> EngineStats:
         """What the node reports with its heartbeat."""
@@ -273,7 +289,7 @@ class NodeService(pb_grpc.NodeServicer):
         if deadline is not None:
             left = min(left, max(deadline - time.monotonic(), 0.001))
         try:
-            self.relay.send(o.next_address, frame, left)
+            self.relay.send(o.next_address, o.next_token, frame, left)
         except MeshnetError as e:
             return _failure(e, blame=o.next_node_id)
         ms = (time.perf_counter() - t0) * 1000
@@ -327,6 +343,7 @@ class NodeService(pb_grpc.NodeServicer):
         try:
             if not model_path:
                 raise MalformedBundle("no model path given and none configured at start")
+            model_path = self.identity.model_dirs.resolve(model_path)
             layers = LayerRange(load.layer_start, load.layer_end)
             shard = self.engine.load(model_path, layers).result(timeout=300)
         except MeshnetError as e:
@@ -364,6 +381,7 @@ class NodeService(pb_grpc.NodeServicer):
     def StateGet(
         self, request: pb.StateGetRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.KVFrame]:
+        self._pull_allowed("StateGet", request, context)
         header, kv = self._export(request, context)
         yield from export_frames(header, kv.payload)
 
@@ -374,9 +392,22 @@ class NodeService(pb_grpc.NodeServicer):
         if self.offers is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node has no bulk port")
         assert self.offers is not None
+        self._pull_allowed("StateOffer", request, context)
         header, kv = self._export(request, context)
         ticket = self.offers.offer(header, kv.payload)
         return pb.StateOfferResponse(address=self.offers.address, ticket=ticket, tokens=kv.tokens)
+
+    def _pull_allowed(
+        self, method: str, request: pb.StateGetRequest, context: grpc.ServicerContext
+    ) -> None:
+        """The tracker may export any session; a peer only the one its token names."""
+        try:
+            caller = self.gate.caller(SERVICE + method, context)
+            require_peer(caller, "pull", request.session_id)
+        except PermissionDenied as e:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, e.message)
+        except MeshnetError as e:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, e.message)
 
     def _export(
         self, request: pb.StateGetRequest, context: grpc.ServicerContext
@@ -411,6 +442,9 @@ class NodeService(pb_grpc.NodeServicer):
         """Fetch a session's KV straight from another node and import it (node to node)."""
         if not request.source or len(request.source) > _MAX_ADDRESS:
             return _put_failed(KVImportFailed("no source address", "invalid"))
+        if not request.source_token:
+            return _put_failed(KVImportFailed("no token for the source", "invalid"))
+        token = ((METADATA_KEY, request.source_token),)
         left = _remaining_s(0, context)
         limit = min(left, _TRANSFER_TIMEOUT_S) if left is not None else _TRANSFER_TIMEOUT_S
         get = pb.StateGetRequest(
@@ -420,7 +454,7 @@ class NodeService(pb_grpc.NodeServicer):
         with grpc.insecure_channel(request.source, options=MESSAGE_OPTIONS) as channel:
             stub = pb_grpc.NodeStub(channel)
             try:
-                offer = stub.StateOffer(get, timeout=limit)
+                offer = stub.StateOffer(get, timeout=limit, metadata=token)
             except grpc.RpcError as e:
                 code = e.code() if isinstance(e, grpc.Call) else None
                 if code == grpc.StatusCode.NOT_FOUND:
@@ -430,7 +464,7 @@ class NodeService(pb_grpc.NodeServicer):
             else:
                 return self._import(_fetcher(offer), limit, context, prefix, "tcp")
             # A source without a bulk port streams the frames over gRPC.
-            frames = stub.StateGet(get, timeout=limit)
+            frames = stub.StateGet(get, timeout=limit, metadata=token)
             try:
                 return self._import(_reader(frames), limit, context, prefix, "grpc")
             finally:
@@ -439,10 +473,14 @@ class NodeService(pb_grpc.NodeServicer):
     def StatePut(
         self, request_iterator: Iterator[pb.KVFrame], context: grpc.ServicerContext
     ) -> pb.StatePutResponse:
-        """Import a KV stream; on any failure the session is left holding nothing."""
+        """Import a KV stream of the token prefix the tracker vouches for (its hash in the
+        call's metadata); on any failure the session is left holding nothing."""
+        prefix = dict(context.invocation_metadata() or ()).get(PREFIX_KEY)
+        if not prefix or len(prefix) > _MAX_PREFIX_HASH:
+            return _put_failed(KVImportFailed("no vouched token prefix hash", "invalid"))
         left = _remaining_s(0, context)
         limit = min(left, _TRANSFER_TIMEOUT_S) if left is not None else _TRANSFER_TIMEOUT_S
-        return self._import(_reader(request_iterator), limit, context, None, "grpc")
+        return self._import(_reader(request_iterator), limit, context, str(prefix), "grpc")
 
     def _import(
         self,
@@ -455,6 +493,22 @@ class NodeService(pb_grpc.NodeServicer):
         shard = self.engine.shard
         if shard is None:
             return _put_failed(KVImportFailed("this node is empty", "wrong-layers"))
+        if not self._imports.acquire(blocking=False):
+            return _put_failed(KVImportFailed(f"{MAX_IMPORTS} imports are running", "busy"))
+        try:
+            return self._import_now(read, limit, context, prefix_hash, transport, shard)
+        finally:
+            self._imports.release()
+
+    def _import_now(
+        self,
+        read: _Read,
+        limit: float,
+        context: grpc.ServicerContext,
+        prefix_hash: str | None,
+        transport: str,
+        shard: Shard,
+    ) -> pb.StatePutResponse:
         deadline = time.monotonic() + limit
         # One deadline for the whole transfer: a stalled or trickling peer is cut off.
         timer = threading.Timer(limit, context.cancel)

@@ -17,7 +17,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("session_id", "epoch", "fingerprint", "layer_start", "layer_end", "resume", "keep", "rewind", "rewind_tokens", "rewind_steps", "sampling", "next_address", "next_node_id")
+    __slots__ = ("session_id", "epoch", "fingerprint", "layer_start", "layer_end", "resume", "keep", "rewind", "rewind_tokens", "rewind_steps", "sampling", "next_address", "next_node_id", "next_token")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class Open(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NEXT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     fingerprint: str
@@ -44,7 +45,8 @@ class Open(_message.Message):
     sampling: Sampling
     next_address: str
     next_node_id: str
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., resume: _Optional[bool] = ..., keep: _Optional[bool] = ..., rewind: _Optional[bool] = ..., rewind_tokens: _Optional[int] = ..., rewind_steps: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., next_address: _Optional[str] = ..., next_node_id: _Optional[str] = ...) -> None: ...
+    next_token: str
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., resume: _Optional[bool] = ..., keep: _Optional[bool] = ..., rewind: _Optional[bool] = ..., rewind_tokens: _Optional[int] = ..., rewind_steps: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., next_address: _Optional[str] = ..., next_node_id: _Optional[str] = ..., next_token: _Optional[str] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "top_logprobs")
@@ -311,14 +313,16 @@ class StateOfferResponse(_message.Message):
     def __init__(self, address: _Optional[str] = ..., ticket: _Optional[bytes] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class StatePullRequest(_message.Message):
-    __slots__ = ("source", "session_id", "token_prefix_hash")
+    __slots__ = ("source", "session_id", "token_prefix_hash", "source_token")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     source: str
     session_id: str
     token_prefix_hash: str
-    def __init__(self, source: _Optional[str] = ..., session_id: _Optional[str] = ..., token_prefix_hash: _Optional[str] = ...) -> None: ...
+    source_token: str
+    def __init__(self, source: _Optional[str] = ..., session_id: _Optional[str] = ..., token_prefix_hash: _Optional[str] = ..., source_token: _Optional[str] = ...) -> None: ...
 
 class StatePutResponse(_message.Message):
     __slots__ = ("imported", "failure", "reason", "tokens", "transport")

@@ -1,9 +1,11 @@
-"""One gRPC channel per node address, shared by every generation the tracker drives."""
+"""One gRPC channel per node address, shared by every generation the tracker drives,
+and the keys every call on them is signed with."""
 
 from __future__ import annotations
 
 import grpc
 
+from meshnet.auth.mesh_keys import MeshKeys, Metadata
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.codec import MESSAGE_OPTIONS
 
@@ -19,7 +21,8 @@ _MAX_RETIRED = 64
 class ChannelPool:
     """Lazily opened ``grpc.aio`` channels; call from the tracker's event loop only."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: MeshKeys) -> None:
+        self.keys = keys
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._retired: list[grpc.aio.Channel] = []
 
@@ -29,6 +32,10 @@ class ChannelPool:
             channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
             self._channels[address] = channel
         return pb_grpc.NodeStub(channel)
+
+    def signed(self, node_id: str, method: str) -> Metadata:
+        """The metadata of the tracker's call of ``method`` on ``node_id``."""
+        return self.keys.call(node_id, method)
 
     def retire(self, address: str) -> None:
         """Dial a node that was found dead afresh from now on.

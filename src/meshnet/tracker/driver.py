@@ -579,7 +579,10 @@ class RouteDriver:
         limits = codec.TensorLimits("f32", 2, self.spec.context_length, self.spec.d_model)
         try:
             stub = self.channels.stub(link.hop.address)
-            async for out in stub.Outputs(request, timeout=self.limits.open_timeout_s):
+            signed = self.channels.signed(link.node_id, "Outputs")
+            async for out in stub.Outputs(
+                request, timeout=self.limits.open_timeout_s, metadata=signed
+            ):
                 x = codec.decode(out.output, limits)
                 if first <= out.step < steps and x.shape[0] == gen.step_rows(out.step):
                     gen.record_input(start, int(out.step), x)
@@ -612,7 +615,11 @@ class RouteDriver:
         # Still gone when it times out: then it holds nothing newer, and its streams are closed.
         with contextlib.suppress(grpc.aio.AioRpcError):
             stub = self.channels.stub(hop.address)
-            await stub.Fence(request, timeout=self.limits.fence_timeout_s)
+            await stub.Fence(
+                request,
+                timeout=self.limits.fence_timeout_s,
+                metadata=self.channels.signed(hop.node_id, "Fence"),
+            )
 
     async def _open_links(
         self,
@@ -658,6 +665,7 @@ class RouteDriver:
         samples = hop.layers.end == self.spec.n_layers
         link, opened = await open_link(
             self.channels.stub(hop.address),
+            self.channels.keys,
             hop,
             pb.Open(
                 session_id=gen.kv_key,
@@ -673,6 +681,9 @@ class RouteDriver:
                 sampling=_sampling(gen) if samples else None,
                 next_address=after.address if after else "",
                 next_node_id=after.node_id if after else "",
+                next_token=self.channels.keys.peer(after.node_id, hop.node_id, "relay")
+                if after
+                else "",
             ),
             max(gen.deadline - time.monotonic(), 0.001),
             self.limits.open_timeout_s,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from meshnet.auth.mesh_keys import MeshKeys
 from meshnet.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -48,6 +49,7 @@ class HopLink:
     hop: Hop
     call: grpc.aio.StreamStreamCall  # type: ignore[type-arg]
     epoch: int
+    keys: MeshKeys  # to sign a probe of a node that broke
     steps: int = 0  # steps whose KV the node holds (the next step's number)
     positions: int = 0  # KV positions the node holds
     first_position: int = 0  # positions it held when this epoch's attempt began
@@ -95,15 +97,17 @@ class HopLink:
             if task is not None and task.cancelling():
                 raise  # this task itself is being cancelled
             # The call was cancelled under us: by a verdict, or its channel was closed.
-            raise self.verdict or await _broken(self.hop, "the call was cancelled") from None
+            raise self.verdict or await _broken(
+                self.keys, self.hop, "the call was cancelled"
+            ) from None
         except grpc.aio.AioRpcError as e:
-            raise self.verdict or await _rpc_failure(e, self.hop) from None
+            raise self.verdict or await _rpc_failure(self.keys, e, self.hop) from None
         except grpc.aio.UsageError as e:
             raise self.verdict or StreamReset(f"stream to {node} is unusable: {e}", node) from None
         except asyncio.InvalidStateError:  # the call ended (e.g. reset) before this write
-            raise self.verdict or await _broken(self.hop, "the call had ended") from None
+            raise self.verdict or await _broken(self.keys, self.hop, "the call had ended") from None
         if reply is grpc.aio.EOF:
-            raise self.verdict or await _broken(self.hop, "closed the stream")
+            raise self.verdict or await _broken(self.keys, self.hop, "closed the stream")
         if reply.WhichOneof("kind") == "failure":
             f = reply.failure
             if f.node_id and f.node_id == self.next_node_id:
@@ -117,7 +121,7 @@ class HopLink:
         message = f"node {self.node_id}: {f.message}"
         if f.kind != StreamReset.kind:
             return error_for_kind(f.kind, message, self.next_node_id)
-        if await answers(self.next_address, self.next_node_id):
+        if await answers(self.keys, self.next_address, self.next_node_id):
             return RelayBroken(message, self.next_node_id, self.node_id)
         return WorkerDeath(message, self.next_node_id)
 
@@ -129,17 +133,19 @@ def _retrieved(task: asyncio.Task[pb.ForwardResponse]) -> None:
 
 async def open_link(
     stub: pb_grpc.NodeStub,
+    keys: MeshKeys,
     hop: Hop,
     open_msg: pb.Open,
     stream_timeout_s: float,
     open_timeout_s: float,
 ) -> tuple[HopLink, pb.Opened]:
     """Open a hop's stream for one epoch; the node's ``Opened`` says what KV it holds."""
-    call = stub.Forward(timeout=stream_timeout_s)
+    call = stub.Forward(timeout=stream_timeout_s, metadata=keys.call(hop.node_id, "Forward"))
     link = HopLink(
         hop,
         call,
         open_msg.epoch,
+        keys,
         samples=open_msg.HasField("sampling"),
         next_node_id=open_msg.next_node_id,
         next_address=open_msg.next_address,
@@ -155,27 +161,31 @@ async def open_link(
     return link, reply.opened
 
 
-async def _rpc_failure(e: grpc.aio.AioRpcError, hop: Hop) -> MeshnetError:
+async def _rpc_failure(keys: MeshKeys, e: grpc.aio.AioRpcError, hop: Hop) -> MeshnetError:
     code = e.code()
     detail = f"{code.name} {e.details() or ''}".strip()
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(f"node {hop.node_id}: {detail}", hop.node_id)
-    return await _broken(hop, detail)
+    return await _broken(keys, hop, detail)
 
 
-async def _broken(hop: Hop, detail: str) -> MeshnetError:
+async def _broken(keys: MeshKeys, hop: Hop, detail: str) -> MeshnetError:
     """A stream broke: the node is alive (``stream-reset``) or dead (``worker-death``)?"""
-    if await answers(hop.address, hop.node_id):
+    if await answers(keys, hop.address, hop.node_id):
         return StreamReset(f"stream to node {hop.node_id} broke: {detail}", hop.node_id)
     return WorkerDeath(f"node {hop.node_id} is gone: {detail}", hop.node_id)
 
 
-async def answers(address: str, node_id: str, timeout_s: float = _PROBE_TIMEOUT_S) -> bool:
+async def answers(
+    keys: MeshKeys, address: str, node_id: str, timeout_s: float = _PROBE_TIMEOUT_S
+) -> bool:
     """Whether the node answers a probe, on a fresh connection so that a dead one's
     reconnect backoff, or a busy shared channel, cannot mislead."""
     channel = grpc.aio.insecure_channel(address)
     try:
-        info = await pb_grpc.NodeStub(channel).Info(pb.InfoRequest(), timeout=timeout_s)
+        info = await pb_grpc.NodeStub(channel).Info(
+            pb.InfoRequest(), timeout=timeout_s, metadata=keys.call(node_id, "Info")
+        )
         return bool(info.node_id == node_id)
     except grpc.aio.AioRpcError:
         return False

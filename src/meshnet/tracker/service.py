@@ -309,7 +309,9 @@ class Tracker:
             )
             try:
                 reply = await self.channels.stub(node.address).Configure(
-                    request, timeout=self.config.heal_timeout_s
+                    request,
+                    timeout=self.config.heal_timeout_s,
+                    metadata=self.channels.signed(node.node_id, "Configure"),
                 )
             except grpc.aio.AioRpcError as e:
                 log.warning("healing on %s failed: %s", node.node_id, e.code().name)
@@ -328,7 +330,11 @@ class Tracker:
         if not node_id:
             return False
         address = next((n.address for n in self.store.nodes() if n.node_id == node_id), None)
-        if kind in _PROBED_KINDS and address and await answers(address, node_id, _PROBE_TIMEOUT_S):
+        if (
+            kind in _PROBED_KINDS
+            and address
+            and await answers(self.channels.keys, address, node_id, _PROBE_TIMEOUT_S)
+        ):
             log.info("node %s was %s but answers a probe: kept up", node_id, kind)
             return False
         log.warning("node %s failed (%s): marked down", node_id, kind)
@@ -342,7 +348,7 @@ class Tracker:
         steps waiting on them (``heartbeat-lost``)."""
         silent = self.store.silent(time.time(), self.config.heartbeat_timeout_s)
         alive = await asyncio.gather(
-            *(answers(n.address, n.node_id, _PROBE_TIMEOUT_S) for n in silent)
+            *(answers(self.channels.keys, n.address, n.node_id, _PROBE_TIMEOUT_S) for n in silent)
         )
         lost = [n.node_id for n, up in zip(silent, alive, strict=True) if not up]
         for node_id in lost:

@@ -21,6 +21,7 @@ import grpc
 
 from meshnet.errors import KVImportFailed, MeshnetError, RequestError, SessionGone
 from meshnet.protocol import meshnet_pb2 as pb
+from meshnet.tracker.loops import LoopHealth
 from meshnet.tracker.routes import Hop, route_json
 from meshnet.tracker.service import Tracker
 from meshnet.tracker.session_store import (
@@ -64,6 +65,7 @@ class Sessions:
         self.runner = runner
         self.policy = policy
         self._relieved: dict[str, float] = {}  # node -> when the policy last parked on it
+        self.policy_health = LoopHealth("session policy")
 
     def create(self, system: str | None) -> SessionRecord:
         if system is not None and len(system) > _MAX_SYSTEM_CHARS:
@@ -109,7 +111,9 @@ class Sessions:
         for hop in session.route:
             try:
                 reply = await self.tracker.channels.stub(hop.address).Park(
-                    request, timeout=_CONTROL_TIMEOUT_S
+                    request,
+                    timeout=_CONTROL_TIMEOUT_S,
+                    metadata=self.tracker.channels.signed(hop.node_id, "Park"),
                 )
             except grpc.aio.AioRpcError as e:
                 log.warning("park of %s on %s: %s", session.id, hop.node_id, e.code().name)
@@ -152,6 +156,7 @@ class Sessions:
         call = stub.StateGet(
             pb.StateGetRequest(session_id=session.id, token_prefix_hash=prefix),
             timeout=_EXPORT_TIMEOUT_S,
+            metadata=self.tracker.channels.signed(hop.node_id, "StateGet"),
         )
         target = SnapshotTarget(snapshot_id, session.id, hop.layers)
         try:
@@ -164,7 +169,7 @@ class Sessions:
 
     async def end(self, session_id: str) -> SessionRecord:
         """End a session: later turns get 410; its KV and snapshots are freed."""
-        session = self.store.end(session_id, SessionState.COMPLETED)
+        session = self.store.end(session_id, SessionState.COMPLETED, time.time())
         await self.runner.release(session.route, session.id)
         self.snapshots.forget(self.store, session.id)
         return self.store.get(session_id)
@@ -210,15 +215,17 @@ class Sessions:
         return [(session_id, state)]
 
     async def run_policy_forever(self) -> None:
+        """A policy pass every ``interval_s``; a failed pass (a database error, a bug)
+        is logged, counted in ``policy_health``, and the next one runs as usual."""
         while True:
             await asyncio.sleep(self.policy.interval_s)
             try:
                 for session_id, state in await self.apply_policy(time.time()):
                     log.info("policy: session %s %s", session_id, state)
-            except MeshnetError as e:
-                log.warning("session policy: %s", e)
-            except Exception:  # a bug must not stop the policy for good
-                log.exception("session policy pass failed")
+            except Exception as e:  # a bug must not stop the policy for good
+                self.policy_health.failed(e)
+            else:
+                self.policy_health.passed()
 
 
 def _require_live(session: SessionRecord) -> None:

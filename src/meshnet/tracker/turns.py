@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from meshnet.auth.signing import PREFIX_KEY
 from meshnet.errors import KVImportFailed, RequestError
 from meshnet.model.chat import ChatMessage
 from meshnet.model.sampling import SamplingParams
@@ -229,7 +230,8 @@ class TurnRunner:
         frames = _guarded(SnapshotStore.frames(snapshot, prefix), local)
         stub = self.tracker.channels.stub(hop.address)
         try:
-            reply = await stub.StatePut(frames, timeout=_IMPORT_TIMEOUT_S)
+            vouched = ((PREFIX_KEY, prefix), *self.tracker.channels.signed(hop.node_id, "StatePut"))
+            reply = await stub.StatePut(frames, timeout=_IMPORT_TIMEOUT_S, metadata=vouched)
         except grpc.aio.AioRpcError as e:
             reason = local[0].reason if local else "transport"
             message = local[0].message if local else f"{e.code().name} {e.details() or ''}"
@@ -252,7 +254,9 @@ class TurnRunner:
     async def _release(self, hop: Hop, session_id: str, epoch: int) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self.tracker.channels.stub(hop.address).Release(
-                pb.ReleaseRequest(session_id=session_id, epoch=epoch), timeout=_RELEASE_TIMEOUT_S
+                pb.ReleaseRequest(session_id=session_id, epoch=epoch),
+                timeout=_RELEASE_TIMEOUT_S,
+                metadata=self.tracker.channels.signed(hop.node_id, "Release"),
             )
 
 

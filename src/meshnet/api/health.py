@@ -1,0 +1,34 @@
+"""``/healthz``: whether the tracker serves and a route is complete (no credential needed;
+it says nothing about who uses the mesh)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from meshnet.api.state import tracker_of
+from meshnet.errors import MeshnetError
+from meshnet.tracker.registry import NodeState
+from meshnet.tracker.routes import route_json
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz(request: Request) -> dict[str, Any]:
+    tracker = tracker_of(request)
+    try:
+        route_json(tracker.route())
+        complete, reason = True, None
+    except MeshnetError as e:
+        complete, reason = False, e.message
+    nodes = tracker.store.nodes()
+    return {
+        "status": "ok",
+        "model": tracker.model.name,
+        "route_complete": complete,
+        "reason": reason,
+        "nodes_up": sum(n.state is NodeState.UP for n in nodes),
+        "nodes_routable": sum(n.routable for n in nodes),
+    }
