@@ -13,6 +13,7 @@ from meshnet.api import admin, mesh, openai, sessions
 from meshnet.api.body_limit import BodyLimit
 from meshnet.api.errors import install_error_handlers
 from meshnet.api.state import SessionServices
+from meshnet.tracker.loops import LoopHealth
 from meshnet.tracker.service import Tracker
 
 log = logging.getLogger(__name__)
@@ -21,10 +22,14 @@ MAX_BODY_BYTES = 8 << 20
 
 
 def create_app(tracker: Tracker, services: SessionServices) -> FastAPI:
+    """The app; its lifespan runs the tracker's background loops (each survives a
+    failed pass: logged, counted in its ``LoopHealth``, run again)."""
+    sweeper = LoopHealth("heartbeat sweeper")
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loops = [
-            asyncio.create_task(sweep_forever(tracker)),
+            asyncio.create_task(sweep_forever(tracker, sweeper)),
             asyncio.create_task(services.outbox.run_forever()),
             asyncio.create_task(services.sessions.run_policy_forever()),
         ]
@@ -43,6 +48,7 @@ def create_app(tracker: Tracker, services: SessionServices) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     app.state.tracker = tracker
     app.state.sessions = services
+    app.state.loops = [sweeper, services.outbox.health, services.sessions.policy_health]
     install_error_handlers(app)
     app.include_router(openai.router)
     app.include_router(sessions.router)
@@ -51,13 +57,17 @@ def create_app(tracker: Tracker, services: SessionServices) -> FastAPI:
     return app
 
 
-async def sweep_forever(tracker: Tracker) -> None:
+async def sweep_forever(tracker: Tracker, health: LoopHealth | None = None) -> None:
     """Mark down nodes that stopped heartbeating, every ``sweep_interval_s``; a failed
-    pass (a database error, a bug) is logged and the next one runs as usual."""
+    pass (a database error, a bug) is logged, counted in ``health``, and the next one
+    runs as usual."""
+    health = health or LoopHealth("heartbeat sweeper")
     while True:
         try:
             for node_id in await tracker.sweep():
                 log.warning("node %s missed its heartbeats: marked down", node_id)
-        except Exception:
-            log.exception("a heartbeat sweep failed; sweeping on")
+        except Exception as e:
+            health.failed(e)
+        else:
+            health.passed()
         await asyncio.sleep(tracker.config.sweep_interval_s)

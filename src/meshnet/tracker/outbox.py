@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshnet.errors import MeshnetError
+from meshnet.tracker.loops import LoopHealth
 from meshnet.tracker.session_store import SessionStore, TurnRecord
 from meshnet.tracker.snapshots import SnapshotStore
 from meshnet.tracker.turns import OnToken, TurnRunner
@@ -71,6 +72,7 @@ class Outbox:
         self._rng = random.Random()
         self._wake = asyncio.Event()
         self._delivering: dict[str, asyncio.Task[bool]] = {}
+        self.health = LoopHealth("outbox")  # the delivery loop's passes
 
     def accept(self, session_id: str, key: str | None, body: dict[str, Any]) -> TurnRecord:
         """Durably accept a turn (or find the first one of this ``Idempotency-Key``); a
@@ -166,8 +168,10 @@ class Outbox:
             try:
                 for turn in self.store.deliverable(time.time()):
                     self.start_delivery(turn)
-            except MeshnetError as e:
-                log.warning("outbox: %s", e)
+            except Exception as e:  # a database gone for a moment, a bug: poll on
+                self.health.failed(e)
+            else:
+                self.health.passed()
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
