@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -13,20 +14,40 @@ from meshnet.protocol import meshnet_pb2 as pb
 TURNS = ["hello there", "tell me more", "and then?", "thanks"]
 
 
+class Api(Protocol):
+    """A tracker's API and what its caller sends (a ``LocalMesh`` is one)."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def api_headers(self) -> dict[str, str]: ...
+
+
+@dataclass(frozen=True)
+class TrackerApi:
+    """Another tracker of a mesh (sharing its database), called with the mesh's API key."""
+
+    url: str
+    api_headers: dict[str, str]
+
+
 def turn_body(content: str, max_tokens: int = 24, **extra: Any) -> dict[str, Any]:
     return {"content": content, "max_tokens": max_tokens, "temperature": 0.7, "seed": 11, **extra}
 
 
-def new_session(url: str, system: str | None = "be brief") -> str:
-    r = httpx.post(f"{url}/v1/sessions", json={"system": system}, timeout=30)
+def new_session(api: Api, system: str | None = "be brief") -> str:
+    r = httpx.post(
+        f"{api.url}/v1/sessions", json={"system": system}, headers=api.api_headers, timeout=30
+    )
     assert r.status_code == 200, r.text
     return str(r.json()["id"])
 
 
-def turn(url: str, sid: str, content: str, key: str | None = None, **extra: Any) -> dict[str, Any]:
-    headers = {"Idempotency-Key": key} if key else {}
+def turn(api: Api, sid: str, content: str, key: str | None = None, **extra: Any) -> dict[str, Any]:
+    headers = {**api.api_headers, **({"Idempotency-Key": key} if key else {})}
     r = httpx.post(
-        f"{url}/v1/sessions/{sid}/turns",
+        f"{api.url}/v1/sessions/{sid}/turns",
         json=turn_body(content, **extra),
         headers=headers,
         timeout=120,
@@ -35,24 +56,24 @@ def turn(url: str, sid: str, content: str, key: str | None = None, **extra: Any)
     return dict(r.json())
 
 
-def op(url: str, sid: str, what: str) -> dict[str, Any]:
-    r = httpx.post(f"{url}/v1/sessions/{sid}/{what}", timeout=120)
+def op(api: Api, sid: str, what: str) -> dict[str, Any]:
+    r = httpx.post(f"{api.url}/v1/sessions/{sid}/{what}", headers=api.api_headers, timeout=120)
     assert r.status_code == 200, r.text
     return dict(r.json())
 
 
-def describe(url: str, sid: str) -> dict[str, Any]:
-    r = httpx.get(f"{url}/v1/sessions/{sid}", timeout=30)
+def describe(api: Api, sid: str) -> dict[str, Any]:
+    r = httpx.get(f"{api.url}/v1/sessions/{sid}", headers=api.api_headers, timeout=30)
     assert r.status_code == 200, r.text
     return dict(r.json())
 
 
-def reference_turns(url: str, contents: list[str] = TURNS) -> list[list[int]]:
+def reference_turns(api: Api, contents: list[str] = TURNS) -> list[list[int]]:
     """Every turn's ids in a session that stays hot throughout."""
-    sid = new_session(url)
+    sid = new_session(api)
     out = []
     for content in contents:
-        result = turn(url, sid, content)
+        result = turn(api, sid, content)
         assert result["resume_path"] == "hot"
         out.append(result["ids"])
     return out

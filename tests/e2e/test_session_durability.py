@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import MeshFactory
-from session_client import TURNS, describe, new_session, op, reference_turns, turn
+from session_client import TURNS, TrackerApi, describe, new_session, op, reference_turns, turn
 
 from meshnet.local_mesh import LocalMesh, free_port
 
@@ -34,16 +34,16 @@ def test_a_tracker_killed_with_a_pending_turn_delivers_it_once_after_restart(
     mesh_factory: MeshFactory, chat_tiny: Path
 ) -> None:
     mesh = mesh_factory("0:2,2:4", model=chat_tiny, tracker_args=[*QUIET, "--turn-lease", "2"])
-    ref = new_session(mesh.url)
-    want = [turn(mesh.url, ref, TURNS[0])["ids"], turn(mesh.url, ref, TURNS[1], max_tokens=LONG)]
-    sid = new_session(mesh.url)
-    assert turn(mesh.url, sid, TURNS[0])["ids"] == want[0]
+    ref = new_session(mesh)
+    want = [turn(mesh, ref, TURNS[0])["ids"], turn(mesh, ref, TURNS[1], max_tokens=LONG)]
+    sid = new_session(mesh)
+    assert turn(mesh, sid, TURNS[0])["ids"] == want[0]
 
     cut: list[BaseException] = []
 
     def post() -> None:
         try:
-            turn(mesh.url, sid, TURNS[1], key="turn-2", max_tokens=LONG)
+            turn(mesh, sid, TURNS[1], key="turn-2", max_tokens=LONG)
         except BaseException as e:  # the tracker dies under this request
             cut.append(e)
 
@@ -59,14 +59,14 @@ def test_a_tracker_killed_with_a_pending_turn_delivers_it_once_after_restart(
     mesh.start_tracker()
     mesh.wait_ready(expected_nodes=2, timeout_s=60)
     # The client retries with its key: the same turn, delivered once, after the lease lapsed.
-    again = turn(mesh.url, sid, TURNS[1], key="turn-2", max_tokens=LONG)
+    again = turn(mesh, sid, TURNS[1], key="turn-2", max_tokens=LONG)
     reference = want[1]
     assert again["ids"] == reference["ids"]
     assert again["attempts"] == 2  # the one the kill cut off, and the one after the restart
-    state = describe(mesh.url, sid)
+    state = describe(mesh, sid)
     assert state["turns"] == 2
-    assert state["tokens"] == describe(mesh.url, ref)["tokens"]  # the turn's tokens once
-    assert turn(mesh.url, sid, TURNS[2])["ids"] == turn(mesh.url, ref, TURNS[2])["ids"]
+    assert state["tokens"] == describe(mesh, ref)["tokens"]  # the turn's tokens once
+    assert turn(mesh, sid, TURNS[2])["ids"] == turn(mesh, ref, TURNS[2])["ids"]
 
 
 def _wait_kv_growing(mesh: LocalMesh, timeout_s: float = 30) -> None:
@@ -74,7 +74,8 @@ def _wait_kv_growing(mesh: LocalMesh, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     first: int | None = None
     while time.monotonic() < deadline:
-        nodes = httpx.get(f"{mesh.url}/admin/nodes", timeout=5).json()["nodes"]
+        r = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers, timeout=5)
+        nodes = r.json()["nodes"]
         steps = sum(n["load"]["steps"] for n in nodes)
         if first is None:
             first = steps
@@ -90,23 +91,23 @@ def test_two_trackers_on_one_postgresql_serve_one_session_alternately(
     mesh = mesh_factory(
         "0:2,2:4", model=chat_tiny, tracker_args=[*QUIET, "--database", fresh_postgres]
     )
-    want = reference_turns(mesh.url)
+    want = reference_turns(mesh)
     with _second_tracker(mesh, fresh_postgres) as other:
         sid = new_session(other)
         paths = []
         for i, content in enumerate(TURNS):
-            url = mesh.url if i % 2 == 0 else other
-            result = turn(url, sid, content)
-            assert result["ids"] == want[i], f"turn {i} via {url}"
+            api = mesh if i % 2 == 0 else other
+            result = turn(api, sid, content)
+            assert result["ids"] == want[i], f"turn {i} via {api.url}"
             paths.append(result["resume_path"])
             if i == 1:
-                op(mesh.url, sid, "evict")  # evicted by one tracker, resumed by the other
+                op(mesh, sid, "evict")  # evicted by one tracker, resumed by the other
         assert paths == ["hot", "hot", "snapshot", "hot"]
-        assert describe(other, sid)["turns"] == describe(mesh.url, sid)["turns"] == 4
+        assert describe(other, sid)["turns"] == describe(mesh, sid)["turns"] == 4
 
 
 @contextlib.contextmanager
-def _second_tracker(mesh: LocalMesh, database: str) -> Iterator[str]:
+def _second_tracker(mesh: LocalMesh, database: str) -> Iterator[TrackerApi]:
     """Another tracker process on the same database and snapshot directory."""
     port = free_port()
     assert mesh.model is not None
@@ -126,7 +127,7 @@ def _second_tracker(mesh: LocalMesh, database: str) -> Iterator[str]:
                     break
             assert proc.poll() is None, "the second tracker exited"
             time.sleep(0.2)
-        yield url
+        yield TrackerApi(url, mesh.api_headers)  # the same data dir: the same credentials
     finally:
         proc.terminate()
         try:
