@@ -1,12 +1,13 @@
 """The tracker's background loops outlive a failed pass: each counts the failure in its
-``LoopHealth`` and runs its next pass. Failures are injected into fakes that fail once
-and then work."""
+``LoopHealth`` and runs its next pass. Failures are injected into fakes (or, for
+retention, into a real store) that fail once and then work."""
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,9 +15,14 @@ import pytest
 
 from meshnet.api.app import sweep_forever
 from meshnet.errors import DatabaseUnavailable
+from meshnet.tracker.database import open_database
 from meshnet.tracker.loops import LoopHealth
 from meshnet.tracker.outbox import Outbox, OutboxConfig
+from meshnet.tracker.retention import Retention, RetentionPolicy
+from meshnet.tracker.session_store import SessionStore
 from meshnet.tracker.sessions import SessionPolicy, Sessions
+from meshnet.tracker.snapshots import SnapshotStore
+from meshnet.tracker.store import Store
 
 FAILURES: list[Exception] = [
     sqlite3.OperationalError("database is locked"),
@@ -92,3 +98,23 @@ def test_the_heartbeat_sweeper_sweeps_on_after_a_failed_pass(error: Exception) -
     health = LoopHealth("heartbeat sweeper")
     run_until(sweep_forever(tracker, health), lambda: health.passes >= 2)  # type: ignore[arg-type]
     _failed_once_then_passed(health, error)
+
+
+@pytest.mark.parametrize("error", FAILURES, ids=lambda e: type(e).__name__)
+def test_retention_runs_on_after_a_failed_pass(error: Exception, tmp_path: Path) -> None:
+    db = open_database(tmp_path / "t.db")
+    store = Store(db)
+    retention = Retention(
+        store,
+        SessionStore(db),
+        SnapshotStore(tmp_path / "snapshots"),
+        RetentionPolicy(interval_s=0.01),
+    )
+    purge = FailsFirst(error, 0)
+    retention.store = SimpleNamespace(purge_ledger=purge, purge_dead_nodes=lambda *_: 0)  # type: ignore[assignment]
+    try:
+        run_until(retention.run_forever(), lambda: retention.health.passes >= 2)
+    finally:
+        db.close()
+    assert purge.calls >= 3
+    _failed_once_then_passed(retention.health, error)

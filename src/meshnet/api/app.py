@@ -14,6 +14,7 @@ from meshnet.api.body_limit import BodyLimit
 from meshnet.api.errors import install_error_handlers
 from meshnet.api.state import SessionServices
 from meshnet.tracker.loops import LoopHealth
+from meshnet.tracker.retention import Retention
 from meshnet.tracker.service import Tracker
 
 log = logging.getLogger(__name__)
@@ -21,7 +22,9 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
 
 
-def create_app(tracker: Tracker, services: SessionServices) -> FastAPI:
+def create_app(
+    tracker: Tracker, services: SessionServices, retention: Retention | None = None
+) -> FastAPI:
     """The app; its lifespan runs the tracker's background loops (each survives a
     failed pass: logged, counted in its ``LoopHealth``, run again)."""
     sweeper = LoopHealth("heartbeat sweeper")
@@ -33,6 +36,8 @@ def create_app(tracker: Tracker, services: SessionServices) -> FastAPI:
             asyncio.create_task(services.outbox.run_forever()),
             asyncio.create_task(services.sessions.run_policy_forever()),
         ]
+        if retention is not None:
+            loops.append(asyncio.create_task(retention.run_forever()))
         try:
             yield
         finally:
@@ -48,7 +53,12 @@ def create_app(tracker: Tracker, services: SessionServices) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     app.state.tracker = tracker
     app.state.sessions = services
-    app.state.loops = [sweeper, services.outbox.health, services.sessions.policy_health]
+    app.state.loops = [
+        sweeper,
+        services.outbox.health,
+        services.sessions.policy_health,
+        *([retention.health] if retention is not None else []),
+    ]
     install_error_handlers(app)
     app.include_router(openai.router)
     app.include_router(sessions.router)

@@ -32,6 +32,32 @@ def positive_int(text: str) -> int:
     return value
 
 
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def duration(text: str) -> float:
+    """An argparse type: seconds, as a number (``90``, ``1.5``) or with a unit
+    suffix ``s``, ``m``, ``h`` or ``d`` (``30m``, ``7d``); never negative."""
+    number, scale = text.strip(), 1.0
+    if number[-1:].lower() in _UNITS:
+        number, scale = number[:-1], _UNITS[number[-1].lower()]
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 90, 30m, 7d)") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite duration of at least 0: {text!r}")
+    return value
+
+
+def positive_duration(text: str) -> float:
+    """An argparse type: a ``duration`` above 0."""
+    value = duration(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be longer than 0: {text!r}")
+    return value
+
+
 def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
     """How a node runs, whatever layers it serves: backend, threads, limits, heartbeat."""
     return [
@@ -111,6 +137,34 @@ def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
         ),
         p.add_argument(
             "--turn-attempts", type=int, default=6, help="deliveries before a turn fails"
+        ),
+        # Retention (durations: seconds, or with s/m/h/d; 0 keeps forever).
+        p.add_argument(
+            "--keep-sessions",
+            type=duration,
+            default="7d",
+            help="how long an ended session and its turns are kept after it ended",
+        ),
+        p.add_argument(
+            "--keep-ledger", type=duration, default="30d", help="how long a ledger row is kept"
+        ),
+        p.add_argument(
+            "--keep-dead-nodes",
+            type=duration,
+            default="1d",
+            help="how long a node that is down stays in the registry",
+        ),
+        p.add_argument(
+            "--keep-orphans",
+            type=duration,
+            default="1h",
+            help="how long a snapshot file no live session needs is kept",
+        ),
+        p.add_argument(
+            "--retention-interval",
+            type=positive_duration,
+            default="1m",
+            help="time between retention passes",
         ),
     ]
 

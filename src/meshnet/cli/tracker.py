@@ -10,6 +10,7 @@ from meshnet.tracker.admission import AdmissionConfig
 from meshnet.tracker.driver import DriverLimits
 from meshnet.tracker.main import TrackerProcessConfig, serve
 from meshnet.tracker.outbox import OutboxConfig
+from meshnet.tracker.retention import RetentionPolicy
 from meshnet.tracker.service import TrackerConfig
 from meshnet.tracker.sessions import SessionPolicy
 
@@ -52,6 +53,13 @@ def run(args: argparse.Namespace) -> int:
                 evict_after_s=args.evict_after,
                 pressure=args.kv_pressure,
                 interval_s=args.policy_interval,
+            ),
+            retention=RetentionPolicy(
+                sessions_s=args.keep_sessions,
+                ledger_s=args.keep_ledger,
+                dead_nodes_s=args.keep_dead_nodes,
+                orphans_s=args.keep_orphans,
+                interval_s=args.retention_interval,
             ),
         )
     )

@@ -15,6 +15,7 @@ from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.database import open_database
 from meshnet.tracker.driver import DriverLimits, RouteDriver
 from meshnet.tracker.outbox import Outbox, OutboxConfig
+from meshnet.tracker.retention import Retention, RetentionPolicy
 from meshnet.tracker.service import Tracker, TrackerConfig
 from meshnet.tracker.session_store import SessionStore
 from meshnet.tracker.sessions import SessionPolicy, Sessions
@@ -36,6 +37,7 @@ class TrackerProcessConfig:
     driver: DriverLimits
     outbox: OutboxConfig = field(default_factory=OutboxConfig)
     policy: SessionPolicy = field(default_factory=SessionPolicy)
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)  # what is kept how long
 
 
 def serve(cfg: TrackerProcessConfig) -> int:
@@ -51,7 +53,8 @@ def serve(cfg: TrackerProcessConfig) -> int:
         Sessions(tracker, session_store, snapshots, runner, cfg.policy),
         Outbox(session_store, runner, snapshots, cfg.outbox),
     )
-    app = create_app(tracker, services)
+    retention = Retention(store, session_store, snapshots, cfg.retention)
+    app = create_app(tracker, services, retention)
     log.info("tracker serving %s on http://%s:%d", model.name, cfg.host, cfg.port)
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False)

@@ -92,6 +92,9 @@ class SessionState(StrEnum):
         return self in (SessionState.COMPLETED, SessionState.FAILED)
 
 
+_ENDED = (SessionState.COMPLETED.value, SessionState.FAILED.value)  # terminal states, as stored
+
+
 class TurnStatus(StrEnum):
     PENDING = "pending"
     RUNNING = "running"  # claimed by a tracker under a lease
@@ -102,6 +105,9 @@ class TurnStatus(StrEnum):
     @property
     def final(self) -> bool:
         return self in (TurnStatus.DONE, TurnStatus.FAILED, TurnStatus.DROPPED)
+
+
+_FINAL = tuple(s.value for s in TurnStatus if s.final)  # final turn states, as stored
 
 
 @dataclass(frozen=True)
@@ -219,13 +225,17 @@ class SessionStore:
             == 1
         )
 
-    def end(self, session_id: str, state: SessionState) -> SessionRecord:
-        """Make a session terminal and drop its undelivered turns, in one transaction."""
+    def end(self, session_id: str, state: SessionState, now: float | None = None) -> SessionRecord:
+        """Make a session terminal and drop its undelivered turns, in one transaction;
+        ``now`` (when given) becomes its ``last_used``, the time retention counts from."""
         with self._db.transaction() as tx:
             session = self.get(session_id, tx)
             if session.state.terminal:
                 return session
-            tx.run("UPDATE sessions SET state = ? WHERE id = ?", (state.value, session_id))
+            tx.run(
+                "UPDATE sessions SET state = ?, last_used = ? WHERE id = ?",
+                (state.value, session.last_used if now is None else now, session_id),
+            )
             tx.run(
                 "UPDATE turns SET status = ?, error = ? WHERE session_id = ? AND status IN (?, ?)",
                 (
@@ -521,6 +531,80 @@ class SessionStore:
     def forget_snapshots(self, session_id: str) -> None:
         """Drop a session's snapshots from the index (before their files are removed)."""
         self._db.run("DELETE FROM snapshots WHERE session_id = ?", (session_id,))
+
+    # --- retention (tracker/retention.py decides when) ------------------------------
+    # Each call is one short statement or transaction over at most ``limit`` rows:
+    # the caller repeats it while it returns ``limit``.
+
+    def purge_ended_turns(self, before: float, limit: int) -> int:
+        """Delete up to ``limit`` final turns of sessions that ended before ``before``
+        (their ``last_used``); how many. ``end`` dropped their undelivered turns, and
+        one still pending or running would be kept all the same."""
+        return self._db.run(
+            "DELETE FROM turns WHERE id IN (SELECT t.id FROM turns t "
+            "JOIN sessions s ON s.id = t.session_id "
+            "WHERE s.state IN (?, ?) AND s.last_used < ? AND t.status IN (?, ?, ?) LIMIT ?)",
+            (*_ENDED, before, *_FINAL, limit),
+        )
+
+    def purge_ended_sessions(self, before: float, limit: int) -> int:
+        """Delete up to ``limit`` sessions that ended before ``before`` and have no turns
+        left (``purge_ended_turns`` first); how many. Live sessions are never touched."""
+        return self._db.run(
+            "DELETE FROM sessions WHERE id IN (SELECT id FROM sessions s "
+            "WHERE s.state IN (?, ?) AND s.last_used < ? "
+            "AND NOT EXISTS (SELECT 1 FROM turns t WHERE t.session_id = s.id) LIMIT ?)",
+            (*_ENDED, before, limit),
+        )
+
+    def stale_snapshots(self, before: float, limit: int) -> list[SnapshotFile]:
+        """Up to ``limit`` index rows written before ``before`` that no live session can
+        resume from: their session ended before ``before`` or is gone, or it holds
+        another snapshot (or none) now. A row and the session's ``snapshot_id`` are
+        written in one transaction (``index_snapshot``), so a row being written is
+        never among them."""
+        columns = ", ".join(f"sn.{c}" for c in _SNAPSHOT_COLUMNS.split(", "))
+        rows = self._db.query(
+            f"SELECT {columns} FROM snapshots sn LEFT JOIN sessions s ON s.id = sn.session_id "
+            "WHERE sn.created < ? AND (s.id IS NULL "
+            "OR (s.state IN (?, ?) AND s.last_used < ?) "
+            "OR (s.state NOT IN (?, ?) "
+            "AND (s.snapshot_id IS NULL OR s.snapshot_id <> sn.snapshot_id))) "
+            "ORDER BY sn.created LIMIT ?",
+            (before, *_ENDED, before, *_ENDED, limit),
+        )
+        return [_snapshot(r) for r in rows]
+
+    def forget_snapshot_files(self, files: list[SnapshotFile]) -> None:
+        """Drop these files' rows from the index, in one transaction (before the files
+        themselves are removed, so that the index never names a missing file)."""
+        with self._db.transaction() as tx:
+            for f in files:
+                tx.run(
+                    "DELETE FROM snapshots WHERE snapshot_id = ? AND layer_start = ?",
+                    (f.snapshot_id, f.layers.start),
+                )
+
+    def live_sessions(self, session_ids: list[str]) -> set[str]:
+        """Those of ``session_ids`` that exist and have not ended."""
+        if not session_ids:
+            return set()
+        marks = ", ".join("?" for _ in session_ids)
+        rows = self._db.query(
+            f"SELECT id FROM sessions WHERE id IN ({marks}) AND state NOT IN (?, ?)",
+            (*session_ids, *_ENDED),
+        )
+        return {str(r[0]) for r in rows}
+
+    def snapshot_paths(self, session_ids: list[str]) -> set[str]:
+        """The file paths the index names for ``session_ids``, as they were written."""
+        if not session_ids:
+            return set()
+        marks = ", ".join("?" for _ in session_ids)
+        rows = self._db.query(
+            f"SELECT path FROM snapshots WHERE session_id IN ({marks})", session_ids
+        )
+        return {str(r[0]) for r in rows}
 
 
 def _route_json(route: Route) -> str:

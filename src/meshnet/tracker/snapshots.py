@@ -145,12 +145,74 @@ class SnapshotStore:
         for f in files:
             self.remove(f)
 
+    # --- retention (tracker/retention.py decides when) ------------------------------
+
+    def purge_stale(self, index: SessionStore, before: float, limit: int) -> int:
+        """Forget up to ``limit`` index rows that no live session can resume from
+        (``SessionStore.stale_snapshots``), then remove their files; how many rows."""
+        files = index.stale_snapshots(before, limit)
+        if files:
+            index.forget_snapshot_files(files)
+            for f in files:
+                self.remove(f)
+        return len(files)
+
+    def purge_unindexed(
+        self, index: SessionStore, now: float, keep_s: float, grace_s: float, limit: int
+    ) -> int:
+        """Remove the snapshot and temp files here that the index does not name and
+        that were last written more than ``keep_s`` ago; how many.
+
+        A file is written before it is indexed (once every hop's file is whole), so
+        a live session's file, or a temp file, may be an eviction still under way:
+        those go only after ``grace_s`` as well. The index is asked about ``limit``
+        files at a time; files of other names are never touched."""
+        removed = 0
+        candidates = list(self._older_than(now - keep_s))
+        for at in range(0, len(candidates), limit):
+            chunk = candidates[at : at + limit]
+            sessions = sorted({_session_of(path) for path, _ in chunk})
+            live = index.live_sessions(sessions)
+            indexed = {Path(p).name for p in index.snapshot_paths(sessions)}
+            for path, mtime in chunk:
+                if path.name in indexed:
+                    continue
+                in_flight = path.suffix == ".tmp" or _session_of(path) in live
+                if in_flight and now - mtime <= max(keep_s, grace_s):
+                    continue
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    def _older_than(self, cutoff: float) -> Iterator[tuple[Path, float]]:
+        """Snapshot and temp files here last written before ``cutoff``, with that time."""
+        try:
+            entries = list(os.scandir(self.directory))
+        except FileNotFoundError:  # nothing was ever evicted here
+            return
+        for entry in entries:
+            if not entry.name.endswith((".snap", ".tmp")):
+                continue
+            try:
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                mtime = entry.stat(follow_symlinks=False).st_mtime
+            except FileNotFoundError:  # removed meanwhile
+                continue
+            if mtime < cutoff:
+                yield Path(entry.path), mtime
+
 
 def _check_header(h: pb.KVHeader, snapshot: SnapshotFile, prefix_hash: str) -> None:
     if h.session_id != snapshot.session_id:
         raise KVImportFailed("the snapshot is of another session", "invalid")
     if h.token_prefix_hash != prefix_hash:
         raise KVImportFailed("the snapshot is of another token history", "token-prefix")
+
+
+def _session_of(path: Path) -> str:
+    """The session a snapshot file belongs to, from its name (``path_for``)."""
+    return path.name.split(".", 1)[0]
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -201,6 +201,28 @@ class Store:
                 node["billable_layer_tokens"] += int(layer_tokens)
         return totals
 
+    # --- retention (tracker/retention.py decides when) ----------------------------
+
+    def purge_ledger(self, before: float, limit: int) -> int:
+        """Delete up to ``limit`` ledger rows recorded before ``before``, oldest first;
+        how many. One short statement: call again while it returns ``limit``."""
+        return self._db.run(
+            "DELETE FROM ledger WHERE id IN "
+            "(SELECT id FROM ledger WHERE recorded < ? ORDER BY id LIMIT ?)",
+            (before, limit),
+        )
+
+    def purge_dead_nodes(self, before: float, limit: int) -> int:
+        """Delete up to ``limit`` nodes that are down and were last heard from before
+        ``before``; how many. The state is checked by the delete itself, so a node that
+        registered again in the meantime (up, seen now) is never touched."""
+        return self._db.run(
+            "DELETE FROM nodes WHERE node_id IN "
+            "(SELECT node_id FROM nodes WHERE state = ? AND last_seen < ? LIMIT ?) "
+            "AND state = ? AND last_seen < ?",
+            (NodeState.DOWN.value, before, limit, NodeState.DOWN.value, before),
+        )
+
 
 def _ledger_filter(generation_id: str | None, node_id: str | None) -> tuple[str, tuple[str, ...]]:
     clauses, args = [], []
