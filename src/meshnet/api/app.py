@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from meshnet.api import admin, mesh, openai, sessions
+from meshnet.api import admin, health, mesh, openai, sessions
+from meshnet.api.auth import TrackerAuth
 from meshnet.api.body_limit import BodyLimit
 from meshnet.api.errors import install_error_handlers
 from meshnet.api.state import SessionServices
@@ -23,7 +24,10 @@ MAX_BODY_BYTES = 8 << 20
 
 
 def create_app(
-    tracker: Tracker, services: SessionServices, retention: Retention | None = None
+    tracker: Tracker,
+    services: SessionServices,
+    auth: TrackerAuth,
+    retention: Retention | None = None,
 ) -> FastAPI:
     """The app; its lifespan runs the tracker's background loops (each survives a
     failed pass: logged, counted in its ``LoopHealth``, run again)."""
@@ -53,6 +57,7 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     app.state.tracker = tracker
     app.state.sessions = services
+    app.state.auth = auth
     app.state.loops = [
         sweeper,
         services.outbox.health,
@@ -64,6 +69,7 @@ def create_app(
     app.include_router(sessions.router)
     app.include_router(admin.router)
     app.include_router(mesh.router)
+    app.include_router(health.router)
     return app
 
 

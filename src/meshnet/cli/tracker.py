@@ -21,6 +21,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--data-dir", type=Path, default=Path("meshnet-data"), help="snapshots here")
     p.add_argument("--model", help="GGUF file (default: the bundled model)")
+    p.add_argument(
+        "--mesh-secret-file",
+        type=Path,
+        help="the mesh secret nodes' keys derive from (default: DATA_DIR/mesh.secret, made once)",
+    )
     add_options(p, declare_tracker_options, "tracker options (also taken by `meshnet up`)")
     p.set_defaults(run=run)
 
@@ -33,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
             data_dir=args.data_dir,
             database=args.database,
             model_path=args.model,
+            mesh_secret_file=args.mesh_secret_file,
             tracker=TrackerConfig(
                 heartbeat_timeout_s=args.heartbeat_timeout,
                 admission=AdmissionConfig(

@@ -9,10 +9,17 @@ from pathlib import Path
 import uvicorn
 
 from meshnet.api.app import create_app
+from meshnet.api.auth import TrackerAuth
 from meshnet.api.state import SessionServices
+from meshnet.auth.credentials import ensure_user_credentials
+from meshnet.auth.keys import ensure_mesh_secret, read_secret_file
+from meshnet.auth.mesh_keys import MeshKeys
+from meshnet.auth.quotas import QuotaGate
+from meshnet.auth.tenants import DEFAULT_TENANT, Quotas, TenantStore
+from meshnet.errors import NotFound
 from meshnet.model.info import load_model_info
 from meshnet.tracker.channels import ChannelPool
-from meshnet.tracker.database import open_database
+from meshnet.tracker.database import Database, open_database
 from meshnet.tracker.driver import DriverLimits, RouteDriver
 from meshnet.tracker.outbox import Outbox, OutboxConfig
 from meshnet.tracker.retention import Retention, RetentionPolicy
@@ -37,13 +44,35 @@ class TrackerProcessConfig:
     driver: DriverLimits
     outbox: OutboxConfig = field(default_factory=OutboxConfig)
     policy: SessionPolicy = field(default_factory=SessionPolicy)
+    mesh_secret_file: Path | None = None  # None: data_dir/mesh.secret, made on first start
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)  # what is kept how long
+
+
+def mesh_secret(cfg: TrackerProcessConfig) -> str:
+    if cfg.mesh_secret_file is not None:
+        return read_secret_file(cfg.mesh_secret_file, "the mesh secret")
+    return ensure_mesh_secret(cfg.data_dir)
+
+
+def tracker_auth(cfg: TrackerProcessConfig, db: Database, keys: MeshKeys) -> TrackerAuth:
+    """The tenancy tables, with the credentials file's key (default tenant) and admin
+    token registered: ``DATA_DIR/credentials.json``, made on first start."""
+    creds = ensure_user_credentials(cfg.data_dir)
+    tenants = TenantStore(db)
+    try:
+        tenants.tenant(DEFAULT_TENANT)
+    except NotFound:
+        tenants.create_tenant(DEFAULT_TENANT, Quotas())
+    tenants.add_key(DEFAULT_TENANT, creds.api_key)
+    tenants.add_admin_token(creds.admin_token)
+    return TrackerAuth(tenants, keys, QuotaGate())
 
 
 def serve(cfg: TrackerProcessConfig) -> int:
     model = load_model_info(cfg.model_path)
     store = Store(open_database(cfg.database or cfg.data_dir / "tracker.db"))
-    channels = ChannelPool()
+    keys = MeshKeys(mesh_secret(cfg))
+    channels = ChannelPool(keys)
     driver = RouteDriver(channels, model.fingerprint, model.spec, model.tokenizer, cfg.driver)
     tracker = Tracker(store, model, channels, driver, cfg.tracker)
     session_store = SessionStore(store.db)
@@ -54,7 +83,7 @@ def serve(cfg: TrackerProcessConfig) -> int:
         Outbox(session_store, runner, snapshots, cfg.outbox),
     )
     retention = Retention(store, session_store, snapshots, cfg.retention)
-    app = create_app(tracker, services, retention)
+    app = create_app(tracker, services, tracker_auth(cfg, store.db, keys), retention)
     log.info("tracker serving %s on http://%s:%d", model.name, cfg.host, cfg.port)
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
