@@ -7,6 +7,7 @@ import socket
 import struct
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable
 
 import numpy as np
@@ -149,3 +150,22 @@ def test_a_stalled_sender_is_cut_off_by_the_deadline() -> None:
     with pytest.raises(KVImportFailed) as e:
         _receive(wire[: len(wire) // 2], hold_open=True, deadline_s=0.5)
     assert e.value.reason == "deadline"
+
+
+def test_a_sender_that_stalls_after_its_header_costs_no_payload_memory() -> None:
+    """A header for the largest KV the shard holds, then nothing: the receiver gives up at
+    its deadline having allocated nothing like the header's size."""
+    tokens = SHAPE.max_tokens
+    wire = _wire(
+        _header(tokens=tokens, steps=tokens), memoryview(bytes(SHAPE.payload_bytes(tokens)))
+    )
+    (header_len,) = struct.unpack_from(">I", wire, 4)
+    tracemalloc.start()
+    try:
+        with pytest.raises(KVImportFailed) as e:
+            _receive(wire[: 8 + header_len], hold_open=True, deadline_s=0.5)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert e.value.reason == "deadline"
+    assert peak < SHAPE.payload_bytes(tokens) // 8, peak

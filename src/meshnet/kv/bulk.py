@@ -19,6 +19,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -31,6 +32,7 @@ _HEAD = struct.Struct(">4sI")
 _CHUNK = struct.Struct(">II32s")
 _MAX_HEADER = 64 << 10
 _ROOT = 32
+_AHEAD = 2  # chunks read ahead of their hash check
 
 
 def send_stream(
@@ -75,10 +77,12 @@ def recv_stream(
     except Exception:
         raise KVImportFailed("the header does not parse", "invalid") from None
     check(header)
-    payload = bytearray(header.total_bytes)
-    view = memoryview(payload)
+    # The payload grows as verified chunks arrive: a sender that stalls after its
+    # header costs nothing; at most _AHEAD chunks wait for their hash beside it.
+    payload = bytearray()
     n_chunks = -(-header.total_bytes // header.chunk_bytes)
-    checks: list[tuple[int, bytes, Future[bytes]]] = []
+    sent_digests: list[bytes] = []
+    pending: deque[tuple[int, bytearray, Future[bytes]]] = deque()
     with ThreadPoolExecutor(1, thread_name_prefix="kv-verify") as pool:
         for index in range(n_chunks):
             got, length, sent = _CHUNK.unpack(_read(sock, _CHUNK.size, deadline, "chunk"))
@@ -88,16 +92,28 @@ def recv_stream(
             want = min(header.chunk_bytes, header.total_bytes - start)
             if length != want:
                 raise KVImportFailed(f"chunk {index} has {length} bytes, not {want}", "short-chunk")
-            part = view[start : start + length]
-            _read_into(sock, part, deadline)
-            checks.append((index, sent, pool.submit(digest, part)))
+            part = bytearray(length)
+            _read_into(sock, memoryview(part), deadline)
+            sent_digests.append(sent)
+            pending.append((index, part, pool.submit(digest, part)))
+            while len(pending) > _AHEAD:
+                _take(payload, pending.popleft(), sent_digests)
         root = _read(sock, _ROOT, deadline, "trailer")
-        for index, sent, computed in checks:
-            if computed.result() != sent:
-                raise KVImportFailed(f"chunk {index} does not match its hash", "chunk-hash")
-    if root != root_hash(header, [sent for _, sent, _ in checks]):
+        while pending:
+            _take(payload, pending.popleft(), sent_digests)
+    if root != root_hash(header, sent_digests):
         raise KVImportFailed("the root hash does not match", "root-hash")
     return header, payload
+
+
+def _take(
+    payload: bytearray, chunk: tuple[int, bytearray, Future[bytes]], sent: list[bytes]
+) -> None:
+    """Append a chunk to the payload once its hash is the one the sender gave."""
+    index, part, computed = chunk
+    if computed.result() != sent[index]:
+        raise KVImportFailed(f"chunk {index} does not match its hash", "chunk-hash")
+    payload += part
 
 
 def _read(sock: socket.socket, n: int, deadline: float, wanted: str) -> bytes:
