@@ -12,6 +12,7 @@ from meshnet.auth.quotas import QuotaGate, check_kv, check_sessions
 from meshnet.auth.tenants import Quotas, Tenant, TenantStore
 from meshnet.errors import NotFound, QuotaExceeded, RequestError, Unauthenticated
 from meshnet.tracker.database import open_database
+from meshnet.tracker.session_store import SessionStore
 
 
 @pytest.fixture
@@ -51,13 +52,18 @@ def test_only_a_registered_admin_token_is_admin(tenants: TenantStore) -> None:
     assert not tenants.is_admin(new_admin_token())
 
 
-def test_sessions_have_one_owner(tenants: TenantStore) -> None:
-    tenants.own("s1", "acme")
+def test_sessions_have_one_owner_until_retention_drops_the_session(
+    tenants: TenantStore,
+) -> None:
+    sessions = SessionStore(tenants.db)
+    kept = sessions.create("s1", None, 1.0)
+    tenants.own(kept.id, "acme")
+    tenants.own("s2", "acme")  # a session retention has deleted
     assert tenants.owner("s1") == "acme"
-    assert tenants.owner("s2") is None
+    assert tenants.owner("s3") is None
+    assert sorted(tenants.owned("acme")) == ["s1", "s2"]
+    assert tenants.purge_orphans(10) == 1
     assert tenants.owned("acme") == ["s1"]
-    assert tenants.forget_sessions(live=set()) == 1
-    assert tenants.owner("s1") is None
 
 
 class Clock:

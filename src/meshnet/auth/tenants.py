@@ -183,15 +183,14 @@ class TenantStore:
         )
         return [str(r[0]) for r in rows]
 
-    def forget_sessions(self, live: set[str]) -> int:
-        """Drop ownership rows of sessions no longer kept (retention)."""
-        gone = 0
-        for session_id in [s for s in self._all_owned() if s not in live]:
-            gone += self.db.run("DELETE FROM session_owners WHERE session_id = ?", (session_id,))
-        return gone
-
-    def _all_owned(self) -> list[str]:
-        return [str(r[0]) for r in self.db.query("SELECT session_id FROM session_owners")]
+    def purge_orphans(self, limit: int) -> int:
+        """Delete up to ``limit`` ownership rows whose session is no longer kept (retention)."""
+        return self.db.run(
+            "DELETE FROM session_owners WHERE session_id IN ("
+            " SELECT o.session_id FROM session_owners o"
+            " LEFT JOIN sessions s ON s.id = o.session_id WHERE s.id IS NULL LIMIT ?)",
+            (limit,),
+        )
 
     def _forget(self) -> None:
         with self._lock:

@@ -82,8 +82,11 @@ def serve(cfg: TrackerProcessConfig) -> int:
         Sessions(tracker, session_store, snapshots, runner, cfg.policy),
         Outbox(session_store, runner, snapshots, cfg.outbox),
     )
-    retention = Retention(store, session_store, snapshots, cfg.retention)
-    app = create_app(tracker, services, tracker_auth(cfg, store.db, keys), retention)
+    auth = tracker_auth(cfg, store.db, keys)
+    retention = Retention(
+        store, session_store, snapshots, cfg.retention, auth.tenants.purge_orphans
+    )
+    app = create_app(tracker, services, auth, retention)
     log.info("tracker serving %s on http://%s:%d", model.name, cfg.host, cfg.port)
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False)

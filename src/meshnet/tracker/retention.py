@@ -76,6 +76,7 @@ class Purged:
     dead_nodes: int = 0
     snapshot_rows: int = 0  # index rows, with their files
     unindexed_files: int = 0
+    owner_rows: int = 0  # who owned a session no longer kept
 
     @property
     def total(self) -> int:
@@ -91,8 +92,12 @@ class Retention:
         sessions: SessionStore,
         snapshots: SnapshotStore,
         policy: RetentionPolicy = RetentionPolicy(),
+        owners: Callable[[int], int] | None = None,
     ) -> None:
+        """``owners(limit)`` deletes up to ``limit`` ownership rows of sessions no longer
+        kept (the tenancy tables'), the number deleted."""
         self.store = store
+        self.owners = owners
         self.sessions = sessions
         self.snapshots = snapshots
         self.policy = policy
@@ -110,6 +115,8 @@ class Retention:
             purged["sessions"] = _drain(
                 lambda n: self.sessions.purge_ended_sessions(before, n), batch
             )
+            if self.owners is not None:
+                purged["owner_rows"] = _drain(self.owners, batch)
         if p.ledger_s > 0:
             before = now - p.ledger_s
             purged["ledger_rows"] = _drain(lambda n: self.store.purge_ledger(before, n), batch)
