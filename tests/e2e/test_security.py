@@ -260,6 +260,7 @@ def test_admin_routes_need_the_admin_token(mesh: LocalMesh) -> None:
         ("GET", "/admin/nodes"),
         ("GET", "/admin/ledger"),
         ("GET", "/admin/generations"),
+        ("GET", "/admin/loops"),
         ("POST", "/admin/generations/gen-x/cancel"),
         ("DELETE", "/admin/routes"),
         ("POST", "/admin/tenants"),
@@ -269,6 +270,9 @@ def test_admin_routes_need_the_admin_token(mesh: LocalMesh) -> None:
             assert r.status_code == 401, (method, path, r.text)
             assert r.json()["error"]["code"] == "unauthenticated"
     assert httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers).status_code == 200
+    loops = httpx.get(f"{mesh.url}/admin/loops", headers=mesh.admin_headers).json()["loops"]
+    assert {loop["name"] for loop in loops} >= {"heartbeat sweeper", "retention"}
+    assert all(loop["failing"] == 0 for loop in loops), loops
     assert httpx.get(f"{mesh.url}/healthz").status_code == 200  # a liveness probe stays open
 
 

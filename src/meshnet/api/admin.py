@@ -138,3 +138,9 @@ async def issue_key(tenant_id: str, request: Request) -> dict[str, Any]:
 async def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
     auth_of(request).tenants.revoke_key(key_id)
     return {"key_id": key_id, "revoked": True}
+
+
+@router.get("/admin/loops")
+async def loops(request: Request) -> dict[str, Any]:
+    """The tracker's background loops: passes run, failures in all and in a row, the last."""
+    return {"loops": [asdict(health) for health in request.app.state.loops]}
