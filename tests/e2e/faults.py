@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 from streams import node_info
 
+from meshnet.auth.mesh_keys import MeshKeys, Metadata
 from meshnet.local_mesh import LocalMesh
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
@@ -17,11 +18,21 @@ from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 
 
 def nodes(mesh: LocalMesh) -> dict[str, dict[str, Any]]:
-    return {n["node_id"]: n for n in httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]}
+    r = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers)
+    return {n["node_id"]: n for n in r.json()["nodes"]}
 
 
 def address(mesh: LocalMesh, node_id: str) -> str:
     return str(nodes(mesh)[node_id]["address"])
+
+
+def signed(mesh: LocalMesh, node_id: str, method: str) -> Metadata:
+    """The metadata of the tracker's call of ``method`` on ``node_id``: tests speak for it."""
+    return MeshKeys(mesh.mesh_secret).call(node_id, method)
+
+
+def info(mesh: LocalMesh, node_id: str) -> pb.InfoResponse:
+    return node_info(address(mesh, node_id), signed(mesh, node_id, "Info"))
 
 
 def wait_until_up(mesh: LocalMesh, node_id: str, timeout_s: float = 60) -> None:
@@ -35,7 +46,11 @@ def wait_until_up(mesh: LocalMesh, node_id: str, timeout_s: float = 60) -> None:
 
 
 def ledger(mesh: LocalMesh, generation_id: str) -> list[dict[str, Any]]:
-    r = httpx.get(f"{mesh.url}/admin/ledger", params={"generation_id": generation_id})
+    r = httpx.get(
+        f"{mesh.url}/admin/ledger",
+        params={"generation_id": generation_id},
+        headers=mesh.admin_headers,
+    )
     return list(r.json()["records"])
 
 
@@ -67,27 +82,31 @@ def assert_billed_once(records: list[dict[str, Any]], n_layers: int, positions: 
         assert at == positions, f"layer {layer}: completed spans {spans}, expected {positions}"
 
 
-def wait_kv_idle(addresses: list[str], within_s: float) -> float:
+def wait_kv_idle(mesh: LocalMesh, node_ids: list[str], within_s: float) -> float:
     """Seconds until every node holds no KV; fails after ``within_s``."""
+    addresses = {n: address(mesh, n) for n in node_ids}
     t0 = time.monotonic()
     while True:
-        infos = [node_info(a) for a in addresses]
+        infos = [node_info(addresses[n], signed(mesh, n, "Info")) for n in node_ids]
         if all(i.kv_bytes == 0 and i.sessions == 0 for i in infos):
             return time.monotonic() - t0
         if time.monotonic() - t0 > within_s:
-            held = {a: (i.sessions, i.kv_bytes) for a, i in zip(addresses, infos, strict=True)}
+            held = {n: (i.sessions, i.kv_bytes) for n, i in zip(node_ids, infos, strict=True)}
             raise AssertionError(f"KV still held after {within_s}s: {held}")
         time.sleep(0.02)
 
 
 def raw_forward(
-    node_address: str, open_msg: pb.Open, steps: list[pb.Tensor]
+    mesh: LocalMesh, node_id: str, open_msg: pb.Open, steps: list[pb.Tensor]
 ) -> list[pb.ForwardResponse]:
-    """Drive one Forward stream by hand, as a peer (or an attacker) would."""
+    """Drive one Forward stream on ``node_id`` by hand, signed as the tracker's (as a stale
+    driver, or a tracker sending garbage, would)."""
     requests = [pb.ForwardRequest(open=open_msg)]
     requests += [pb.ForwardRequest(step=pb.Step(step=i, input=t)) for i, t in enumerate(steps)]
-    with grpc.insecure_channel(node_address) as channel:
-        return list(pb_grpc.NodeStub(channel).Forward(iter(requests), timeout=30))
+    forward = signed(mesh, node_id, "Forward")
+    with grpc.insecure_channel(address(mesh, node_id)) as channel:
+        stub = pb_grpc.NodeStub(channel)
+        return list(stub.Forward(iter(requests), timeout=30, metadata=forward))
 
 
 def hidden(rows: int, width: int) -> pb.Tensor:

@@ -9,7 +9,9 @@ from typing import Any
 
 import grpc
 import httpx
+from session_client import Api
 
+from meshnet.auth.mesh_keys import Metadata
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 
@@ -28,7 +30,7 @@ OnToken = Callable[[int, Streamed], bool | None]  # return True to hang up
 
 
 def stream_completion(
-    url: str,
+    api: Api,
     body: dict[str, Any],
     on_token: OnToken | None = None,
     client: httpx.Client | None = None,
@@ -39,9 +41,10 @@ def stream_completion(
     """
     if client is None:
         with httpx.Client(timeout=120) as own:
-            return stream_completion(url, body, on_token, own)
+            return stream_completion(api, body, on_token, own)
     out = Streamed()
-    with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+    url, streamed = f"{api.url}/v1/completions", {**body, "stream": True}
+    with client.stream("POST", url, json=streamed, headers=api.api_headers) as r:
         if r.status_code != 200:
             r.read()
             out.error = r.json()["error"]
@@ -83,9 +86,10 @@ def serving(s: Streamed, layers: tuple[int, int]) -> str:
     return next(str(h["node_id"]) for h in s.route if tuple(h["layers"]) == layers)
 
 
-def node_info(address: str) -> pb.InfoResponse:
+def node_info(address: str, signed: Metadata) -> pb.InfoResponse:
+    """The node's Info, called with the tracker's ``signed`` metadata for it."""
     with grpc.insecure_channel(address) as channel:
-        return pb_grpc.NodeStub(channel).Info(pb.InfoRequest(), timeout=5)
+        return pb_grpc.NodeStub(channel).Info(pb.InfoRequest(), timeout=5, metadata=signed)
 
 
 def rss_bytes(pid: int) -> int:

@@ -66,10 +66,12 @@ def test_a_node_on_another_host_registers_and_serves(
         )
         mesh.start_node("local", LayerRange(2, 4))
         mesh.wait_ready(expected_nodes=2, timeout_s=120)
-        nodes = {n["node_id"]: n for n in httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]}
+        listed = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers).json()["nodes"]
+        nodes = {n["node_id"]: n for n in listed}
         assert nodes["remote"]["address"].startswith(f"{ns_ip}:")
         r = httpx.post(
             f"{mesh.url}/v1/completions",
+            headers=mesh.api_headers,
             timeout=60,
             json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0},
         )

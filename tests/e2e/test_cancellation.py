@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import MeshFactory
-from faults import address, ledger, wait_kv_idle
+from faults import ledger, wait_kv_idle
 from streams import Streamed, rss_bytes, stream_completion
 
 from meshnet.engine.generate import generate
@@ -20,6 +20,7 @@ from meshnet.local_mesh import LocalMesh
 from meshnet.model.sampling import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 3, 64, 128, 7]
+NODES = ["node-0", "node-1"]
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +44,9 @@ def _body(seed: int, max_tokens: int = 300) -> dict[str, Any]:
     }
 
 
-def _addresses(mesh: LocalMesh) -> list[str]:
-    return [address(mesh, n) for n in ("node-0", "node-1")]
-
-
 def _cancel(mesh: LocalMesh, generation_id: str, client: httpx.Client) -> httpx.Response:
-    return client.post(f"{mesh.url}/admin/generations/{generation_id}/cancel")
+    url = f"{mesh.url}/admin/generations/{generation_id}/cancel"
+    return client.post(url, headers=mesh.admin_headers)
 
 
 def _admin_cancel_at(mesh: LocalMesh, token: int, client: httpx.Client) -> Any:
@@ -68,13 +66,13 @@ def test_a_cancel_frees_every_shards_kv_within_a_second(
     mesh: LocalMesh, client: httpx.Client, how: str
 ) -> None:
     hook = _admin_cancel_at(mesh, 10, client) if how == "admin" else _hang_up_at(10)
-    result = stream_completion(mesh.url, _body(3), hook)
+    result = stream_completion(mesh, _body(3), hook)
     assert len(result.ids) < 300 and result.final is None  # it did not run to the end
     if how == "admin":
         assert result.error is not None and result.error["code"] == "cancelled"
     else:
         assert result.hung_up
-    wait_kv_idle(_addresses(mesh), within_s=1.0)
+    wait_kv_idle(mesh, NODES, within_s=1.0)
     records = ledger(mesh, result.generation_id)
     assert {(r["node_id"], r["status"], r["kind"]) for r in records} == {
         ("node-0", "cancelled", "cancelled"),
@@ -102,7 +100,7 @@ def test_40_streams_with_every_4th_cancelled_the_rest_complete_exactly(
             hook = _admin_cancel_at(mesh, 5, client)
         else:
             hook = _hang_up_at(5)
-        results[i] = stream_completion(mesh.url, _body(100 + i, max_tokens=80), hook)
+        results[i] = stream_completion(mesh, _body(100 + i, max_tokens=80), hook)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(40)]
     for t in threads:
@@ -110,7 +108,7 @@ def test_40_streams_with_every_4th_cancelled_the_rest_complete_exactly(
     for t in threads:
         t.join(timeout=120)
     assert len(results) == 40
-    wait_kv_idle(_addresses(mesh), within_s=1.0)
+    wait_kv_idle(mesh, NODES, within_s=1.0)
     for i, result in results.items():
         if i % 4 == 3:
             assert result.final is None, f"stream {i} was not cancelled"
@@ -131,16 +129,14 @@ def test_a_thousand_cancel_cycles_leave_kv_and_memory_flat(
     def cycles(n: int) -> None:
         for i in range(n):
             hook = _admin_cancel_at(mesh, 2, client) if i % 2 else _hang_up_at(2)
-            result = stream_completion(
-                mesh.url, _body(3), hook, client
-            )  # 300 tokens: always mid-stream
+            result = stream_completion(mesh, _body(3), hook, client)  # 300 tokens: mid-stream
             assert result.final is None
 
     cycles(100)  # warm up: caches, channels, allocator pools
-    wait_kv_idle(_addresses(mesh), within_s=1.0)
+    wait_kv_idle(mesh, NODES, within_s=1.0)
     before = [rss_bytes(p) for p in pids]
     cycles(1000)
-    wait_kv_idle(_addresses(mesh), within_s=1.0)
+    wait_kv_idle(mesh, NODES, within_s=1.0)
     after = [rss_bytes(p) for p in pids]
     growth = [(a - b) / 2**20 for a, b in zip(after, before, strict=True)]
     assert max(growth) < 16, f"RSS grew by {growth} MiB over 1000 cancels (nodes, tracker)"
@@ -148,16 +144,18 @@ def test_a_thousand_cancel_cycles_leave_kv_and_memory_flat(
 
 def test_a_cancelled_unstreamed_request_gets_499(mesh: LocalMesh, client: httpx.Client) -> None:
     answer: list[httpx.Response] = []
+    url, body, headers = f"{mesh.url}/v1/completions", _body(3), mesh.api_headers
     worker = threading.Thread(
-        target=lambda: answer.append(client.post(f"{mesh.url}/v1/completions", json=_body(3)))
+        target=lambda: answer.append(client.post(url, json=body, headers=headers))
     )
     worker.start()
     deadline = time.monotonic() + 10
     running: list[dict[str, Any]] = []
     while not running and time.monotonic() < deadline:
-        running = client.get(f"{mesh.url}/admin/generations").json()["generations"]
+        r = client.get(f"{mesh.url}/admin/generations", headers=mesh.admin_headers)
+        running = r.json()["generations"]
     assert _cancel(mesh, running[0]["id"], client).status_code == 200
     worker.join(timeout=30)
     assert answer[0].status_code == 499
     assert answer[0].json()["error"]["code"] == "cancelled"
-    wait_kv_idle(_addresses(mesh), within_s=1.0)
+    wait_kv_idle(mesh, NODES, within_s=1.0)

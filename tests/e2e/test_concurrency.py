@@ -41,17 +41,19 @@ def test_sixteen_concurrent_streams_each_get_their_solo_output(
     bodies = [_request(i) for i in range(16)]
 
     def run(body: dict[str, Any]) -> list[int]:
-        r = httpx.post(f"{mesh.url}/v1/chat/completions", json=body, timeout=300)
+        r = httpx.post(
+            f"{mesh.url}/v1/chat/completions", json=body, headers=mesh.api_headers, timeout=300
+        )
         assert r.status_code == 200, r.text
         return list(r.json()["meshnet"]["ids"])
 
     with ThreadPoolExecutor(16) as pool:
         together = list(pool.map(run, bodies))
     assert together == [solo_chat_ids(bundled, b) for b in bodies]
-    nodes = httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]
+    nodes = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers).json()["nodes"]
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        nodes = httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]
+        nodes = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers).json()["nodes"]
         if all(n["load"]["kv_bytes"] == 0 and n["load"]["sessions"] == 0 for n in nodes):
             break
         time.sleep(0.2)

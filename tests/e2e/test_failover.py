@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import MeshFactory
-from faults import address, assert_billed_once, raw_forward, wait_ledger, wait_until_up
+from faults import assert_billed_once, raw_forward, wait_ledger, wait_until_up
 from streams import Streamed, serving, stream_completion
 
 from meshnet.layer_range import LayerRange
@@ -36,7 +36,7 @@ def long_tiny(tiny_factory: Any) -> Path:
 
 
 def _reference(mesh: LocalMesh, body: dict[str, Any] = BODY) -> list[int]:
-    r = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=60)
+    r = httpx.post(f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers, timeout=60)
     assert r.status_code == 200, r.text
     return list(r.json()["meshnet"]["ids"])
 
@@ -68,7 +68,7 @@ def test_killing_a_replicated_node_mid_stream_gives_identical_output_20_times(
                 killed.append(serving(s, (2, 4)))
                 mesh.kill_node(killed[0])
 
-        result = stream_completion(mesh.url, BODY, kill)
+        result = stream_completion(mesh, BODY, kill)
         assert result.error is None, (rep, kill_at, result.error)
         assert result.ids == expected, f"repetition {rep}: kill after token {kill_at}"
         assert result.final is not None and result.final["ids"] == expected
@@ -95,7 +95,7 @@ def test_with_no_replica_an_empty_node_is_healed_into_the_route(
         if n == 10:
             mesh.kill_node("node-1")
 
-    result = stream_completion(mesh.url, BODY, kill)
+    result = stream_completion(mesh, BODY, kill)
     assert result.error is None, result.error
     assert result.ids == expected
     assert result.final is not None
@@ -108,7 +108,9 @@ def test_with_no_replica_an_empty_node_is_healed_into_the_route(
     assert [h["node_id"] for h in result.final["route"]] == ["node-0", "node-2"]
     assert_billed_once(wait_ledger(mesh, result.generation_id, hops=2), 4, _positions(expected))
     # The healed node stays in the mesh: the next request routes through it.
-    again = httpx.post(f"{mesh.url}/v1/completions", json=BODY, timeout=60).json()
+    again = httpx.post(
+        f"{mesh.url}/v1/completions", json=BODY, headers=mesh.api_headers, timeout=60
+    ).json()
     assert again["meshnet"]["ids"] == expected
     assert [h["node_id"] for h in again["meshnet"]["route"]] == ["node-0", "node-2"]
 
@@ -131,7 +133,7 @@ def test_a_frozen_node_is_failed_by_its_deadline_and_its_late_steps_are_stale(
             mesh.kill_node(frozen[0], signal.SIGSTOP)
 
     t0 = time.monotonic()
-    result = stream_completion(mesh.url, BODY, freeze)
+    result = stream_completion(mesh, BODY, freeze)
     took = time.monotonic() - t0
     assert result.error is None, result.error
     assert result.ids == expected
@@ -152,7 +154,7 @@ def test_a_frozen_node_is_failed_by_its_deadline_and_its_late_steps_are_stale(
     )
     deadline = time.monotonic() + 10
     while True:
-        replies = raw_forward(address(mesh, frozen[0]), old, [])
+        replies = raw_forward(mesh, frozen[0], old, [])
         if replies[0].WhichOneof("kind") == "failure" or time.monotonic() > deadline:
             break
         time.sleep(0.1)

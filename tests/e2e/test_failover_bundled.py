@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from conftest import MeshFactory
 from faults import (
-    address,
     assert_billed_once,
     raw_forward,
     wait_kv_idle,
@@ -49,7 +48,7 @@ def case(oracle: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def body(mesh: LocalMesh, case: dict[str, Any]) -> dict[str, Any]:
-    model = httpx.get(f"{mesh.url}/v1/models").json()["data"][0]["id"]
+    model = httpx.get(f"{mesh.url}/v1/models", headers=mesh.api_headers).json()["data"][0]["id"]
     return {"model": model, "prompt": case["prompt_text"], "temperature": 0, "max_tokens": 48}
 
 
@@ -71,7 +70,7 @@ def _check(mesh: LocalMesh, s: Streamed, case: dict[str, Any], kind: str) -> dic
 def test_1_kill_9_of_a_replicated_node(
     mesh: LocalMesh, body: dict[str, Any], case: dict[str, Any]
 ) -> None:
-    s = stream_completion(mesh.url, body, at(10, lambda s: mesh.kill_node(_b(s))))
+    s = stream_completion(mesh, body, at(10, lambda s: mesh.kill_node(_b(s))))
     assert _check(mesh, s, case, "worker-death")["method"] == "replay"
 
 
@@ -79,7 +78,7 @@ def test_2_healing_onto_the_empty_node(
     mesh: LocalMesh, body: dict[str, Any], case: dict[str, Any]
 ) -> None:
     # One server of 15:30 is left; killing it leaves only E to heal.
-    s = stream_completion(mesh.url, body, at(5, lambda s: mesh.kill_node(_b(s))))
+    s = stream_completion(mesh, body, at(5, lambda s: mesh.kill_node(_b(s))))
     assert _check(mesh, s, case, "worker-death")["healed"] == "node-3"
 
 
@@ -94,19 +93,21 @@ def test_3_a_frozen_node_meets_its_deadline(
         frozen.append(_b(s))
         mesh.kill_node(frozen[0], signal.SIGSTOP)
 
-    s = stream_completion(mesh.url, body, at(5, freeze))
+    s = stream_completion(mesh, body, at(5, freeze))
     mesh.kill_node(frozen[0], signal.SIGCONT)
     _check(mesh, s, case, "deadline-exceeded")
 
 
 def test_4_a_cancel_frees_every_shard(mesh: LocalMesh, body: dict[str, Any]) -> None:
     def cancel(s: Streamed) -> None:
-        httpx.post(f"{mesh.url}/admin/generations/{s.generation_id}/cancel").raise_for_status()
+        httpx.post(
+            f"{mesh.url}/admin/generations/{s.generation_id}/cancel", headers=mesh.admin_headers
+        ).raise_for_status()
 
-    s = stream_completion(mesh.url, body, at(3, cancel))
+    s = stream_completion(mesh, body, at(3, cancel))
     assert s.error is not None and s.error["code"] == "cancelled"
     live = [n for n in ("node-0", "node-1", "node-3") if n in mesh.nodes]
-    wait_kv_idle([address(mesh, n) for n in live], within_s=1.0)
+    wait_kv_idle(mesh, live, within_s=1.0)
 
 
 def test_5_malformed_bundles_leave_other_sessions_untouched(
@@ -115,11 +116,11 @@ def test_5_malformed_bundles_leave_other_sessions_untouched(
     wait_until_up(mesh, "node-1")
     fingerprint = next(
         n["fingerprint"]
-        for n in httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]
+        for n in httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers).json()["nodes"]
         if n["node_id"] == "node-0"
     )
     results: list[Streamed] = []
-    worker = threading.Thread(target=lambda: results.append(stream_completion(mesh.url, body)))
+    worker = threading.Thread(target=lambda: results.append(stream_completion(mesh, body)))
     worker.start()
     d = 576  # the bundled model's width
     bad = [
@@ -131,7 +132,7 @@ def test_5_malformed_bundles_leave_other_sessions_untouched(
     opened = pb.Open(
         session_id="intruder", epoch=1, fingerprint=fingerprint, layer_start=0, layer_end=15
     )
-    replies = raw_forward(address(mesh, "node-0"), opened, bad)
+    replies = raw_forward(mesh, "node-0", opened, bad)
     bad_hidden = [
         codec.encode(np.zeros((1, d + 1), np.float32)),  # wrong shape
         codec.encode(np.zeros((1, d), np.int64)),  # wrong dtype
@@ -141,7 +142,7 @@ def test_5_malformed_bundles_leave_other_sessions_untouched(
     second = pb.Open(
         session_id="intruder", epoch=1, fingerprint=fingerprint, layer_start=15, layer_end=30
     )
-    replies += raw_forward(address(mesh, "node-1"), second, bad_hidden)[1:]
+    replies += raw_forward(mesh, "node-1", second, bad_hidden)[1:]
     worker.join(timeout=120)
     assert [r.WhichOneof("kind") for r in replies] == ["opened"] + ["failure"] * 8
     assert {r.failure.kind for r in replies[1:]} == {"malformed-bundle"}

@@ -17,7 +17,7 @@ import grpc
 import httpx
 import pytest
 from conftest import MeshFactory
-from faults import address, assert_billed_once, raw_forward, wait_ledger
+from faults import address, assert_billed_once, raw_forward, signed, wait_ledger
 from streams import Streamed, at, serving, stream_completion
 from tcp_proxy import TcpProxy
 
@@ -90,7 +90,7 @@ def _failed_over(
 
 def test_clean(mesh_factory: MeshFactory, model: Path, expected: list[int]) -> None:
     mesh = mesh_factory("0:2,2:4", model=model)
-    s = stream_completion(mesh.url, BODY)
+    s = stream_completion(mesh, BODY)
     assert s.ids == expected and s.final is not None and s.final["recoveries"] == []
     records, ledger = _ledger(mesh, s)
     assert ledger == {("node-0", 1, "completed", ""), ("node-1", 1, "completed", "")}
@@ -122,7 +122,7 @@ def test_a_frozen_node(
         frozen.append(_b(s))
         mesh.kill_node(frozen[0], signal.SIGSTOP)
 
-    s = stream_completion(mesh.url, BODY, at(10, freeze))
+    s = stream_completion(mesh, BODY, at(10, freeze))
     mesh.kill_node(frozen[0], signal.SIGCONT)
     other = "node-2" if frozen[0] == "node-1" else "node-1"
     _failed_over(mesh, s, expected, kind, frozen[0], other)
@@ -132,9 +132,11 @@ def test_cancel(mesh_factory: MeshFactory, model: Path) -> None:
     mesh = mesh_factory("0:2,2:4", model=model)
 
     def cancel(s: Streamed) -> None:
-        httpx.post(f"{mesh.url}/admin/generations/{s.generation_id}/cancel").raise_for_status()
+        httpx.post(
+            f"{mesh.url}/admin/generations/{s.generation_id}/cancel", headers=mesh.admin_headers
+        ).raise_for_status()
 
-    s = stream_completion(mesh.url, BODY, at(10, cancel))
+    s = stream_completion(mesh, BODY, at(10, cancel))
     assert s.final is None and s.error is not None and s.error["code"] == "cancelled"
     records, ledger = _ledger(mesh, s)
     assert ledger == {
@@ -152,7 +154,7 @@ def test_worker_death(mesh_factory: MeshFactory, model: Path, expected: list[int
         killed.append(_b(s))
         mesh.kill_node(killed[0])
 
-    s = stream_completion(mesh.url, BODY, at(10, kill))
+    s = stream_completion(mesh, BODY, at(10, kill))
     other = "node-2" if killed[0] == "node-1" else "node-1"
     _failed_over(mesh, s, expected, "worker-death", killed[0], other)
 
@@ -176,7 +178,7 @@ def proxy_mesh(mesh_factory: MeshFactory, model: Path) -> Iterator[tuple[LocalMe
 
 def test_stream_reset(proxy_mesh: tuple[LocalMesh, TcpProxy], expected: list[int]) -> None:
     mesh, proxy = proxy_mesh
-    s = stream_completion(mesh.url, BODY, at(10, lambda _: proxy.reset()))
+    s = stream_completion(mesh, BODY, at(10, lambda _: proxy.reset()))
     _failed_over(mesh, s, expected, "stream-reset", "node-1", "node-1")  # B is alive: reused
 
 
@@ -193,9 +195,9 @@ def test_stale_epoch(mesh_factory: MeshFactory, model: Path, expected: list[int]
             layer_start=2,
             layer_end=4,
         )
-        answers.extend(raw_forward(address(mesh, "node-1"), old, []))
+        answers.extend(raw_forward(mesh, "node-1", old, []))
 
-    s = stream_completion(mesh.url, BODY, at(10, late_message))
+    s = stream_completion(mesh, BODY, at(10, late_message))
     assert [a.failure.kind for a in answers] == ["stale-epoch"]
     assert s.ids == expected and s.final is not None and s.final["recoveries"] == []
     _, ledger = _ledger(mesh, s)
@@ -208,10 +210,11 @@ def test_cache_miss(mesh_factory: MeshFactory, model: Path, expected: list[int])
     def reload_b(s: Streamed) -> None:
         load = pb.ConfigureRequest(load=pb.LoadShard(layer_start=2, layer_end=4))
         with grpc.insecure_channel(address(mesh, "node-1")) as channel:
-            reply = pb_grpc.NodeStub(channel).Configure(load, timeout=30)
+            configure = signed(mesh, "node-1", "Configure")
+            reply = pb_grpc.NodeStub(channel).Configure(load, timeout=30, metadata=configure)
         assert reply.applied
 
-    s = stream_completion(mesh.url, BODY, at(10, reload_b))
+    s = stream_completion(mesh, BODY, at(10, reload_b))
     _failed_over(mesh, s, expected, "cache-miss", "node-1", "node-1")
 
 
@@ -219,7 +222,7 @@ def test_failover_heals_an_empty_node(
     mesh_factory: MeshFactory, model: Path, expected: list[int]
 ) -> None:
     mesh = mesh_factory("0:2,2:4,empty", model=model)
-    s = stream_completion(mesh.url, BODY, at(10, lambda _: mesh.kill_node("node-1")))
+    s = stream_completion(mesh, BODY, at(10, lambda _: mesh.kill_node("node-1")))
     recovery = _survived(s, expected, "worker-death")
     assert recovery["healed"] == "node-2"
     _failed_over(mesh, s, expected, "worker-death", "node-1", "node-2")

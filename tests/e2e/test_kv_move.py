@@ -9,8 +9,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 from conftest import MeshFactory
-from faults import address
+from faults import address, signed
 
+from meshnet.auth.mesh_keys import MeshKeys
+from meshnet.local_mesh import LocalMesh
 from meshnet.model.gguf_file import sha256_file
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
@@ -18,12 +20,15 @@ from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 
 
 class Session:
-    """A Forward stream held open by hand, one request at a time."""
+    """A Forward stream on ``node_id`` held open by hand (as the tracker), one request at a
+    time."""
 
-    def __init__(self, node: str, open_msg: pb.Open) -> None:
-        self._channel = grpc.insecure_channel(node)
+    def __init__(self, mesh: LocalMesh, node_id: str, open_msg: pb.Open) -> None:
+        self._channel = grpc.insecure_channel(address(mesh, node_id))
         self._requests: queue.Queue[pb.ForwardRequest | None] = queue.Queue()
-        self._replies = pb_grpc.NodeStub(self._channel).Forward(self._feed(), timeout=60)
+        stub = pb_grpc.NodeStub(self._channel)
+        forward = signed(mesh, node_id, "Forward")
+        self._replies = stub.Forward(self._feed(), timeout=60, metadata=forward)
         self.opened = self.send(pb.ForwardRequest(open=open_msg))
 
     def _feed(self) -> Iterator[pb.ForwardRequest]:
@@ -49,6 +54,7 @@ def test_a_session_pulled_to_another_node_continues_identically(
 ) -> None:
     mesh = mesh_factory("0:4,0:4", model=tiny_path)
     a, b = address(mesh, "node-0"), address(mesh, "node-1")
+    keys = MeshKeys(mesh.mesh_secret)
     fingerprint = sha256_file(tiny_path)
 
     def open_msg() -> pb.Open:
@@ -56,18 +62,23 @@ def test_a_session_pulled_to_another_node_continues_identically(
             session_id="moved", epoch=3, fingerprint=fingerprint, layer_start=0, layer_end=4
         )
 
-    on_a = Session(a, open_msg())
+    def pull(session_id: str) -> pb.StatePutResponse:
+        """node-1 pulls ``session_id`` from node-0, with the tracker's token for it."""
+        token = keys.peer("node-0", "node-1", "pull", session_id)
+        request = pb.StatePullRequest(source=a, session_id=session_id, source_token=token)
+        with grpc.insecure_channel(b) as channel:
+            stub = pb_grpc.NodeStub(channel)
+            return stub.StatePull(request, timeout=30, metadata=keys.call("node-1", "StatePull"))
+
+    on_a = Session(mesh, "node-0", open_msg())
     try:
         on_a.step(0, [5, 6, 7, 8])
         on_a.step(1, [9])
-        with grpc.insecure_channel(b) as channel:
-            pulled = pb_grpc.NodeStub(channel).StatePull(
-                pb.StatePullRequest(source=a, session_id="moved"), timeout=30
-            )
+        pulled = pull("moved")
         assert pulled.imported, pulled.failure
         assert pulled.transport == "tcp"  # over the bulk port, not gRPC frames
         assert pulled.tokens == 5
-        on_b = Session(b, open_msg())  # the same epoch: it keeps the imported KV
+        on_b = Session(mesh, "node-1", open_msg())  # the same epoch: it keeps the imported KV
         try:
             assert (on_b.opened.opened.kv_tokens, on_b.opened.opened.steps) == (5, 2)
             here, there = on_a.step(2, [10]), on_b.step(2, [10])
@@ -75,10 +86,7 @@ def test_a_session_pulled_to_another_node_continues_identically(
         finally:
             on_b.close()
         # Pulling a session the source does not hold fails cleanly.
-        with grpc.insecure_channel(b) as channel:
-            missing = pb_grpc.NodeStub(channel).StatePull(
-                pb.StatePullRequest(source=a, session_id="nobody"), timeout=30
-            )
+        missing = pull("nobody")
         assert not missing.imported and missing.failure.kind == "kv-import-failed"
         assert missing.reason == "source-missing"
     finally:

@@ -32,9 +32,9 @@ def test_greedy_ids_through_a_split_mesh_equal_one_process(
     ).ids
     half = case.n_layers // 2
     mesh = mesh_factory(f"0:{half},{half}:{case.n_layers}", model=path)
-    model = httpx.get(f"{mesh.url}/v1/models").json()["data"][0]["id"]
+    model = httpx.get(f"{mesh.url}/v1/models", headers=mesh.api_headers).json()["data"][0]["id"]
     body = {"model": model, "prompt": PROMPT, "temperature": 0, "max_tokens": TOKENS}
-    r = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=120)
+    r = httpx.post(f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers, timeout=120)
     assert r.status_code == 200, r.text
     out = r.json()["meshnet"]
     assert len(out["route"]) == 2

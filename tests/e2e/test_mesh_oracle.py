@@ -25,7 +25,7 @@ def test_greedy_ids_through_the_mesh_equal_the_oracle(
 ) -> None:
     mesh = mesh_factory(LAYOUTS[nodes])
     cases = {c["name"]: c for c in oracle["cases"]}
-    model = httpx.get(f"{mesh.url}/v1/models").json()["data"][0]["id"]
+    model = httpx.get(f"{mesh.url}/v1/models", headers=mesh.api_headers).json()["data"][0]["id"]
     for name, question in CHAT_CASES.items():
         body = {
             "model": model,
@@ -33,7 +33,9 @@ def test_greedy_ids_through_the_mesh_equal_the_oracle(
             "temperature": 0,
             "max_tokens": 48,
         }
-        r = httpx.post(f"{mesh.url}/v1/chat/completions", json=body, timeout=300)
+        r = httpx.post(
+            f"{mesh.url}/v1/chat/completions", json=body, headers=mesh.api_headers, timeout=300
+        )
         assert r.status_code == 200, r.text
         out = r.json()
         assert out["meshnet"]["ids"] == cases[name]["hf_greedy_ids"], name
@@ -44,6 +46,7 @@ def test_greedy_ids_through_the_mesh_equal_the_oracle(
     raw = cases["raw_completion"]
     r = httpx.post(
         f"{mesh.url}/v1/completions",
+        headers=mesh.api_headers,
         timeout=300,
         json={"model": model, "prompt": raw["prompt_text"], "temperature": 0, "max_tokens": 48},
     )

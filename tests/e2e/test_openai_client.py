@@ -25,7 +25,8 @@ def mesh(mesh_factory: MeshFactory) -> LocalMesh:
 
 @pytest.fixture(scope="module")
 def client(mesh: LocalMesh) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0) as c:
+    key = mesh.credentials.api_key
+    with openai.OpenAI(base_url=f"{mesh.url}/v1", api_key=key, max_retries=0) as c:
         yield c
 
 
@@ -109,14 +110,16 @@ def test_a_client_that_hangs_up_frees_every_nodes_kv(mesh: LocalMesh) -> None:
         "temperature": 0,
         "stream": True,
     }
-    with httpx.stream("POST", f"{mesh.url}/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers, timeout=60
+    ) as r:
         lines = r.iter_lines()
         for _ in range(6):
             next(lines)
     hung_up = time.monotonic()  # 400 tokens would take several more seconds
 
     def kv_in_use() -> int:
-        nodes = httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]
+        nodes = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers).json()["nodes"]
         return sum(n["load"]["kv_bytes"] + n["load"]["sessions"] for n in nodes)
 
     while kv_in_use() and time.monotonic() - hung_up < 3:

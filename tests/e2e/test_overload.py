@@ -80,7 +80,8 @@ def test_a_burst_of_200_gets_exact_answers_or_429_and_no_5xx(
 
     async def burst() -> list[tuple[int, Any]]:
         limits = httpx.Limits(max_connections=BURST, max_keepalive_connections=BURST)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        headers = mesh.api_headers
+        async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
             return await asyncio.gather(*(_call(client, url, b) for b in bodies))
 
     results = asyncio.run(burst())
@@ -98,12 +99,14 @@ def test_a_burst_of_200_gets_exact_answers_or_429_and_no_5xx(
             solos[key] = solo_chat_ids(bundled, body)
         assert ids == solos[key]
     deadline = time.monotonic() + 10
-    nodes = httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]
+    nodes = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers).json()["nodes"]
     while time.monotonic() < deadline and not all(n["state"] == "up" for n in nodes):
         time.sleep(0.5)
-        nodes = httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]
+        nodes = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers).json()["nodes"]
     assert [n["state"] for n in nodes] == ["up", "up"]
     assert all(p.poll() is None for p in mesh.nodes.values())
-    after = httpx.post(url, json={**_body(0), "stream": False}, timeout=120)
+    after = httpx.post(
+        url, json={**_body(0), "stream": False}, headers=mesh.api_headers, timeout=120
+    )
     assert after.status_code == 200
     assert after.json()["meshnet"]["ids"] == solo_chat_ids(bundled, _body(0))

@@ -31,7 +31,7 @@ def _relayed(mesh: LocalMesh, want: dict[str, int]) -> dict[str, int]:
     seen: dict[str, int] = {}
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        nodes = httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]
+        nodes = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers).json()["nodes"]
         seen = {n["node_id"]: n["load"]["relayed"] for n in nodes}
         if seen == want:
             break
@@ -44,7 +44,9 @@ def test_hops_relay_to_each_other_with_the_same_output(
     mesh_factory: MeshFactory, bundled: LocalModel, relay: bool
 ) -> None:
     mesh = mesh_factory("0:10,10:20,20:30", tracker_args=[] if relay else ["--no-relay"])
-    r = httpx.post(f"{mesh.url}/v1/chat/completions", json=BODY, timeout=120)
+    r = httpx.post(
+        f"{mesh.url}/v1/chat/completions", json=BODY, headers=mesh.api_headers, timeout=120
+    )
     assert r.status_code == 200, r.text
     ids = r.json()["meshnet"]["ids"]
     assert ids == solo_chat_ids(bundled, BODY)

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from conftest import MeshFactory
 
+from meshnet.auth.node_http import NodeAuth
 from meshnet.local_mesh import LocalMesh
 
 
@@ -27,11 +28,14 @@ def _chat(mesh: LocalMesh, **extra: Any) -> httpx.Response:
         "max_tokens": 6,
         **extra,
     }
-    return httpx.post(f"{mesh.url}/v1/chat/completions", json=body, timeout=60)
+    return httpx.post(
+        f"{mesh.url}/v1/chat/completions", json=body, headers=mesh.api_headers, timeout=60
+    )
 
 
 def _nodes(mesh: LocalMesh) -> dict[str, dict[str, Any]]:
-    return {n["node_id"]: n for n in httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]}
+    r = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers)
+    return {n["node_id"]: n for n in r.json()["nodes"]}
 
 
 def _wait_idle(mesh: LocalMesh) -> None:
@@ -86,20 +90,20 @@ def test_silent_node_is_marked_down_by_missed_heartbeats(
 
 def test_pinned_routes(mesh_factory: MeshFactory, tiny_path: Path) -> None:
     mesh = mesh_factory("0:2,0:2,2:4,0:4", model=tiny_path)
-    admin = f"{mesh.url}/admin/routes"
-    assert httpx.post(admin, json={"node_ids": ["node-9"]}).status_code == 400
-    bad = httpx.post(admin, json={"node_ids": ["node-0", "node-1"]})
+    admin, token = f"{mesh.url}/admin/routes", mesh.admin_headers
+    assert httpx.post(admin, json={"node_ids": ["node-9"]}, headers=token).status_code == 400
+    bad = httpx.post(admin, json={"node_ids": ["node-0", "node-1"]}, headers=token)
     assert bad.status_code == 400 and "cover" in bad.json()["error"]["message"]
-    assert httpx.post(admin, json={"node_ids": []}).status_code == 400
-    ok = httpx.post(admin, json={"node_ids": ["node-1", "node-2"]})
+    assert httpx.post(admin, json={"node_ids": []}, headers=token).status_code == 400
+    ok = httpx.post(admin, json={"node_ids": ["node-1", "node-2"]}, headers=token)
     assert ok.status_code == 200
     assert _route_ids(_chat(mesh)) == ["node-1", "node-2"]
     whole = _chat(mesh).json()["meshnet"]["ids"]
-    httpx.post(admin, json={"node_ids": ["node-3"]})
+    httpx.post(admin, json={"node_ids": ["node-3"]}, headers=token)
     assert _route_ids(_chat(mesh)) == ["node-3"]
     assert _chat(mesh).json()["meshnet"]["ids"] == whole  # any split, same tokens
-    httpx.delete(admin)
-    assert httpx.get(admin).json()["pinned"] is None
+    httpx.delete(admin, headers=token)
+    assert httpx.get(admin, headers=token).json()["pinned"] is None
 
 
 def test_admin_nodes_lists_what_a_operator_needs(
@@ -141,14 +145,16 @@ def test_bad_requests_get_openai_errors_not_500(
     tiny_mesh: LocalMesh, body: dict[str, Any], status: int, code: str
 ) -> None:
     mesh = tiny_mesh
-    r = httpx.post(f"{mesh.url}/v1/chat/completions", json=body, timeout=30)
+    r = httpx.post(
+        f"{mesh.url}/v1/chat/completions", json=body, headers=mesh.api_headers, timeout=30
+    )
     assert r.status_code == status, r.text
     assert r.json()["error"]["code"] == code
     r = httpx.post(
         f"{mesh.url}/v1/chat/completions",
         content=b"{not json",
         timeout=30,
-        headers={"content-type": "application/json"},
+        headers={**mesh.api_headers, "content-type": "application/json"},
     )
     assert r.status_code == 400
 
@@ -165,6 +171,8 @@ def test_meshnet_chat_one_turn(tiny_mesh: LocalMesh) -> None:
             "chat",
             "--url",
             tiny_mesh.url,
+            "--data-dir",  # its credentials.json holds the API key
+            str(tiny_mesh.data_dir),
             "--message",
             "hello",
             "--max-tokens",
@@ -177,6 +185,7 @@ def test_meshnet_chat_one_turn(tiny_mesh: LocalMesh) -> None:
     )
     expected = httpx.post(
         f"{tiny_mesh.url}/v1/chat/completions",
+        headers=tiny_mesh.api_headers,
         timeout=30,
         json={
             "model": "tiny",
@@ -193,7 +202,9 @@ def test_no_capacity_is_429_and_the_mesh_keeps_serving(
 ) -> None:
     mesh = mesh_factory("0:4", model=tiny_path, tracker_args=["--max-in-flight", "1"])
     body = {"model": "tiny", "prompt": "the", "max_tokens": 200, "stream": True}
-    with httpx.stream("POST", f"{mesh.url}/v1/completions", json=body, timeout=60) as first:
+    with httpx.stream(
+        "POST", f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers, timeout=60
+    ) as first:
         lines = first.iter_lines()
         assert next(lines).startswith("data: ")  # the generation is in flight
         mesh.kill_node("node-0", signal.SIGSTOP)  # ...and stays so
@@ -216,6 +227,7 @@ def test_full_kv_budget_is_429_and_the_mesh_keeps_serving(
     for stream in (False, True):
         r = httpx.post(
             f"{mesh.url}/v1/completions",
+            headers=mesh.api_headers,
             timeout=30,
             json={"model": "tiny", "prompt": long_prompt, "max_tokens": 4, "stream": stream},
         )
@@ -230,14 +242,17 @@ def test_a_heartbeat_with_non_finite_numbers_is_400_and_poisons_nothing(
     load = {"sessions": 0, "kv_bytes": 0, "queue_depth": 0, "steps": 0}
     beat = '{"load": {%s, "tokens_per_s": %s}, "fingerprint": "", "layer_start": 0, "layer_end": 0}'
     fields = ", ".join(f'"{k}": {v}' for k, v in load.items())
+    signed = NodeAuth("node-0", tiny_mesh.node_key("node-0"))  # as node-0 itself sends it
     for bad in ("Infinity", "NaN", "-Infinity"):
         r = httpx.post(
             f"{tiny_mesh.url}/mesh/nodes/node-0/heartbeat",
             content=beat % (fields, bad),
             headers={"content-type": "application/json"},
+            auth=signed,
         )
         assert r.status_code == 400, r.text
-    assert httpx.get(f"{tiny_mesh.url}/admin/nodes").status_code == 200
+    listed = httpx.get(f"{tiny_mesh.url}/admin/nodes", headers=tiny_mesh.admin_headers)
+    assert listed.status_code == 200
     assert httpx.get(f"{tiny_mesh.url}/healthz").status_code == 200
     assert _chat(tiny_mesh).status_code == 200
 
@@ -245,7 +260,9 @@ def test_a_heartbeat_with_non_finite_numbers_is_400_and_poisons_nothing(
 def test_a_body_past_the_limit_is_413_before_it_is_parsed(tiny_mesh: LocalMesh) -> None:
     big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * (10 << 20)}]}
     t0 = time.monotonic()
-    r = httpx.post(f"{tiny_mesh.url}/v1/chat/completions", json=big, timeout=60)
+    r = httpx.post(
+        f"{tiny_mesh.url}/v1/chat/completions", json=big, headers=tiny_mesh.api_headers, timeout=60
+    )
     assert r.status_code == 413, r.text[:200]
     assert r.json()["error"]["type"] == "invalid_request_error"
     assert time.monotonic() - t0 < 10
@@ -255,7 +272,7 @@ def test_a_body_past_the_limit_is_413_before_it_is_parsed(tiny_mesh: LocalMesh) 
     r = httpx.post(  # no Content-Length: counted as it streams in
         f"{tiny_mesh.url}/v1/chat/completions",
         content=chunks,
-        headers={"content-type": "application/json"},
+        headers={**tiny_mesh.api_headers, "content-type": "application/json"},
         timeout=60,
     )
     assert r.status_code == 413, r.text[:200]

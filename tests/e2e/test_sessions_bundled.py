@@ -22,15 +22,15 @@ def mesh(mesh_factory: MeshFactory) -> LocalMesh:
 
 def test_a_conversation_continues_identically_on_every_resume_path(mesh: LocalMesh) -> None:
     def two_turns(between: str) -> tuple[dict[str, object], dict[str, object]]:
-        sid = new_session(mesh.url, system=None)
-        first = turn(mesh.url, sid, TURNS[0], max_tokens=16, temperature=0.0)
+        sid = new_session(mesh, system=None)
+        first = turn(mesh, sid, TURNS[0], max_tokens=16, temperature=0.0)
         if between:
-            op(mesh.url, sid, "evict")
+            op(mesh, sid, "evict")
         if between == "lose the snapshot":
             for path in (mesh.data_dir / "snapshots").glob(f"{sid}.*.snap"):
                 path.unlink()
-        second = turn(mesh.url, sid, TURNS[1], max_tokens=16, temperature=0.0)
-        assert describe(mesh.url, sid)["turns"] == 2
+        second = turn(mesh, sid, TURNS[1], max_tokens=16, temperature=0.0)
+        assert describe(mesh, sid)["turns"] == 2
         return first, second
 
     hot = two_turns("")

@@ -48,12 +48,12 @@ def test_a_node_frozen_for_a_moment_stays_up_and_the_output_is_exact(
         time.sleep(0.8)  # past the step's deadline, well within the probe's 2 s
         mesh.kill_node("node-1", signal.SIGCONT)
 
-    s = stream_completion(mesh.url, BODY, at(10, pause))
+    s = stream_completion(mesh, BODY, at(10, pause))
     assert s.error is None, s.error
     assert s.ids == expected
     assert s.final is not None
     assert [r["kind"] for r in s.final["recoveries"]] == ["deadline-exceeded"]
-    nodes = httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]
+    nodes = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers).json()["nodes"]
     assert {n["node_id"]: n["state"] for n in nodes} == {"node-0": "up", "node-1": "up"}
 
 
@@ -71,7 +71,7 @@ def test_a_long_prompt_gets_a_deadline_that_grows_with_it(
         "temperature": 0,
     }
     t0 = time.monotonic()
-    r = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=300)
+    r = httpx.post(f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers, timeout=300)
     took = time.monotonic() - t0
     assert r.status_code == 200, r.text
     assert r.json()["meshnet"]["recoveries"] == []

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from meshnet.auth.credentials import CREDENTIALS_FILE, read_user_credentials
 from meshnet.local_mesh import free_port
 
 
@@ -103,8 +104,10 @@ def test_up_serves_then_stops_every_process_on_sigterm(tiny_path: Path, tmp_path
             assert _after(argvs[pid], "--threads") == "1"
             assert _environ(pid)["NUMBA_NUM_THREADS"] == "1"
         assert _after(argvs[tracker], "--max-in-flight") == "16"
+        key = read_user_credentials(tmp_path / CREDENTIALS_FILE).api_key  # what `up` made
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
+            headers={"Authorization": f"Bearer {key}"},
             timeout=60,
             json={"model": "tiny", "prompt": "the", "max_tokens": 3},
         )
