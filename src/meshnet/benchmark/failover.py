@@ -115,7 +115,8 @@ def _stream(
     meta: dict[str, object] = {}
     route: list[dict[str, object]] = []
     killed, killed_at = "", 0.0
-    with client.stream("POST", f"{mesh.url}/v1/completions", json={**body, "stream": True}) as r:
+    url, streamed = f"{mesh.url}/v1/completions", {**body, "stream": True}
+    with client.stream("POST", url, json=streamed, headers=mesh.api_headers) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -140,17 +141,21 @@ def _stream(
 def _warm(client: httpx.Client, mesh: LocalMesh, body: dict[str, object], nodes: list[str]) -> None:
     """Run a short prompt through each of ``nodes`` so no measured step pays first-use costs
     (the dense weight copies prefill builds once per process)."""
+    routes, admin = f"{mesh.url}/admin/routes", mesh.admin_headers
     for node in nodes:
-        client.post(f"{mesh.url}/admin/routes", json={"node_ids": ["node-0", node]})
+        pin = {"node_ids": ["node-0", node]}
+        client.post(routes, json=pin, headers=admin).raise_for_status()
         warm = {**body, "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 2}
-        client.post(f"{mesh.url}/v1/completions", json=warm).raise_for_status()
-    client.delete(f"{mesh.url}/admin/routes")
+        completions = f"{mesh.url}/v1/completions"
+        client.post(completions, json=warm, headers=mesh.api_headers).raise_for_status()
+    client.delete(routes, headers=admin).raise_for_status()
 
 
 def _wait_up(client: httpx.Client, mesh: LocalMesh, node_id: str) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        nodes = client.get(f"{mesh.url}/admin/nodes").json()["nodes"]
+        r = client.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers)
+        nodes = r.json()["nodes"]
         if any(n["node_id"] == node_id and n["state"] == "up" for n in nodes):
             return
         time.sleep(0.1)

@@ -23,6 +23,8 @@ import grpc
 import httpx
 import numpy as np
 
+from meshnet.auth.mesh_keys import MeshKeys, Metadata
+from meshnet.auth.signing import PREFIX_KEY
 from meshnet.kv.transfer import export_frames
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
@@ -30,6 +32,8 @@ from meshnet.model.info import load_model_info
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.codec import MESSAGE_OPTIONS
+
+PREFIX = "bench-prefix"  # the token prefix hash the benchmark vouches for, as the tracker does
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ def measure_kv_stream(model: str | None, tokens: int, rounds: int) -> KVStreamTh
         epoch=1,
         tokens=tokens,
         steps=1,
+        token_prefix_hash=PREFIX,
         dtype="float32",
         n_kv_heads=spec.n_kv_heads,
         head_dim=spec.head_dim,
@@ -75,28 +80,38 @@ def measure_kv_stream(model: str | None, tokens: int, rounds: int) -> KVStreamTh
         mesh = LocalMesh(Path(tmp), model=model)
         try:
             mesh.start([whole, whole])
-            nodes = httpx.get(f"{mesh.url}/admin/nodes").json()["nodes"]
-            a, b = (n["address"] for n in sorted(nodes, key=lambda n: n["node_id"]))
+            r = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers)
+            nodes = sorted(r.json()["nodes"], key=lambda n: n["node_id"])
+            (id_a, a), (id_b, b) = ((n["node_id"], n["address"]) for n in nodes)
+            # The benchmark calls the nodes as the tracker does: signed with the mesh
+            # secret, imports vouched for, B's pull carrying a token for A.
+            keys = MeshKeys(mesh.mesh_secret)
+            token = keys.peer(id_a, id_b, "pull", "bench")
+            pull = pb.StatePullRequest(
+                source=a, session_id="bench", token_prefix_hash=PREFIX, source_token=token
+            )
+            get = pb.StateGetRequest(session_id="bench", token_prefix_hash=PREFIX)
             with (
                 grpc.insecure_channel(a, options=MESSAGE_OPTIONS) as ca,
                 grpc.insecure_channel(b, options=MESSAGE_OPTIONS) as cb,
             ):
                 to_a, to_b = pb_grpc.NodeStub(ca), pb_grpc.NodeStub(cb)
-                put = to_a.StatePut(export_frames(header, payload), timeout=120)
+                frames = export_frames(header, payload)
+                put = to_a.StatePut(frames, timeout=120, metadata=_put_metadata(keys, id_a))
                 if not put.imported:
                     raise RuntimeError(f"could not seed node A: {put.failure}")
                 move_s, pull_s, tcp_s = [], [], []
                 for _ in range(rounds):
+                    signed = keys.call(id_b, "StatePull")  # signatures made before the clock
                     t0 = time.perf_counter()
-                    pulled = to_b.StatePull(
-                        pb.StatePullRequest(source=a, session_id="bench"), timeout=120
-                    )
+                    pulled = to_b.StatePull(pull, timeout=120, metadata=signed)
                     pull_s.append(time.perf_counter() - t0)
                     if not pulled.imported:
                         raise RuntimeError(f"B could not pull from A: {pulled.failure}")
+                    signed, put_b = keys.call(id_a, "StateGet"), _put_metadata(keys, id_b)
                     t0 = time.perf_counter()
-                    frames = to_a.StateGet(pb.StateGetRequest(session_id="bench"), timeout=120)
-                    moved = to_b.StatePut(frames, timeout=120)
+                    frames = to_a.StateGet(get, timeout=120, metadata=signed)
+                    moved = to_b.StatePut(frames, timeout=120, metadata=put_b)
                     move_s.append(time.perf_counter() - t0)
                     if not moved.imported:
                         raise RuntimeError(f"A -> B failed: {moved.failure}")
@@ -104,6 +119,11 @@ def measure_kv_stream(model: str | None, tokens: int, rounds: int) -> KVStreamTh
         finally:
             mesh.stop()
     return KVStreamThroughput(tokens, nbytes, move_s, pull_s, tcp_s)
+
+
+def _put_metadata(keys: MeshKeys, node_id: str) -> Metadata:
+    """The tracker's ``StatePut`` call on ``node_id``: signed (now), the prefix vouched for."""
+    return (*keys.call(node_id, "StatePut"), (PREFIX_KEY, PREFIX))
 
 
 def _tcp_seconds(payload: bytes) -> float:

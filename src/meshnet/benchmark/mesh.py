@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from meshnet.backends.fast import set_threads
+from meshnet.benchmark.running_mesh import served_model
 from meshnet.engine.generate import generate
 from meshnet.engine.local import load_local_model
 from meshnet.errors import MeshnetError
@@ -64,8 +65,8 @@ def measure(
         )
         try:
             mesh.start(list(split_evenly(local.spec.n_layers, nodes)))
-            name = httpx.get(f"{mesh.url}/v1/models").json()["data"][0]["id"]
-            _stream_times(mesh.url, name, 4)  # warm every hop
+            name = served_model(mesh)
+            _stream_times(mesh, name, 4)  # warm every hop
             single: list[float] = []
             meshed: list[float] = []
             for _ in range(rounds):
@@ -73,7 +74,7 @@ def measure(
                     local.chain, local.tokenizer, ids, SamplingParams(max_tokens=max_tokens)
                 )
                 single.append(g.decode_s * 1000 / (len(g.ids) - 1))
-                times = _stream_times(mesh.url, name, max_tokens)
+                times = _stream_times(mesh, name, max_tokens)
                 meshed.append((times[-1] - times[0]) * 1000 / (len(times) - 1))
         finally:
             mesh.stop()
@@ -87,7 +88,7 @@ def measure(
     )
 
 
-def _stream_times(url: str, model: str, max_tokens: int) -> list[float]:
+def _stream_times(mesh: LocalMesh, model: str, max_tokens: int) -> list[float]:
     """Arrival time of each streamed token of a greedy completion."""
     body = {
         "model": model,
@@ -97,7 +98,8 @@ def _stream_times(url: str, model: str, max_tokens: int) -> list[float]:
         "stream": True,
     }
     times: list[float] = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+    url, headers = f"{mesh.url}/v1/completions", mesh.api_headers
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=600) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -108,10 +110,10 @@ def _stream_times(url: str, model: str, max_tokens: int) -> list[float]:
     return times
 
 
-def stream_decode_tok_s(url: str, model: str, max_tokens: int) -> float:
+def stream_decode_tok_s(mesh: LocalMesh, model: str, max_tokens: int) -> float:
     """Decode tok/s of one greedy completion through the mesh, as the client sees the tokens
     arrive (the first token, which carries the prefill, is the start mark)."""
-    times = _stream_times(url, model, max_tokens)
+    times = _stream_times(mesh, model, max_tokens)
     if len(times) < 2:
         raise MeshnetError(f"the mesh streamed {len(times)} tokens; decode needs at least 2")
     return (len(times) - 1) / (times[-1] - times[0])

@@ -135,13 +135,14 @@ class DelayedRoute:
     relay: bool
     url: str = ""
     model: str = ""
+    headers: dict[str, str] = field(default_factory=dict)  # the mesh's API key
     plain: list[Measured] = field(default_factory=list)  # tok/s with no delay, every try
     delayed: list[Measured] = field(default_factory=list)  # with the delay, every try
     short: list[int] = field(default_factory=list)  # token counts of streams ended early
 
     def decode(self, tokens: int) -> float:
         body = completion_body(self.model, PROMPTS[0], tokens)
-        record = run_streams(self.url, [body])[0]
+        record = run_streams(self.url, [body], self.headers)[0]
         if record.tokens != tokens:
             self.short.append(record.tokens)
         return decode_tok_s(record)
@@ -176,7 +177,7 @@ def started_meshes(
                 listen, prefix, extra = links.node_place(m, i)
                 mesh.start_node(f"node-{i}", layers, listen=listen, prefix=prefix, extra=extra)
             mesh.wait_ready(expected_nodes=len(layout), timeout_s=timeout_s)
-            routes.append(DelayedRoute(relay, mesh.url, served_model(mesh.url)))
+            routes.append(DelayedRoute(relay, mesh.url, served_model(mesh), mesh.api_headers))
         yield routes
     finally:
         for mesh in started:

@@ -7,8 +7,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import httpx
-
+from meshnet import client
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
 
@@ -55,6 +54,6 @@ def running_mesh(
         mesh.stop()
 
 
-def served_model(url: str) -> str:
+def served_model(mesh: LocalMesh) -> str:
     """The name the mesh serves its model under (requests must name it)."""
-    return str(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"])
+    return client.served_model(mesh.url, mesh.credentials.api_key)

@@ -84,6 +84,7 @@ class _Side:
     url: str
     model: str
     setup: ServingSetup
+    headers: dict[str, str]  # what its clients send: a tracker's API key, or nothing
     figures: dict[str, list[Measured]] = field(default_factory=dict)
     short: list[str] = field(default_factory=list)  # streams that ended early
     log: list[str] = field(default_factory=list)  # every try, for the record
@@ -91,7 +92,7 @@ class _Side:
     def streams(self, n: int) -> list[StreamRecord]:
         tokens = self.setup.tokens
         bodies = [completion_body(self.model, PROMPTS[i % len(PROMPTS)], tokens) for i in range(n)]
-        records = run_streams(self.url, bodies)
+        records = run_streams(self.url, bodies, self.headers)
         self.short += [
             f"{r.tokens} tokens ({r.finish_reason})" for r in records if r.tokens != tokens
         ]
@@ -136,7 +137,7 @@ def api_vs_llama_server(setup: ServingSetup) -> tuple[list[Comparison], list[str
         mesh = stack.enter_context(
             running_mesh(setup.data_dir / "node", setup.model, whole, setup.threads)
         )
-        sides = [_Side("meshnet", mesh.url, served_model(mesh.url), setup)]
+        sides = [_Side("meshnet", mesh.url, served_model(mesh), setup, mesh.api_headers)]
         if setup.bin_dir is not None:
             log = setup.data_dir / "llama-server.log"
             slot_ctx = 2 * (setup.tokens + 64)  # each slot holds a prompt and its completion
@@ -145,7 +146,7 @@ def api_vs_llama_server(setup: ServingSetup) -> tuple[list[Comparison], list[str
                     setup.bin_dir, setup.model, setup.threads, setup.streams, slot_ctx, log
                 )
             )
-            sides.append(_Side("llama-server", url, "llama", setup))
+            sides.append(_Side("llama-server", url, "llama", setup, {}))
         for side in sides:
             side.streams(1)  # warm
             side.streams(setup.streams)
@@ -169,7 +170,7 @@ def mesh_vs_single(setup: ServingSetup) -> tuple[list[Comparison], list[str]]:
     layout = parse_layout(setup.layout)
     whole = [LayerRange(0, _n_layers(setup.layout))]
     t, data = setup.mesh_threads, setup.data_dir
-    rpc = _Side("llama.cpp RPC", "", "", setup)
+    rpc = _Side("llama.cpp RPC", "", "", setup, {})
     run_rpc = None
     if setup.bin_dir is not None and (setup.bin_dir / "ggml-rpc-server").exists():
         run_rpc = partial(llamacpp_rpc_tok_s, setup.bin_dir, setup.model, 2, setup.tokens, 1)
@@ -182,7 +183,7 @@ def mesh_vs_single(setup: ServingSetup) -> tuple[list[Comparison], list[str]]:
         sides = []
         for name, cm in meshes.items():
             mesh = stack.enter_context(cm)
-            sides.append(_Side(name, mesh.url, served_model(mesh.url), setup))
+            sides.append(_Side(name, mesh.url, served_model(mesh), setup, mesh.api_headers))
             sides[-1].streams(1)  # warm
         for r in range(setup.rounds):
             for side in sides[r % len(sides) :] + sides[: r % len(sides)]:

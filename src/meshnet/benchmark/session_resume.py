@@ -72,26 +72,25 @@ def measure_resume(model: str | None, target_tokens: int, rounds: int) -> Resume
 def _measure(
     mesh: LocalMesh, target_tokens: int, rounds: int, filler: list[int], model: str
 ) -> ResumeCost:
-    url = mesh.url
-    sid = _post(url, "/v1/sessions", {"system": "You answer in one short paragraph."})["id"]
+    sid = _post(mesh, "/v1/sessions", {"system": "You answer in one short paragraph."})["id"]
     tokens = 0
     turn = 0
     while tokens < target_tokens:  # build the history: long prompts, real replies
-        _turn(url, sid, f"{_FILLER} Part {turn}: summarise it.", 60)
-        tokens = _get(url, sid)["tokens"]
+        _turn(mesh, sid, f"{_FILLER} Part {turn}: summarise it.", 60)
+        tokens = _get(mesh, sid)["tokens"]
         turn += 1
     cost = ResumeCost([], [], [], [], [], [])
     for r in range(rounds):
-        _post(url, f"/v1/sessions/{sid}/park", None)
-        parked = _turn(url, sid, f"Round {r}: one word.", 1)
-        hot = _turn(url, sid, f"Round {r}: another word.", 1)
-        _post(url, f"/v1/sessions/{sid}/evict", None)
-        cost.tokens.append(_get(url, sid)["tokens"])
-        snap = _turn(url, sid, f"Round {r}: a third word.", 1)
-        _post(url, f"/v1/sessions/{sid}/evict", None)
+        _post(mesh, f"/v1/sessions/{sid}/park", None)
+        parked = _turn(mesh, sid, f"Round {r}: one word.", 1)
+        hot = _turn(mesh, sid, f"Round {r}: another word.", 1)
+        _post(mesh, f"/v1/sessions/{sid}/evict", None)
+        cost.tokens.append(_get(mesh, sid)["tokens"])
+        snap = _turn(mesh, sid, f"Round {r}: a third word.", 1)
+        _post(mesh, f"/v1/sessions/{sid}/evict", None)
         for path in (mesh.data_dir / "snapshots").glob(f"{sid}.*.snap"):
             path.unlink()  # the snapshot is lost: the history must be recomputed
-        full = _turn(url, sid, f"Round {r}: a fourth word.", 1)
+        full = _turn(mesh, sid, f"Round {r}: a fourth word.", 1)
         paths = [t["resume_path"] for t in (parked, hot, snap, full)]
         if paths != ["parked", "hot", "snapshot", "reprefill"]:
             raise RuntimeError(f"round {r} took resume paths {paths}")
@@ -101,22 +100,23 @@ def _measure(
         cost.reprefill_ms.append(full["resume_ms"])
         prompt = (filler * (cost.tokens[-1] // len(filler) + 1))[: cost.tokens[-1]]
         t0 = time.perf_counter()
-        _post(url, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1})
+        _post(mesh, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1})
         cost.plain_prefill_ms.append((time.perf_counter() - t0) * 1000)
     return cost
 
 
-def _turn(url: str, sid: str, content: str, max_tokens: int) -> dict[str, Any]:
+def _turn(mesh: LocalMesh, sid: str, content: str, max_tokens: int) -> dict[str, Any]:
     body = {"content": content, "max_tokens": max_tokens, "temperature": 0.0}
-    return _post(url, f"/v1/sessions/{sid}/turns", body)
+    return _post(mesh, f"/v1/sessions/{sid}/turns", body)
 
 
-def _post(url: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
-    r = httpx.post(f"{url}{path}", json=body, timeout=600)
+def _post(mesh: LocalMesh, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+    r = httpx.post(f"{mesh.url}{path}", json=body, headers=mesh.api_headers, timeout=600)
     if r.status_code != 200:
         raise RuntimeError(f"{path}: {r.status_code} {r.text}")
     return dict(r.json())
 
 
-def _get(url: str, sid: str) -> dict[str, Any]:
-    return dict(httpx.get(f"{url}/v1/sessions/{sid}", timeout=30).json())
+def _get(mesh: LocalMesh, sid: str) -> dict[str, Any]:
+    r = httpx.get(f"{mesh.url}/v1/sessions/{sid}", headers=mesh.api_headers, timeout=30)
+    return dict(r.json())

@@ -17,10 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from meshnet.benchmark.mesh import llamacpp_rpc_tok_s, stream_decode_tok_s
 from meshnet.benchmark.node_memory import Rss, session_kv_bytes, shard_file_bytes
+from meshnet.benchmark.running_mesh import served_model
 from meshnet.layer_range import LayerRange, split_evenly
 from meshnet.local_mesh import LocalMesh
 from meshnet.model.spec import ModelSpec
@@ -89,11 +88,11 @@ def measure_split(
         )
         try:
             mesh.start(list(layout), timeout_s=_START_TIMEOUT_S)
-            name = httpx.get(f"{mesh.url}/v1/models").json()["data"][0]["id"]
-            stream_decode_tok_s(mesh.url, name, 4)  # warm every hop
+            name = served_model(mesh)
+            stream_decode_tok_s(mesh, name, 4)  # warm every hop
             for _ in range(rounds):
                 # tokens + 1 streamed: the first carries the prefill, then ``tokens`` decodes
-                ours.append(stream_decode_tok_s(mesh.url, name, tokens + 1))
+                ours.append(stream_decode_tok_s(mesh, name, tokens + 1))
                 if setup.llamacpp is not None:
                     theirs.append(llamacpp_rpc_tok_s(setup.llamacpp, setup.model, nodes, tokens, 1))
             memory = [

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,12 +123,17 @@ def _is_token(chunk: dict[str, Any], choice: dict[str, Any]) -> bool:
     return bool(choice.get("text"))
 
 
-async def _concurrent(url: str, bodies: Sequence[dict[str, Any]]) -> list[StreamRecord]:
+async def _concurrent(
+    url: str, bodies: Sequence[dict[str, Any]], headers: Mapping[str, str] | None
+) -> list[StreamRecord]:
     limits = httpx.Limits(max_connections=len(bodies) + 1)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
         return list(await asyncio.gather(*(stream_completion(client, url, b) for b in bodies)))
 
 
-def run_streams(url: str, bodies: Sequence[dict[str, Any]]) -> list[StreamRecord]:
-    """All ``bodies`` streamed at once from ``url``; one record each, in order."""
-    return asyncio.run(_concurrent(url, bodies))
+def run_streams(
+    url: str, bodies: Sequence[dict[str, Any]], headers: Mapping[str, str] | None = None
+) -> list[StreamRecord]:
+    """All ``bodies`` streamed at once from ``url`` (sending ``headers``: a meshnet
+    tracker wants its API key); one record each, in order."""
+    return asyncio.run(_concurrent(url, bodies, headers))
