@@ -111,6 +111,12 @@ def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
             action="store_false",
             help="carry every hop's activations through the tracker instead of node to node",
         ),
+        p.add_argument(
+            "--no-autorun",
+            dest="autorun",
+            action="store_false",
+            help="drive a one-node route's every decode step instead of letting it run ahead",
+        ),
         p.add_argument("--max-in-flight", type=int, default=64, help="generations at once"),
         p.add_argument(
             "--max-queued",

@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
                 generation_timeout_s=args.generation_timeout,
                 max_recoveries=args.max_recoveries,
                 relay=args.relay,
+                autorun=args.autorun,
             ),
             outbox=OutboxConfig(lease_s=args.turn_lease, max_attempts=args.turn_attempts),
             policy=SessionPolicy(

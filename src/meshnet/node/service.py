@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
 
 import grpc
@@ -36,6 +36,7 @@ from meshnet.layer_range import LayerRange
 from meshnet.model.logprobs import MAX_TOP_LOGPROBS, token_logprobs
 from meshnet.model.sampling import Sampler, SamplingParams
 from meshnet.model.shard import Shard
+from meshnet.node.autorun import Inbox, next_step
 from meshnet.node.engine import EngineStats, NodeEngine, OpenedSlot
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.kv_service import KVService
@@ -133,12 +134,70 @@ class NodeService(pb_grpc.NodeServicer):
             )
         )
         try:
-            for request in request_iterator:
-                yield self._step(opened, sampling, request, context)
+            yield from self._serve_steps(opened, sampling, request_iterator, context)
         finally:
             self.mailbox.drop(sid, epoch)
             if not opened.keep:
                 self.engine.release(sid, epoch).result(CONTROL_TIMEOUT_S)
+
+    def _serve_steps(
+        self,
+        o: pb.Open,
+        sampling: SamplingParams | None,
+        requests: Iterator[pb.ForwardRequest],
+        context: grpc.ServicerContext,
+    ) -> Iterator[pb.ForwardResponse]:
+        """Answer each step; an autorun step runs on until its end (node/autorun.py)."""
+        inbox: Inbox | None = None  # once a stream autoruns, a thread reads its requests
+        resume: pb.Step | None = None  # where a finished autorun would go on
+        while True:
+            request = inbox.get() if inbox is not None else next(requests, None)
+            if request is None:
+                return
+            kind = request.WhichOneof("kind")
+            if kind == "extend" and resume is not None and request.extend.until > resume.step:
+                resume.autorun_until = request.extend.until
+                request, kind = pb.ForwardRequest(step=resume), "step"
+            elif kind == "extend":
+                continue  # an extension the run no longer needed
+            step = request.step
+            if kind == "step" and step.autorun_until > step.step + 1:
+                inbox = inbox or Inbox(requests)
+                resume = yield from self._autorun(o, sampling, step, inbox, context)
+            else:
+                resume = None
+                yield self._step(o, sampling, request, context)
+
+    def _autorun(
+        self,
+        o: pb.Open,
+        sampling: SamplingParams | None,
+        step: pb.Step,
+        inbox: Inbox,
+        context: grpc.ServicerContext,
+    ) -> Generator[pb.ForwardResponse, None, pb.Step | None]:
+        """Run ``step`` and the steps after it, each fed the token the one before sampled,
+        until ``autorun_until`` (moved by ``Extend``s) or a failure; the step it would go
+        on with, or None when it cannot."""
+        shard = self.engine.shard
+        if sampling is None or shard is None or not shard.is_first or step.relayed:
+            yield _failure(MalformedBundle("only a hop of every layer that samples autoruns"))
+            return None
+        until = step.autorun_until
+        while True:
+            reply = self._step(o, sampling, pb.ForwardRequest(step=step), context)
+            yield reply
+            if reply.WhichOneof("kind") != "result":
+                return None
+            for request in inbox.waiting():  # None: no more requests; the run goes on
+                if request is not None and request.WhichOneof("kind") == "extend":
+                    until = max(until, request.extend.until)
+                elif request is not None:
+                    yield _failure(MalformedBundle("a running autorun takes only Extend"))
+                    return None
+            step = next_step(step, reply.result.sampled.token, sampling, until)
+            if step.step >= until:
+                return step
 
     def _open(self, o: pb.Open) -> OpenedSlot:
         shard = self.engine.shard

@@ -65,7 +65,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("step", "input", "timeout_ms", "replay", "draws", "history", "relayed", "forward", "rows")
+    __slots__ = ("step", "input", "timeout_ms", "replay", "draws", "history", "relayed", "forward", "rows", "autorun_until")
     STEP_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class Step(_message.Message):
     RELAYED_FIELD_NUMBER: _ClassVar[int]
     FORWARD_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    AUTORUN_UNTIL_FIELD_NUMBER: _ClassVar[int]
     step: int
     input: Tensor
     timeout_ms: int
@@ -84,15 +85,24 @@ class Step(_message.Message):
     relayed: bool
     forward: bool
     rows: int
-    def __init__(self, step: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., replay: _Optional[bool] = ..., draws: _Optional[int] = ..., history: _Optional[_Iterable[int]] = ..., relayed: _Optional[bool] = ..., forward: _Optional[bool] = ..., rows: _Optional[int] = ...) -> None: ...
+    autorun_until: int
+    def __init__(self, step: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., replay: _Optional[bool] = ..., draws: _Optional[int] = ..., history: _Optional[_Iterable[int]] = ..., relayed: _Optional[bool] = ..., forward: _Optional[bool] = ..., rows: _Optional[int] = ..., autorun_until: _Optional[int] = ...) -> None: ...
+
+class Extend(_message.Message):
+    __slots__ = ("until",)
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    until: int
+    def __init__(self, until: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("open", "step")
+    __slots__ = ("open", "step", "extend")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_FIELD_NUMBER: _ClassVar[int]
     open: Open
     step: Step
-    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
+    extend: Extend
+    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., extend: _Optional[_Union[Extend, _Mapping]] = ...) -> None: ...
 
 class Opened(_message.Message):
     __slots__ = ("node_id", "layer_start", "layer_end", "kv_tokens", "steps", "unparked")

@@ -14,6 +14,12 @@ When hops hold different steps (after a failover) the driver sends a step
 through each hop in turn instead, carrying the hidden states and logging
 them per layer boundary.
 
+A route of one hop (a node that holds every layer) runs its decode steps
+ahead by itself (``autorun``, node/autorun.py): the driver starts the run,
+extends it while half of it is left and reads one token per step; a step is
+committed when its token is read, as always, and what the node ran past the
+end is cut back when the session is next opened.
+
 When a hop fails mid-generation the driver asks the tracker (the ``Fabric``)
 for a replacement of the failed span, fetches the inputs of that span from
 the surviving hop before it (what it forwarded), opens the next epoch on
@@ -69,6 +75,7 @@ log = logging.getLogger(__name__)
 
 _FORWARD_GRACE = 1.5
 _NO_RELAY_S = 300.0  # how long a pair that could not talk is left to the driver
+_AUTORUN_AHEAD = 8  # steps a one-hop route's node may run past the one the driver reads
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,7 @@ class DriverLimits:
     max_recoveries: int = 8  # failovers one generation may take
     fence_timeout_s: float = 60.0  # how long a failed node is sent its fence
     relay: bool = True  # hops send activations to each other; False: all through the driver
+    autorun: bool = True  # a one-hop route's node runs its decode steps ahead by itself
 
 
 @dataclass(frozen=True)
@@ -258,9 +266,43 @@ class RouteDriver:
             gen.ready_at = time.monotonic()
         if self.limits.relay and len(gen.links) > 1 and all(k.steps == step for k in gen.links):
             return await self._relay_step(gen, step)
+        if self._autoruns(gen, step):
+            return await self._autorun_step(gen, gen.links[0], step)
         sampled = await self._run_step(gen, step)
         assert isinstance(sampled, TokenLogprobs)  # no hop holds a step not yet sampled
         return sampled
+
+    def _autoruns(self, gen: Generation, step: int) -> bool:
+        """Whether ``step`` runs ahead on a node that holds every layer: a decode step of a
+        one-hop route that holds the steps before it."""
+        if not self.limits.autorun or len(gen.links) != 1:
+            return False
+        link = gen.links[0]
+        return link.samples and link.steps == step and gen.step_rows(step) == 1
+
+    async def _autorun_step(self, gen: Generation, link: HopLink, step: int) -> TokenLogprobs:
+        """``step``'s token from a node that runs the decode steps by itself: the run is
+        started, or moved ``_AUTORUN_AHEAD`` steps on while half of it is left, and the
+        step's result read. The driver sees a step committed when its token comes, as
+        in any step; what the node ran past the end is cut back at the next open."""
+        budget = self._budget(gen, 1, 1)
+        if link.autorun_until <= step:
+            x = gen.recorded_input(0, step)
+            if x is None:
+                raise CacheMiss(f"no logged input for layer 0 at step {step}")
+            link.autorun_until = step + _AUTORUN_AHEAD
+            request = self._step_request(
+                gen, link, step, budget, input=codec.encode(x), autorun_until=link.autorun_until
+            )
+            await link.send(request, budget)
+        elif link.autorun_until - step <= _AUTORUN_AHEAD // 2:
+            link.autorun_until += _AUTORUN_AHEAD
+            extend = pb.ForwardRequest(extend=pb.Extend(until=link.autorun_until))
+            await link.send(extend, budget)
+        reply = await self._read_result(gen, link, step, budget)
+        link.steps = step + 1
+        link.positions += 1
+        return self._sampled(reply.result, gen.top_logprobs, link.node_id)
 
     async def _relay_step(self, gen: Generation, step: int) -> TokenLogprobs:
         """Run ``step`` with activations going hop to hop; the token.
@@ -452,13 +494,26 @@ class RouteDriver:
         """Send ``Step(step, **fields)`` to a hop and read its result, within a budget of
         ``waits`` steps of ``size`` rows (a relayed hop waits for the hops before it)."""
         await self._read_unread(link)  # answers on a stream come in order
-        node = link.node_id
-        left = gen.deadline - time.monotonic()
+        budget = self._budget(gen, size, waits)
+        request = self._step_request(gen, link, step, budget, **fields)
+        # A forwarding hop gets to answer past its own deadline: when the next hop does
+        # not take its output in time, it says so and names it.
+        wait = budget * _FORWARD_GRACE if fields.get("forward") else budget
+        return await self._read_result(gen, link, step, wait, request)
+
+    def _budget(self, gen: Generation, size: int, waits: int) -> float:
+        """Seconds for ``waits`` steps of ``size`` rows, within the generation's deadline."""
         budget = (self.limits.step_timeout_s + size * self.limits.row_timeout_s) * waits
-        budget = min(budget, left)
+        budget = min(budget, gen.deadline - time.monotonic())
         if budget <= 0:
             raise DeadlineExceeded("the generation ran past its deadline")
-        request = pb.ForwardRequest(
+        return budget
+
+    @staticmethod
+    def _step_request(
+        gen: Generation, link: HopLink, step: int, budget: float, **fields: Any
+    ) -> pb.ForwardRequest:
+        return pb.ForwardRequest(
             step=pb.Step(
                 step=step,
                 timeout_ms=max(1, int(budget * 1000)),
@@ -467,11 +522,22 @@ class RouteDriver:
                 **fields,
             )
         )
-        # A forwarding hop gets to answer past its own deadline: when the next hop does
-        # not take its output in time, it says so and names it.
-        wait = budget * _FORWARD_GRACE if fields.get("forward") else budget
+
+    @staticmethod
+    async def _read_result(
+        gen: Generation,
+        link: HopLink,
+        step: int,
+        wait: float,
+        request: pb.ForwardRequest | None = None,
+    ) -> pb.ForwardResponse:
+        """Send ``request`` (if any) and read the hop's result of ``step``, checked."""
+        node = link.node_id
         try:
-            reply = await link.exchange(request, wait)
+            if request is not None:
+                reply = await link.exchange(request, wait)
+            else:
+                reply = await link.receive(wait)
         except DeadlineExceeded:
             if gen.deadline <= time.monotonic():  # the generation's own deadline, not the node's
                 raise DeadlineExceeded("the generation ran past its deadline") from None

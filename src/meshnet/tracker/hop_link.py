@@ -60,6 +60,7 @@ class HopLink:
     next_address: str = ""
     # A forwarding hop's answer to its last step, read while the next step runs.
     unread: asyncio.Task[pb.ForwardResponse] | None = None
+    autorun_until: int = 0  # the step a one-hop route's node runs up to by itself
 
     @property
     def node_id(self) -> str:
@@ -81,12 +82,32 @@ class HopLink:
 
     async def exchange(self, request: pb.ForwardRequest, timeout_s: float) -> pb.ForwardResponse:
         """Send one message and read its answer within ``timeout_s``."""
+        reply = await self._io(request, timeout_s)
+        assert reply is not None
+        return reply
+
+    async def receive(self, timeout_s: float) -> pb.ForwardResponse:
+        """Read the next answer (an autorun's next step) within ``timeout_s``."""
+        reply = await self._io(None, timeout_s)
+        assert reply is not None
+        return reply
+
+    async def send(self, request: pb.ForwardRequest, timeout_s: float) -> None:
+        """Send one message that has no answer of its own (an ``Extend``)."""
+        await self._io(request, timeout_s, read=False)
+
+    async def _io(
+        self, request: pb.ForwardRequest | None, timeout_s: float, read: bool = True
+    ) -> pb.ForwardResponse | None:
         node = self.node_id
         if self.verdict is not None:
             raise self.verdict
         try:
             async with asyncio.timeout(timeout_s):  # no extra task per read, unlike wait_for
-                await self.call.write(request)
+                if request is not None:
+                    await self.call.write(request)
+                if not read:
+                    return None
                 reply = await self.call.read()
         except TimeoutError:
             raise DeadlineExceeded(

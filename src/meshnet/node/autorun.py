@@ -1,0 +1,77 @@
+"""A hop that holds every layer runs a generation's decode steps by itself.
+
+Driven step by step, each token costs a round trip to the tracker: a request
+written, read and answered on both sides, the engine idle meanwhile. A node
+that holds the whole model and samples can feed each sampled token straight
+back as the next step's input (``Step.autorun_until``), answering a result per
+step as it goes; the tracker only reads, extends the run ahead of it
+(``Extend``) and stops reading when the generation ends. What the node runs
+past the end is cut back when the session is next opened (rewind), like any
+step the tracker did not see committed; the sampling contract holds because
+each step carries the generator's position and history exactly as the tracker
+would have sent them.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+
+from meshnet.model.sampling import SamplingParams
+from meshnet.protocol import codec
+from meshnet.protocol import meshnet_pb2 as pb
+
+
+class Inbox:
+    """A stream's requests read on a thread of their own, so a running autorun can see
+    an ``Extend`` without waiting for one."""
+
+    def __init__(self, requests: Iterator[pb.ForwardRequest]) -> None:
+        self._queue: queue.Queue[pb.ForwardRequest | None] = queue.Queue()
+        self._requests = requests
+        self._ended = False  # the end was taken: every later get is None at once
+        threading.Thread(target=self._read, name="forward-inbox", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for request in self._requests:
+                self._queue.put(request)
+        except Exception:  # the call ended under us (cancelled, reset): the stream is over
+            pass
+        finally:
+            self._queue.put(None)
+
+    def get(self) -> pb.ForwardRequest | None:
+        """The next request, waiting for it; None once the stream has ended."""
+        if self._ended:
+            return None
+        return self._took(self._queue.get())
+
+    def waiting(self) -> list[pb.ForwardRequest | None]:
+        """The requests that came meanwhile, without waiting (None: the stream ended)."""
+        out: list[pb.ForwardRequest | None] = []
+        while not self._ended:
+            try:
+                out.append(self._took(self._queue.get_nowait()))
+            except queue.Empty:
+                break
+        return out
+
+    def _took(self, request: pb.ForwardRequest | None) -> pb.ForwardRequest | None:
+        self._ended = request is None
+        return request
+
+
+def next_step(step: pb.Step, token: int, sampling: SamplingParams, until: int) -> pb.Step:
+    """The step after ``step``, fed the token it sampled, as the tracker would send it."""
+    return pb.Step(
+        step=step.step + 1,
+        input=codec.encode(np.asarray([token], dtype=np.int64)),
+        timeout_ms=step.timeout_ms,
+        draws=step.draws + (0 if sampling.greedy else 1),
+        history=[*step.history, token] if sampling.penalised else (),
+        autorun_until=until,
+    )

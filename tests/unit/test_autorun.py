@@ -1,0 +1,142 @@
+"""A hop of every layer runs decode steps by itself (``Step.autorun_until``): the tokens
+are those the tracker would have got driving each step, also sampled and penalised."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshnet.auth.grpc_auth import NodeGate
+from meshnet.auth.keys import new_secret, node_key
+from meshnet.layer_range import LayerRange
+from meshnet.model.gguf_file import sha256_file
+from meshnet.node.engine import NodeEngine
+from meshnet.node.model_dirs import ModelDirs
+from meshnet.node.service import NodeIdentity, NodeService
+from meshnet.protocol import codec
+from meshnet.protocol import meshnet_pb2 as pb
+
+PROMPT = [5, 6, 7, 8]
+SAMPLING = pb.Sampling(temperature=0.8, top_p=0.95, repetition_penalty=1.3, seed=1234)
+
+
+class Context:
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], object]] = []
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def add_callback(self, callback: Callable[[], object]) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+
+@pytest.fixture
+def service(tiny_path: Path) -> Iterator[NodeService]:
+    engine = NodeEngine()
+    engine.start()
+    engine.load(str(tiny_path), LayerRange(0, 4)).result(30)
+    identity = NodeIdentity("n1", str(tiny_path), ModelDirs.of([tiny_path.parent]))
+    yield NodeService(identity, engine, NodeGate(node_key(new_secret(), "n1")))
+    engine.stop()
+
+
+def _open(tiny_path: Path, session: str, sampling: pb.Sampling | None) -> pb.ForwardRequest:
+    return pb.ForwardRequest(
+        open=pb.Open(
+            session_id=session,
+            epoch=1,
+            fingerprint=sha256_file(tiny_path),
+            layer_start=0,
+            layer_end=4,
+            sampling=sampling,
+        )
+    )
+
+
+def _step(n: int, ids: list[int], history: list[int], **fields: int) -> pb.ForwardRequest:
+    return pb.ForwardRequest(
+        step=pb.Step(
+            step=n,
+            input=codec.encode(np.asarray(ids, np.int64)),
+            draws=n,  # one uniform drawn per token before this step (temperature > 0)
+            history=history,
+            **fields,
+        )
+    )
+
+
+def _tokens(replies: list[pb.ForwardResponse]) -> list[int]:
+    assert all(r.WhichOneof("kind") == "result" for r in replies[1:]), replies
+    return [r.result.sampled.token for r in replies[1:]]
+
+
+def _driven(service: NodeService, tiny_path: Path, steps: int) -> list[int]:
+    """The tokens of ``steps`` steps, each sent by the 'tracker' after the last one came."""
+    tokens: list[int] = []
+
+    def requests() -> Iterator[pb.ForwardRequest]:
+        yield _open(tiny_path, "driven", SAMPLING)
+        yield _step(0, PROMPT, PROMPT)
+        for n in range(1, steps):  # pulled after step n - 1's reply: its token is there
+            yield _step(n, [tokens[-1]], [*PROMPT, *tokens])
+
+    replies = []
+    for reply in service.Forward(requests(), Context()):  # type: ignore[arg-type]
+        replies.append(reply)
+        if reply.WhichOneof("kind") == "result":
+            tokens.append(reply.result.sampled.token)
+    return _tokens(replies)
+
+
+def test_an_autorun_samples_the_tokens_driven_steps_would(
+    service: NodeService, tiny_path: Path
+) -> None:
+    want = _driven(service, tiny_path, 9)
+    first = want[0]
+    requests = [
+        _open(tiny_path, "auto", SAMPLING),
+        _step(0, PROMPT, PROMPT),
+        _step(1, [first], [*PROMPT, first], autorun_until=4),
+        pb.ForwardRequest(extend=pb.Extend(until=9)),
+    ]
+    replies = list(service.Forward(iter(requests), Context()))  # type: ignore[arg-type]
+    assert [r.result.step for r in replies[1:]] == list(range(9))
+    assert _tokens(replies) == want
+
+
+def test_an_extend_that_comes_as_the_run_ends_continues_it(
+    service: NodeService, tiny_path: Path
+) -> None:
+    want = _driven(service, tiny_path, 7)
+    gate: list[int] = []
+
+    def requests() -> Iterator[pb.ForwardRequest]:
+        yield _open(tiny_path, "late", SAMPLING)
+        yield _step(0, PROMPT, PROMPT)
+        yield _step(1, [want[0]], [*PROMPT, want[0]], autorun_until=3)
+        while len(gate) < 4:  # the run's last step (2) has answered
+            time.sleep(0.001)
+        yield pb.ForwardRequest(extend=pb.Extend(until=7))
+
+    replies = []
+    for reply in service.Forward(requests(), Context()):  # type: ignore[arg-type]
+        replies.append(reply)
+        gate.append(1)
+    assert _tokens(replies) == want
+
+
+def test_only_a_sampling_hop_of_every_layer_autoruns(service: NodeService, tiny_path: Path) -> None:
+    requests = [
+        _open(tiny_path, "plain", None),
+        _step(0, PROMPT, []),
+        _step(1, [9], [], autorun_until=5),
+    ]
+    replies = list(service.Forward(iter(requests), Context()))  # type: ignore[arg-type]
+    assert [r.WhichOneof("kind") for r in replies] == ["opened", "result", "failure"]
+    assert replies[-1].failure.kind == "malformed-bundle"
