@@ -72,16 +72,20 @@ class QuotaGate:
                 raise QuotaExceeded(
                     f"tenant {tenant.id} has its {q.max_streams} streams running", retry_after_s=1
                 )
-            use.requests.append(now)
-            self._charge(use, now, prompt_tokens)
+            if q.requests_per_min:
+                use.requests.append(now)
+            if q.tokens_per_min:
+                self._charge(use, now, prompt_tokens)
             if stream:
                 use.streams += 1
-        return Slot(self, tenant.id, stream)
+        return Slot(self, tenant, stream)
 
-    def charge(self, tenant_id: str, tokens: int) -> None:
-        """Count tokens generated for the tenant."""
+    def charge(self, tenant: Tenant, tokens: int) -> None:
+        """Count tokens generated for the tenant (kept only where a limit counts them)."""
+        if not tenant.quotas.tokens_per_min:
+            return
         with self._lock:
-            use = self._usage.setdefault(tenant_id, _Usage())
+            use = self._usage.setdefault(tenant.id, _Usage())
             self._charge(use, self._clock(), tokens)
 
     def streams(self, tenant_id: str) -> int:
@@ -103,18 +107,18 @@ class QuotaGate:
 class Slot:
     """A request admitted under its tenant's quotas; ``end()`` frees its stream (once)."""
 
-    def __init__(self, gate: QuotaGate, tenant_id: str, stream: bool) -> None:
+    def __init__(self, gate: QuotaGate, tenant: Tenant, stream: bool) -> None:
         self._gate = gate
-        self.tenant_id = tenant_id
+        self.tenant = tenant
         self._open = stream
 
     def charge(self, tokens: int) -> None:
-        self._gate.charge(self.tenant_id, tokens)
+        self._gate.charge(self.tenant, tokens)
 
     def end(self) -> None:
         if self._open:
             self._open = False
-            self._gate._end(self.tenant_id)
+            self._gate._end(self.tenant.id)
 
 
 def check_sessions(tenant: Tenant, open_sessions: int) -> None:

@@ -61,6 +61,22 @@ class Announcer:
                 try:
                     registered = self._register(http) if not registered else self._beat(http)
                     backoff = 0.1
+                except httpx.HTTPStatusError as e:
+                    status = e.response.status_code
+                    if status in (401, 403):
+                        log.error(
+                            "the tracker at %s refused node %s's credential (%d): is its key "
+                            "from this mesh's secret?",
+                            self.tracker_url,
+                            self.node_id,
+                            status,
+                        )
+                    else:
+                        log.warning("the tracker at %s answered %d", self.tracker_url, status)
+                    registered = False
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
                 except (httpx.HTTPError, ValueError) as e:
                     log.warning("tracker unreachable at %s: %s", self.tracker_url, e)
                     registered = False
