@@ -65,7 +65,9 @@ def test_a_session_pulled_to_another_node_continues_identically(
     def pull(session_id: str) -> pb.StatePutResponse:
         """node-1 pulls ``session_id`` from node-0, with the tracker's token for it."""
         token = keys.peer("node-0", "node-1", "pull", session_id)
-        request = pb.StatePullRequest(source=a, session_id=session_id, source_token=token)
+        request = pb.StatePullRequest(
+            source=a, session_id=session_id, source_token=token, token_prefix_hash="e" * 64
+        )
         with grpc.insecure_channel(b) as channel:
             stub = pb_grpc.NodeStub(channel)
             return stub.StatePull(request, timeout=30, metadata=keys.call("node-1", "StatePull"))

@@ -117,13 +117,15 @@ class KVService:
             return _put_failed(KVImportFailed("no source address", "invalid"))
         if not request.source_token:
             return _put_failed(KVImportFailed("no token for the source", "invalid"))
+        if not request.token_prefix_hash or len(request.token_prefix_hash) > _MAX_PREFIX_HASH:
+            return _put_failed(KVImportFailed("no vouched token prefix hash", "invalid"))
         token = ((METADATA_KEY, request.source_token),)
         left = remaining_s(0, context)
         limit = min(left, _TRANSFER_TIMEOUT_S) if left is not None else _TRANSFER_TIMEOUT_S
         get = pb.StateGetRequest(
             session_id=request.session_id, token_prefix_hash=request.token_prefix_hash
         )
-        prefix = request.token_prefix_hash or None
+        prefix = request.token_prefix_hash
         with grpc.insecure_channel(request.source, options=MESSAGE_OPTIONS) as channel:
             stub = pb_grpc.NodeStub(channel)
             try:
