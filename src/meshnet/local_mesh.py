@@ -212,12 +212,14 @@ class LocalMesh:
         kernel_threads: int = 1,
         secrets: dict[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
-        # One BLAS thread, the kernels' pool capped at the process's share, and idle
-        # threads that sleep rather than spin: several processes share the cores.
+        # One BLAS thread and the kernels' pool capped at the process's share. OpenMP's
+        # idle threads keep their default wait (spin briefly, then sleep; libgomp spins
+        # less when a process has more threads than cores): making them sleep at once
+        # (OMP_WAIT_POLICY=PASSIVE) halved a two-thread node's decode, every step
+        # waking them again for each of its many small parallel regions.
         threads = {
             "OPENBLAS_NUM_THREADS": "1",
             "NUMBA_NUM_THREADS": str(kernel_threads),
-            "OMP_WAIT_POLICY": "PASSIVE",
         }
         env = {
             **os.environ,
