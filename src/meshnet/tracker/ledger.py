@@ -15,12 +15,25 @@ Because a resumed attempt starts at the position the previous one reached and
 a replacement recomputes only what failed, the completed records of one
 generation cover each layer's token positions exactly once: retries and
 replays are never billed twice.
+
+Records reach the database through a ``LedgerSpool``: a generation that has
+finished is delivered even while its records cannot be written (the database
+gone, busy, its disk full); they wait, in order, and are written when it can.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+
+from meshnet.errors import DatabaseUnavailable
+
+log = logging.getLogger(__name__)
 
 
 class AttemptStatus(StrEnum):
@@ -57,3 +70,78 @@ class LedgerRecord:
     def layer_tokens(self) -> int:
         """Work done: tokens times layers, the unit per-node totals are kept in."""
         return self.tokens * (self.layer_end - self.layer_start)
+
+
+WriteRecords = Callable[[Sequence[LedgerRecord], float], None]  # records, when they ended
+
+
+class LedgerSpool:
+    """Ledger records on their way to the database; call from the event loop only.
+
+    ``submit`` never raises: it writes at once when it can and keeps, in order,
+    what the database refused (``DatabaseUnavailable``), for ``flush`` to write
+    again (``run_forever`` flushes every ``retry_s``). Writing a batch twice is
+    harmless (the ledger keeps the first record of an attempt), so a write whose
+    outcome was unknown is simply repeated. Records are lost only two ways, both
+    logged and counted in ``dropped``: past ``max_pending`` waiting records the
+    oldest batches go, and a batch whose write fails with anything but
+    ``DatabaseUnavailable`` (a bug, which no retry would mend) is not kept.
+    """
+
+    def __init__(
+        self, write: WriteRecords, max_pending: int = 100_000, retry_s: float = 1.0
+    ) -> None:
+        self._write = write
+        self._max_pending = max_pending
+        self._retry_s = retry_s
+        self._waiting: deque[tuple[list[LedgerRecord], float]] = deque()
+        self.pending = 0  # records waiting to be written
+        self.dropped = 0  # records given up on
+        self.last_failure = ""
+
+    def submit(self, records: Iterable[LedgerRecord], now: float | None = None) -> None:
+        """Record the attempts that ended at ``now`` (default: the wall clock)."""
+        batch = list(records)
+        if not batch:
+            return
+        self._waiting.append((batch, time.time() if now is None else now))
+        self.pending += len(batch)
+        self.flush()
+        while self.pending > self._max_pending and len(self._waiting) > 1:
+            oldest, _ = self._waiting.popleft()
+            self._drop(oldest, "too many records wait for the database")
+
+    def flush(self) -> bool:
+        """Write what waits, oldest first, until the database refuses; whether all is."""
+        while self._waiting:
+            batch, ended = self._waiting[0]
+            try:
+                self._write(batch, ended)
+            except DatabaseUnavailable as e:
+                if self.last_failure != str(e):
+                    log.warning("ledger: %d records wait for the database: %s", self.pending, e)
+                self.last_failure = str(e)
+                return False
+            except Exception as e:
+                log.error("ledger: a batch cannot be written", exc_info=e)
+                self._waiting.popleft()
+                self._drop(batch, f"its write failed: {e}")
+                continue
+            self._waiting.popleft()
+            self.pending -= len(batch)
+            if not self._waiting and self.last_failure:
+                log.info("ledger: the records that waited are written")
+                self.last_failure = ""
+        return True
+
+    async def run_forever(self) -> None:
+        """Flush every ``retry_s`` while records wait."""
+        while True:
+            await asyncio.sleep(self._retry_s)
+            if self._waiting:
+                self.flush()
+
+    def _drop(self, batch: list[LedgerRecord], why: str) -> None:
+        self.pending -= len(batch)
+        self.dropped += len(batch)
+        log.error("ledger: %d records dropped (%s)", len(batch), why)
