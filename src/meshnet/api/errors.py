@@ -1,12 +1,17 @@
 """Every error leaves the API in the OpenAI error shape, with its stable kind as ``code``.
 
 Bad input is 400 (FastAPI's own validation errors included, never 422 or 500),
-an unknown model 404, no capacity 429 (with ``Retry-After``), no complete route 503.
+an unknown model 404, no capacity 429, no complete route or no database 503;
+every 429 and every retryable 503 says when to come back (``Retry-After``). A
+fault of the tracker's database or disk (full, over quota, over its file-size
+limit, failing) that reaches the edge untyped is answered as the typed 503 it
+is (``database-unavailable``), never a plain 500.
 """
 
 from __future__ import annotations
 
 import logging
+import sqlite3
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,6 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshnet.errors import MeshnetError
+from meshnet.tracker.database import unavailable
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +49,9 @@ def http_status(e: MeshnetError) -> int:
 
 
 def retry_headers(e: MeshnetError) -> dict[str, str]:
-    """``Retry-After`` (seconds) on every 429: when to come back."""
-    if http_status(e) != 429:
+    """``Retry-After`` (seconds) on every 429 and every retryable 503: when to come back."""
+    status = http_status(e)
+    if status != 429 and not (status == 503 and e.retryable):
         return {}
     return {"Retry-After": str(max(1, int(getattr(e, "retry_after_s", 1))))}
 
@@ -65,6 +72,15 @@ def install_error_handlers(app: FastAPI) -> None:
         if status >= 500:
             log.warning("%s %s failed: %s", request.method, request.url.path, e)
         return JSONResponse(error_body(e), status_code=status, headers=retry_headers(e))
+
+    @app.exception_handler(OSError)
+    @app.exception_handler(sqlite3.Error)
+    async def _storage(request: Request, e: Exception) -> JSONResponse:
+        typed = unavailable(e)
+        if typed is None:  # not the disk or the database: a bug, said as one
+            log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+            return JSONResponse(_body(500, "internal error", "internal"), status_code=500)
+        return await _meshnet(request, typed)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
