@@ -286,9 +286,12 @@ async def _guarded(
     frames: Iterator[pb.KVFrame], failures: list[KVImportFailed]
 ) -> AsyncIterator[pb.KVFrame]:
     """The file's frames; a bad file ends the stream early (the node then keeps nothing)
-    and its reason is kept for the caller."""
+    and its reason is kept for the caller. A file the disk fails to read is a bad file
+    too: the turn re-prefills instead of failing."""
     try:
         for frame in frames:
             yield frame
     except KVImportFailed as e:
         failures.append(e)
+    except OSError as e:
+        failures.append(KVImportFailed(f"snapshot file unreadable: {e}", "missing"))
