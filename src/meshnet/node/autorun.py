@@ -75,3 +75,46 @@ def next_step(step: pb.Step, token: int, sampling: SamplingParams, until: int) -
         history=[*step.history, token] if sampling.penalised else (),
         autorun_until=until,
     )
+
+
+Posted = tuple[pb.Step, "pb.ForwardResponse | None"]
+
+
+class Run:
+    """One autorun's state, shared by the stream's handler and the engine thread.
+
+    Each step is launched from the engine thread the moment the step before it
+    is answered, so every running autorun is in the engine's next batch; the
+    handler only sends the answers. ``None`` posted for a step: the run
+    reached its end there (the step it would go on with).
+    """
+
+    def __init__(self, until: int) -> None:
+        self.until = until
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._posts: queue.Queue[Posted] = queue.Queue()
+
+    def post(self, step: pb.Step, reply: pb.ForwardResponse | None) -> None:
+        self._posts.put((step, reply))
+
+    def next_post(self, timeout_s: float) -> Posted | None:
+        """The next answer (or the end), waiting at most ``timeout_s``."""
+        try:
+            return self._posts.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def proceeds(self, step: int) -> bool:
+        """Whether ``step`` is still to be run."""
+        with self._lock:
+            return not self._stopped and step < self.until
+
+    def extend(self, until: int) -> None:
+        with self._lock:
+            self.until = max(self.until, until)
+
+    def stop(self) -> None:
+        """The stream is over: launch nothing more."""
+        with self._lock:
+            self._stopped = True

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import grpc
@@ -36,7 +37,7 @@ from meshnet.layer_range import LayerRange
 from meshnet.model.logprobs import MAX_TOP_LOGPROBS, token_logprobs
 from meshnet.model.sampling import Sampler, SamplingParams
 from meshnet.model.shard import Shard
-from meshnet.node.autorun import Inbox, next_step
+from meshnet.node.autorun import Inbox, Posted, Run, next_step
 from meshnet.node.engine import EngineStats, NodeEngine, OpenedSlot
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.kv_service import KVService
@@ -50,6 +51,9 @@ from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+_POLL_S = 1.0  # an autorun's handler looks whether its call is still on at least this often
+_NO_STEP_LIMIT_S = 3600.0
+
 _RELAY_TIMEOUT_S = 10.0  # the next hop only files the input: more means it is stuck
 _MAX_RELAY_STREAMS = 8  # previous hops relaying to this node at once (a thread each)
 _RELAYS_PER_STREAM = 4  # relayed inputs waiting per stream the node holds
@@ -61,6 +65,16 @@ class NodeIdentity:
     node_id: str
     model_path: str | None  # the model loaded at start, if any
     model_dirs: ModelDirs  # where Configure may load models from
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A step ready for the engine, and what its answer needs."""
+
+    work: StepWork
+    t0: float  # perf_counter when the step came
+    deadline: float | None  # monotonic
+    history: list[int]  # what a repetition penalty looks at
 
 
 class NodeService(pb_grpc.NodeServicer):
@@ -183,21 +197,73 @@ class NodeService(pb_grpc.NodeServicer):
         if sampling is None or shard is None or not shard.is_first or step.relayed:
             yield _failure(MalformedBundle("only a hop of every layer that samples autoruns"))
             return None
-        until = step.autorun_until
-        while True:
-            reply = self._step(o, sampling, pb.ForwardRequest(step=step), context)
-            yield reply
-            if reply.WhichOneof("kind") != "result":
-                return None
-            for request in inbox.waiting():  # None: no more requests; the run goes on
-                if request is not None and request.WhichOneof("kind") == "extend":
-                    until = max(until, request.extend.until)
-                elif request is not None:
-                    yield _failure(MalformedBundle("a running autorun takes only Extend"))
+        run = Run(step.autorun_until)
+
+        def launch(step: pb.Step) -> None:
+            try:
+                ready = self._prepare(o, step, shard, context)
+                future = self.engine.submit(ready.work)
+            except MeshnetError as e:
+                run.post(step, _failure(e))
+                return
+            future.add_done_callback(lambda done: landed(step, ready, done))
+
+        def landed(step: pb.Step, ready: Prepared, done: Future[np.ndarray]) -> None:
+            """On the engine thread, as the step's batch ends: answer, launch the next."""
+            try:
+                reply = self._answer(o, sampling, step, ready, done.result())
+            except MeshnetError as e:
+                reply = _failure(e)
+            except Exception as e:  # the engine failed the step with a bug's error
+                reply = _failure(MeshnetError(f"step {step.step} failed: {e}"))
+            run.post(step, reply)
+            if reply.WhichOneof("kind") == "result":
+                token = reply.result.sampled.token
+                after = next_step(step, token, sampling, run.until)
+                if run.proceeds(after.step):
+                    launch(after)
+                else:
+                    run.post(after, None)
+
+        launch(step)
+        try:
+            while True:
+                posted = self._next_post(run, step, context)
+                if posted is None:
+                    yield _failure(DeadlineExceeded(f"autorun step {step.step} timed out"))
                     return None
-            step = next_step(step, reply.result.sampled.token, sampling, until)
-            if step.step >= until:
-                return step
+                step, reply = posted
+                if reply is None:  # the run's end: an extension may have come meanwhile
+                    step.autorun_until = run.until
+                    if not run.proceeds(step.step):
+                        return step
+                    launch(step)
+                    continue
+                yield reply
+                if reply.WhichOneof("kind") != "result":
+                    return None
+                for request in inbox.waiting():  # None: no more requests; the run goes on
+                    if request is not None and request.WhichOneof("kind") == "extend":
+                        run.extend(request.extend.until)
+                    elif request is not None:
+                        yield _failure(MalformedBundle("a running autorun takes only Extend"))
+                        return None
+        finally:
+            run.stop()
+
+    @staticmethod
+    def _next_post(run: Run, step: pb.Step, context: grpc.ServicerContext) -> Posted | None:
+        """The run's next post, within a step's time; None when it does not come."""
+        left = remaining_s(step.timeout_ms, context)
+        deadline = time.monotonic() + (left if left is not None else _NO_STEP_LIMIT_S)
+        while context.is_active():
+            wait = min(deadline - time.monotonic(), _POLL_S)
+            if wait <= 0:
+                return None
+            posted = run.next_post(wait)
+            if posted is not None:
+                return posted
+        return None
 
     def _open(self, o: pb.Open) -> OpenedSlot:
         shard = self.engine.shard
@@ -248,37 +314,55 @@ class NodeService(pb_grpc.NodeServicer):
         if request.WhichOneof("kind") != "step" or shard is None:
             return _failure(MalformedBundle("expected a Step"))
         step = request.step
-        t0 = time.perf_counter()
         try:
-            remaining = remaining_s(step.timeout_ms, context)
-            started = time.monotonic()
-            x = self._input(o, step, shard, remaining, context)
-            deadline = started + remaining if remaining is not None else None
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-            history = _history(step, shard.spec.context_length, shard.spec.vocab_size)
-            work = StepWork(
-                o.session_id,
-                o.epoch,
-                x,
-                deadline,
-                step=step.step,
-                replay=step.replay,
-                keep_output=step.forward,
-            )
-            out = self.engine.submit(work).result(timeout=left)
+            ready = self._prepare(o, step, shard, context)
+            left = None if ready.deadline is None else max(ready.deadline - time.monotonic(), 0.001)
+            out = self.engine.submit(ready.work).result(timeout=left)
         except TimeoutError:
             return _failure(DeadlineExceeded(f"step {step.step} did not finish in time"))
         except MeshnetError as e:
             return _failure(e)
+        return self._answer(o, sampling, step, ready, out)
+
+    def _prepare(
+        self, o: pb.Open, step: pb.Step, shard: Shard, context: grpc.ServicerContext
+    ) -> Prepared:
+        """A step's work for the engine, its input checked (or taken from the mailbox)."""
+        t0 = time.perf_counter()
+        remaining = remaining_s(step.timeout_ms, context)
+        started = time.monotonic()
+        x = self._input(o, step, shard, remaining, context)
+        deadline = started + remaining if remaining is not None else None
+        history = _history(step, shard.spec.context_length, shard.spec.vocab_size)
+        work = StepWork(
+            o.session_id,
+            o.epoch,
+            x,
+            deadline,
+            step=step.step,
+            replay=step.replay,
+            keep_output=step.forward,
+        )
+        return Prepared(work, t0, deadline, history)
+
+    def _answer(
+        self,
+        o: pb.Open,
+        sampling: SamplingParams | None,
+        step: pb.Step,
+        ready: Prepared,
+        out: np.ndarray,
+    ) -> pb.ForwardResponse:
+        """What a computed step answers: forwarded, its hidden states, or its token."""
         if step.forward:
-            return self._forward_output(o, step, out, t0, deadline)
+            return self._forward_output(o, step, out, ready.t0, ready.deadline)
         if sampling is None:
-            ms = (time.perf_counter() - t0) * 1000
+            ms = (time.perf_counter() - ready.t0) * 1000
             return pb.ForwardResponse(
                 result=pb.StepResult(step=step.step, output=codec.encode(out), compute_ms=ms)
             )
         logits = out[-1]
-        token = Sampler(sampling, step.draws).sample(logits, history)
+        token = Sampler(sampling, step.draws).sample(logits, ready.history)
         lp = token_logprobs(logits, token, o.sampling.top_logprobs)
         sampled = pb.Sampled(
             token=token,
@@ -286,7 +370,7 @@ class NodeService(pb_grpc.NodeServicer):
             top_ids=[i for i, _ in lp.top],
             top_logprobs=[v for _, v in lp.top],
         )
-        ms = (time.perf_counter() - t0) * 1000
+        ms = (time.perf_counter() - ready.t0) * 1000
         return pb.ForwardResponse(
             result=pb.StepResult(step=step.step, sampled=sampled, compute_ms=ms)
         )

@@ -35,6 +35,9 @@ class Context:
         self.callbacks.append(callback)
         return True
 
+    def is_active(self) -> bool:
+        return True
+
 
 @pytest.fixture
 def service(tiny_path: Path) -> Iterator[NodeService]:
