@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from billing import assert_billed_once_like
 from conftest import MeshFactory
 from session_client import TURNS, TrackerApi, describe, new_session, op, reference_turns, turn
 
@@ -62,7 +63,12 @@ def test_a_tracker_killed_with_a_pending_turn_delivers_it_once_after_restart(
     again = turn(mesh, sid, TURNS[1], key="turn-2", max_tokens=LONG)
     reference = want[1]
     assert again["ids"] == reference["ids"]
-    assert again["attempts"] == 2  # the one the kill cut off, and the one after the restart
+    # The attempt the kill cut off, and after the restart one attempt at a time until one
+    # completes: usually one, more when one fails for a reason the mesh gets over (a node
+    # stalled past its heartbeat timeout on a loaded machine is marked down for a moment:
+    # test_turn_faults.py). Exactly one completed, billed as an uninterrupted turn.
+    assert again["attempts"] >= 2
+    assert_billed_once_like(mesh, again["turn_id"], reference["turn_id"])
     state = describe(mesh, sid)
     assert state["turns"] == 2
     assert state["tokens"] == describe(mesh, ref)["tokens"]  # the turn's tokens once
