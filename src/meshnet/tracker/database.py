@@ -270,6 +270,8 @@ class PostgresDatabase(Database):
         except self._psycopg.Error as e:
             self._next_try = time.monotonic() + _RECONNECT_EVERY_S
             raise DatabaseUnavailable(f"cannot connect to PostgreSQL: {_first_line(e)}") from None
+        if self._conn is not None:
+            log.warning("PostgreSQL: connected again")
         self._conn = conn
         self._tx = _PostgresTx(conn)
 
@@ -279,8 +281,6 @@ class PostgresDatabase(Database):
             return self._tx
         if time.monotonic() < self._next_try:
             raise DatabaseUnavailable("PostgreSQL is unreachable (tried a moment ago)")
-        if self._conn is not None:
-            log.warning("PostgreSQL connection lost: connecting again")
         self._connect(timeout_s=_RECONNECT_TIMEOUT_S)
         return self._tx
 
@@ -289,6 +289,7 @@ class PostgresDatabase(Database):
         closed, so the next call connects again."""
         typed = unavailable(e)
         if typed is not None and self._conn is not None and self._conn.broken:
+            log.warning("PostgreSQL connection lost (%s): connecting again", typed.message)
             with contextlib.suppress(Exception):
                 self._conn.close()
         return typed
