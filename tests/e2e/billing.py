@@ -4,6 +4,7 @@ delivered (after a kill, a stalled node, a database or a disk that went away).""
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 import httpx
@@ -11,13 +12,19 @@ import httpx
 from meshnet.local_mesh import LocalMesh
 
 
-def ledger(mesh: LocalMesh, generation_id: str) -> list[dict[str, Any]]:
-    r = httpx.get(
-        f"{mesh.url}/admin/ledger",
-        params={"generation_id": generation_id},
-        headers=mesh.admin_headers,
-        timeout=30,
-    )
+def ledger(mesh: LocalMesh, generation_id: str, within_s: float = 15.0) -> list[dict[str, Any]]:
+    """The generation's records; a database still reconnecting is waited for."""
+    deadline = time.monotonic() + within_s
+    while True:
+        r = httpx.get(
+            f"{mesh.url}/admin/ledger",
+            params={"generation_id": generation_id},
+            headers=mesh.admin_headers,
+            timeout=30,
+        )
+        if r.status_code != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert r.status_code == 200, r.text
     return list(r.json()["records"])
 
@@ -33,17 +40,27 @@ def billed(records: list[dict[str, Any]]) -> dict[tuple[int, int], list[tuple[in
     return {span: sorted(ranges) for span, ranges in spans.items()}
 
 
-def assert_billed_once_like(mesh: LocalMesh, turn_id: str, reference_id: str) -> None:
+def assert_billed_once_like(
+    mesh: LocalMesh, turn_id: str, reference_id: str, within_s: float = 15.0
+) -> None:
     """``turn_id`` billed each layer's token positions exactly once, the same positions
     as an uninterrupted ``reference_id`` turn; none of its attempts was fenced by another
-    running at the same time (``stale-epoch``)."""
-    records = ledger(mesh, turn_id)
+    running at the same time (``stale-epoch``). Records the database refused wait in the
+    tracker's ledger spool and are written when it takes them again: read until the turn's
+    are all there, at most ``within_s``."""
+    want = _covered(billed(ledger(mesh, reference_id)))
+    deadline = time.monotonic() + within_s
+    while True:
+        records = ledger(mesh, turn_id)
+        got = billed(records)
+        if _covered(got) == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert not [r for r in records if r["kind"] == "stale-epoch"], records
-    got = billed(records)
     for span, ranges in got.items():
         for (_, end), (start, _) in itertools.pairwise(ranges):
             assert end <= start, f"layers {span}: positions billed twice: {ranges}"
-    assert _covered(got) == _covered(billed(ledger(mesh, reference_id))), records
+    assert _covered(got) == want, records
 
 
 def _covered(

@@ -39,6 +39,7 @@ def create_app(
             asyncio.create_task(sweep_forever(tracker, sweeper)),
             asyncio.create_task(services.outbox.run_forever()),
             asyncio.create_task(services.sessions.run_policy_forever()),
+            asyncio.create_task(tracker.ledger.run_forever()),
         ]
         if retention is not None:
             loops.append(asyncio.create_task(retention.run_forever()))
@@ -49,6 +50,7 @@ def create_app(
                 loop.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
             await services.outbox.stop()
+            tracker.ledger.flush()  # what waited for the database, if it takes it now
             await tracker.channels.close()
 
     app = FastAPI(title="meshnet tracker", lifespan=lifespan)

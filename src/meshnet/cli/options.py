@@ -144,6 +144,13 @@ def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
         p.add_argument(
             "--turn-attempts", type=int, default=6, help="deliveries before a turn fails"
         ),
+        p.add_argument(
+            "--turn-max-wait",
+            type=duration,
+            default=120.0,
+            help="how long a turn waits out a mesh that cannot take it (no route, no capacity, "
+            "no database) before it fails",
+        ),
         # Retention (durations: seconds, or with s/m/h/d; 0 keeps forever).
         p.add_argument(
             "--keep-sessions",

@@ -54,7 +54,11 @@ def run(args: argparse.Namespace) -> int:
                 relay=args.relay,
                 autorun=args.autorun,
             ),
-            outbox=OutboxConfig(lease_s=args.turn_lease, max_attempts=args.turn_attempts),
+            outbox=OutboxConfig(
+                lease_s=args.turn_lease,
+                max_attempts=args.turn_attempts,
+                max_wait_s=args.turn_max_wait,
+            ),
             policy=SessionPolicy(
                 park_after_s=args.park_after,
                 evict_after_s=args.evict_after,

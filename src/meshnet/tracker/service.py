@@ -44,7 +44,7 @@ from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.driver import DoneEvent, Reroute, RouteDriver, TokenEvent
 from meshnet.tracker.generation import Generation
 from meshnet.tracker.hop_link import answers
-from meshnet.tracker.ledger import LedgerRecord
+from meshnet.tracker.ledger import LedgerRecord, LedgerSpool
 from meshnet.tracker.registry import NodeState
 from meshnet.tracker.routes import Hop, Route, pinned_route, plan_chain, plan_route, splice
 from meshnet.tracker.store import Store
@@ -103,6 +103,9 @@ class Tracker:
         self.driver = driver
         self.config = config
         self.admission = Admission(config.admission)
+        # Ledger records the database refuses wait here: a finished generation is
+        # answered whatever its ledger write meets, and is billed once it is written.
+        self.ledger = LedgerSpool(store.record_attempts)
         self._generations: dict[str, Generation] = {}
         self._heal_lock = asyncio.Lock()
 
@@ -285,9 +288,7 @@ class Tracker:
         return Reroute(self.route())
 
     def record(self, records: Iterable[LedgerRecord]) -> None:
-        batch = list(records)
-        if batch:
-            self.store.record_attempts(batch, time.time())
+        self.ledger.submit(records)
 
     def _replicas(self, span: LayerRange, exclude: frozenset[str]) -> Route | None:
         nodes = self.store.nodes()

@@ -19,7 +19,7 @@ from typing import Any
 
 from meshnet.errors import IdempotencyConflict, NotFound, SessionGone, error_for_kind
 from meshnet.layer_range import LayerRange
-from meshnet.tracker.database import Database, Row, Tx
+from meshnet.tracker.database import Database, Row, Tx, parse_rows
 from meshnet.tracker.routes import Hop, Route
 
 _SCHEMA = """
@@ -210,7 +210,7 @@ class SessionStore:
             f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE state IN ({marks}) ORDER BY last_used",
             [s.value for s in states],
         )
-        return [_session(r) for r in rows]
+        return parse_rows(rows, _session, "session")
 
     def set_state(
         self, session_id: str, state: SessionState, when: tuple[SessionState, ...]
@@ -348,7 +348,7 @@ class SessionStore:
                 limit,
             ),
         )
-        return [_turn(r) for r in rows]
+        return parse_rows(rows, _turn, "turn")
 
     def claim(self, turn: TurnRecord, owner: str, lease_until: float, now: float) -> bool:
         """Take a turn for delivery (one attempt, counted now); False if another has it."""

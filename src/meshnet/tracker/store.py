@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import Heartbeat, NodeAnnouncement, NodeLoad
-from meshnet.tracker.database import Database
+from meshnet.tracker.database import Database, parse_rows
 from meshnet.tracker.ledger import BILLABLE, AttemptStatus, LedgerRecord
 from meshnet.tracker.registry import NodeId, NodeRecord, NodeState, is_stale
 
@@ -126,7 +126,7 @@ class Store:
 
     def nodes(self) -> list[NodeRecord]:
         rows = self._db.query(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node_id")
-        return [_record(r) for r in rows]
+        return parse_rows(rows, _record, "node")
 
     def pinned(self) -> list[NodeId] | None:
         rows = self._db.query("SELECT node_ids FROM pinned_route WHERE id = 1")
@@ -181,7 +181,7 @@ class Store:
         rows = self._db.query(
             f"SELECT {_LEDGER_COLUMNS} FROM ledger{where} ORDER BY id LIMIT ?", (*args, limit)
         )
-        return [_ledger_record(r) for r in rows]
+        return parse_rows(rows, _ledger_record, "ledger")
 
     def ledger_totals(self, generation_id: str | None = None) -> dict[str, dict[str, int]]:
         """Per node and status: attempts, tokens and layer-tokens."""
