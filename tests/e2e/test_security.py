@@ -455,3 +455,21 @@ def test_a_prompt_over_the_character_bound_is_400(mesh: LocalMesh) -> None:
         timeout=30,
     )
     assert r.status_code == 400, r.text
+
+
+def test_a_tenants_session_turns_count_against_its_tokens_per_minute(mesh: LocalMesh) -> None:
+    thrifty = _tenant(mesh, "thrifty", tokens_per_min=30)
+    sid = _session_with_kv(mesh, thrifty)  # its first turn's tokens count already
+    url = f"{mesh.url}/v1/sessions/{sid}/turns"
+    body = {"content": "again", "max_tokens": 12, "temperature": 0}
+    statuses = []
+    for _ in range(10):
+        r = httpx.post(url, json=body, headers=thrifty, timeout=60)
+        statuses.append(r.status_code)
+        if r.status_code == 429:
+            assert int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["code"] == "quota-exceeded"
+            break
+        assert r.status_code == 200, r.text
+    assert statuses[-1] == 429, statuses
+    assert len(_ids(mesh)) > 0  # the default tenant is not limited by it

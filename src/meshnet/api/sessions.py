@@ -21,7 +21,7 @@ from meshnet.api.auth import CallingTenant, auth_of, require_owner
 from meshnet.api.errors import error_body
 from meshnet.api.schemas import DEFAULT_MAX_TOKENS, MAX_PROMPT_CHARS
 from meshnet.api.state import outbox_of, sessions_of, tracker_of
-from meshnet.auth.quotas import check_kv, check_sessions
+from meshnet.auth.quotas import Slot, check_kv, check_sessions
 from meshnet.auth.tenants import Tenant
 from meshnet.errors import MeshnetError, NotFound, RequestError, SessionGone, error_for_kind
 from meshnet.model.sampling import MAX_STOP_STRINGS
@@ -131,7 +131,7 @@ async def add_turn(
         check_kv(tenant, _usage(request, tenant)[1])
     # Counted as a request (and its tokens as they come); the turn, once accepted, runs
     # to its end whatever the client does, so it holds no stream of the tenant's.
-    auth_of(request).quotas.admit(tenant, stream=False)
+    slot = auth_of(request).quotas.admit(tenant, stream=False)
     outbox = outbox_of(request)
     fields = body.model_dump(exclude={"stream"})
     turn = outbox.accept(session_id, idempotency_key, fields)
@@ -139,12 +139,15 @@ async def add_turn(
         return _answer(turn)
     if body.stream:
         return StreamingResponse(
-            _stream(outbox, turn),
+            _stream(outbox, turn, slot),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     outbox.start_delivery(turn)
-    return _answer(await outbox.wait(turn.id, _TURN_WAIT_S))
+    final = await outbox.wait(turn.id, _TURN_WAIT_S)
+    if final.status is TurnStatus.DONE and final.result is not None:
+        slot.charge(len(final.result.get("ids", ())))
+    return _answer(final)
 
 
 def _answer(turn: TurnRecord) -> JSONResponse:
@@ -166,11 +169,12 @@ def _turn_error(turn: TurnRecord) -> MeshnetError:
     return e if type(e) is not MeshnetError else RequestError(message)
 
 
-async def _stream(outbox: Outbox, turn: TurnRecord) -> AsyncIterator[str]:
+async def _stream(outbox: Outbox, turn: TurnRecord, slot: Slot) -> AsyncIterator[str]:
     """Tokens as the delivering attempt makes them, then the turn's result."""
     tokens: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
 
     async def on_token(event: TokenEvent) -> None:
+        slot.charge(1)
         await tokens.put(event)
 
     async def deliver() -> None:
