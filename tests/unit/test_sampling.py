@@ -2,7 +2,13 @@ import numpy as np
 import pytest
 
 from meshnet.errors import RequestError
-from meshnet.model.sampling import Sampler, SamplingParams, apply_repetition_penalty, nucleus
+from meshnet.model.sampling import (
+    Sampler,
+    SamplingParams,
+    apply_repetition_penalty,
+    nucleus,
+    pick,
+)
 
 rng = np.random.default_rng(3)
 LOGITS = [rng.standard_normal(500).astype(np.float32) for _ in range(40)]
@@ -79,3 +85,39 @@ def test_repetition_penalty_makes_seen_tokens_less_likely() -> None:
 def test_bad_parameters_are_typed_errors(bad: dict) -> None:  # type: ignore[type-arg]
     with pytest.raises(RequestError):
         SamplingParams(**bad)
+
+
+def _nucleus_by_full_sort(
+    scores: np.ndarray, top_k: int, top_p: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """The contract of ``nucleus`` written the slow, obvious way: every candidate sorted."""
+    n = len(scores)
+    cut = 0 < top_k < n
+    ids = np.sort(np.argpartition(-scores, top_k - 1)[:top_k]) if cut else np.arange(n)
+    weights = np.exp(scores[ids] - scores[ids].max())
+    probs = weights / weights.sum()
+    order = np.lexsort((ids, -probs))
+    if top_p >= 1.0:
+        return ids[order], probs[order]
+    keep = min(int(np.searchsorted(np.cumsum(probs[order]), top_p, side="left")) + 1, len(ids))
+    kept = order[:keep]
+    return ids[kept], probs[kept] / probs[kept].sum()
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0, 30.0])
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 0.9), (0, 0.999), (0, 1.0), (40, 0.8), (0, 1e-9)])
+def test_nucleus_sorts_only_what_it_keeps_and_keeps_what_a_full_sort_would(
+    spread: float, top_k: int, top_p: float
+) -> None:
+    gen = np.random.default_rng(int(spread * 10) + top_k)
+    for _ in range(5):
+        scores = gen.standard_normal(5000) * spread
+        scores[gen.integers(0, 5000, 50)] = scores.max()  # ties at the top
+        scores[gen.integers(0, 5000, 200)] = np.round(scores[:200], 1)  # ties elsewhere
+        got_ids, got_probs = nucleus(scores, top_k, top_p)
+        want_ids, want_probs = _nucleus_by_full_sort(scores, top_k, top_p)
+        assert got_ids.tolist() == want_ids.tolist()
+        assert np.array_equal(got_probs, want_probs)
+        for u in [*gen.random(50), 0.0, 1.0 - 1e-16]:
+            at = int(np.searchsorted(np.cumsum(want_probs), u, side="right"))
+            assert pick(scores, top_k, top_p, u) == want_ids[min(at, len(want_ids) - 1)]

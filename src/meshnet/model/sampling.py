@@ -90,11 +90,9 @@ class Sampler:
             scores = apply_repetition_penalty(scores, history, p.repetition_penalty)
         if p.greedy:
             return int(np.argmax(scores))  # first of equal maxima: lowest id
-        candidates, probs = nucleus(scores / p.temperature, p.top_k, p.top_p)
         u = self._rng.random()
         self.draws += 1
-        index = int(np.searchsorted(np.cumsum(probs), u, side="right"))
-        return int(candidates[min(index, len(candidates) - 1)])
+        return pick(scores / p.temperature, p.top_k, p.top_p, u)
 
 
 def apply_repetition_penalty(
@@ -109,21 +107,71 @@ def apply_repetition_penalty(
     return out
 
 
-def nucleus(scores: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
-    """Candidate ids (most likely first) and their renormalised probabilities.
+def pick(scores: np.ndarray, top_k: int, top_p: float, u: float) -> int:
+    """The candidate the uniform ``u`` selects: the first, most likely first (ties: lower
+    id first), whose cumulative probability exceeds ``u`` (``nucleus``'s candidates).
 
-    Ties are broken by lower id so the order never depends on the sort's whims.
+    With no cut, only the likeliest ids are sorted, as many as it takes to pass ``u``:
+    sorting a whole vocabulary cost milliseconds per sampled token.
     """
-    ids = np.arange(len(scores))
-    if 0 < top_k < len(scores):
-        part = np.argpartition(-scores, top_k - 1)[:top_k]
-        ids = part
-    order = ids[np.lexsort((ids, -scores[ids]))]  # by score desc, then id asc
-    logits = scores[order]
-    probs = np.exp(logits - logits[0])
-    probs /= probs.sum()
-    if top_p < 1.0:
-        keep = int(np.searchsorted(np.cumsum(probs), top_p, side="left")) + 1
-        order, probs = order[:keep], probs[:keep]
-        probs = probs / probs.sum()
-    return order, probs
+    n = len(scores)
+    if top_p < 1.0 or 0 < top_k < n:
+        ids, probs = nucleus(scores, top_k, top_p)
+        index = int(np.searchsorted(np.cumsum(probs), u, side="right"))
+        return int(ids[min(index, len(ids) - 1)])
+    probs = _probabilities(scores)
+    k = min(n, _FIRST_LOOK)
+    while True:
+        part = _likeliest(probs, k)
+        index = int(np.searchsorted(np.cumsum(probs[part]), u, side="right"))
+        if k == n:
+            return int(part[min(index, n - 1)])
+        # The look's order is the vocabulary's up to ``index`` when every id outside it
+        # (none more likely than the look's last) is less likely than the one picked.
+        if index < k and probs[part[index]] > probs[part[-1]]:
+            return int(part[index])
+        k = min(n, k * 8)
+
+
+def _probabilities(scores: np.ndarray) -> np.ndarray:
+    """``exp(score - max)`` over the sum, taken in id order."""
+    weights = np.exp(scores - scores.max())
+    return weights / weights.sum()  # type: ignore[no-any-return]
+
+
+def _likeliest(probs: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` likeliest indices of ``probs``, most likely first, ties by lower index."""
+    part = np.argpartition(-probs, k - 1)[:k] if k < len(probs) else np.arange(len(probs))
+    return part[np.lexsort((part, -probs[part]))]  # type: ignore[no-any-return]
+
+
+def nucleus(scores: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Candidate ids, most likely first (ties: lower id first), and their probabilities.
+
+    The contract: probabilities are ``exp(score - max)`` over the candidates (all ids,
+    or the ``top_k`` likeliest) divided by their sum taken in id order; ``top_p`` keeps
+    the smallest prefix of the candidates whose cumulative probability reaches it,
+    renormalised. Only what a ``top_p`` cut keeps is sorted.
+    """
+    n = len(scores)
+    cut = 0 < top_k < n
+    ids = np.sort(np.argpartition(-scores, top_k - 1)[:top_k]) if cut else np.arange(n)
+    probs = _probabilities(scores[ids])
+    if top_p >= 1.0:
+        order = _likeliest(probs, len(ids))
+        return ids[order], probs[order]
+    k = min(len(ids), _FIRST_LOOK)
+    while True:
+        part = _likeliest(probs, k)  # positions in ``ids``, which is sorted: ties by id
+        cumulative = np.cumsum(probs[part])
+        keep = int(np.searchsorted(cumulative, top_p, side="left")) + 1
+        # The prefix is the whole vocabulary's when every id outside the look is less
+        # likely than the last one kept (all of them are at most as likely as the look's
+        # least likely member).
+        if k == len(ids) or (keep < k and probs[part[keep - 1]] > probs[part[-1]]):
+            kept = part[: min(keep, k)]
+            return ids[kept], probs[kept] / probs[kept].sum()
+        k = min(len(ids), k * 8)
+
+
+_FIRST_LOOK = 64  # candidates sorted first when a top-p cut applies

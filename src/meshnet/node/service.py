@@ -363,13 +363,16 @@ class NodeService(pb_grpc.NodeServicer):
             )
         logits = out[-1]
         token = Sampler(sampling, step.draws).sample(logits, ready.history)
-        lp = token_logprobs(logits, token, o.sampling.top_logprobs)
-        sampled = pb.Sampled(
-            token=token,
-            logprob=lp.logprob,
-            top_ids=[i for i, _ in lp.top],
-            top_logprobs=[v for _, v in lp.top],
-        )
+        if o.sampling.logprobs:  # a log-softmax over the vocabulary: only when asked
+            lp = token_logprobs(logits, token, o.sampling.top_logprobs)
+            sampled = pb.Sampled(
+                token=token,
+                logprob=lp.logprob,
+                top_ids=[i for i, _ in lp.top],
+                top_logprobs=[v for _, v in lp.top],
+            )
+        else:
+            sampled = pb.Sampled(token=token)
         ms = (time.perf_counter() - ready.t0) * 1000
         return pb.ForwardResponse(
             result=pb.StepResult(step=step.step, sampled=sampled, compute_ms=ms)

@@ -49,20 +49,22 @@ class Open(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., resume: _Optional[bool] = ..., keep: _Optional[bool] = ..., rewind: _Optional[bool] = ..., rewind_tokens: _Optional[int] = ..., rewind_steps: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., next_address: _Optional[str] = ..., next_node_id: _Optional[str] = ..., next_token: _Optional[str] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "top_logprobs")
+    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "top_logprobs", "logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     repetition_penalty: float
     seed: int
     top_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    logprobs: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("step", "input", "timeout_ms", "replay", "draws", "history", "relayed", "forward", "rows", "autorun_until")

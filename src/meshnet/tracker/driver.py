@@ -780,6 +780,7 @@ def _sampling(gen: Generation) -> pb.Sampling:
         repetition_penalty=p.repetition_penalty,
         seed=p.seed or 0,
         top_logprobs=max(gen.top_logprobs, 0),
+        logprobs=gen.top_logprobs >= 0,
     )
 
 
