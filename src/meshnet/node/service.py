@@ -175,7 +175,7 @@ class NodeService(pb_grpc.NodeServicer):
             elif kind == "extend":
                 continue  # an extension the run no longer needed
             step = request.step
-            if kind == "step" and step.autorun_until > step.step + 1:
+            if kind == "step" and step.autorun_until > step.step:
                 inbox = inbox or Inbox(requests)
                 resume = yield from self._autorun(o, sampling, step, inbox, context)
             else:
