@@ -65,6 +65,7 @@ from meshnet.model.spec import ModelSpec
 from meshnet.model.tokenizer import TextTokenizer
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
+from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.generation import Generation, PendingRecovery, Recovery
 from meshnet.tracker.hop_link import HopLink, RelayBroken, open_link
@@ -677,15 +678,20 @@ class RouteDriver:
         task.add_done_callback(self._background.discard)
 
     async def _fence(self, hop: Hop, session_id: str, epoch: int) -> None:
+        """On a channel of its own: a pooled one to a dead node's address would be in
+        reconnect backoff when another node (or its restart) comes to listen there."""
         request = pb.FenceRequest(session_id=session_id, epoch=epoch)
+        channel = grpc.aio.insecure_channel(hop.address)
         # Still gone when it times out: then it holds nothing newer, and its streams are closed.
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            stub = self.channels.stub(hop.address)
-            await stub.Fence(
-                request,
-                timeout=self.limits.fence_timeout_s,
-                metadata=self.channels.signed(hop.node_id, "Fence"),
-            )
+        try:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await pb_grpc.NodeStub(channel).Fence(
+                    request,
+                    timeout=self.limits.fence_timeout_s,
+                    metadata=self.channels.signed(hop.node_id, "Fence"),
+                )
+        finally:
+            await channel.close()
 
     async def _open_links(
         self,

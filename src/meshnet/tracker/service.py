@@ -33,6 +33,7 @@ from meshnet.errors import (
     NoRoute,
     Overloaded,
     RequestError,
+    StreamReset,
     WorkerDeath,
 )
 from meshnet.layer_range import LayerRange
@@ -183,10 +184,12 @@ class Tracker:
                 held.release()
                 if not e.node_id:
                     raise
-                if not await self._node_failed(e.node_id, e.kind):
-                    raise self.admission.overloaded(f"node {e.node_id} is slow to open") from None
-                last = e  # a dead or misbehaving node: route around it
-                continue
+                last = e
+                if await self._node_failed(e.node_id, e.kind):
+                    continue  # a dead or misbehaving node: route around it
+                if e.kind == StreamReset.kind:
+                    continue  # alive, its stream broke: open again on a fresh channel
+                raise self.admission.overloaded(f"node {e.node_id} is slow to open") from None
             except BaseException:
                 held.release()
                 raise
@@ -327,10 +330,17 @@ class Tracker:
 
     async def _node_failed(self, node_id: str, kind: str) -> bool:
         """Mark a node that failed a call down; True when it was. A timeout or silence
-        is first checked by a probe: a node that answers is slow, not gone, and stays up."""
+        is first checked by a probe: a node that answers is slow, not gone, and stays up.
+        A broken stream (the node answered a probe on a fresh connection) is no verdict
+        on the node: its channel is dialled afresh, it stays up."""
         if not node_id:
             return False
         address = next((n.address for n in self.store.nodes() if n.node_id == node_id), None)
+        if kind == StreamReset.kind:
+            log.info("node %s: its stream broke but it answers; dialling it afresh", node_id)
+            if address:
+                self.channels.retire(address)
+            return False
         if (
             kind in _PROBED_KINDS
             and address
