@@ -1,10 +1,10 @@
 """The node's gate: every gRPC call is checked before its handler runs.
 
-The node's gate refuses, before any handler runs, a call without a credential
-its key accepts (``UNAUTHENTICATED``) and a peer token used for a method it
-does not cover (``PERMISSION_DENIED``). What a token's scope allows (which
-session a ``pull`` token names) is checked by the handler that knows the
-request, with ``caller()``.
+A call without a credential the node's key accepts is refused
+(``UNAUTHENTICATED``), and so is a peer token used for a method it does not
+cover (``PERMISSION_DENIED``), before a handler or a stream's thread is taken.
+What a token's scope allows (which session a ``pull`` token names) is checked
+by the handler that knows the request, with ``caller()``.
 """
 
 from __future__ import annotations
