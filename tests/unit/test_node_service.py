@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from meshnet.auth.grpc_auth import NodeGate
-from meshnet.auth.keys import new_secret, node_key
-from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import sha256_file
-from meshnet.node.engine import NodeEngine
-from meshnet.node.model_dirs import ModelDirs
-from meshnet.node.service import NodeIdentity, NodeService
+from meshnet.node.service import NodeService
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
 
@@ -37,17 +32,6 @@ class FakeContext:
         """What gRPC does when the call terminates: run the callbacks."""
         for callback in self.callbacks:
             callback()
-
-
-@pytest.fixture
-def service(tiny_path: Path) -> Iterator[NodeService]:
-    engine = NodeEngine()
-    engine.start()
-    engine.load(str(tiny_path), LayerRange(0, 4)).result(30)
-    identity = NodeIdentity("n1", str(tiny_path), ModelDirs.of([tiny_path.parent]))
-    # The gate is the gRPC server's interceptor: these in-process calls do not pass it.
-    yield NodeService(identity, engine, NodeGate(node_key(new_secret(), "n1")))
-    engine.stop()
 
 
 def _open(tiny_path: Path, **changes: object) -> pb.ForwardRequest:

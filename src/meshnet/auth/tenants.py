@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from meshnet.auth.credentials import api_key_id, new_api_key
 from meshnet.auth.keys import digest, same
 from meshnet.errors import NotFound, RequestError, Unauthenticated
-from meshnet.tracker.database import Database
+from meshnet.tracker.database import Database, Row
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
@@ -94,15 +94,14 @@ class TenantStore:
         return Tenant(tenant_id, quotas)
 
     def tenant(self, tenant_id: str) -> Tenant:
-        names = [f.name for f in fields(Quotas)]
-        rows = self.db.query(f"SELECT {', '.join(names)} FROM tenants WHERE id = ?", (tenant_id,))
+        rows = self.db.query(f"SELECT {_TENANT_COLUMNS} FROM tenants WHERE id = ?", (tenant_id,))
         if not rows:
             raise NotFound(f"no tenant {tenant_id!r}")
-        return Tenant(tenant_id, Quotas(*(int(v) for v in rows[0])))
+        return _tenant(rows[0])
 
     def tenants(self) -> list[Tenant]:
-        rows = self.db.query("SELECT id FROM tenants ORDER BY id")
-        return [self.tenant(str(r[0])) for r in rows]
+        rows = self.db.query(f"SELECT {_TENANT_COLUMNS} FROM tenants ORDER BY id")
+        return [_tenant(r) for r in rows]
 
     def issue_key(self, tenant_id: str) -> tuple[str, str]:
         """A new API key for the tenant: (key, key id). The key is shown only now."""
@@ -195,3 +194,10 @@ class TenantStore:
     def _forget(self) -> None:
         with self._lock:
             self._cache.clear()
+
+
+_TENANT_COLUMNS = ", ".join(["id", *(f.name for f in fields(Quotas))])
+
+
+def _tenant(row: Row) -> Tenant:
+    return Tenant(str(row[0]), Quotas(*(int(v) for v in row[1:])))

@@ -226,9 +226,6 @@ class Tracker:
         chain = self._replicas(span, frozenset())
         return chain[0] if chain is not None and len(chain) == 1 else None
 
-    async def node_failed(self, node_id: str, kind: str) -> bool:
-        return await self._node_failed(node_id, kind)
-
     def cancel(self, generation_id: str, reason: str = "cancelled by request") -> bool:
         """Cancel a running generation on every hop; False when none has that id."""
         gen = self._generations.get(generation_id)
