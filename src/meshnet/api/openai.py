@@ -1,7 +1,9 @@
 """OpenAI-compatible endpoints: models, chat completions, completions (SSE when streamed).
 
 Every response carries an extra ``meshnet`` object (route, epoch, generated
-ids; recoveries on the final one); OpenAI clients ignore it. Log-probabilities
+ids; recoveries on the final one); OpenAI clients ignore it. A request may send
+one too: ``{"meshnet": {"route": [node ids]}}`` runs it on exactly those nodes
+(admin token only, ``api/caller.py``); the response's route says which served it. Log-probabilities
 (``logprobs`` / ``top_logprobs``) are computed by the route's last node from
 the raw logits and shaped here as each API shapes them.
 """
@@ -19,7 +21,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from meshnet.api.auth import CallingTenant, auth_of, require_tenant
+from meshnet.api.auth import require_tenant
+from meshnet.api.caller import AnyCaller, Caller, Meter
 from meshnet.api.errors import error_body
 from meshnet.api.logprobs import LogprobShape
 from meshnet.api.schemas import (
@@ -29,12 +32,11 @@ from meshnet.api.schemas import (
     require_model,
 )
 from meshnet.api.state import tracker_of
-from meshnet.auth.quotas import Slot
 from meshnet.errors import MeshnetError, RequestError
 from meshnet.model.chat import ChatMessage
 from meshnet.model.info import ModelInfo
 from meshnet.tracker.driver import DoneEvent, TokenEvent
-from meshnet.tracker.routes import route_json
+from meshnet.tracker.routes import Route, route_json
 from meshnet.tracker.service import Started, Tracker
 
 Kind = Literal["chat", "text"]
@@ -53,14 +55,15 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
-    body: ChatCompletionRequest, request: Request, tenant: CallingTenant
+    body: ChatCompletionRequest, request: Request, caller: AnyCaller
 ) -> JSONResponse | StreamingResponse:
     tracker = tracker_of(request)
     require_model(body.model, tracker.model.name)
+    named = _named_route(tracker, body, caller)
     messages = [ChatMessage(m.role, m.content) for m in body.messages]
     prompt_ids = await run_in_threadpool(_chat_ids, tracker.model, messages)  # not on the loop
-    slot = auth_of(request).quotas.admit(tenant, len(prompt_ids))
-    return await _complete(tracker, body, prompt_ids, "chat", slot)
+    meter = caller.admit(request, len(prompt_ids))
+    return await _complete(tracker, body, prompt_ids, "chat", meter, named)
 
 
 def _chat_ids(model: ModelInfo, messages: list[ChatMessage]) -> list[int]:
@@ -69,26 +72,42 @@ def _chat_ids(model: ModelInfo, messages: list[ChatMessage]) -> list[int]:
 
 @router.post("/v1/completions", response_model=None)
 async def completions(
-    body: CompletionRequest, request: Request, tenant: CallingTenant
+    body: CompletionRequest, request: Request, caller: AnyCaller
 ) -> JSONResponse | StreamingResponse:
     tracker = tracker_of(request)
     require_model(body.model, tracker.model.name)
+    named = _named_route(tracker, body, caller)
     if isinstance(body.prompt, str):
         prompt_ids = await run_in_threadpool(tracker.model.tokenizer.encode, body.prompt)
     else:
         prompt_ids = list(body.prompt)
     if not prompt_ids:
         raise RequestError("the prompt encodes to no tokens")
-    slot = auth_of(request).quotas.admit(tenant, len(prompt_ids))
-    return await _complete(tracker, body, prompt_ids, "text", slot)
+    meter = caller.admit(request, len(prompt_ids))
+    return await _complete(tracker, body, prompt_ids, "text", meter, named)
+
+
+def _named_route(tracker: Tracker, body: _Sampling, caller: Caller) -> Route | None:
+    """The route the request names (``meshnet.route``), once the caller may name one
+    (403 otherwise) and it is usable now (400 with the reason otherwise); None when it
+    names none."""
+    caller.check_route(body.route)
+    return None if body.route is None else tracker.requested_route(body.route)
 
 
 async def _complete(
-    tracker: Tracker, body: _Sampling, prompt_ids: list[int], kind: Kind, slot: Slot
+    tracker: Tracker,
+    body: _Sampling,
+    prompt_ids: list[int],
+    kind: Kind,
+    slot: Meter,
+    named: Route | None = None,
 ) -> JSONResponse | StreamingResponse:
-    """Run the generation under the tenant's ``slot``, which ends with it however it ends."""
+    """Run the generation (on the ``named`` route, if any) under the caller's ``slot``,
+    which ends with it however it ends."""
     try:
-        started = await tracker.start(prompt_ids, body.sampling(), body.top_logprobs_wanted)
+        params = body.sampling()
+        started = await tracker.start(prompt_ids, params, body.top_logprobs_wanted, named)
         events = _metered(started.events, slot)
         shape = LogprobShape(kind, tracker.model.tokenizer)
         reply = _Reply(kind, tracker.model.name, started, shape)
@@ -114,7 +133,7 @@ async def _complete(
 
 
 async def _metered(
-    events: AsyncGenerator[TokenEvent | DoneEvent, None], slot: Slot
+    events: AsyncGenerator[TokenEvent | DoneEvent, None], slot: Meter
 ) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
     """The generation's events; its tokens are charged to the tenant and its stream freed
     when it ends."""

@@ -7,7 +7,7 @@ refused with 400 rather than silently changed.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -33,6 +33,19 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+MAX_ROUTE_HOPS = 256
+NodeIdText = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class MeshnetOptions(BaseModel):
+    """The request's ``meshnet`` object: what only this API understands."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Node ids in route order: the generation runs on exactly these (admin token only).
+    route: list[NodeIdText] | None = Field(default=None, min_length=1, max_length=MAX_ROUTE_HOPS)
+
+
 class _Sampling(_Lenient):
     model: str = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -46,6 +59,7 @@ class _Sampling(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    meshnet: MeshnetOptions | None = None
 
     @field_validator("n")
     @classmethod
@@ -74,6 +88,11 @@ class _Sampling(_Lenient):
             seed=self.seed,
             stop=stop,
         )
+
+    @property
+    def route(self) -> list[str] | None:
+        """The node ids the request names as its route; None: routed as always."""
+        return self.meshnet.route if self.meshnet is not None else None
 
     @property
     def include_usage(self) -> bool:
@@ -129,7 +148,7 @@ class CompletionRequest(_Sampling):
 class PinRouteRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    node_ids: list[str] = Field(min_length=1, max_length=256)
+    node_ids: list[str] = Field(min_length=1, max_length=MAX_ROUTE_HOPS)
 
 
 def require_model(requested: str, served: str) -> None:

@@ -8,13 +8,14 @@ sessions a node reports), ties broken by node id so plans are reproducible.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
 from meshnet.errors import NoRoute, RequestError
 from meshnet.layer_range import LayerRange, covers_exactly
-from meshnet.tracker.registry import NodeId, NodeRecord
+from meshnet.tracker.registry import NodeId, NodeRecord, NodeState
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,26 @@ def pinned_route(
         shown = ", ".join(str(r) for r in ranges)
         raise RequestError(f"layers {shown} do not cover [0, {n_layers}) exactly once in order")
     return tuple(_hop(n) for n in chain)
+
+
+def requested_route(
+    node_ids: Sequence[NodeId], nodes: Sequence[NodeRecord], fingerprint: str, n_layers: int
+) -> Route:
+    """Validate the route one request names: every node known, named once and up, then
+    as ``pinned_route`` (layers loaded, this model, the layers covered exactly once in
+    order). ``RequestError`` with the first reason it is unusable."""
+    repeated = sorted(i for i, count in Counter(node_ids).items() if count > 1)
+    if repeated:
+        raise RequestError(f"nodes named more than once: {', '.join(repeated)}")
+    index = {n.node_id: n for n in nodes}
+    unknown = [i for i in node_ids if i not in index]
+    if unknown:
+        raise RequestError(f"unknown node ids: {', '.join(unknown)}")
+    down = [index[i] for i in node_ids if index[i].state is not NodeState.UP]
+    if down:
+        shown = ", ".join(f"{n.node_id} ({n.down_reason or n.state.value})" for n in down)
+        raise RequestError(f"nodes down: {shown}")
+    return pinned_route(node_ids, nodes, fingerprint, n_layers)
 
 
 def splice(route: Route, index: int, chain: Route) -> Route:

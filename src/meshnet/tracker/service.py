@@ -15,6 +15,7 @@ id, and a node whose heartbeats stop fails the steps waiting on it at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -42,12 +43,20 @@ from meshnet.model.sampling import SamplingParams
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.admission import Admission, AdmissionConfig, Reservation
 from meshnet.tracker.channels import ChannelPool
-from meshnet.tracker.driver import DoneEvent, Reroute, RouteDriver, TokenEvent
+from meshnet.tracker.driver import DoneEvent, Fabric, Reroute, RouteDriver, TokenEvent
 from meshnet.tracker.generation import Generation
 from meshnet.tracker.hop_link import answers
 from meshnet.tracker.ledger import LedgerRecord, LedgerSpool
 from meshnet.tracker.registry import NodeState
-from meshnet.tracker.routes import Hop, Route, pinned_route, plan_chain, plan_route, splice
+from meshnet.tracker.routes import (
+    Hop,
+    Route,
+    pinned_route,
+    plan_chain,
+    plan_route,
+    requested_route,
+    splice,
+)
 from meshnet.tracker.store import Store
 
 log = logging.getLogger(__name__)
@@ -153,6 +162,23 @@ class Tracker:
                 raise self.admission.overloaded(f"nodes {', '.join(busy)} are at capacity")
         return route, self.admission.reserve(h.node_id for h in route)
 
+    def requested_route(self, node_ids: Sequence[str]) -> Route:
+        """The route a request names, checked against the registry now; ``RequestError``
+        (400) with the reason when a node is unknown, down, empty or of another model, or
+        the chain does not cover the layers exactly once."""
+        nodes = self.store.nodes()
+        spec = self.model.spec
+        return requested_route(node_ids, nodes, self.model.fingerprint, spec.n_layers)
+
+    def reserve_named(self, route: Route) -> Reservation:
+        """Capacity for a generation on the route its request named: ``Overloaded`` when
+        one of its nodes has no stream left (it is never swapped for another)."""
+        full = self.admission.full_nodes(self.store.nodes())
+        busy = [h.node_id for h in route if h.node_id in full]
+        if busy:
+            raise self.admission.overloaded(f"nodes {', '.join(busy)} are at capacity")
+        return self.admission.reserve(h.node_id for h in route)
+
     def pin(self, node_ids: Sequence[str]) -> Route:
         route = pinned_route(
             node_ids, self.store.nodes(), self.model.fingerprint, self.model.spec.n_layers
@@ -161,7 +187,11 @@ class Tracker:
         return route
 
     async def start(
-        self, prompt_ids: Sequence[int], params: SamplingParams, top_logprobs: int = -1
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        top_logprobs: int = -1,
+        named: Route | None = None,
     ) -> Started:
         """Open a route for a generation; ``NoRoute`` or ``Overloaded`` when impossible.
 
@@ -169,11 +199,17 @@ class Tracker:
         that fails the open is routed around, one that is only slow to open makes
         this request ``Overloaded`` rather than that node dead. ``top_logprobs``:
         alternatives reported with each token's log-probability (-1: none).
+        ``named``: the route the request named (``requested_route``); the generation
+        runs on exactly its nodes, and fails (``NoRoute``) rather than leave them.
         """
         check_request(self.model.spec, prompt_ids, params)
         last: Exception | None = None
         for _ in range(_OPEN_ATTEMPTS):
-            route, held = await self.admission.acquire(self.reserve)
+            if named is None:
+                route, held = await self.admission.acquire(self.reserve)
+            else:
+                route = named
+                held = await self.admission.acquire(functools.partial(self.reserve_named, named))
             gen = self.driver.new_generation(uuid.uuid4().hex, route, params, top_logprobs)
             try:
                 await self.driver.open(gen)
@@ -186,6 +222,8 @@ class Tracker:
                     raise
                 last = e
                 if await self._node_failed(e.node_id, e.kind):
+                    if named is not None:
+                        raise NoRoute(f"node {e.node_id} of the named route failed: {e}") from None
                     continue  # a dead or misbehaving node: route around it
                 if e.kind == StreamReset.kind:
                     continue  # alive, its stream broke: open again on a fresh channel
@@ -193,8 +231,9 @@ class Tracker:
             except BaseException:
                 held.release()
                 raise
-            events = self._accounted(gen, held, self.driver.run(gen, prompt_ids, params, self))
-            return Started(gen.id, route, gen.epoch, events)
+            fabric: Fabric = self if named is None else _NamedRoute(self)
+            run = self.driver.run(gen, prompt_ids, params, fabric)
+            return Started(gen.id, route, gen.epoch, self._accounted(gen, held, run))
         raise NoRoute(f"could not open a route: {last}")
 
     def drive(
@@ -290,6 +329,20 @@ class Tracker:
     def record(self, records: Iterable[LedgerRecord]) -> None:
         self.ledger.submit(records)
 
+    async def keep_route(self, route: Route, failed: Hop | None, error: MeshnetError) -> Reroute:
+        """The failover of a generation on a named route: the same nodes on a new epoch
+        while every one is up and unchanged; ``NoRoute`` once one is gone (the request
+        asked for these nodes, so no other takes their place)."""
+        if (
+            failed is not None
+            and error.kind in _DEAD_KINDS
+            and await self._node_failed(failed.node_id, error.kind)
+        ):
+            raise NoRoute(f"node {failed.node_id} of the named route is down")
+        if not self.usable(route):
+            raise NoRoute("a node of the named route is down or serves other layers now")
+        return Reroute(route)
+
     def _replicas(self, span: LayerRange, exclude: frozenset[str]) -> Route | None:
         nodes = self.store.nodes()
         try:
@@ -365,3 +418,17 @@ class Tracker:
             for gen in self.generations():
                 gen.node_lost(node_id, verdict)
         return lost
+
+
+@dataclass(frozen=True)
+class _NamedRoute:
+    """The driver's fabric for a generation on the route its request named: failover
+    stays on those nodes (``Tracker.keep_route``); the ledger is the tracker's."""
+
+    tracker: Tracker
+
+    async def reroute(self, route: Route, failed: Hop | None, error: MeshnetError) -> Reroute:
+        return await self.tracker.keep_route(route, failed, error)
+
+    def record(self, records: Iterable[LedgerRecord]) -> None:
+        self.tracker.record(records)
