@@ -9,13 +9,15 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from meshnet.api import admin, health, mesh, openai, sessions
+from meshnet.api import admin, benchmarks, health, mesh, openai, sessions
 from meshnet.api.auth import TrackerAuth
 from meshnet.api.body_limit import BodyLimit
 from meshnet.api.errors import install_error_handlers
 from meshnet.api.state import SessionServices
+from meshnet.tracker.bench_store import BenchStore
 from meshnet.tracker.loops import LoopHealth
 from meshnet.tracker.retention import Retention
+from meshnet.tracker.route_bench import RouteBench
 from meshnet.tracker.service import Tracker
 
 log = logging.getLogger(__name__)
@@ -28,9 +30,11 @@ def create_app(
     services: SessionServices,
     auth: TrackerAuth,
     retention: Retention | None = None,
+    route_bench: RouteBench | None = None,
 ) -> FastAPI:
     """The app; its lifespan runs the tracker's background loops (each survives a
-    failed pass: logged, counted in its ``LoopHealth``, run again)."""
+    failed pass: logged, counted in its ``LoopHealth``, run again). ``route_bench``
+    defaults to one recording in the tracker's own database."""
     sweeper = LoopHealth("heartbeat sweeper")
 
     @contextlib.asynccontextmanager
@@ -60,6 +64,7 @@ def create_app(
     app.state.tracker = tracker
     app.state.sessions = services
     app.state.auth = auth
+    app.state.route_bench = route_bench or RouteBench(tracker, BenchStore(tracker.store.db))
     app.state.loops = [
         sweeper,
         services.outbox.health,
@@ -70,6 +75,7 @@ def create_app(
     app.include_router(openai.router)
     app.include_router(sessions.router)
     app.include_router(admin.router)
+    app.include_router(benchmarks.router)
     app.include_router(mesh.router)
     app.include_router(health.router)
     return app

@@ -1,42 +1,82 @@
-"""``meshnet bench``: engine throughput against llama.cpp, measured in the same run.
+"""``meshnet bench``: engine throughput against llama.cpp, measured in the same run;
+with ``--route``, a route benchmark run by a tracker and recorded in its database.
 
 The two sides take turns, one round each at a time, and each figure is the
 fastest of its rounds: on a shared machine the neighbours' load drifts, and
-alternating gives both sides the same drift to live with.
+alternating gives both sides the same drift to live with. A route benchmark
+(``POST /admin/benchmarks``, docs/routes.md) times each route on the tracker
+itself, one generation at a time, and checks its tokens against the unpinned run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+from pathlib import Path
 from typing import Any
 
+import httpx
+
+from meshnet.auth.credentials import CREDENTIALS_FILE, read_user_credentials
 from meshnet.backends.fast import set_threads
 from meshnet.backends.quant import kernel_name
 from meshnet.benchmark.engine import bench_engine, warm_up
 from meshnet.benchmark.figures import Throughput
 from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp, peer_isa
-from meshnet.cli.options import positive_int
+from meshnet.cli.options import positive_duration, positive_int
 from meshnet.engine.local import load_local_model
+from meshnet.errors import MeshnetError, error_for_kind
 from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
+
+ADMIN_TOKEN_ENV = "MESHNET_ADMIN_TOKEN"
+DEFAULT_PROMPT = "The capital of France is"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("bench", help="prefill and decode throughput, with llama.cpp ratios")
+    p = sub.add_parser(
+        "bench",
+        help="prefill and decode throughput, with llama.cpp ratios; "
+        "with --route, a tracker's route benchmark",
+    )
     p.add_argument("--model", help="GGUF file (default: the bundled model)")
     p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS)
     p.add_argument("--prompt-tokens", type=int, default=100)
-    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument(
+        "--decode-tokens", type=positive_int, default=32, help="also a route's max_tokens"
+    )
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
     p.add_argument("--threads", type=int, default=2, help="threads for both sides")
-    p.add_argument("--rounds", type=positive_int, default=5, help="rounds per side, taken in turns")
+    p.add_argument(
+        "--rounds", type=positive_int, default=5, help="rounds per side (per route), in turns"
+    )
     p.add_argument("--llamacpp", help="directory with llama-bench (default: found or skipped)")
     p.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     p.add_argument("--json", action="store_true")
+    routes = p.add_argument_group("route benchmark (run by a tracker, recorded there)")
+    routes.add_argument(
+        "--route",
+        action="append",
+        type=_route,
+        help="node ids in order, comma-separated (e.g. node-0,node-1); repeat for each route",
+    )
+    routes.add_argument("--url", default="http://127.0.0.1:8000", help="the tracker's API")
+    routes.add_argument(
+        "--admin-token",
+        default=os.environ.get(ADMIN_TOKEN_ENV),
+        help=f"default: ${ADMIN_TOKEN_ENV}, else DATA_DIR/credentials.json",
+    )
+    routes.add_argument("--data-dir", type=Path, default=Path("meshnet-data"), help="the tracker's")
+    routes.add_argument("--prompt", default=DEFAULT_PROMPT, help="raw text, no chat template")
+    routes.add_argument(
+        "--timeout", type=positive_duration, default=900.0, help="how long to wait for the run"
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.route:
+        return run_routes(args)
     batches = [int(b) for b in args.batches.split(",") if b]
     set_threads(args.threads)
     model = load_local_model(args.model, backend=args.backend)
@@ -100,3 +140,66 @@ def _rows(
         }
         for name, ours, theirs in figures
     ]
+
+
+def _route(text: str) -> list[str]:
+    """An argparse type: ``node-a,node-b`` -> the node ids, in order."""
+    ids = [part.strip() for part in text.split(",")]
+    if not all(ids):
+        raise argparse.ArgumentTypeError(f"not a list of node ids: {text!r}")
+    return ids
+
+
+def run_routes(args: argparse.Namespace) -> int:
+    """Ask the tracker to benchmark ``--route``s; 0 when every route's output equals the
+    unpinned run's, 1 when one differs."""
+    token = args.admin_token or read_user_credentials(args.data_dir / CREDENTIALS_FILE).admin_token
+    body = {
+        "routes": args.route,
+        "prompt": args.prompt,
+        "max_tokens": args.decode_tokens,
+        "rounds": args.rounds,
+    }
+    try:
+        r = httpx.post(
+            f"{args.url}/admin/benchmarks",
+            json=body,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=args.timeout,
+        )
+    except httpx.HTTPError as e:
+        raise MeshnetError(f"the tracker at {args.url} did not answer: {e!r}") from None
+    if r.status_code != 200:
+        raise _api_error(r)
+    report = r.json()
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_routes(report)
+    return 0 if all(f["output_equal"] for f in report["results"]) else 1
+
+
+def _api_error(r: httpx.Response) -> MeshnetError:
+    try:
+        error = r.json()["error"]
+        return error_for_kind(str(error["code"]), str(error["message"]))
+    except (ValueError, KeyError, TypeError):
+        return MeshnetError(f"the tracker answered {r.status_code}: {r.text[:200]}")
+
+
+def _print_routes(report: dict[str, Any]) -> None:
+    reference = report["reference"]
+    nodes = ",".join(h["node_id"] for h in reference["route"])
+    print(f"run {report['run_id']}: unpinned reference on {nodes}, {len(reference['ids'])} tokens")
+    head = ("route", "ttft ms", "tok ms p50", "tok ms p90", "tok/s", "same output")
+    print(f"{head[0]:<32}{head[1]:>10}{head[2]:>12}{head[3]:>12}{head[4]:>9}{head[5]:>13}")
+    for f in report["results"]:
+        route = ",".join(f"{h['node_id']}{h['layers']}" for h in f["route"]).replace(" ", "")
+        cells = [_ms(f["ttft_ms"]), _ms(f["token_ms_median"]), _ms(f["token_ms_p90"])]
+        tok_s = _ms(f["tokens_per_s"])
+        same = "yes" if f["output_equal"] else "NO"
+        print(f"{route:<32}{cells[0]:>10}{cells[1]:>12}{cells[2]:>12}{tok_s:>9}{same:>13}")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
