@@ -61,3 +61,24 @@ def test_inputs_nobody_takes_expire_and_a_released_session_drops_its_own() -> No
     box.put(("c", 1, 0), x())
     with pytest.raises(DeadlineExceeded):
         box.take(("b", 1, 0), 0.01, lambda: True)
+
+
+def test_a_step_running_ahead_is_handed_its_input_now_or_when_it_comes() -> None:
+    """``when``: a ring's hop starts a step the moment its input is here, on the thread
+    that files it, and takes no room in the box; a released session's waiter is gone."""
+    box = Mailbox(max_entries=1, max_bytes=1 << 20)
+    got: list[tuple[str, int]] = []
+    box.put(("s", 1, 0), x(2))
+    box.when(("s", 1, 0), lambda v: got.append(("now", v.shape[0])))
+    box.when(("s", 1, 1), lambda v: got.append(("later", v.shape[0])))
+    assert got == [("now", 2)]
+    box.put(("t", 1, 0), x())  # the box's one entry: a waiter holds none
+    box.put(("s", 1, 1), x(3))  # handed over, not filed: the full box does not refuse it
+    assert got == [("now", 2), ("later", 3)]
+    assert box.delivered == 2
+    box.when(("s", 2, 5), lambda v: got.append(("dropped", 0)))
+    box.drop("s", 2)
+    box.drop("t", 1)
+    box.put(("s", 2, 5), x())  # filed: nobody waits for it any more
+    assert got == [("now", 2), ("later", 3)]
+    assert box.take(("s", 2, 5), 0.01, lambda: True).shape == (1, 4)

@@ -3,8 +3,9 @@
 The sender keeps one long-lived ``RelayStream`` call per next-hop address (a
 unary call per step cost the node as much as the step's compute on the small
 model); every frame is answered in order. The receiver files the input in its
-``Mailbox`` until the driver's step for it (marked ``relayed``) takes it;
-inputs can arrive before or after that step. The mailbox is bounded in entries
+``Mailbox`` until the driver's step for it (marked ``relayed``) takes it, or
+hands it to a hop running ahead (``when``) the moment it comes; inputs can
+arrive before or after that step. The mailbox is bounded in entries
 and bytes, and inputs nobody took expire, so a peer cannot make a node hold
 memory it did not ask for.
 """
@@ -54,12 +55,21 @@ class Mailbox:
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self._letters: dict[RelayKey, _Letter] = {}
+        self._waiters: dict[RelayKey, Callable[[np.ndarray], None]] = {}
         self._bytes = 0
         self._cond = threading.Condition()
         self.delivered = 0  # inputs taken by their steps
 
     def put(self, key: RelayKey, x: np.ndarray) -> None:
-        """File an input; ``Overloaded`` when the mailbox is full."""
+        """File an input, or hand it to the step waiting for it; ``Overloaded`` when the
+        mailbox is full."""
+        with self._cond:
+            waiter = self._waiters.pop(key, None)
+            if waiter is not None:
+                self.delivered += 1
+        if waiter is not None:
+            waiter(x)  # on this (the relay stream's) thread, outside the lock
+            return
         with self._cond:
             self._expire(time.monotonic())
             old = self._letters.pop(key, None)
@@ -92,11 +102,26 @@ class Mailbox:
                     )
                 self._cond.wait(left)
 
+    def when(self, key: RelayKey, deliver: Callable[[np.ndarray], None]) -> None:
+        """Call ``deliver`` with the input for ``key`` as soon as it is here: now, on
+        this thread, if it is; else on the thread that files it. One waiter a key."""
+        with self._cond:
+            letter = self._letters.pop(key, None)
+            if letter is None:
+                self._waiters[key] = deliver
+                return
+            self._bytes -= letter.x.nbytes
+            self.delivered += 1
+        deliver(letter.x)
+
     def drop(self, session_id: str, epoch: int) -> None:
-        """Forget the inputs of a session's epoch (its stream ended)."""
+        """Forget the inputs of a session's epoch and the steps waiting for them (its
+        stream ended)."""
         with self._cond:
             for key in [k for k in self._letters if k[:2] == (session_id, epoch)]:
                 self._bytes -= self._letters.pop(key).x.nbytes
+            for key in [k for k in self._waiters if k[:2] == (session_id, epoch)]:
+                del self._waiters[key]
 
     def _expire(self, now: float) -> None:
         for key in [k for k, v in self._letters.items() if now - v.arrived > self.ttl_s]:
@@ -113,11 +138,21 @@ class RelaySender:
     def send(self, address: str, token: str, frame: pb.RelayFrame, timeout_s: float) -> None:
         """Deliver one step's output; a typed failure (of the next hop) when it cannot.
         ``token``: the tracker's leave to relay there, shown when a stream opens."""
+        answer = self.post(address, token, frame)
+        try:
+            ack = answer.result(timeout_s)
+        except TimeoutError:
+            raise DeadlineExceeded(f"{address} did not take a relayed input") from None
+        check_ack(ack, address)
+
+    def post(self, address: str, token: str, frame: pb.RelayFrame) -> Future[pb.RelayAck]:
+        """Send one step's output without waiting: the next hop's answer, to come (a
+        broken stream sets the future's exception)."""
         with self._lock:
             stream = self._streams.get(address)
             if stream is None or stream.broken is not None:  # a new stream after a failure
                 stream = self._streams[address] = _RelayStream(address, token)
-        stream.send(frame, timeout_s)
+        return stream.post(frame)
 
     def close(self) -> None:
         with self._lock:
@@ -146,19 +181,15 @@ class _RelayStream:
         )
         threading.Thread(target=self._read, name="relay-acks", daemon=True).start()
 
-    def send(self, frame: pb.RelayFrame, timeout_s: float) -> None:
+    def post(self, frame: pb.RelayFrame) -> Future[pb.RelayAck]:
         answer: Future[pb.RelayAck] = Future()
         with self._lock:
             if self.broken is not None:
-                raise self.broken
+                answer.set_exception(self.broken)
+                return answer
             self._waiting.append(answer)
             self._frames.put(frame)
-        try:
-            ack = answer.result(timeout_s)
-        except TimeoutError:
-            raise DeadlineExceeded(f"{self.address} did not take a relayed input") from None
-        if ack.HasField("failure"):
-            raise error_for_kind(ack.failure.kind, f"{self.address}: {ack.failure.message}")
+        return answer
 
     def close(self) -> None:
         self._frames.put(None)
@@ -181,6 +212,12 @@ class _RelayStream:
         for answer in waiting:
             answer.set_exception(error)
         self._frames.put(None)  # ends the request iterator if the call is still open
+
+
+def check_ack(ack: pb.RelayAck, address: str) -> None:
+    """Raise the next hop's refusal of a relayed input, typed."""
+    if ack.HasField("failure"):
+        raise error_for_kind(ack.failure.kind, f"{address}: {ack.failure.message}")
 
 
 def _relay_failure(e: grpc.RpcError, address: str) -> MeshnetError:
