@@ -10,9 +10,9 @@ API (streamed tokens after the first, greedy, ``--tokens`` a run), against the
 bound 1 / (compute + links x delay): compute is the per-token time of the same
 mesh with the delay set to 0, measured in the same run (the two alternate),
 and links the one-way links on a token's critical path. With relay (the
-default) that is hops + 1 = 4 for 3 nodes: tracker -> node 0, node 0 -> 1,
-node 1 -> 2, node 2 -> tracker; the step requests to nodes 1 and 2 leave with
-node 0's and travel beside that path. Goal: at least 90 % of the bound. The
+default) the decode steps go round a ring, hops = 3 links for 3 nodes: node 0
+-> 1, node 1 -> 2, node 2 -> node 0 with the token; the token's copy to the
+tracker travels beside that path. Goal: at least 90 % of the bound. The
 tracker's ``--no-relay`` star crosses 2 x hops = 6 links a token and is
 printed too, against its own bound.
 

@@ -1,9 +1,12 @@
-"""A one-node route runs its decode steps ahead by itself (autorun): the same tokens as a
-driven route, also sampled, penalised, with log-probabilities, stopped early, across
-session turns (what it ran past a turn's end is cut back) and through a failover."""
+"""A route's hops run their decode steps ahead by themselves (autorun): one node feeds
+itself each token, the hops of a longer route pass it round a ring. The same tokens
+as a driven route, also sampled, penalised, with log-probabilities, stopped early,
+across session turns (what ran past a turn's end is cut back) and through failovers
+of any hop, killed or frozen."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +34,14 @@ def long_tiny(tiny_factory: Any) -> Path:
     return Path(tiny_factory("long.gguf", context_length=1024))
 
 
-@pytest.fixture(scope="module")
-def meshes(mesh_factory: MeshFactory, long_tiny: Path) -> tuple[LocalMesh, LocalMesh]:
-    """The same one-node mesh with and without autorun."""
+@pytest.fixture(scope="module", params=["0:4", "0:1,1:3,3:4"], ids=["one-node", "ring"])
+def meshes(
+    request: pytest.FixtureRequest, mesh_factory: MeshFactory, long_tiny: Path
+) -> tuple[LocalMesh, LocalMesh]:
+    """The same mesh with and without autorun (one node, or a ring of three)."""
     return (
-        mesh_factory("0:4", model=long_tiny),
-        mesh_factory("0:4", model=long_tiny, tracker_args=["--no-autorun"]),
+        mesh_factory(request.param, model=long_tiny),
+        mesh_factory(request.param, model=long_tiny, tracker_args=["--no-autorun"]),
     )
 
 
@@ -79,10 +84,15 @@ def test_session_turns_continue_exactly_after_a_run_ahead(
     assert answers[0] == answers[1]
 
 
+@pytest.mark.parametrize(
+    ("nodes", "span"),
+    [("0:4,0:4", (0, 4)), ("0:2,0:2,2:4,2:4", (0, 2)), ("0:2,0:2,2:4,2:4", (2, 4))],
+    ids=["one-node", "ring-first-hop", "ring-last-hop"],
+)
 def test_a_node_killed_mid_run_fails_over_with_identical_output(
-    mesh_factory: MeshFactory, long_tiny: Path
+    mesh_factory: MeshFactory, long_tiny: Path, nodes: str, span: tuple[int, int]
 ) -> None:
-    mesh = mesh_factory("0:4,0:4", model=long_tiny, heartbeat_timeout_s=8.0)
+    mesh = mesh_factory(nodes, model=long_tiny, heartbeat_timeout_s=8.0)
     body = {"model": "long", "prompt": PROMPT, "max_tokens": 200, "temperature": 0.7, "seed": 3}
     expected = _complete(mesh, body)["meshnet"]["ids"]
     for node_id in mesh.nodes:
@@ -91,7 +101,7 @@ def test_a_node_killed_mid_run_fails_over_with_identical_output(
 
     def kill(n: int, s: Streamed) -> None:
         if n == 40:
-            killed.append(serving(s, (0, 4)))
+            killed.append(serving(s, span))
             mesh.kill_node(killed[0])
 
     result = stream_completion(mesh, body, kill)
@@ -100,5 +110,39 @@ def test_a_node_killed_mid_run_fails_over_with_identical_output(
     assert result.final is not None
     (recovery,) = result.final["recoveries"]
     assert (recovery["failed_node"], recovery["kind"]) == (killed[0], "worker-death")
-    records = wait_ledger(mesh, result.generation_id, hops=1)
+    hops = len(result.final["route"])
+    records = wait_ledger(mesh, result.generation_id, hops=hops)
     assert_billed_once(records, 4, len(PROMPT) + len(expected) - 1)
+
+
+def test_a_frozen_first_hop_of_a_ring_is_the_one_failed(
+    mesh_factory: MeshFactory, long_tiny: Path
+) -> None:
+    """A frozen hop holds up every hop after it: the ring's last hop sends nothing, but
+    the hop blamed (and replaced) is the frozen one, found by a probe."""
+    mesh = mesh_factory(
+        "0:2,0:2,2:4",
+        model=long_tiny,
+        tracker_args=["--step-timeout", "1.0"],
+        heartbeat_timeout_s=30.0,
+    )
+    body = {"model": "long", "prompt": PROMPT, "max_tokens": 120, "temperature": 0.7, "seed": 4}
+    expected = _complete(mesh, body)["meshnet"]["ids"]
+    frozen: list[str] = []
+
+    def freeze(n: int, s: Streamed) -> None:
+        if n == 30:
+            frozen.append(serving(s, (0, 2)))
+            mesh.kill_node(frozen[0], signal.SIGSTOP)
+
+    try:
+        result = stream_completion(mesh, body, freeze)
+    finally:
+        if frozen:
+            mesh.kill_node(frozen[0], signal.SIGCONT)
+    assert result.error is None, result.error
+    assert result.ids == expected
+    assert result.final is not None
+    (recovery,) = result.final["recoveries"]
+    assert (recovery["failed_node"], recovery["kind"]) == (frozen[0], "deadline-exceeded")
+    assert frozen[0] not in [hop["node_id"] for hop in result.final["route"]]

@@ -1,6 +1,8 @@
 """Activations flow node to node: in a 3-node route every hop after the first takes
-its input from the previous hop, not from the tracker, and the output is exactly
-the one the tracker-carried path (``--no-relay``) and a single process give."""
+its input from the previous hop, not from the tracker, the first hop is relayed each
+next token by the last (the decode steps go round a ring), and the output is
+exactly the one the tracker-carried path (``--no-relay``) and a single process
+give."""
 
 from __future__ import annotations
 
@@ -26,14 +28,15 @@ BODY: dict[str, Any] = {
 }
 
 
-def _relayed(mesh: LocalMesh, want: dict[str, int]) -> dict[str, int]:
-    """Each node's count of relayed steps, once heartbeats report ``want`` (or 10 s)."""
+def _relayed(mesh: LocalMesh, want: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """Each node's count of relayed steps, once heartbeats report counts within ``want``'s
+    bounds (or 10 s)."""
     seen: dict[str, int] = {}
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         nodes = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers).json()["nodes"]
         seen = {n["node_id"]: n["load"]["relayed"] for n in nodes}
-        if seen == want:
+        if seen.keys() == want.keys() and all(lo <= seen[k] <= hi for k, (lo, hi) in want.items()):
             break
         time.sleep(0.2)
     return seen
@@ -51,9 +54,13 @@ def test_hops_relay_to_each_other_with_the_same_output(
     ids = r.json()["meshnet"]["ids"]
     assert ids == solo_chat_ids(bundled, BODY)
     steps = len(ids)  # the prefill, then one step per token after the first
+    # The first hop is relayed the token of every decode step; every hop maybe one step
+    # more (the ring runs on past the last token while the tracker ends the streams;
+    # that step is cut back, unseen).
     want = (
-        {"node-0": 0, "node-1": steps, "node-2": steps}
+        {"node-0": (steps - 1, steps), "node-1": (steps, steps + 1), "node-2": (steps, steps + 1)}
         if relay
-        else dict.fromkeys(("node-0", "node-1", "node-2"), 0)
+        else dict.fromkeys(("node-0", "node-1", "node-2"), (0, 0))
     )
-    assert _relayed(mesh, want) == want
+    seen = _relayed(mesh, want)
+    assert all(lo <= seen[k] <= hi for k, (lo, hi) in want.items()), seen

@@ -1,13 +1,16 @@
 """A hop of every layer runs decode steps by itself (``Step.autorun_until``): the tokens
-are those the tracker would have got driving each step, also sampled and penalised."""
+are those the tracker would have got driving each step, also sampled and penalised;
+a run the hop cannot make is refused. (The hops of a ring: tests/e2e/test_autorun.py.)"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 
 from meshnet.model.gguf_file import sha256_file
 from meshnet.node.service import NodeService
@@ -46,7 +49,7 @@ def _open(tiny_path: Path, session: str, sampling: pb.Sampling | None) -> pb.For
     )
 
 
-def _step(n: int, ids: list[int], history: list[int], **fields: int) -> pb.ForwardRequest:
+def _step(n: int, ids: list[int], history: list[int], **fields: Any) -> pb.ForwardRequest:
     return pb.ForwardRequest(
         step=pb.Step(
             step=n,
@@ -118,12 +121,29 @@ def test_an_extend_that_comes_as_the_run_ends_continues_it(
     assert _tokens(replies) == want
 
 
-def test_only_a_sampling_hop_of_every_layer_autoruns(service: NodeService, tiny_path: Path) -> None:
-    requests = [
-        _open(tiny_path, "plain", None),
-        _step(0, PROMPT, []),
-        _step(1, [9], [], autorun_until=5),
-    ]
+@pytest.mark.parametrize(
+    ("sampling", "next_address", "fields", "why"),
+    [
+        (None, "", {}, "needs the next hop's address"),
+        (None, "127.0.0.1:9", {}, "forwards its output"),
+        (SAMPLING, "", {"relayed": True, "rows": 1}, "nothing is relayed to it"),
+    ],
+    ids=["no-next-hop", "not-forwarding", "relayed-to-a-whole-hop"],
+)
+def test_a_run_the_hop_cannot_make_is_refused(
+    service: NodeService,
+    tiny_path: Path,
+    sampling: pb.Sampling | None,
+    next_address: str,
+    fields: dict[str, Any],
+    why: str,
+) -> None:
+    """A hop of every layer that samples feeds itself; any other hop runs ahead only as
+    a ring's: with a next hop to hand its output to, forwarding it."""
+    opened = _open(tiny_path, "bad", sampling)
+    opened.open.next_address = next_address
+    requests = [opened, _step(0, PROMPT, []), _step(1, [9], [], autorun_until=5, **fields)]
     replies = list(service.Forward(iter(requests), Context()))  # type: ignore[arg-type]
     assert [r.WhichOneof("kind") for r in replies] == ["opened", "result", "failure"]
     assert replies[-1].failure.kind == "malformed-bundle"
+    assert why in replies[-1].failure.message

@@ -75,9 +75,9 @@ def test_token_chunks_are_told_from_opening_and_closing_ones() -> None:
     assert not _is_token({}, {"text": "", "finish_reason": "length"})
 
 
-def test_a_relay_token_crosses_one_link_per_hop_and_the_trackers_two() -> None:
-    assert links_per_token(3, relay=True) == 4
-    assert links_per_token(1, relay=True) == 2
+def test_a_ring_token_crosses_one_link_per_hop_and_a_star_two() -> None:
+    assert links_per_token(3, relay=True) == 3  # 0 -> 1 -> 2, and the token 2 -> 0
+    assert links_per_token(1, relay=True) == 0  # one node feeds itself
     assert links_per_token(3, relay=False) == 6
 
 

@@ -1,15 +1,14 @@
 """Decode through a mesh whose every link has added delay, against the bound it allows.
 
-In the relay design one token's critical path crosses ``hops + 1`` links: the
-tracker sends the token to the first node (1), each node sends its output to
-the next (``hops - 1``), the last node samples and sends the token to the
-tracker (1). The step requests the tracker sends the other hops at the same
-time, and each hop's acknowledgement, travel beside that path, not on it. So
-with ``d`` per one-way link and ``compute`` the per-token time of the same
-mesh with no delay, a token takes at least ``compute + (hops + 1) * d``: the
-bound is ``1 / (compute + (hops + 1) * d)`` tokens per second. With
-``--no-relay`` the tracker carries every hop's input and output, ``2 * hops``
-links a token.
+In the relay design the decode steps go round a ring: each node sends its output
+to the next (``hops - 1`` links) and the last samples and sends the token to the
+first (1), so one token's critical path crosses ``hops`` links. The token also
+goes to the tracker, which streams it and extends the run ahead, beside that
+path, not on it. So with ``d`` per one-way link and ``compute`` the per-token
+time of the same mesh with no delay, a token takes at least
+``compute + hops * d``: the bound is ``1 / (compute + hops * d)`` tokens per
+second. With ``--no-relay`` the tracker carries every hop's input and output,
+``2 * hops`` links a token.
 
 The delay is ``tc netem`` on veth links between network namespaces (each node
 in its own, see ``netem_links``) where the kernel has it; otherwise a user
@@ -43,7 +42,9 @@ Transport = Literal["auto", "netem", "proxy"]
 
 def links_per_token(hops: int, relay: bool) -> int:
     """One-way links on a token's critical path (see the module's docstring)."""
-    return hops + 1 if relay else 2 * hops
+    if not relay:
+        return 2 * hops
+    return hops if hops > 1 else 0  # one node feeds itself its tokens
 
 
 def bound_tok_s(compute_ms: float, links: int, delay_ms: float) -> float:

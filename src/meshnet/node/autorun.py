@@ -1,22 +1,29 @@
-"""A hop that holds every layer runs a generation's decode steps by itself.
+"""A route's hops run a generation's decode steps by themselves.
 
 Driven step by step, each token costs a round trip to the tracker: a request
-written, read and answered on both sides, the engine idle meanwhile. A node
-that holds the whole model and samples can feed each sampled token straight
-back as the next step's input (``Step.autorun_until``), answering a result per
-step as it goes; the tracker only reads, extends the run ahead of it
-(``Extend``) and stops reading when the generation ends. What the node runs
-past the end is cut back when the session is next opened (rewind), like any
-step the tracker did not see committed; the sampling contract holds because
-each step carries the generator's position and history exactly as the tracker
-would have sent them.
+written, read and answered on every hop, the engines idle meanwhile. Instead
+the tracker starts a run (``Step.autorun_until``) and only reads tokens,
+extending the run ahead of what it read (``Extend``) until the generation ends.
+
+- A node that holds the whole model and samples feeds each sampled token
+  straight back as its next step's input.
+- On a route of several hops the steps go round a ring: the first hop is fed
+  each next token by the last (relayed, like the activations between hops),
+  each hop starts a step the moment its input is relayed to it, and only the
+  last answers the tracker, with the token; the others answer only a failure.
+  The first hop alone keeps to the run's end; the others follow their inputs.
+
+What a hop runs past the end is cut back when the session is next opened
+(rewind), like any step the tracker did not see committed; the sampling
+contract holds because each step carries the generator's position and history
+exactly as the tracker would have sent them.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -27,17 +34,22 @@ from meshnet.protocol import meshnet_pb2 as pb
 
 class Inbox:
     """A stream's requests read on a thread of their own, so a running autorun can see
-    an ``Extend`` without waiting for one."""
+    an ``Extend`` without waiting for one. ``listener``, when set, is told each
+    extension's end as it comes (the request is queued too)."""
 
     def __init__(self, requests: Iterator[pb.ForwardRequest]) -> None:
         self._queue: queue.Queue[pb.ForwardRequest | None] = queue.Queue()
         self._requests = requests
         self._ended = False  # the end was taken: every later get is None at once
+        self.listener: Callable[[int], None] | None = None
         threading.Thread(target=self._read, name="forward-inbox", daemon=True).start()
 
     def _read(self) -> None:
         try:
             for request in self._requests:
+                listener = self.listener
+                if listener is not None and request.WhichOneof("kind") == "extend":
+                    listener(request.extend.until)
                 self._queue.put(request)
         except Exception:  # the call ended under us (cancelled, reset): the stream is over
             pass
@@ -65,16 +77,29 @@ class Inbox:
         return request
 
 
-def next_step(step: pb.Step, token: int, sampling: SamplingParams, until: int) -> pb.Step:
-    """The step after ``step``, fed the token it sampled, as the tracker would send it."""
-    return pb.Step(
-        step=step.step + 1,
-        input=codec.encode(np.asarray([token], dtype=np.int64)),
-        timeout_ms=step.timeout_ms,
-        draws=step.draws + (0 if sampling.greedy else 1),
-        history=[*step.history, token] if sampling.penalised else (),
-        autorun_until=until,
+def next_step(
+    step: pb.Step, until: int, sampled: int | None, sampling: SamplingParams | None
+) -> pb.Step:
+    """The step after ``step``, as the tracker would send it.
+
+    A hop that sampled ``sampled`` moves the generator's position and history
+    on. A hop of every layer is fed its own token in the message; every other
+    hop of a ring gets its input relayed by the hop before (the first hop: the
+    token, from the last).
+    """
+    after = pb.Step(
+        step=step.step + 1, timeout_ms=step.timeout_ms, forward=step.forward, autorun_until=until
     )
+    if sampled is not None and sampling is not None:
+        after.draws = step.draws + (0 if sampling.greedy else 1)
+        if sampling.penalised:
+            after.history.extend([*step.history, sampled])
+    if sampled is not None and not step.relayed:
+        after.input.CopyFrom(codec.encode(np.asarray([sampled], dtype=np.int64)))
+    else:
+        after.relayed = True
+        after.rows = 1
+    return after
 
 
 Posted = tuple[pb.Step, "pb.ForwardResponse | None"]

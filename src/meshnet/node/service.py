@@ -42,7 +42,7 @@ from meshnet.node.engine import EngineStats, NodeEngine, OpenedSlot
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.kv_service import KVService
 from meshnet.node.model_dirs import ModelDirs
-from meshnet.node.relay import Mailbox, RelaySender
+from meshnet.node.relay import Mailbox, RelaySender, check_ack
 from meshnet.node.scheduler import StepWork
 from meshnet.node.wire import CONTROL_TIMEOUT_S, MAX_SESSION_ID, fail, remaining_s
 from meshnet.protocol import codec
@@ -190,18 +190,32 @@ class NodeService(pb_grpc.NodeServicer):
         inbox: Inbox,
         context: grpc.ServicerContext,
     ) -> Generator[pb.ForwardResponse, None, pb.Step | None]:
-        """Run ``step`` and the steps after it, each fed the token the one before sampled,
-        until ``autorun_until`` (moved by ``Extend``s) or a failure; the step it would go
-        on with, or None when it cannot."""
+        """Run ``step`` and the steps after it by themselves (node/autorun.py) until
+        ``autorun_until`` (moved by ``Extend``s) or a failure; the step the run would go
+        on with, or None when it cannot. A hop of every layer feeds itself each token; a
+        hop of a ring starts each step when its input is relayed and hands its output
+        (the last hop: the token) to the next."""
         shard = self.engine.shard
-        if sampling is None or shard is None or not shard.is_first or step.relayed:
-            yield _failure(MalformedBundle("only a hop of every layer that samples autoruns"))
+        assert shard is not None  # the stream's open checked it
+        whole = sampling is not None and shard.is_first
+        try:
+            _check_autorun(o, sampling, shard, step, whole)
+        except MeshnetError as e:
+            yield _failure(e)
             return None
         run = Run(step.autorun_until)
 
         def launch(step: pb.Step) -> None:
+            if step.relayed:
+                self.mailbox.when((o.session_id, o.epoch, step.step), lambda x: start(step, x))
+            else:
+                start(step, None)
+
+        def start(step: pb.Step, x: np.ndarray | None) -> None:
+            if not run.proceeds(step.step):
+                return  # the stream ended while the input was on its way
             try:
-                ready = self._prepare(o, step, shard, context)
+                ready = self._prepare(o, step, shard, context, x)
                 future = self.engine.submit(ready.work)
             except MeshnetError as e:
                 run.post(step, _failure(e))
@@ -209,26 +223,55 @@ class NodeService(pb_grpc.NodeServicer):
             future.add_done_callback(lambda done: landed(step, ready, done))
 
         def landed(step: pb.Step, ready: Prepared, done: Future[np.ndarray]) -> None:
-            """On the engine thread, as the step's batch ends: answer, launch the next."""
+            """On the engine thread, as the step's batch ends: pass the output on, answer,
+            launch the next step."""
+            token: int | None = None
             try:
-                reply = self._answer(o, sampling, step, ready, done.result())
+                out = done.result()
+                if sampling is not None:
+                    reply: pb.ForwardResponse | None = self._answer(o, sampling, step, ready, out)
+                    assert reply is not None
+                    token = reply.result.sampled.token
+                    if not whole:  # the ring's last hop: the token is the first hop's input
+                        relay(step, np.asarray([token], dtype=np.int64))
+                else:
+                    reply = None  # a ring's forwarding hop answers only a failure
+                    relay(step, out)
             except MeshnetError as e:
                 reply = _failure(e)
             except Exception as e:  # the engine failed the step with a bug's error
                 reply = _failure(MeshnetError(f"step {step.step} failed: {e}"))
-            run.post(step, reply)
-            if reply.WhichOneof("kind") == "result":
-                token = reply.result.sampled.token
-                after = next_step(step, token, sampling, run.until)
-                if run.proceeds(after.step):
-                    launch(after)
-                else:
-                    run.post(after, None)
+            if reply is not None:
+                run.post(step, reply)
+                if reply.WhichOneof("kind") != "result":
+                    return
+            after = next_step(step, run.until, token, sampling)
+            if run.proceeds(after.step):
+                launch(after)
+            else:
+                run.post(after, None)
 
+        def relay(step: pb.Step, out: np.ndarray) -> None:
+            """Hand a step's output to the next hop as the input of its step (the token to
+            the first hop is the next step's); a refusal or a broken stream is posted."""
+            number = step.step + (1 if sampling is not None else 0)
+            frame = pb.RelayFrame(
+                session_id=o.session_id, epoch=o.epoch, step=number, input=codec.encode(out)
+            )
+            answer = self.relay.post(o.next_address, o.next_token, frame)
+            answer.add_done_callback(lambda a: refused(step, a))
+
+        def refused(step: pb.Step, answer: Future[pb.RelayAck]) -> None:
+            try:
+                check_ack(answer.result(), o.next_address)
+            except MeshnetError as e:
+                run.post(step, _failure(e, blame=o.next_node_id))
+
+        inbox.listener = run.extend  # an Extend reaches the run at once, whatever it waits on
         launch(step)
         try:
             while True:
-                posted = self._next_post(run, step, context)
+                posted = self._next_post(run, step if whole else None, context)
                 if posted is None:
                     yield _failure(DeadlineExceeded(f"autorun step {step.step} timed out"))
                     return None
@@ -249,12 +292,14 @@ class NodeService(pb_grpc.NodeServicer):
                         yield _failure(MalformedBundle("a running autorun takes only Extend"))
                         return None
         finally:
+            inbox.listener = None
             run.stop()
 
     @staticmethod
-    def _next_post(run: Run, step: pb.Step, context: grpc.ServicerContext) -> Posted | None:
-        """The run's next post, within a step's time; None when it does not come."""
-        left = remaining_s(step.timeout_ms, context)
+    def _next_post(run: Run, step: pb.Step | None, context: grpc.ServicerContext) -> Posted | None:
+        """The run's next post, within ``step``'s time (any time when None: a ring hop
+        waits on its input as long as the stream lasts); None when it does not come."""
+        left = remaining_s(step.timeout_ms, context) if step is not None else None
         deadline = time.monotonic() + (left if left is not None else _NO_STEP_LIMIT_S)
         while context.is_active():
             wait = min(deadline - time.monotonic(), _POLL_S)
@@ -325,13 +370,22 @@ class NodeService(pb_grpc.NodeServicer):
         return self._answer(o, sampling, step, ready, out)
 
     def _prepare(
-        self, o: pb.Open, step: pb.Step, shard: Shard, context: grpc.ServicerContext
+        self,
+        o: pb.Open,
+        step: pb.Step,
+        shard: Shard,
+        context: grpc.ServicerContext,
+        relayed: np.ndarray | None = None,
     ) -> Prepared:
-        """A step's work for the engine, its input checked (or taken from the mailbox)."""
+        """A step's work for the engine, its input checked: in the message, ``relayed``
+        (handed over as it came), or taken from the mailbox."""
         t0 = time.perf_counter()
         remaining = remaining_s(step.timeout_ms, context)
         started = time.monotonic()
-        x = self._input(o, step, shard, remaining, context)
+        if relayed is None:
+            x = self._input(o, step, shard, remaining, context)
+        else:
+            x = _rows_checked(step, relayed)
         deadline = started + remaining if remaining is not None else None
         history = _history(step, shard.spec.context_length, shard.spec.vocab_size)
         work = StepWork(
@@ -389,22 +443,11 @@ class NodeService(pb_grpc.NodeServicer):
         """The step's input: in the message, or relayed by the previous hop."""
         spec = shard.spec
         if not step.relayed:
-            limits = (
-                codec.TensorLimits("i64", 1, spec.context_length)
-                if shard.is_first
-                else codec.TensorLimits("f32", 2, spec.context_length, spec.d_model)
-            )
-            x = codec.decode(step.input, limits)
-            if shard.is_first and (x.min() < 0 or x.max() >= spec.vocab_size):
-                raise MalformedBundle(f"token ids must be in [0, {spec.vocab_size})")
-            return x
-        if shard.is_first or not 0 < step.rows <= spec.context_length:
-            raise MalformedBundle("a relayed step needs a previous hop and 1 to context rows")
+            return _step_input(shard, step.input)
+        if not 0 < step.rows <= spec.context_length:
+            raise MalformedBundle("a relayed step needs 1 to context rows")
         key = (o.session_id, o.epoch, step.step)
-        x = self.mailbox.take(key, timeout_s, context.is_active)
-        if x.shape[0] != step.rows:
-            raise MalformedBundle(f"the previous hop relayed {x.shape[0]} rows, not {step.rows}")
-        return x
+        return _rows_checked(step, self.mailbox.take(key, timeout_s, context.is_active))
 
     def _forward_output(
         self, o: pb.Open, step: pb.Step, out: np.ndarray, t0: float, deadline: float | None
@@ -440,13 +483,11 @@ class NodeService(pb_grpc.NodeServicer):
         """File one relayed input in the mailbox, checked; the answer for its sender."""
         shard = self.engine.shard
         try:
-            if shard is None or shard.is_first:
-                raise ShardMismatch("this node takes no relayed input")
+            if shard is None:
+                raise ShardMismatch("this node is empty")
             if not frame.session_id or len(frame.session_id) > MAX_SESSION_ID:
                 raise MalformedBundle(f"session_id must have 1 to {MAX_SESSION_ID} characters")
-            spec = shard.spec
-            limits = codec.TensorLimits("f32", 2, spec.context_length, spec.d_model)
-            x = codec.decode(frame.input, limits)
+            x = _step_input(shard, frame.input)
             self.mailbox.put((frame.session_id, frame.epoch, frame.step), x)
         except MeshnetError as e:
             return pb.RelayAck(failure=fail(e))
@@ -558,6 +599,42 @@ class _Once:
                 return
             self._done = True
         self._fn()
+
+
+def _step_input(shard: Shard, tensor: pb.Tensor) -> np.ndarray:
+    """A step's input as sent or relayed, checked: token ids for the first layer (the
+    first hop of a ring is relayed the last hop's token), hidden states for the others."""
+    spec = shard.spec
+    if shard.is_first:
+        x = codec.decode(tensor, codec.TensorLimits("i64", 1, spec.context_length))
+        if x.min() < 0 or x.max() >= spec.vocab_size:
+            raise MalformedBundle(f"token ids must be in [0, {spec.vocab_size})")
+        return x
+    return codec.decode(tensor, codec.TensorLimits("f32", 2, spec.context_length, spec.d_model))
+
+
+def _rows_checked(step: pb.Step, x: np.ndarray) -> np.ndarray:
+    if x.shape[0] != step.rows:
+        raise MalformedBundle(f"the previous hop relayed {x.shape[0]} rows, not {step.rows}")
+    return x
+
+
+def _check_autorun(
+    o: pb.Open, sampling: SamplingParams | None, shard: Shard, step: pb.Step, whole: bool
+) -> None:
+    """Refuse a run this hop cannot make: a hop of every layer samples and feeds itself;
+    a hop of a ring has a next hop, forwards (or samples), and only the first may be
+    sent an input (the one its run starts with)."""
+    if whole:
+        if step.relayed:
+            raise MalformedBundle("a hop of every layer feeds itself: nothing is relayed to it")
+        return
+    if not o.next_address:
+        raise MalformedBundle("a ring's hop needs the next hop's address")
+    if sampling is None and not step.forward:
+        raise MalformedBundle("a ring's hop that does not sample forwards its output")
+    if not (step.relayed or shard.is_first):
+        raise MalformedBundle("only a ring's first hop is sent an input: the others are relayed")
 
 
 def _history(step: pb.Step, context_length: int, vocab_size: int) -> list[int]:

@@ -14,11 +14,14 @@ When hops hold different steps (after a failover) the driver sends a step
 through each hop in turn instead, carrying the hidden states and logging
 them per layer boundary.
 
-A route of one hop (a node that holds every layer) runs its decode steps
-ahead by itself (``autorun``, node/autorun.py): the driver starts the run,
-extends it while half of it is left and reads one token per step; a step is
-committed when its token is read, as always, and what the node ran past the
-end is cut back when the session is next opened.
+Decode steps run ahead by themselves (``autorun``, node/autorun.py): a route
+of one hop (a node that holds every layer) feeds itself each token, and the
+hops of a longer route pass it round a ring, the last relaying each token to
+the first (tracker/ring.py), so no step waits on the driver. The driver starts
+the run, extends it while half of it is left and reads one token per step; a
+step is committed when its token is read, as always, and what the hops ran
+past the end is cut back when the session is next opened (or the epoch
+failed over).
 
 When a hop fails mid-generation the driver asks the tracker (the ``Fabric``)
 for a replacement of the failed span, fetches the inputs of that span from
@@ -58,6 +61,7 @@ from meshnet.errors import (
     NodeFailure,
     NoRoute,
     ShardMismatch,
+    StreamReset,
 )
 from meshnet.model.logprobs import TokenLogprobs
 from meshnet.model.sampling import SamplingParams
@@ -70,13 +74,14 @@ from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.generation import Generation, PendingRecovery, Recovery
 from meshnet.tracker.hop_link import HopLink, RelayBroken, open_link
 from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
+from meshnet.tracker.ring import Ring
 from meshnet.tracker.routes import Hop, Route
 
 log = logging.getLogger(__name__)
 
 _FORWARD_GRACE = 1.5
 _NO_RELAY_S = 300.0  # how long a pair that could not talk is left to the driver
-_AUTORUN_AHEAD = 8  # steps a one-hop route's node may run past the one the driver reads
+_AUTORUN_AHEAD = 8  # steps a route's first hop may run past the one the driver reads
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ class DriverLimits:
     max_recoveries: int = 8  # failovers one generation may take
     fence_timeout_s: float = 60.0  # how long a failed node is sent its fence
     relay: bool = True  # hops send activations to each other; False: all through the driver
-    autorun: bool = True  # a one-hop route's node runs its decode steps ahead by itself
+    autorun: bool = True  # a route's hops run their decode steps ahead by themselves
 
 
 @dataclass(frozen=True)
@@ -224,6 +229,8 @@ class RouteDriver:
                 gen.record_input(0, step, np.asarray([state.ids[-1]], dtype=np.int64))
             fabric.record(gen.attempts(gen.links, AttemptStatus.COMPLETED))
             recorded = True
+            if gen.keep and any(link.autorun_until > link.steps for link in gen.links):
+                await self._settle(gen)
             finish = state.finish or "length"
             yield DoneEvent(
                 state.ids,
@@ -246,6 +253,22 @@ class RouteDriver:
             for link in gen.links:
                 link.close()
 
+    async def _settle(self, gen: Generation) -> None:
+        """End a session's turn with every hop's KV exactly what the driver saw committed:
+        hops that ran ahead are cut back by resuming the next epoch, which also fences
+        any step still running on the old one. Where that fails the next turn's open
+        cuts back what it finds (its epoch is newer than either)."""
+        survivors = {_key(link.hop): link for link in gen.links}
+        gen.epoch += 1
+        try:
+            links, _ = await self._open_links(gen, gen.route, survivors)
+        except MeshnetError as e:
+            log.warning("%s: the hops that ran ahead were not cut back: %s", gen.id, e)
+            return
+        for link in gen.links:
+            link.close()
+        gen.links = links  # nothing ran on them: they add no ledger record
+
     @staticmethod
     def _record_end(gen: Generation, e: MeshnetError, fabric: Fabric) -> None:
         culprit = [link for link in gen.links if e.node_id and link.node_id == e.node_id]
@@ -265,6 +288,8 @@ class RouteDriver:
             first = min(link.steps for link in gen.links)
         if gen.ready_at is None:
             gen.ready_at = time.monotonic()
+        if self._rings(gen, step):
+            return await self._ring_step(gen, step)
         if self.limits.relay and len(gen.links) > 1 and all(k.steps == step for k in gen.links):
             return await self._relay_step(gen, step)
         if self._autoruns(gen, step):
@@ -304,6 +329,67 @@ class RouteDriver:
         link.steps = step + 1
         link.positions += 1
         return self._sampled(reply.result, gen.top_logprobs, link.node_id)
+
+    def _rings(self, gen: Generation, step: int) -> bool:
+        """Whether ``step`` runs round a ring: a decode step of a route of several hops
+        that all hold the steps before it and can each reach the next (the last, the
+        first)."""
+        links = gen.links
+        if not (self.limits.relay and self.limits.autorun and len(links) > 1):
+            return False
+        if gen.ring is not None and gen.ring.links is links:
+            return True  # running: every step after the first is a ring's
+        if not links[-1].samples or gen.step_rows(step) != 1:
+            return False
+        if any(link.steps != step for link in links):
+            return False
+        now = time.monotonic()
+        pairs = [*itertools.pairwise(links), (links[-1], links[0])]
+        return all(self._no_relay.get((a.node_id, b.node_id), 0.0) <= now for a, b in pairs)
+
+    async def _ring_step(self, gen: Generation, step: int) -> TokenLogprobs:
+        """``step``'s token from hops that pass it round a ring: the ring is started
+        with this step on every hop, or its first hop's run moved ``_AUTORUN_AHEAD``
+        steps on while half of it is left; then the step's token is read. Every hop
+        counts the step committed when its token comes."""
+        links, first = gen.links, gen.links[0]
+        budget = self._budget(gen, 1, len(links))
+        ring = gen.ring
+        if ring is None or ring.links is not links:
+            ring = gen.ring = await self._start_ring(gen, step, budget)
+        elif first.autorun_until - step <= _AUTORUN_AHEAD // 2:
+            first.autorun_until += _AUTORUN_AHEAD
+            await first.send(pb.ForwardRequest(extend=pb.Extend(until=first.autorun_until)), budget)
+        try:
+            reply = await ring.next(step, budget)
+        except DeadlineExceeded:
+            if gen.deadline <= time.monotonic():  # the generation's own deadline, not a node's
+                raise DeadlineExceeded("the generation ran past its deadline") from None
+            raise
+        for link in links:
+            link.steps = step + 1
+            link.positions += 1
+        return self._sampled(reply.result, gen.top_logprobs, links[-1].node_id)
+
+    async def _start_ring(self, gen: Generation, step: int, budget: float) -> Ring:
+        """Send ``step`` to every hop as the start of its run: the first is given the
+        token and keeps to a run's end, every other follows what is relayed to it."""
+        x = gen.recorded_input(0, step)
+        if x is None:
+            raise CacheMiss(f"no logged input for layer 0 at step {step}")
+        links = gen.links
+        for link in links:
+            await self._read_unread(link)  # answers on a stream come in order
+        links[0].autorun_until = step + _AUTORUN_AHEAD
+        without_end = step + gen.params.max_tokens + 1  # the first hop's run bounds theirs
+        for link in reversed(links):  # the first last: the others wait for their inputs
+            fields: dict[str, Any] = {"forward": not link.samples}
+            if link is links[0]:
+                fields.update(input=codec.encode(x), autorun_until=links[0].autorun_until)
+            else:
+                fields.update(relayed=True, rows=1, autorun_until=without_end)
+            await link.send(self._step_request(gen, link, step, budget, **fields), budget)
+        return Ring(links, gen.deadline)
 
     async def _relay_step(self, gen: Generation, step: int) -> TokenLogprobs:
         """Run ``step`` with activations going hop to hop; the token.
@@ -616,6 +702,7 @@ class RouteDriver:
             except MeshnetError as e:
                 if gen.verdict is not None:
                     raise gen.verdict from None
+                log.warning("%s: epoch %d did not open: %s", gen.id, gen.epoch, e)
                 error, route = e, reroute.route
                 failed = next((h for h in route if h.node_id == e.node_id), None)
         if gen.verdict is not None:  # cancelled while the new epoch was opening
@@ -627,7 +714,7 @@ class RouteDriver:
             if link.node_id in pending.failures:
                 self._fence_later(link.hop, gen.kv_key, gen.epoch)
             link.close()  # after the new epoch fenced it: a survivor's KV stays
-        gen.links = links
+        gen.links = links  # a ring of the old links (gen.ring) is over with them
         gen.route = reroute.route
         pending.epoch = gen.epoch
         pending.method = "replay" if carried else "restart"
@@ -706,7 +793,8 @@ class RouteDriver:
         any failure every opened link is closed and the first hop's (in route
         order) failure is raised.
         """
-        after: list[Hop | None] = [*route[1:], None]
+        # The last hop's next is the first: a ring passes it the tokens it samples.
+        after: list[Hop | None] = [*route[1:], route[0] if len(route) > 1 else None]
         opens = [
             self._open_hop(gen, hop, survivors.get(_key(hop)), held, nxt)
             for hop, nxt in zip(route, after, strict=True)
@@ -735,31 +823,31 @@ class RouteDriver:
         last turn. ``after``: the next hop, where it forwards its outputs."""
         rewind = held if old is None else (old.positions, old.steps)
         samples = hop.layers.end == self.spec.n_layers
-        link, opened = await open_link(
-            self.channels.stub(hop.address),
-            self.channels.keys,
-            hop,
-            pb.Open(
-                session_id=gen.kv_key,
-                epoch=gen.epoch,
-                fingerprint=self.fingerprint,
-                layer_start=hop.layers.start,
-                layer_end=hop.layers.end,
-                resume=old is not None or rewind is not None,
-                keep=gen.keep,
-                rewind=rewind is not None,
-                rewind_tokens=rewind[0] if rewind else 0,
-                rewind_steps=rewind[1] if rewind else 0,
-                sampling=_sampling(gen) if samples else None,
-                next_address=after.address if after else "",
-                next_node_id=after.node_id if after else "",
-                next_token=self.channels.keys.peer(after.node_id, hop.node_id, "relay")
-                if after
-                else "",
-            ),
-            max(gen.deadline - time.monotonic(), 0.001),
-            self.limits.open_timeout_s,
+        message = pb.Open(
+            session_id=gen.kv_key,
+            epoch=gen.epoch,
+            fingerprint=self.fingerprint,
+            layer_start=hop.layers.start,
+            layer_end=hop.layers.end,
+            resume=old is not None or rewind is not None,
+            keep=gen.keep,
+            rewind=rewind is not None,
+            rewind_tokens=rewind[0] if rewind else 0,
+            rewind_steps=rewind[1] if rewind else 0,
+            sampling=_sampling(gen) if samples else None,
+            next_address=after.address if after else "",
+            next_node_id=after.node_id if after else "",
+            next_token=self.channels.keys.peer(after.node_id, hop.node_id, "relay")
+            if after
+            else "",
         )
+        try:
+            link, opened = await self._open_stream(gen, hop, message)
+        except StreamReset:
+            # The connection broke under the open (the failure being failed over may have
+            # broken it too): the node answered a probe, so it is dialled afresh, once.
+            self.channels.retire(hop.address)
+            link, opened = await self._open_stream(gen, hop, message)
         held_now = (int(opened.kv_tokens), int(opened.steps))
         link.unparked = bool(opened.unparked)
         if held_now == (0, 0):
@@ -775,6 +863,18 @@ class RouteDriver:
         link.close()
         msg = f"node {hop.node_id} resumed {held_now[0]} positions and {held_now[1]} steps"
         raise MalformedBundle(msg, hop.node_id)
+
+    async def _open_stream(
+        self, gen: Generation, hop: Hop, message: pb.Open
+    ) -> tuple[HopLink, pb.Opened]:
+        return await open_link(
+            self.channels.stub(hop.address),
+            self.channels.keys,
+            hop,
+            message,
+            max(gen.deadline - time.monotonic(), 0.001),
+            self.limits.open_timeout_s,
+        )
 
 
 def _sampling(gen: Generation) -> pb.Sampling:

@@ -22,6 +22,7 @@ from meshnet.errors import Cancelled, MeshnetError
 from meshnet.model.sampling import SamplingParams
 from meshnet.tracker.hop_link import HopLink
 from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
+from meshnet.tracker.ring import Ring
 from meshnet.tracker.routes import Route
 
 
@@ -91,6 +92,7 @@ class Generation:
     keep: bool = False  # the nodes keep the KV after the generation (a session's turn)
     first_step: int = 0  # steps of the session before this generation
     links: list[HopLink] = field(default_factory=list)
+    ring: Ring | None = None  # the readers of ``links`` while they run round a ring
     inputs: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)  # layer -> step -> x
     recoveries: list[Recovery] = field(default_factory=list)
     pending: PendingRecovery | None = None
