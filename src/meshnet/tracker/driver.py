@@ -366,6 +366,9 @@ class RouteDriver:
             if gen.deadline <= time.monotonic():  # the generation's own deadline, not a node's
                 raise DeadlineExceeded("the generation ran past its deadline") from None
             raise
+        except RelayBroken as e:  # the next epoch runs without a ring, the driver between them
+            self._cannot_talk(e)
+            raise
         for link in links:
             link.steps = step + 1
             link.positions += 1
@@ -450,9 +453,7 @@ class RouteDriver:
             error = failed[0].exception()
             assert error is not None
             if isinstance(error, RelayBroken):
-                pair = (error.from_node, error.node_id)
-                self._no_relay[pair] = time.monotonic() + _NO_RELAY_S
-                log.warning("%s cannot reach %s: the driver carries between them", *pair)
+                self._cannot_talk(error)
             raise error
         out = self._output(gen, segment[-1], calls[-1].result(), rows)
         for link, call in zip(segment, calls, strict=True):
@@ -460,6 +461,11 @@ class RouteDriver:
             link.positions += rows
             link.unread = call if link is not segment[-1] else None
         return out
+
+    def _cannot_talk(self, e: RelayBroken) -> None:
+        pair = (e.from_node, e.node_id)
+        self._no_relay[pair] = time.monotonic() + _NO_RELAY_S
+        log.warning("%s cannot reach %s: the driver carries between them", *pair)
 
     @staticmethod
     async def _read_unread(link: HopLink) -> None:
