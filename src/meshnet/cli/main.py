@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from meshnet.cli import bench, chat, credentials, generate, node, tracker, up
+from meshnet.cli import bench, chat, credentials, doctor, generate, node, tracker, up
 from meshnet.errors import MeshnetError
 
 
@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="meshnet", description="Run one GGUF model split by layer ranges."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (generate, bench, node, tracker, up, chat, credentials):
+    for command in (generate, bench, node, doctor, tracker, up, chat, credentials):
         command.add_parser(sub)
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
     return parser

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Collection
 
+from meshnet.auth.credentials import MESH_SECRET_ENV, NODE_KEY_ENV
+from meshnet.layer_range import LayerRange
 from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 
 # Anything argparse can add arguments to: a parser or one of its groups.
@@ -56,6 +58,46 @@ def positive_duration(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be longer than 0: {text!r}")
     return value
+
+
+def declare_node_setup(p: ArgumentTarget) -> list[argparse.Action]:
+    """What one node is and where it stands: its tracker, addresses, model, layers,
+    identity and directories. Taken by ``meshnet node`` and ``meshnet doctor`` (not by
+    ``meshnet up``, which sets these for each of its nodes)."""
+    layers = p.add_mutually_exclusive_group(required=True)
+    return [
+        p.add_argument("--tracker", required=True, help="tracker URL, e.g. http://127.0.0.1:8000"),
+        p.add_argument("--listen", default="127.0.0.1:0", help="gRPC HOST:PORT (port 0: any free)"),
+        p.add_argument(
+            "--advertise-host", help="host the tracker should dial (default: listen host)"
+        ),
+        p.add_argument(
+            "--advertise-port",
+            type=int,
+            help="port the tracker should dial (behind NAT or a proxy)",
+        ),
+        p.add_argument("--model", help="GGUF file (default: the bundled model)"),
+        layers.add_argument("--layers", type=LayerRange.parse, help="START:END, half-open"),
+        layers.add_argument(
+            "--empty", action="store_true", help="load nothing; wait for Configure"
+        ),
+        p.add_argument("--node-id", default=None, help="name on the mesh (default: random)"),
+        p.add_argument("--park-dir", help="where parked KV is kept (default: a temp directory)"),
+        p.add_argument(
+            "--model-dir",
+            action="append",
+            default=[],
+            help="a directory the tracker may load models from (repeatable; --model's is included)",
+        ),
+        p.add_argument(
+            "--node-key-file",
+            help=f"this node's credential (or ${NODE_KEY_ENV}; `meshnet credentials node-key`)",
+        ),
+        p.add_argument(
+            "--mesh-secret-file",
+            help=f"derive the credential from the mesh secret (or ${MESH_SECRET_ENV})",
+        ),
+    ]
 
 
 def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:

@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 import signal
+import sys
 import threading
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from meshnet.node.announce import Announcer
 from meshnet.node.engine import EngineConfig, NodeEngine
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.model_dirs import ModelDirs
+from meshnet.node.preflight import check_node
 from meshnet.node.service import NodeIdentity, NodeService
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.codec import MESSAGE_OPTIONS
@@ -102,8 +104,31 @@ def new_node_id() -> str:
     return f"node-{secrets.token_hex(4)}"
 
 
+def preflight(cfg: NodeConfig) -> bool:
+    """Run the checks of ``meshnet doctor`` and print their lines; False when one of the
+    node's own setup failed (it must not start). A failed check of a peer (the tracker may
+    start after its nodes) is only a warning: the announcer keeps trying."""
+    report = check_node(cfg)
+    for line in report.lines():
+        print(line, file=sys.stderr, flush=True)
+    if report.blocking:
+        print(
+            f"meshnet node: {len(report.blocking)} check(s) failed, not starting "
+            "(`meshnet doctor` with the same flags runs them again)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    for check in report.failed:
+        log.warning("starting anyway: %s", check.line())
+    return True
+
+
 def serve(cfg: NodeConfig) -> int:
-    """Run the node until SIGTERM or SIGINT; returns the exit status."""
+    """Run the node until SIGTERM or SIGINT; returns the exit status (2: a check of its
+    setup failed, see ``meshnet.node.preflight``)."""
+    if not preflight(cfg):
+        return 2
     _reuse_large_buffers()
     threads = _start_threads(cfg.threads)
     engine = NodeEngine(cfg.engine)

@@ -1,0 +1,111 @@
+"""The model a node is to serve: its file, architecture, tokenizer, layers, tensors, sha256.
+
+Checked with the loader's own functions, so that what fails here is what loading
+would refuse, with the same typed error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from meshnet.backends import quant
+from meshnet.benchmark.node_memory import shard_file_bytes
+from meshnet.errors import ModelError, TokenizerError
+from meshnet.layer_range import LayerRange
+from meshnet.model.gguf_file import GGUFFile, open_gguf
+from meshnet.model.spec import ModelSpec, read_spec
+from meshnet.model.tokenizer import load_tokenizer
+from meshnet.model.weights import load_shard_weights
+from meshnet.node.preflight.result import Check, fail, ok, size, skip
+
+
+def check_model_dirs(dirs: tuple[str, ...]) -> Check:
+    missing = [d for d in dirs if not os.path.isdir(d)]
+    if missing:
+        return fail("model dirs", f"not a directory: {', '.join(missing)}", "fix --model-dir")
+    return ok("model dirs", ", ".join(dirs) if dirs else "--model's directory only")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the other checks need to know of a model that passed its checks."""
+
+    path: Path
+    spec: ModelSpec
+    fingerprint: str
+    weight_bytes: int  # what the node's backend holds for its layers
+
+
+def check_model(
+    path: Path, layers: LayerRange, backend: str
+) -> tuple[list[Check], ModelFacts | None]:
+    """The file, its architecture, tokenizer, the layer range, tensor types and sha256."""
+    try:
+        f = open_gguf(path)
+    except ModelError as e:
+        return [fail("model file", e.message, "--model PATH of a readable GGUF file")], None
+    checks = [ok("model file", f"{path} ({size(path.stat().st_size)})")]
+    try:
+        spec = read_spec(f)
+    except ModelError as e:
+        return [*checks, fail("architecture", e.message, "use a GGUF meshnet supports")], None
+    checks.append(ok("architecture", f"{spec.architecture}, {spec.n_layers} layers"))
+    try:
+        load_tokenizer(f)
+        checks.append(ok("tokenizer", str(f.value_or("tokenizer.ggml.model", "?"))))
+    except (TokenizerError, ModelError) as e:
+        checks.append(fail("tokenizer", e.message, "use a GGUF with a supported tokenizer"))
+    try:
+        layers.check_within(spec.n_layers)
+    except ModelError as e:
+        fix = f"--layers START:END with 0 <= START < END <= {spec.n_layers}"
+        return [*checks, fail("layers", e.message, fix), skip("tensors", "no valid layers")], None
+    checks.append(ok("layers", f"{layers} of {spec.n_layers}"))
+    try:
+        load_shard_weights(f, spec, layers, _matrix_check(backend))
+    except ModelError as e:
+        fix = "use a GGUF whose tensors are of supported types (or --backend numpy)"
+        return [*checks, fail("tensors", e.message, fix)], None
+    checks.append(ok("tensors", f"{layers}: every tensor readable by the {backend} backend"))
+    try:
+        fingerprint = f.fingerprint()
+    except OSError as e:
+        fix = "--model a readable file"
+        return [*checks, fail("sha256", f"cannot read {path}: {e}", fix)], None
+    checks.append(ok("sha256", fingerprint))
+    failed = any(c.failed for c in checks)
+    facts = ModelFacts(path, spec, fingerprint, _weight_bytes(f, spec, layers, backend))
+    return checks, None if failed else facts
+
+
+def _matrix_check(backend: str) -> Callable[[GGUFFile, gguf.ReaderTensor, tuple[int, int]], None]:
+    """A matrix reader for ``load_shard_weights`` that checks a matrix as ``backend`` would
+    take it and reads none of its bytes (the fast kernels get zeros the OS never maps in)."""
+
+    def fast(f: GGUFFile, t: gguf.ReaderTensor, shape: tuple[int, int]) -> None:
+        qtype = QT(t.tensor_type)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        zeros = np.zeros(shape[0] * shape[1] // block * size, np.uint8)
+        quant.from_blocks(zeros, qtype, shape, native=False, name=t.name)
+
+    def numpy(f: GGUFFile, t: gguf.ReaderTensor, shape: tuple[int, int]) -> None:
+        return None  # checked_tensor has checked its type and shape: numpy reads them all
+
+    return numpy if backend == "numpy" else fast
+
+
+def _weight_bytes(f: GGUFFile, spec: ModelSpec, layers: LayerRange, backend: str) -> int:
+    """Bytes of the node's weights: the file bytes of its tensors for the fast kernels
+    (they multiply from the blocks), four per weight for the float32 reference."""
+    sizes = {
+        name: int(t.n_bytes) if backend != "numpy" else int(t.n_elements) * 4
+        for name, t in f.tensors.items()
+    }
+    return shard_file_bytes(sizes, layers, spec.n_layers)
