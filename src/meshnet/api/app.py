@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from meshnet.api import admin, benchmarks, health, mesh, openai, sessions
+from meshnet.api import admin, benchmarks, health, mesh, metrics, openai, sessions
 from meshnet.api.auth import TrackerAuth
 from meshnet.api.body_limit import BodyLimit
 from meshnet.api.errors import install_error_handlers
@@ -61,6 +61,7 @@ def create_app(
     # No further than the largest request we take (a million-character prompt,
     # JSON-escaped): a bigger body is 413 before it costs parsing.
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(metrics.CountRequests, metrics=tracker.metrics)  # outermost: sees all
     app.state.tracker = tracker
     app.state.sessions = services
     app.state.auth = auth
@@ -78,6 +79,8 @@ def create_app(
     app.include_router(benchmarks.router)
     app.include_router(mesh.router)
     app.include_router(health.router)
+    app.include_router(metrics.admin)
+    app.include_router(metrics.mesh)
     return app
 
 

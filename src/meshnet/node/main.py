@@ -23,8 +23,10 @@ from meshnet.errors import MeshnetError
 from meshnet.layer_range import LayerRange
 from meshnet.model.bundled import bundled_model_path
 from meshnet.node.announce import Announcer
-from meshnet.node.engine import EngineConfig, NodeEngine
+from meshnet.node.engine import EngineConfig
 from meshnet.node.kv_offers import KVOffers
+from meshnet.node.metrics import MeteredEngine, NodeMetrics
+from meshnet.node.metrics_http import MetricsAnnouncer, MetricsServer
 from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.preflight import check_node
 from meshnet.node.service import NodeIdentity, NodeService
@@ -53,6 +55,9 @@ class NodeConfig:
     threads: int | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     model_dirs: tuple[str, ...] = ()  # Configure loads only from these (and the start model's)
+    # Port of the node's /metrics (HTTP, on the listen host, the tracker's signature
+    # only; docs/operating-metrics.md). 0: any free one; None: no metrics server.
+    metrics_port: int | None = 0
 
 
 _M_TRIM_THRESHOLD = -1
@@ -124,6 +129,20 @@ def preflight(cfg: NodeConfig) -> bool:
     return True
 
 
+def _serve_metrics(
+    cfg: NodeConfig, host: str, metrics: NodeMetrics
+) -> tuple[MetricsServer, MetricsAnnouncer] | None:
+    """Start the node's /metrics server and tell the tracker its port (unless off)."""
+    if cfg.metrics_port is None:
+        return None
+    server = MetricsServer(host, cfg.metrics_port, cfg.node_key, metrics.registry)
+    server.start()
+    log.info("node %s serves its metrics on port %d", cfg.node_id, server.port)
+    told = MetricsAnnouncer(cfg.tracker_url, cfg.node_id, cfg.node_key, server.port)
+    told.start()
+    return server, told
+
+
 def serve(cfg: NodeConfig) -> int:
     """Run the node until SIGTERM or SIGINT; returns the exit status (2: a check of its
     setup failed, see ``meshnet.node.preflight``)."""
@@ -131,7 +150,8 @@ def serve(cfg: NodeConfig) -> int:
         return 2
     _reuse_large_buffers()
     threads = _start_threads(cfg.threads)
-    engine = NodeEngine(cfg.engine)
+    metrics = NodeMetrics(cfg.node_id)
+    engine = MeteredEngine(cfg.engine, metrics)
     engine.start()
     model_path = cfg.model_path or str(bundled_model_path())
     if cfg.layers is not None:
@@ -150,6 +170,7 @@ def serve(cfg: NodeConfig) -> int:
     dirs = ModelDirs.of([*cfg.model_dirs, Path(model_path).parent])
     service = NodeService(NodeIdentity(cfg.node_id, model_path, dirs), engine, gate, offers)
     pb_grpc.add_NodeServicer_to_server(service, server)
+    metrics.watch(service.stats)
     port = server.add_insecure_port(cfg.listen)
     if port == 0:
         raise MeshnetError(f"cannot listen on {cfg.listen}")
@@ -168,11 +189,15 @@ def serve(cfg: NodeConfig) -> int:
         cfg.heartbeat_s,
     )
     announcer.start()
+    scrape = _serve_metrics(cfg, listen_host, metrics)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     announcer.stop()
+    if scrape is not None:
+        scrape[1].stop()
+        scrape[0].stop()
     server.stop(grace=1.0).wait()
     service.relay.close()
     offers.close()

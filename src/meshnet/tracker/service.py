@@ -47,6 +47,7 @@ from meshnet.tracker.driver import DoneEvent, Fabric, Reroute, RouteDriver, Toke
 from meshnet.tracker.generation import Generation
 from meshnet.tracker.hop_link import answers
 from meshnet.tracker.ledger import LedgerRecord, LedgerSpool
+from meshnet.tracker.metrics import GenerationMeter, TrackerMetrics
 from meshnet.tracker.registry import NodeState
 from meshnet.tracker.routes import (
     Hop,
@@ -106,6 +107,7 @@ class Tracker:
         channels: ChannelPool,
         driver: RouteDriver,
         config: TrackerConfig,
+        metrics: TrackerMetrics | None = None,
     ) -> None:
         self.store = store
         self.model = model
@@ -118,6 +120,8 @@ class Tracker:
         self.ledger = LedgerSpool(store.record_attempts)
         self._generations: dict[str, Generation] = {}
         self._heal_lock = asyncio.Lock()
+        self.metrics = metrics or TrackerMetrics()  # what /metrics and the dashboard read
+        self.metrics.watch(self)
 
     def route(self) -> Route:
         """The pinned route when one is set, else the least-loaded complete chain."""
@@ -203,13 +207,30 @@ class Tracker:
         runs on exactly its nodes, and fails (``NoRoute``) rather than leave them.
         """
         check_request(self.model.spec, prompt_ids, params)
+        t0 = time.monotonic()
+        try:
+            return await self._start(prompt_ids, params, top_logprobs, named, t0)
+        except (KVBudgetExhausted, Overloaded) as e:
+            self.metrics.refusals.labels(e.kind).inc()
+            raise
+
+    async def _start(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        top_logprobs: int,
+        named: Route | None,
+        t0: float,
+    ) -> Started:
         last: Exception | None = None
         for _ in range(_OPEN_ATTEMPTS):
-            if named is None:
-                route, held = await self.admission.acquire(self.reserve)
-            else:
-                route = named
-                held = await self.admission.acquire(functools.partial(self.reserve_named, named))
+            with self.metrics.waiting.track_inprogress():
+                if named is None:
+                    route, held = await self.admission.acquire(self.reserve)
+                else:
+                    route = named
+                    reserve = functools.partial(self.reserve_named, named)
+                    held = await self.admission.acquire(reserve)
             gen = self.driver.new_generation(uuid.uuid4().hex, route, params, top_logprobs)
             try:
                 await self.driver.open(gen)
@@ -233,7 +254,8 @@ class Tracker:
                 raise
             fabric: Fabric = self if named is None else _NamedRoute(self)
             run = self.driver.run(gen, prompt_ids, params, fabric)
-            return Started(gen.id, route, gen.epoch, self._accounted(gen, held, run))
+            meter = self.metrics.generation("completion", len(prompt_ids), t0)
+            return Started(gen.id, route, gen.epoch, self._accounted(gen, held, run, meter))
         raise NoRoute(f"could not open a route: {last}")
 
     def drive(
@@ -247,7 +269,8 @@ class Tracker:
         """Run an opened generation (a session's turn) on capacity ``held``: accounted,
         cancellable, failed over; the capacity is given back when it ends."""
         run = self.driver.run(gen, prompt_ids, params, self, history)
-        return self._accounted(gen, held, run)
+        meter = self.metrics.generation("turn", len(prompt_ids), time.monotonic())
+        return self._accounted(gen, held, run, meter)
 
     def usable(self, route: Route) -> bool:
         """Whether every hop's node is up and still serves that hop's layers of this model."""
@@ -282,12 +305,25 @@ class Tracker:
         gen: Generation,
         held: Reservation,
         events: AsyncGenerator[TokenEvent | DoneEvent, None],
+        meter: GenerationMeter,
     ) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
         self._generations[gen.id] = gen
+        outcome = "abandoned"  # the caller stopped iterating (a client that hung up)
         try:
             async for event in events:
+                if isinstance(event, TokenEvent):
+                    meter.token()
+                else:
+                    outcome = "completed"
                 yield event
+        except MeshnetError as e:
+            outcome = e.kind
+            raise
+        except Exception:
+            outcome = "internal"
+            raise
         finally:
+            meter.ended(outcome, [(r.method, r.ms / 1000) for r in gen.recoveries])
             del self._generations[gen.id]
             held.release()
             await events.aclose()  # ends the route's streams now, also when abandoned
@@ -299,6 +335,20 @@ class Tracker:
     async def reroute(self, route: Route, failed: Hop | None, error: MeshnetError) -> Reroute:
         """A route without the failed hop's fault: a replica chain for its span, an
         empty node healed to serve it, or (failing both) any complete route."""
+        try:
+            new = await self._reroute(route, failed, error)
+        except MeshnetError as e:
+            self._note_failover(failed, error, f"no replacement: {e.message}")
+            raise
+        healed = f"healed {new.healed}; " if new.healed else ""
+        now = " > ".join(h.node_id for h in new.route)
+        self._note_failover(failed, error, f"{healed}now {now}")
+        return new
+
+    def _note_failover(self, failed: Hop | None, error: MeshnetError, detail: str) -> None:
+        self.metrics.failover(failed.node_id if failed else "", error.kind, detail)
+
+    async def _reroute(self, route: Route, failed: Hop | None, error: MeshnetError) -> Reroute:
         if failed is None:
             return Reroute(self.route())
         index = route.index(failed)
@@ -341,6 +391,7 @@ class Tracker:
             raise NoRoute(f"node {failed.node_id} of the named route is down")
         if not self.usable(route):
             raise NoRoute("a node of the named route is down or serves other layers now")
+        self._note_failover(failed, error, "same named route, next epoch")
         return Reroute(route)
 
     def _replicas(self, span: LayerRange, exclude: frozenset[str]) -> Route | None:
@@ -400,6 +451,7 @@ class Tracker:
             return False
         log.warning("node %s failed (%s): marked down", node_id, kind)
         self.store.mark_down(node_id, kind)
+        self.metrics.node_down(node_id, kind)
         if address:
             self.channels.retire(address)
         return True
@@ -414,6 +466,7 @@ class Tracker:
         lost = [n.node_id for n, up in zip(silent, alive, strict=True) if not up]
         for node_id in lost:
             self.store.mark_down(node_id, HeartbeatLost.kind)
+            self.metrics.node_down(node_id, HeartbeatLost.kind)
             verdict = HeartbeatLost(f"node {node_id} stopped heartbeating", node_id)
             for gen in self.generations():
                 gen.node_lost(node_id, verdict)
