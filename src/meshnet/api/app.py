@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from meshnet.api import admin, benchmarks, health, mesh, metrics, openai, sessions
+from meshnet.api import admin, benchmarks, dashboard, health, mesh, metrics, openai, sessions
 from meshnet.api.auth import TrackerAuth
 from meshnet.api.body_limit import BodyLimit
 from meshnet.api.errors import install_error_handlers
@@ -81,6 +81,8 @@ def create_app(
     app.include_router(health.router)
     app.include_router(metrics.admin)
     app.include_router(metrics.mesh)
+    app.include_router(dashboard.page)
+    app.include_router(dashboard.admin)
     return app
 
 

@@ -1,0 +1,142 @@
+"""The live dashboard: a static page at ``/dashboard`` and the JSON it polls.
+
+The page (``api/static/dashboard.*``: plain HTML, CSS and JS, no build step, nothing
+fetched from elsewhere) holds no data and needs no credential. Its script asks for
+the admin token once (a form, or a URL fragment ``#token=...``, which browsers never
+send to a server, so it is never in a log), keeps it in the tab's sessionStorage,
+and polls ``GET /admin/dashboard`` with it as a Bearer header about every second.
+
+``/admin/dashboard`` (admin token) is one snapshot of the mesh: the model and its
+layer coverage, every node (layers, state, heartbeat age, load, streams reserved),
+sessions by state, generations in flight, the recent failovers and nodes marked
+down, and the tracker's running totals.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter, Depends, Path, Request, Response
+from prometheus_client import Gauge
+from starlette.concurrency import run_in_threadpool
+
+from meshnet.api.auth import require_admin
+from meshnet.api.state import tracker_of
+from meshnet.errors import DatabaseUnavailable, MeshnetError, NotFound
+from meshnet.tracker.metrics import counter_total, layer_replicas, session_counts
+from meshnet.tracker.registry import NodeRecord
+from meshnet.tracker.routes import route_json
+from meshnet.tracker.service import Tracker
+
+page = APIRouter()
+admin = APIRouter(dependencies=[Depends(require_admin)])
+
+_STATIC = {  # the only files served: no path from the request reaches the filesystem
+    "dashboard.js": "text/javascript; charset=utf-8",
+    "dashboard.css": "text/css; charset=utf-8",
+}
+# Only this origin's own script and style; no frames (the page is not to be embedded).
+_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        "img-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+def _static(name: str) -> bytes:
+    return resources.files("meshnet.api").joinpath("static", name).read_bytes()
+
+
+@page.get("/dashboard")
+async def dashboard_page() -> Response:
+    return Response(_static("dashboard.html"), media_type="text/html", headers=_HEADERS)
+
+
+@page.get("/dashboard/{name}")
+async def dashboard_asset(name: str = Path(max_length=32)) -> Response:
+    if name not in _STATIC:
+        raise NotFound(f"no dashboard file {name!r}")
+    return Response(_static(name), media_type=_STATIC[name], headers=_HEADERS)
+
+
+@admin.get("/admin/dashboard")
+async def dashboard_state(request: Request) -> dict[str, Any]:
+    """One snapshot of the mesh for the dashboard."""
+    tracker = tracker_of(request)
+    live = _live(tracker)  # the event loop's own state, read on the loop
+    stored = await run_in_threadpool(_stored, tracker)  # the database's, off it
+    return {**live, **stored}
+
+
+def _live(tracker: Tracker) -> dict[str, Any]:
+    m = tracker.metrics
+    return {
+        "now": time.time(),
+        "generations_in_flight": len(tracker.generations()),
+        "waiting": _gauge_value(m.waiting),
+        "events": [e.as_json() for e in m.events()],
+        "totals": {
+            "generations": counter_total(m.generations),
+            "prompt_tokens": counter_total(m.prompt_tokens),
+            "generated_tokens": counter_total(m.generated_tokens),
+            "refusals": counter_total(m.refusals),
+            "failovers": counter_total(m.failovers),
+            "nodes_marked_down": counter_total(m.nodes_down),
+        },
+        "streams_reserved": dict(tracker.admission.streams),
+    }
+
+
+def _gauge_value(gauge: Gauge) -> float:
+    return sum(s.value for metric in gauge.collect() for s in metric.samples)
+
+
+def _stored(tracker: Tracker) -> dict[str, Any]:
+    nodes = tracker.store.nodes()
+    now = time.time()
+    try:
+        route: list[dict[str, Any]] | None = route_json(tracker.route())
+        reason = None
+    except MeshnetError as e:
+        route, reason = None, e.message
+    model = tracker.model
+    try:
+        sessions: dict[str, int] | None = session_counts(tracker.store)
+    except DatabaseUnavailable:
+        sessions = None
+    return {
+        "models": [
+            {
+                "name": model.name,
+                "fingerprint": model.fingerprint,
+                "n_layers": model.spec.n_layers,
+                "replicas": layer_replicas(model.fingerprint, model.spec.n_layers, nodes),
+                "route": route,
+                "reason": reason,
+            }
+        ],
+        "nodes": [_node(n, now, tracker.metrics.scrape_targets.port(n.node_id)) for n in nodes],
+        "sessions": sessions,
+    }
+
+
+def _node(n: NodeRecord, now: float, metrics_port: int | None) -> dict[str, Any]:
+    return {
+        "node_id": n.node_id,
+        "address": n.address,
+        "layers": [n.layers.start, n.layers.end] if n.layers else None,
+        "state": n.state.value,
+        "down_reason": n.down_reason or None,
+        "backend": n.backend,
+        "fingerprint": n.fingerprint,
+        "heartbeat_age_s": round(max(0.0, now - n.last_seen), 2),
+        "kv_budget_bytes": n.kv_budget_bytes,
+        "metrics_port": metrics_port,  # its /metrics server, as it said (None: not said)
+        "load": n.load.model_dump(),
+    }

@@ -1,0 +1,205 @@
+// meshnet dashboard: polls GET /admin/dashboard with the admin token about every second
+// and draws the mesh. The token comes from the login form or a URL fragment
+// (#token=...; browsers never send fragments, so it is never in a server's log); it is
+// kept in this tab's sessionStorage only and the fragment is wiped at once.
+// Every value from the server goes in as text (textContent), never as markup.
+"use strict";
+
+const POLL_MS = 1000;
+const KEY = "meshnet-admin-token";
+const $ = (id) => document.getElementById(id);
+
+function takeToken() {
+  const m = location.hash.match(/(?:^#|&)token=([^&]+)/);
+  if (m) {
+    sessionStorage.setItem(KEY, decodeURIComponent(m[1]));
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+  return sessionStorage.getItem(KEY);
+}
+
+function el(tag, attrs, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") e.className = v;
+    else if (k.startsWith("data-")) e.setAttribute(k, v);
+    else e[k] = v;
+  }
+  for (const c of children) e.append(c instanceof Node ? c : String(c ?? ""));
+  return e;
+}
+
+function bytes(n) {
+  if (!n) return "0";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+function ago(seconds) {
+  if (seconds < 1) return "now";
+  if (seconds < 120) return `${Math.round(seconds)} s ago`;
+  return `${Math.round(seconds / 60)} min ago`;
+}
+
+function replace(node, ...children) {
+  node.replaceChildren(...children);
+}
+
+function drawHeader(s) {
+  const model = s.models[0];
+  $("model").textContent = `${model.name} · ${model.n_layers} layers`;
+  const route = $("route");
+  route.textContent = model.route ? "route complete" : "no route";
+  route.className = "badge " + (model.route ? "ok" : "bad");
+  route.title = model.reason || model.route.map((h) => h.node_id).join(" > ");
+}
+
+function drawTotals(s) {
+  const t = s.totals;
+  const up = s.nodes.filter((n) => n.state === "up").length;
+  const cards = [
+    ["nodes up", `${up} / ${s.nodes.length}`],
+    ["in flight", s.generations_in_flight],
+    ["waiting", s.waiting],
+    ["generations", t.generations],
+    ["prompt tokens", t.prompt_tokens],
+    ["generated tokens", t.generated_tokens],
+    ["refused", t.refusals],
+    ["failovers", t.failovers],
+    ["nodes marked down", t.nodes_marked_down],
+  ];
+  replace($("totals"), ...cards.map(([k, v]) => el("div", { class: "card" }, el("b", {}, v), k)));
+}
+
+function drawTopology(s) {
+  const layers = s.models[0].n_layers;
+  replace($("topology"), ...s.nodes.map((n) => {
+    const state = n.layers ? n.state : (n.state === "up" ? "empty" : "down");
+    const [start, end] = n.layers || [0, layers];
+    const span = el("div", { class: `span ${state}` },
+      n.layers ? `${start}–${end}` : "empty");
+    span.style.left = `${(100 * start) / layers}%`;
+    span.style.width = `${(100 * (end - start)) / layers}%`;
+    return el("div", { class: "lane", "data-node": n.node_id, "data-state": n.state },
+      el("span", { class: "name", title: n.node_id }, n.node_id),
+      el("div", { class: "track" }, span));
+  }));
+}
+
+function drawCoverage(s) {
+  const model = s.models[0];
+  replace($("coverage"), ...model.replicas.map((count, layer) =>
+    el("div", { class: count ? "layer" : "layer gap", title: `layer ${layer}: ${count}`,
+      "data-layer": layer, "data-replicas": count }, count)));
+}
+
+function drawNodes(s) {
+  const rows = s.nodes.map((n) => {
+    const l = n.load;
+    const kv = n.kv_budget_bytes ? `${bytes(l.kv_bytes)} / ${bytes(n.kv_budget_bytes)}`
+      : bytes(l.kv_bytes);
+    const state = el("span", { class: `state-${n.state}` }, n.state);
+    if (n.down_reason) state.title = n.down_reason;
+    const cells = [
+      el("td", {}, n.node_id),
+      el("td", {}, n.address),
+      el("td", {}, n.layers ? `${n.layers[0]}:${n.layers[1]}` : "empty"),
+      el("td", {}, state, n.down_reason ? ` (${n.down_reason})` : ""),
+      el("td", {}, ago(n.heartbeat_age_s)),
+      el("td", { class: "num" }, l.sessions),
+      el("td", { class: "num" }, kv),
+      el("td", { class: "num" }, l.queue_depth),
+      el("td", { class: "num" }, l.tokens_per_s.toFixed(1)),
+      el("td", { class: "num" }, `${s.streams_reserved[n.node_id] || 0} / ${l.max_streams || "?"}`),
+      el("td", { class: "num" }, `${l.last_batch} (max ${l.max_batch})`),
+    ];
+    return el("tr", { "data-node": n.node_id, "data-state": n.state }, ...cells);
+  });
+  replace($("nodes").tBodies[0], ...rows);
+}
+
+function drawSessions(s) {
+  const body = $("sessions").tBodies[0];
+  if (!s.sessions) {
+    replace(body, el("tr", {}, el("td", { class: "error" }, "database unavailable")));
+    return;
+  }
+  replace(body, ...Object.entries(s.sessions).map(([state, count]) =>
+    el("tr", { "data-session-state": state }, el("td", {}, state),
+      el("td", { class: "num" }, count))));
+}
+
+function drawEvents(s) {
+  const rows = s.events.map((e) => el("tr", { "data-event": e.what },
+    el("td", {}, new Date(e.at * 1000).toLocaleTimeString()),
+    el("td", {}, e.what),
+    el("td", {}, e.node_id),
+    el("td", {}, e.kind),
+    el("td", {}, e.detail)));
+  if (!rows.length) rows.push(el("tr", {}, el("td", { class: "muted" }, "none yet")));
+  replace($("events").tBodies[0], ...rows);
+}
+
+function draw(s) {
+  drawHeader(s);
+  drawTotals(s);
+  drawTopology(s);
+  drawCoverage(s);
+  drawNodes(s);
+  drawSessions(s);
+  drawEvents(s);
+  $("status").textContent = `updated ${new Date(s.now * 1000).toLocaleTimeString()}`;
+  document.body.dataset.updated = String(s.now);
+}
+
+function showLogin(message) {
+  $("board").hidden = true;
+  $("logout").hidden = true;
+  $("login").hidden = false;
+  $("login-error").textContent = message || "";
+  $("status").textContent = "not connected";
+}
+
+async function poll() {
+  const token = sessionStorage.getItem(KEY);
+  if (!token) { showLogin(); return; }
+  try {
+    const r = await fetch("/admin/dashboard", {
+      headers: { Authorization: `Bearer ${token}` }, cache: "no-store",
+    });
+    if (r.status === 401) {
+      sessionStorage.removeItem(KEY);
+      showLogin("the tracker refused that token");
+      return;
+    }
+    if (!r.ok) throw new Error(`the tracker answered ${r.status}`);
+    const state = await r.json();
+    $("login").hidden = true;
+    $("board").hidden = false;
+    $("logout").hidden = false;
+    draw(state);
+  } catch (e) {
+    $("status").textContent = `tracker unreachable (${e.message}); retrying`;
+  }
+  setTimeout(poll, POLL_MS);
+}
+
+$("login").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const token = $("token").value.trim();
+  $("token").value = "";
+  if (token) {
+    sessionStorage.setItem(KEY, token);
+    poll();
+  }
+});
+
+$("logout").addEventListener("click", () => {
+  sessionStorage.removeItem(KEY);
+  showLogin();
+});
+
+takeToken();
+poll();
