@@ -4,6 +4,10 @@ It takes the node options of ``meshnet node`` and the tracker options of
 ``meshnet tracker`` (declared once, in ``cli.options``) and passes the ones
 given on to every node and to the tracker. Each node's kernel threads are
 ``--threads`` when given, else its share of the cores available to ``up``.
+
+Once the mesh serves, ``up`` supervises it (``meshnet.supervisor``): a process
+that dies is logged and started again with backoff while the rest keeps
+serving; only Ctrl-C or SIGTERM stops them all.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import signal
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from meshnet.auth.credentials import CREDENTIALS_FILE
@@ -21,12 +26,15 @@ from meshnet.cli.options import (
     declare_node_options,
     declare_tracker_options,
     given_argv,
+    positive_duration,
     positive_int,
 )
 from meshnet.client import stream_chat
+from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh, even_layout, parse_layout, split_threads
 from meshnet.model.info import load_model_info
 from meshnet.node.main import available_cores
+from meshnet.supervisor import Backoff, Child, Supervisor
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -38,6 +46,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--data-dir", type=Path, help="default: a new temporary directory")
     p.add_argument("--model", help="GGUF file (default: the bundled model)")
     p.add_argument("--once", metavar="MESSAGE", help="send one chat, print it, and stop")
+    p.add_argument(
+        "--restart-max",
+        type=positive_duration,
+        default=30.0,
+        help="longest wait before a process that keeps dying is started again "
+        "(the first is 0.5 s, doubling)",
+    )
     add_options(
         p,
         declare_node_options,
@@ -98,12 +113,54 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
             print()
             return 0
-        threading.Event().wait()  # until a signal ends the process
+        supervisor = Supervisor(
+            mesh_children(mesh, layout, threads), Backoff(max_s=args.restart_max)
+        )
+        supervisor.run(threading.Event())  # until a signal ends the process
         return 0
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)  # let the shutdown finish
         mesh.stop()
+
+
+@dataclass
+class TrackerChild:
+    """The mesh's tracker, for the supervisor."""
+
+    mesh: LocalMesh
+    name: str = "tracker"
+
+    def poll(self) -> int | None:
+        return self.mesh.tracker.poll() if self.mesh.tracker else None
+
+    def start(self) -> None:
+        self.mesh.start_tracker()
+
+
+@dataclass
+class NodeChild:
+    """One of the mesh's nodes, started again as it was first (its id, layers, threads)."""
+
+    mesh: LocalMesh
+    name: str
+    layers: LayerRange | None
+    threads: int
+
+    def poll(self) -> int | None:
+        return self.mesh.nodes[self.name].poll()
+
+    def start(self) -> None:
+        self.mesh.start_node(self.name, self.layers, threads=self.threads)
+
+
+def mesh_children(
+    mesh: LocalMesh, layout: list[LayerRange | None], threads: list[int]
+) -> list[Child]:
+    """The processes ``mesh.start(layout, threads=threads)`` started: its tracker, and its
+    nodes (in the order it started them) with the layers and threads each was given."""
+    nodes = zip(list(mesh.nodes), layout, threads, strict=True)
+    return [TrackerChild(mesh), *(NodeChild(mesh, *node) for node in nodes)]
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
