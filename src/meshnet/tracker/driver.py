@@ -40,7 +40,6 @@ ledger record.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -61,7 +60,6 @@ from meshnet.errors import (
     NodeFailure,
     NoRoute,
     ShardMismatch,
-    StreamReset,
 )
 from meshnet.model.logprobs import TokenLogprobs
 from meshnet.model.sampling import SamplingParams
@@ -69,10 +67,10 @@ from meshnet.model.spec import ModelSpec
 from meshnet.model.tokenizer import TextTokenizer
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
-from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.channels import ChannelPool
+from meshnet.tracker.epochs import EpochOpener, hop_key
 from meshnet.tracker.generation import Generation, PendingRecovery, Recovery
-from meshnet.tracker.hop_link import HopLink, RelayBroken, open_link
+from meshnet.tracker.hop_link import HopLink, RelayBroken
 from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
 from meshnet.tracker.ring import Ring
 from meshnet.tracker.routes import Hop, Route
@@ -153,6 +151,9 @@ class RouteDriver:
         self.tokenizer = tokenizer
         self.limits = limits
         self._background: set[asyncio.Task[Any]] = set()  # background work still running
+        self.epochs = EpochOpener(
+            channels, fingerprint, spec, limits.open_timeout_s, limits.fence_timeout_s
+        )
         self._no_relay: dict[tuple[str, str], float] = {}  # pairs that cannot talk, until
 
     def new_generation(
@@ -164,7 +165,7 @@ class RouteDriver:
 
     async def open(self, gen: Generation) -> None:
         """Open the generation's first epoch on every hop; raise the first hop's failure."""
-        gen.links, _ = await self._open_links(gen, gen.route, {})
+        gen.links, _ = await self.epochs.open(gen, gen.route, {})
 
     async def resume(self, gen: Generation, held: tuple[int, int]) -> bool:
         """Open a session's turn, every hop resuming the KV of ``held`` (positions, steps).
@@ -173,13 +174,13 @@ class RouteDriver:
         turn). Otherwise every hop is opened afresh on the next epoch and the
         history, logged at the first layer, is replayed into all of them.
         """
-        gen.links, _ = await self._open_links(gen, gen.route, {}, held)
+        gen.links, _ = await self.epochs.open(gen, gen.route, {}, held)
         if all((link.positions, link.steps) == held for link in gen.links):
             return True
         for link in gen.links:
             link.close()
         gen.epoch += 1
-        gen.links, _ = await self._open_links(gen, gen.route, {})
+        gen.links, _ = await self.epochs.open(gen, gen.route, {})
         return False
 
     async def run(
@@ -258,10 +259,10 @@ class RouteDriver:
         hops that ran ahead are cut back by resuming the next epoch, which also fences
         any step still running on the old one. Where that fails the next turn's open
         cuts back what it finds (its epoch is newer than either)."""
-        survivors = {_key(link.hop): link for link in gen.links}
+        survivors = {hop_key(link.hop): link for link in gen.links}
         gen.epoch += 1
         try:
-            links, _ = await self._open_links(gen, gen.route, survivors)
+            links, _ = await self.epochs.open(gen, gen.route, survivors)
         except MeshnetError as e:
             log.warning("%s: the hops that ran ahead were not cut back: %s", gen.id, e)
             return
@@ -691,10 +692,12 @@ class RouteDriver:
                 message = f"{error.message}; no replacement: {e.message}"
                 raise type(error)(message, node_id=error.node_id) from None
             survivors = {
-                _key(link.hop): link for link in gen.links if link.node_id not in pending.failures
+                hop_key(link.hop): link
+                for link in gen.links
+                if link.node_id not in pending.failures
             }
             steps = max(link.steps for link in gen.links)
-            rebuilt = [h for h in reroute.route if _key(h) not in survivors]
+            rebuilt = [h for h in reroute.route if hop_key(h) not in survivors]
             for h in rebuilt:
                 before = [s for s in survivors.values() if s.hop.layers.end == h.layers.start]
                 if before and not gen.has_inputs(h.layers.start, steps):
@@ -703,7 +706,7 @@ class RouteDriver:
                 survivors = {}  # a span's inputs were never logged: restart from token zero
             gen.epoch += 1  # also after a failed try: its partly opened epoch stays fenced
             try:
-                links, carried = await self._open_links(gen, reroute.route, survivors)
+                links, carried = await self.epochs.open(gen, reroute.route, survivors)
                 break
             except MeshnetError as e:
                 if gen.verdict is not None:
@@ -718,7 +721,7 @@ class RouteDriver:
         self._account_failover(gen, carried, fabric)
         for link in gen.links:
             if link.node_id in pending.failures:
-                self._fence_later(link.hop, gen.kv_key, gen.epoch)
+                self.epochs.fence_later(link.hop, gen.kv_key, gen.epoch)
             link.close()  # after the new epoch fenced it: a survivor's KV stays
         gen.links = links  # a ring of the old links (gen.ring) is over with them
         gen.route = reroute.route
@@ -763,138 +766,3 @@ class RouteDriver:
                 fabric.record(gen.attempts([link], AttemptStatus.FAILED, kind))
             else:
                 fabric.record(gen.attempts([link], AttemptStatus.CANCELLED, gen.pending.kind))
-
-    def _fence_later(self, hop: Hop, session_id: str, epoch: int) -> None:
-        """Tell a failed node (if it ever comes back) that the session moved on."""
-        task = asyncio.create_task(self._fence(hop, session_id, epoch))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _fence(self, hop: Hop, session_id: str, epoch: int) -> None:
-        """On a channel of its own: a pooled one to a dead node's address would be in
-        reconnect backoff when another node (or its restart) comes to listen there."""
-        request = pb.FenceRequest(session_id=session_id, epoch=epoch)
-        channel = grpc.aio.insecure_channel(hop.address)
-        # Still gone when it times out: then it holds nothing newer, and its streams are closed.
-        try:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await pb_grpc.NodeStub(channel).Fence(
-                    request,
-                    timeout=self.limits.fence_timeout_s,
-                    metadata=self.channels.signed(hop.node_id, "Fence"),
-                )
-        finally:
-            await channel.close()
-
-    async def _open_links(
-        self,
-        gen: Generation,
-        route: Route,
-        survivors: dict[tuple[str, int, int], HopLink],
-        held: tuple[int, int] | None = None,
-    ) -> tuple[list[HopLink], list[HopLink]]:
-        """Open the current epoch on every hop at once; survivors resume their KV.
-
-        Returns the new links and the old links whose KV was carried over. On
-        any failure every opened link is closed and the first hop's (in route
-        order) failure is raised.
-        """
-        # The last hop's next is the first: a ring passes it the tokens it samples.
-        after: list[Hop | None] = [*route[1:], route[0] if len(route) > 1 else None]
-        opens = [
-            self._open_hop(gen, hop, survivors.get(_key(hop)), held, nxt)
-            for hop, nxt in zip(route, after, strict=True)
-        ]
-        results = await asyncio.gather(*opens, return_exceptions=True)
-        links = [r[0] for r in results if isinstance(r, tuple)]
-        failure = next((r for r in results if isinstance(r, BaseException)), None)
-        if failure is not None:
-            for link in links:
-                link.close()
-            raise failure
-        carried = [r[1] for r in results if isinstance(r, tuple) and r[1] is not None]
-        return links, carried
-
-    async def _open_hop(
-        self,
-        gen: Generation,
-        hop: Hop,
-        old: HopLink | None,
-        held: tuple[int, int] | None,
-        after: Hop | None,
-    ) -> tuple[HopLink, HopLink | None]:
-        """Open one hop; a survivor ``old`` whose KV the node still holds is carried over
-        (cut back to what the driver saw it commit: a relayed step it finished unseen is
-        run again), and so is a session's KV of ``held`` (positions, steps) left by its
-        last turn. ``after``: the next hop, where it forwards its outputs."""
-        rewind = held if old is None else (old.positions, old.steps)
-        samples = hop.layers.end == self.spec.n_layers
-        message = pb.Open(
-            session_id=gen.kv_key,
-            epoch=gen.epoch,
-            fingerprint=self.fingerprint,
-            layer_start=hop.layers.start,
-            layer_end=hop.layers.end,
-            resume=old is not None or rewind is not None,
-            keep=gen.keep,
-            rewind=rewind is not None,
-            rewind_tokens=rewind[0] if rewind else 0,
-            rewind_steps=rewind[1] if rewind else 0,
-            sampling=_sampling(gen) if samples else None,
-            next_address=after.address if after else "",
-            next_node_id=after.node_id if after else "",
-            next_token=self.channels.keys.peer(after.node_id, hop.node_id, "relay")
-            if after
-            else "",
-        )
-        try:
-            link, opened = await self._open_stream(gen, hop, message)
-        except StreamReset:
-            # The connection broke under the open (the failure being failed over may have
-            # broken it too): the node answered a probe, so it is dialled afresh, once.
-            self.channels.retire(hop.address)
-            link, opened = await self._open_stream(gen, hop, message)
-        held_now = (int(opened.kv_tokens), int(opened.steps))
-        link.unparked = bool(opened.unparked)
-        if held_now == (0, 0):
-            return link, None  # fresh (or the node lost the KV): the log is replayed into it
-        if old is None and held is not None:
-            link.steps, link.positions = held_now[1], held_now[0]
-            link.first_position = held_now[0]
-            return link, None  # the caller checks it holds what the session committed
-        if old is not None and held_now == (old.positions, old.steps):
-            link.steps = old.steps
-            link.positions = link.first_position = old.positions
-            return link, old
-        link.close()
-        msg = f"node {hop.node_id} resumed {held_now[0]} positions and {held_now[1]} steps"
-        raise MalformedBundle(msg, hop.node_id)
-
-    async def _open_stream(
-        self, gen: Generation, hop: Hop, message: pb.Open
-    ) -> tuple[HopLink, pb.Opened]:
-        return await open_link(
-            self.channels.stub(hop.address),
-            self.channels.keys,
-            hop,
-            message,
-            max(gen.deadline - time.monotonic(), 0.001),
-            self.limits.open_timeout_s,
-        )
-
-
-def _sampling(gen: Generation) -> pb.Sampling:
-    p = gen.params
-    return pb.Sampling(
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        repetition_penalty=p.repetition_penalty,
-        seed=p.seed or 0,
-        top_logprobs=max(gen.top_logprobs, 0),
-        logprobs=gen.top_logprobs >= 0,
-    )
-
-
-def _key(hop: Hop) -> tuple[str, int, int]:
-    return (hop.node_id, hop.layers.start, hop.layers.end)
