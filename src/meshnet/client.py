@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from meshnet.errors import MeshnetError
+from meshnet.errors import MeshnetError, Unauthenticated
 
 
 def _auth(api_key: str) -> dict[str, str]:
@@ -54,3 +54,53 @@ def stream_chat(
             for choice in chunk.get("choices", []):
                 if text := choice.get("delta", {}).get("content"):
                     yield text
+
+
+class AdminClient:
+    """The tracker's admin endpoints (``/admin/...``), called with the admin token.
+
+    Used by the operator commands (``meshnet nodes | sessions | ledger | models``).
+    A refused token is ``Unauthenticated``; a tracker that cannot be reached, or
+    answers anything but 200, a ``MeshnetError`` saying so.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        admin_token: str,
+        timeout_s: float = 10.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.url, headers=_auth(admin_token), timeout=timeout_s, transport=transport
+        )
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._http.close()
+
+    def get(self, path: str, **params: str | int) -> dict[str, Any]:
+        """The JSON object ``GET path`` answers."""
+        try:
+            r = self._http.get(path, params=params)
+        except httpx.HTTPError as e:
+            raise MeshnetError(f"cannot reach the tracker at {self.url}: {e}") from None
+        if r.status_code in (401, 403):
+            raise Unauthenticated(f"the tracker at {self.url} refused the admin token")
+        if r.status_code != 200:
+            raise MeshnetError(f"{path}: HTTP {r.status_code}: {_error_message(r)}")
+        body = r.json()
+        if not isinstance(body, dict):
+            raise MeshnetError(f"{path}: the tracker answered {type(body).__name__}, not an object")
+        return body
+
+
+def _error_message(r: httpx.Response) -> str:
+    """The message of an API error body, else the body's text."""
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return r.text[:200]

@@ -6,8 +6,9 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 
-from meshnet.cli import bench, chat, credentials, doctor, generate, node, tracker, up
+from meshnet.cli import bench, chat, credentials, doctor, generate, mesh_admin, node, tracker, up
 from meshnet.errors import MeshnetError
 
 
@@ -16,10 +17,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="meshnet", description="Run one GGUF model split by layer ranges."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (generate, bench, node, doctor, tracker, up, chat, credentials):
+    for command in (generate, bench, node, doctor, tracker, up, chat, credentials, mesh_admin):
         command.add_parser(sub)
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--version", action="version", version=f"meshnet {version()}")
     return parser
+
+
+def version() -> str:
+    """The installed package's version (its metadata), or ``unknown`` when not installed."""
+    try:
+        return metadata.version("meshnet")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
