@@ -12,6 +12,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,17 @@ def test_a_terminated_postgresql_backend_is_replaced(fresh_postgres: str) -> Non
 def test_an_unreachable_postgresql_is_typed() -> None:
     with pytest.raises(DatabaseUnavailable, match="cannot connect"):
         open_database(f"postgresql://meshnet@127.0.0.1:{free_port()}/postgres")
+
+
+def test_a_postgresql_statement_past_its_time_is_typed_and_the_connection_stays(
+    fresh_postgres: str,
+) -> None:
+    """A stuck statement (a lock held elsewhere, an overloaded server) would hold the
+    tracker's one connection, and every request behind it: the server cancels it."""
+    db = PostgresDatabase(fresh_postgres, statement_timeout_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(DatabaseUnavailable, match="statement timeout"):
+        db.query("SELECT pg_sleep(10)")
+    assert time.monotonic() - t0 < 5
+    assert db.query("SELECT 1") == [(1,)]
+    db.close()

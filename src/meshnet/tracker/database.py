@@ -47,6 +47,7 @@ _SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_IOERR, _SQLITE_FULL = 5, 6, 10, 13
 # busy, locked, out of memory, read-only, I/O error, corrupt, full, cannot open,
 # lock protocol, not a database. Any other (a syntax error, a missing table) is a bug.
 _SQLITE_UNAVAILABLE = frozenset({5, 6, 7, 8, 10, 11, 13, 14, 15, 26})
+STATEMENT_TIMEOUT_S = 10.0  # a PostgreSQL statement running longer is cancelled (typed)
 _RECONNECT_TIMEOUT_S = 2  # a reconnect blocks its caller no longer than this
 _RECONNECT_EVERY_S = 0.5  # and is not tried again sooner: calls fail fast meanwhile
 
@@ -254,11 +255,14 @@ class PostgresDatabase(Database):
 
     dialect = "postgresql"
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, statement_timeout_s: float = STATEMENT_TIMEOUT_S) -> None:
         import psycopg  # only trackers on PostgreSQL need the driver loaded
 
         self._psycopg = psycopg
         self._url = url
+        # The server cancels a statement that runs longer (a lock held elsewhere, an
+        # overloaded server): it would hold the one connection, and every caller behind it.
+        self._options = f"-c statement_timeout={max(1, int(statement_timeout_s * 1000))}"
         self._lock = threading.RLock()
         self._conn: Any = None
         self._next_try = 0.0
@@ -266,7 +270,9 @@ class PostgresDatabase(Database):
 
     def _connect(self, timeout_s: int) -> None:
         try:
-            conn = self._psycopg.connect(self._url, autocommit=True, connect_timeout=timeout_s)
+            conn = self._psycopg.connect(
+                self._url, autocommit=True, connect_timeout=timeout_s, options=self._options
+            )
         except self._psycopg.Error as e:
             self._next_try = time.monotonic() + _RECONNECT_EVERY_S
             raise DatabaseUnavailable(f"cannot connect to PostgreSQL: {_first_line(e)}") from None
