@@ -181,3 +181,21 @@ def test_a_node_tells_only_its_own_metrics_port(mesh: LocalMesh) -> None:
     assert httpx.post(url, json={"port": 9}).status_code == 401
     as_node0 = NodeAuth("node-0", mesh.node_key("node-0"))
     assert httpx.post(url, json={"port": 0}, auth=as_node0).status_code == 400
+
+
+def test_a_node_killed_shows_in_the_metrics(mesh: LocalMesh) -> None:
+    """Last in this module: it kills node-2."""
+    before = _scrape(mesh)
+    mesh.kill_node("node-2")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        after = _scrape(mesh)
+        if _value(after, "meshnet_node_up", node="node-2") == 0:
+            break
+        time.sleep(0.3)
+    assert _value(after, "meshnet_node_up", node="node-2") == 0
+    down = "meshnet_nodes_marked_down_total"
+    assert _value(after, down, reason="heartbeat-lost") == _value(before, down) + 1
+    assert _value(after, "meshnet_layer_replicas", layer="3") == 0
+    r = httpx.get(f"{mesh.url}/admin/nodes/node-2/metrics", headers=mesh.admin_headers)
+    assert r.status_code == 502  # the tracker cannot reach it: node-failure
