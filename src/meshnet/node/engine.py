@@ -8,6 +8,11 @@ pending prefill. A prefill is cut into fixed-size chunks counted from the
 start of its own prompt, so a long prompt never stalls running streams and a
 sequence is chunked the same way whatever else is running (its results stay
 bit-identical alone or batched).
+
+Live configuration (node/configure.py) is applied here too: tier 1 at once, a
+tier-2 change once no prompt is half-run (only half-run prompts go on until
+then), a tier-3 shard swap once every admitted step has finished (opens,
+imports and new steps are refused ``overloaded`` meanwhile).
 """
 
 from __future__ import annotations
@@ -37,6 +42,14 @@ from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.shard import DEFAULT_BACKEND, Shard, load_shard
 from meshnet.model.spec import read_spec
+from meshnet.node.configure import (
+    Batching,
+    Limits,
+    check_batching,
+    set_log_level,
+    with_batching,
+    with_limits,
+)
 from meshnet.node.parking import ParkedKV, ParkStore
 from meshnet.node.scheduler import Slot, StepWork, budget_full, check_step_number, plan_batch
 
@@ -62,6 +75,14 @@ class _Control:
 
     apply: Callable[[], Any]
     future: Future[Any] = field(default_factory=Future)
+
+
+@dataclass
+class _Staged:
+    """A tier-2 or tier-3 change waiting for the loop to drain; ``future`` answers it."""
+
+    change: Batching | Shard
+    future: Future[Any]
 
 
 @dataclass(frozen=True)
@@ -103,7 +124,11 @@ class EngineStats:
 
 
 class NodeEngine:
-    """Owns one shard (or none, when empty) and the KV of every session on it."""
+    """Owns one shard (or none, when empty) and the KV of every session on it.
+
+    ``config`` is replaced whole, on the loop thread, by a tier-1 or tier-2 change
+    (node/configure.py); other threads read it as it is at that moment.
+    """
 
     def __init__(self, config: EngineConfig = EngineConfig()) -> None:
         self.config = config
@@ -122,6 +147,7 @@ class NodeEngine:
         self._max_batch = 0
         self._tokens_per_s = 0.0
         self._stopping = False
+        self._staged: _Staged | None = None  # a T2/T3 change waiting for a drain (loop only)
         self._thread = threading.Thread(target=self._run, name="node-engine", daemon=True)
 
     # --- called from any thread -------------------------------------------------
@@ -159,6 +185,29 @@ class NodeEngine:
     def load(self, model_path: str, layers: LayerRange) -> Future[Shard]:
         """Load ``layers`` of the model (tier 3); drops every session's KV."""
         return self._control(lambda: self._apply_load(model_path, layers))
+
+    def configure_limits(self, limits: Limits) -> Future[EngineConfig]:
+        """Tier 1, applied by the loop at once (checked by the caller:
+        ``configure.check_limits``); the config it runs with after."""
+        return self._control(lambda: self._apply_limits(limits))
+
+    def configure_batching(self, batching: Batching) -> Future[EngineConfig]:
+        """Tier 2: checked on the loop against the KV held then, and applied at the first
+        step boundary at which no prompt is half-run (no step starts meanwhile); the
+        config it runs with after, or ``RequestError`` with the reason and nothing
+        changed. Cancelling the future before it is answered withdraws the change."""
+        staged = _Staged(batching, Future())
+        self._control(lambda: self._stage(staged))
+        return staged.future
+
+    def swap(self, shard: Shard) -> Future[int]:
+        """Tier 3: drain (opens, imports and new steps are refused ``overloaded``, the
+        steps already admitted finish), then serve ``shard`` instead, dropping every
+        session's KV (hot and parked); the sessions ended. Cancelling the future before
+        it is answered withdraws the swap."""
+        staged = _Staged(shard, Future())
+        self._control(lambda: self._stage(staged))
+        return staged.future
 
     def open(
         self,
@@ -242,9 +291,11 @@ class NodeEngine:
 
     def _run(self) -> None:
         while not self._stopping:
+            self._apply_staged()  # the last step of a drain may just have finished
             if not self._pending:
                 self._take(self._inbox.get())  # idle: wait for work
             self._drain()
+            self._apply_staged()
             if not self._stopping:
                 self._iteration()
         self._fail_leftovers()
@@ -259,8 +310,12 @@ class NodeEngine:
                 break
             if item is not None:
                 leftovers.append(item)
-        for item in leftovers:
-            item.future.set_exception(Cancelled("the node is stopping"))
+        waiting: list[Future[Any]] = [item.future for item in leftovers]
+        if self._staged is not None:
+            waiting.append(self._staged.future)
+        for future in waiting:
+            if not future.done():  # a withdrawn configure is answered already
+                future.set_exception(Cancelled("the node is stopping"))
 
     def _drain(self) -> None:
         while True:
@@ -280,6 +335,9 @@ class NodeEngine:
 
     def _admit(self, w: StepWork) -> None:
         """Queue a step, or answer a duplicate with its recorded result, or refuse it."""
+        if self._swapping():
+            w.future.set_exception(Overloaded("the node is draining to load another shard"))
+            return
         running = any(p.session_id == w.session_id for p in self._pending)
         fence = self._fences.get(w.session_id, 0)
         verdict = check_step_number(w, self._slots.get(w.session_id), fence, running)
@@ -292,8 +350,11 @@ class NodeEngine:
 
     def _iteration(self) -> None:
         """One forward over a chunk of every admitted step, within the row budget."""
+        pending = self._pending
+        if self._staged is not None and isinstance(self._staged.change, Batching):
+            pending = [w for w in pending if w.done_rows]  # drain: only half-run prompts go on
         plan = plan_batch(
-            self._pending,
+            pending,
             self._slots,
             self._shard is not None,
             self._budget,
@@ -353,6 +414,13 @@ class NodeEngine:
     def _apply_load(self, model_path: str, layers: LayerRange) -> Shard:
         f = open_gguf(model_path)
         shard = load_shard(f, read_spec(f), layers, self.config.backend)
+        self._swap_in(shard)
+        log.info("loaded layers %s of %s on %s", layers, f.path.name, shard.backend.name)
+        return shard
+
+    def _swap_in(self, shard: Shard) -> int:
+        """Serve ``shard``, dropping every session's KV; the sessions dropped."""
+        ended = len(self._slots) + len(self._parked)
         for w in self._pending:
             w.future.set_exception(CacheMiss("the node loaded another shard; its KV is gone"))
         self._pending.clear()
@@ -362,12 +430,71 @@ class NodeEngine:
         self._parked.clear()
         self._shard = shard
         self._account()
-        log.info("loaded layers %s of %s on %s", layers, f.path.name, shard.backend.name)
-        return shard
+        return ended
+
+    def _apply_limits(self, limits: Limits) -> EngineConfig:
+        self.config = with_limits(self.config, limits)
+        set_log_level(limits.log_level)
+        log.info("tier 1 applied: %s", limits)
+        return self.config
+
+    def _stage(self, staged: _Staged) -> None:
+        """Hold a T2/T3 change until the loop has drained (``_apply_staged``)."""
+        try:
+            if self._staged is not None:
+                raise Overloaded("another configure is waiting for the node to drain")
+            if isinstance(staged.change, Batching):
+                check_batching(staged.change, self.config, self._budget.in_use)
+        except Exception as e:
+            if staged.future.set_running_or_notify_cancel():
+                staged.future.set_exception(e)
+            return
+        self._staged = staged
+
+    def _swapping(self) -> bool:
+        return self._staged is not None and isinstance(self._staged.change, Shard)
+
+    def _apply_staged(self) -> None:
+        """Apply the staged change once drained: for T2, no prompt half-run; for T3, no
+        step admitted. Withdrawn (its future cancelled) meanwhile: nothing changes."""
+        staged = self._staged
+        if staged is None:
+            return
+        change = staged.change
+        if any(w.done_rows for w in self._pending) or (isinstance(change, Shard) and self._pending):
+            return
+        self._staged = None
+        if not staged.future.set_running_or_notify_cancel():
+            log.info("a configure was withdrawn before the node drained: nothing changed")
+            return
+        if isinstance(change, Batching):
+            _settle(staged.future, lambda: self._apply_batching(change))
+        else:
+            _settle(staged.future, lambda: self._apply_swap(change))
+
+    def _apply_batching(self, batching: Batching) -> EngineConfig:
+        check_batching(batching, self.config, self._budget.in_use)  # KV may have grown since
+        self.config = with_batching(self.config, batching)
+        self._budget.budget_bytes = self.config.kv_budget_bytes
+        log.info("tier 2 applied: %s", batching)
+        return self.config
+
+    def _apply_swap(self, shard: Shard) -> int:
+        ended = self._swap_in(shard)
+        log.info(
+            "tier 3 applied: layers %s of %s on %s; %d sessions' KV dropped",
+            shard.layers,
+            shard.fingerprint[:12],
+            shard.backend.name,
+            ended,
+        )
+        return ended
 
     def _admissible(self, session_id: str, epoch: int) -> Shard:
         """The shard a session at ``epoch`` may use, unless the node is empty or it is fenced."""
         shard = self._shard
+        if self._swapping():
+            raise Overloaded("the node is draining to load another shard")
         if shard is None:
             raise ShardMismatch("this node is empty: no layers loaded")
         fence = self._fences.get(session_id, 0)

@@ -33,11 +33,11 @@ from meshnet.errors import (
     RequestError,
     ShardMismatch,
 )
-from meshnet.layer_range import LayerRange
 from meshnet.model.logprobs import MAX_TOP_LOGPROBS, token_logprobs
 from meshnet.model.sampling import Sampler, SamplingParams
 from meshnet.model.shard import Shard
 from meshnet.node.autorun import Inbox, Posted, Run, next_step
+from meshnet.node.configure import Configurator, StreamLimit
 from meshnet.node.engine import EngineStats, NodeEngine, OpenedSlot
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.kv_service import KVService
@@ -91,12 +91,17 @@ class NodeService(pb_grpc.NodeServicer):
     ) -> None:
         self.identity = identity
         self.engine = engine
-        self._streams = threading.BoundedSemaphore(engine.config.max_streams)
+        # Sized by the engine's config as it is at each open (tier 1 moves it), never past
+        # the count the server's threads were sized for at start.
+        self._streams = StreamLimit(lambda: engine.config.max_streams)
         limit = engine.config.max_streams * _RELAYS_PER_STREAM
         self.mailbox = Mailbox(limit, _MAILBOX_BYTES)  # inputs relayed by previous hops
         self.relay = RelaySender()  # outputs to next hops
         self._relays = threading.BoundedSemaphore(_MAX_RELAY_STREAMS)  # from previous hops
         self.kv = KVService(engine, gate, offers)
+        self.configurator = Configurator(
+            engine, identity.model_dirs, identity.model_path, engine.config.max_streams
+        )
 
     def stats(self) -> EngineStats:
         """What the node reports with its heartbeat."""
@@ -507,24 +512,9 @@ class NodeService(pb_grpc.NodeServicer):
     def Configure(
         self, request: pb.ConfigureRequest, context: grpc.ServicerContext
     ) -> pb.ConfigureResponse:
-        if request.WhichOneof("kind") != "load":
-            return pb.ConfigureResponse(applied=False, failure=fail(MalformedBundle("no command")))
-        load = request.load
-        model_path = load.model_path or self.identity.model_path
-        try:
-            if not model_path:
-                raise MalformedBundle("no model path given and none configured at start")
-            model_path = self.identity.model_dirs.resolve(model_path)
-            layers = LayerRange(load.layer_start, load.layer_end)
-            shard = self.engine.load(model_path, layers).result(timeout=300)
-        except MeshnetError as e:
-            return pb.ConfigureResponse(applied=False, failure=fail(e))
-        return pb.ConfigureResponse(
-            applied=True,
-            layer_start=shard.layers.start,
-            layer_end=shard.layers.end,
-            fingerprint=shard.fingerprint,
-        )
+        """Apply one tier of configuration (node/configure.py); a refusal says why and
+        changes nothing."""
+        return self.configurator.configure(request)
 
     def Fence(self, request: pb.FenceRequest, context: grpc.ServicerContext) -> pb.FenceResponse:
         if request.session_id and len(request.session_id) <= MAX_SESSION_ID:

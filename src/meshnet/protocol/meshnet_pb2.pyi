@@ -214,25 +214,75 @@ class LoadShard(_message.Message):
     layer_end: int
     def __init__(self, model_path: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
 
+class Limits(_message.Message):
+    __slots__ = ("max_streams", "max_queued_steps", "log_level")
+    MAX_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOG_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    max_streams: int
+    max_queued_steps: int
+    log_level: str
+    def __init__(self, max_streams: _Optional[int] = ..., max_queued_steps: _Optional[int] = ..., log_level: _Optional[str] = ...) -> None: ...
+
+class Batching(_message.Message):
+    __slots__ = ("max_batch_tokens", "prefill_chunk", "kv_budget_bytes")
+    MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_batch_tokens: int
+    prefill_chunk: int
+    kv_budget_bytes: int
+    def __init__(self, max_batch_tokens: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ...) -> None: ...
+
 class ConfigureRequest(_message.Message):
-    __slots__ = ("load",)
+    __slots__ = ("load", "limits", "batching", "check_only")
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    BATCHING_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
     load: LoadShard
-    def __init__(self, load: _Optional[_Union[LoadShard, _Mapping]] = ...) -> None: ...
+    limits: Limits
+    batching: Batching
+    check_only: bool
+    def __init__(self, load: _Optional[_Union[LoadShard, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., batching: _Optional[_Union[Batching, _Mapping]] = ..., check_only: _Optional[bool] = ...) -> None: ...
+
+class NodeSettings(_message.Message):
+    __slots__ = ("max_streams", "max_queued_steps", "log_level", "max_batch_tokens", "prefill_chunk", "kv_budget_bytes")
+    MAX_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOG_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_streams: int
+    max_queued_steps: int
+    log_level: str
+    max_batch_tokens: int
+    prefill_chunk: int
+    kv_budget_bytes: int
+    def __init__(self, max_streams: _Optional[int] = ..., max_queued_steps: _Optional[int] = ..., log_level: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
-    __slots__ = ("applied", "failure", "layer_start", "layer_end", "fingerprint")
+    __slots__ = ("applied", "failure", "layer_start", "layer_end", "fingerprint", "tier", "detail", "settings", "sessions_ended")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_ENDED_FIELD_NUMBER: _ClassVar[int]
     applied: bool
     failure: Failure
     layer_start: int
     layer_end: int
     fingerprint: str
-    def __init__(self, applied: _Optional[bool] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    tier: str
+    detail: str
+    settings: NodeSettings
+    sessions_ended: int
+    def __init__(self, applied: _Optional[bool] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tier: _Optional[str] = ..., detail: _Optional[str] = ..., settings: _Optional[_Union[NodeSettings, _Mapping]] = ..., sessions_ended: _Optional[int] = ...) -> None: ...
 
 class FenceRequest(_message.Message):
     __slots__ = ("session_id", "epoch")
