@@ -34,6 +34,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def replica_count(text: str) -> int:
+    """An argparse type: a whole number of at least 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
+    return value
+
+
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
@@ -147,6 +158,13 @@ def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
             help="seconds one generation may run",
         ),
         p.add_argument("--max-recoveries", type=int, default=8, help="failovers per generation"),
+        p.add_argument(
+            "--replicas",
+            type=replica_count,
+            default=1,
+            help="nodes kept on every layer range: empty nodes are told to load what is short "
+            "(0: only a failing generation heals)",
+        ),
         p.add_argument(
             "--no-relay",
             dest="relay",

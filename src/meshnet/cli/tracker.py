@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
             mesh_secret_file=args.mesh_secret_file,
             tracker=TrackerConfig(
                 heartbeat_timeout_s=args.heartbeat_timeout,
+                replicas=args.replicas,
                 admission=AdmissionConfig(
                     max_in_flight=args.max_in_flight,
                     max_queued=args.max_queued,

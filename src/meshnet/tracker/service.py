@@ -8,8 +8,10 @@ node killed between requests costs the next request nothing but a retry; a
 node that is only slow (a timeout, late heartbeats) is marked down only when a
 probe on a fresh connection confirms it is gone. Failures mid-generation come
 back from the driver as a ``reroute``: the failed span is given to a replica,
-or an empty node is told to load it (healing). Generations can be cancelled by
-id, and a node whose heartbeats stop fails the steps waiting on it at once.
+or an empty node is told to load it (healing). Healing without a failing
+generation is the placement controller's (``placement``): it uses ``load``
+under the same lock. Generations can be cancelled by id, and a node whose
+heartbeats stop fails the steps waiting on it at once.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass, field
-
-import grpc
 
 from meshnet.engine.request import check_request
 from meshnet.errors import (
@@ -40,7 +40,6 @@ from meshnet.errors import (
 from meshnet.layer_range import LayerRange
 from meshnet.model.info import ModelInfo
 from meshnet.model.sampling import SamplingParams
-from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.admission import Admission, AdmissionConfig, Reservation
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.driver import DoneEvent, Fabric, Reroute, RouteDriver, TokenEvent
@@ -48,7 +47,8 @@ from meshnet.tracker.generation import Generation
 from meshnet.tracker.hop_link import answers
 from meshnet.tracker.ledger import LedgerRecord, LedgerSpool
 from meshnet.tracker.metrics import GenerationMeter, TrackerMetrics
-from meshnet.tracker.registry import NodeState
+from meshnet.tracker.placement import LoadResult, configure_span
+from meshnet.tracker.registry import NodeRecord, NodeState
 from meshnet.tracker.routes import (
     Hop,
     Route,
@@ -71,6 +71,7 @@ class TrackerConfig:
     heartbeat_timeout_s: float = 3.0  # silence after which a node is probed, and if gone, down
     sweep_interval_s: float = 0.5
     heal_timeout_s: float = 120.0  # an empty node loading a failed span
+    replicas: int = 1  # up nodes kept on every layer range by placement.py; 0: no placement
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # capacity, queue
 
 
@@ -119,7 +120,9 @@ class Tracker:
         # answered whatever its ledger write meets, and is billed once it is written.
         self.ledger = LedgerSpool(store.record_attempts)
         self._generations: dict[str, Generation] = {}
-        self._heal_lock = asyncio.Lock()
+        # One Configure at a time: two failovers, or a failover and the placement
+        # controller (placement.py), must not load one empty node twice.
+        self.heal_lock = asyncio.Lock()
         self.metrics = metrics or TrackerMetrics()  # what /metrics and the dashboard read
         self.metrics.watch(self)
 
@@ -367,7 +370,7 @@ class Tracker:
         chain = self._replicas(span, exclude)
         if chain is not None:
             return Reroute(splice(route, index, chain))
-        async with self._heal_lock:  # two failovers must not configure one empty node twice
+        async with self.heal_lock:  # two failovers must not configure one empty node twice
             chain = self._replicas(span, exclude)
             if chain is not None:
                 return Reroute(splice(route, index, chain))
@@ -409,25 +412,24 @@ class Tracker:
             if n.state is NodeState.UP and n.layers is None and n.node_id not in exclude
         ]
         for node in empty:
-            request = pb.ConfigureRequest(
-                load=pb.LoadShard(layer_start=span.start, layer_end=span.end)
-            )
-            try:
-                reply = await self.channels.stub(node.address).Configure(
-                    request,
-                    timeout=self.config.heal_timeout_s,
-                    metadata=self.channels.signed(node.node_id, "Configure"),
-                )
-            except grpc.aio.AioRpcError as e:
-                log.warning("healing on %s failed: %s", node.node_id, e.code().name)
-                continue
-            if not reply.applied or reply.fingerprint != self.model.fingerprint:
-                log.warning("node %s refused to load %s: %s", node.node_id, span, reply.failure)
-                continue
-            self.store.set_layers(node.node_id, span, reply.fingerprint)
-            log.info("healed: node %s now serves layers %s", node.node_id, span)
-            return Hop(node.node_id, node.address, span)
+            loaded = await self.load(node, span)
+            if loaded.hop is not None:
+                return loaded.hop
         return None
+
+    async def load(self, node: NodeRecord, span: LayerRange) -> LoadResult:
+        """Tell ``node`` (an empty one) to load ``span`` of this model; on success it is
+        routable at once. Hold ``heal_lock``: this tracker configures one node at a time
+        (failover heals and the placement controller alike)."""
+        result = await configure_span(
+            self.channels, node, span, self.model.fingerprint, self.config.heal_timeout_s
+        )
+        if result.hop is None:
+            log.warning("node %s did not load layers %s: %s", node.node_id, span, result.failure)
+            return result
+        self.store.set_layers(node.node_id, span, self.model.fingerprint)
+        log.info("healed: node %s now serves layers %s", node.node_id, span)
+        return result
 
     async def _node_failed(self, node_id: str, kind: str) -> bool:
         """Mark a node that failed a call down; True when it was. A timeout or silence
