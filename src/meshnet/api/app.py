@@ -26,6 +26,7 @@ from meshnet.api.errors import install_error_handlers
 from meshnet.api.state import SessionServices
 from meshnet.tracker.bench_store import BenchStore
 from meshnet.tracker.loops import LoopHealth
+from meshnet.tracker.placement import Placement
 from meshnet.tracker.retention import Retention
 from meshnet.tracker.route_bench import RouteBench
 from meshnet.tracker.service import Tracker
@@ -41,11 +42,14 @@ def create_app(
     auth: TrackerAuth,
     retention: Retention | None = None,
     route_bench: RouteBench | None = None,
+    placement: Placement | None = None,
 ) -> FastAPI:
     """The app; its lifespan runs the tracker's background loops (each survives a
     failed pass: logged, counted in its ``LoopHealth``, run again). ``route_bench``
-    defaults to one recording in the tracker's own database."""
+    defaults to one recording in the tracker's own database, ``placement`` to the
+    controller keeping ``tracker.config.replicas`` nodes on every layer range."""
     sweeper = LoopHealth("heartbeat sweeper")
+    placement = placement or Placement(tracker)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -54,6 +58,7 @@ def create_app(
             asyncio.create_task(services.outbox.run_forever()),
             asyncio.create_task(services.sessions.run_policy_forever()),
             asyncio.create_task(tracker.ledger.run_forever()),
+            asyncio.create_task(placement.run_forever()),
         ]
         if retention is not None:
             loops.append(asyncio.create_task(retention.run_forever()))
@@ -80,6 +85,7 @@ def create_app(
         sweeper,
         services.outbox.health,
         services.sessions.policy_health,
+        placement.health,
         *([retention.health] if retention is not None else []),
     ]
     install_error_handlers(app)
