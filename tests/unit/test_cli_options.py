@@ -146,3 +146,13 @@ def test_local_mesh_gives_each_node_its_threads_as_flag_and_pool_cap(
 def _flag(cmd: list[str], flag: str) -> str:
     """The value of the last ``flag`` in ``cmd`` (argparse takes the last one)."""
     return cmd[len(cmd) - cmd[::-1].index(flag)]
+
+
+def test_a_nodes_metrics_port_is_a_port_or_off() -> None:
+    parser = build_parser()
+    base = ["node", "--tracker", "http://127.0.0.1:1", "--empty"]
+    assert parser.parse_args(base).metrics_port == 0  # any free port
+    assert parser.parse_args([*base, "--metrics-port", "9100"]).metrics_port == 9100
+    assert parser.parse_args([*base, "--metrics-port", "off"]).metrics_port is None
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--metrics-port", "70000"])

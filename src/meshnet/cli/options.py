@@ -133,7 +133,23 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
             help="generations this node serves at once; more are refused (429)",
         ),
         p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats"),
+        p.add_argument(
+            "--metrics-port",
+            type=_metrics_port,
+            default=0,
+            help="port of the node's /metrics on the listen host, the tracker's signature "
+            "only (0: any free one; off: none)",
+        ),
     ]
+
+
+def _metrics_port(text: str) -> int | None:
+    if text == "off":
+        return None
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError("a port is 0 to 65535, or off")
+    return port
 
 
 def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
