@@ -220,9 +220,20 @@ def test_t3_swaps_a_nodes_layers_and_its_sessions_resume_exactly(
     second = turn(mesh, sid, TURNS[1])
     assert (second["resume_path"], second["ids"]) == ("snapshot", reference[1])
     assert node not in {h["node_id"] for h in second["route"]}
-    # The same shard again is already applied: nothing reloads, no KV goes.
-    again = applied(mesh, node, {"t3": {"layer_start": 0, "layer_end": 4}})
-    assert "nothing reloaded" in again["detail"] and again["handed_off"] == []
+    # The same shard again reloads it, and the KV it held stays, parked on the node.
+    routes = f"{mesh.url}/admin/routes"
+    pin = httpx.post(routes, json={"node_ids": [node]}, headers=mesh.admin_headers, timeout=10)
+    assert pin.status_code == 200, pin.text
+    try:
+        parked = new_session(mesh)
+        assert [h["node_id"] for h in turn(mesh, parked, TURNS[0])["route"]] == [node]
+        again = applied(mesh, node, {"t3": {"layer_start": 0, "layer_end": 4}})
+        assert (again["keeps_kv"], again["handed_off"], again["sessions_ended"]) == (True, [], 0)
+        assert info(mesh, node).parked >= 1
+        resumed = turn(mesh, parked, TURNS[1])
+        assert (resumed["resume_path"], resumed["ids"]) == ("parked", reference[1])
+    finally:
+        httpx.delete(routes, headers=mesh.admin_headers, timeout=10)
     # The node serves its new layers alone, exactly.
     question = {
         "model": model_name,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from meshnet.engine.local import LocalModel
-from meshnet.errors import LayerRangeError, MalformedBundle, Overloaded, RequestError
+from meshnet.errors import CacheMiss, LayerRangeError, MalformedBundle, Overloaded, RequestError
 from meshnet.layer_range import LayerRange
 from meshnet.node.configure import (
     MAX_BATCH_TOKENS,
@@ -192,7 +192,7 @@ def test_t2_below_the_kv_held_is_refused_and_changes_nothing(engine: RecordingEn
     assert config.kv_budget_bytes == held == engine.stats().kv_budget_bytes
 
 
-def test_t3_drains_refuses_opens_meanwhile_then_swaps(
+def test_t3_lets_a_half_run_prompt_finish_then_swaps(
     engine: RecordingEngine, tiny_path: Path
 ) -> None:
     from meshnet.model.gguf_file import open_gguf
@@ -202,16 +202,22 @@ def test_t3_drains_refuses_opens_meanwhile_then_swaps(
     f = open_gguf(tiny_path)
     shard = load_shard(f, read_spec(f), LayerRange(0, 2))
     engine.open("s", 1).result(5)
+    engine.open("q", 1).result(5)
     work = StepWork("s", 1, _prompt(60), None)
     engine.submit(work)
+    while work.done_rows == 0 and not work.future.done():
+        pass  # the prompt has started
     swapped = engine.swap(shard)
+    queued = engine.submit(StepWork("q", 1, _prompt(3), None))
     refused: list[Any] = []
     try:
         engine.open("t", 1).result(5)
     except Overloaded as e:
         refused.append(e)
-    assert work.future.result(30).shape[0] == 1  # the admitted step ran to its end
-    assert swapped.result(30) == 1
+    assert work.future.result(30).shape[0] == 1  # the half-run prompt ran to its end
+    assert swapped.result(30) == 2
+    with pytest.raises(CacheMiss):  # queued behind the drain: its KV went with the swap
+        queued.result(5)
     assert refused or work.future.done()  # the open came during the drain, or after it
     assert engine.stats().layers == LayerRange(0, 2) and engine.stats().sessions == 0
     engine.open("t", 2).result(5)  # the new shard serves
@@ -262,10 +268,18 @@ def test_configure_answers_each_tier_with_the_settings_after(
     reply = _configure(service, batching=pb.Batching(prefill_chunk=16))
     assert (reply.applied, reply.tier, reply.settings.prefill_chunk) == (True, "t2", 16)
     service.engine.open("s", 1).result(5)
+    service.engine.submit(StepWork("s", 1, _prompt(5), None)).result(30)
     same = _configure(service, load=pb.LoadShard(layer_start=0, layer_end=4))
-    assert same.applied and "nothing reloaded" in same.detail
-    assert service.engine.stats().sessions == 1  # the same shard: its KV stays
+    assert (same.applied, same.keeps_kv, same.sessions_ended) == (True, True, 0)
+    stats = service.engine.stats()
+    assert (stats.sessions, stats.parked) == (0, 1)  # reloaded: the KV parked, still its
+    assert service.engine.open("s", 2, resume=True).result(5).kv_tokens == 5
     moved = _configure(service, load=pb.LoadShard(layer_start=0, layer_end=2))
-    assert (moved.applied, moved.tier, moved.sessions_ended) == (True, "t3", 1)
+    assert (moved.applied, moved.tier, moved.sessions_ended, moved.keeps_kv) == (
+        True,
+        "t3",
+        1,
+        False,
+    )
     assert (moved.layer_start, moved.layer_end) == (0, 2)
     assert service.engine.stats().sessions == 0

@@ -6,11 +6,12 @@ The body names exactly one tier (DESIGN.md §7, node/configure.py):
 - ``t2`` — batching, applied at the node's next step boundary with no prompt half-run:
   ``max_batch_tokens``, ``prefill_chunk``, ``kv_budget_bytes``;
 - ``t3`` — the shard (``model_path``, ``layer_start``, ``layer_end``): the node drains,
-  swaps and drops its sessions' KV. With ``handoff: "snapshot"`` (the default) the
-  tracker first checks that the node can load it, then evicts every idle or parked
-  session whose route holds the node to the snapshot store, so their next turn resumes
-  from the snapshot on any node serving those layers (re-prefilled where none does;
-  the same tokens either way). ``handoff: "none"`` lets those turns re-prefill.
+  swaps and drops its sessions' KV (the same model and layers again park it on the
+  node instead). With ``handoff: "snapshot"`` (the default) the tracker first checks
+  that the node can load it, then, unless the node keeps the KV, evicts every idle or
+  parked session whose route holds the node to the snapshot store, so their next turn
+  resumes from the snapshot on any node serving those layers (re-prefilled where none
+  does; the same tokens either way). ``handoff: "none"`` lets those turns re-prefill.
 
 The tracker calls the node's ``Configure``, signed as every tracker call is, and
 answers what the node now runs with, or the node's typed reason (the error's ``code``)
@@ -115,7 +116,7 @@ async def configure_node(node_id: str, body: ConfigureBody, request: Request) ->
     failures: list[dict[str, str]] = []
     if body.t3 is not None and body.t3.handoff == "snapshot" and not body.check_only:
         checked = await _call(tracker, node, body.request(check_only=True), body.tier)
-        if not checked.applied:  # applied on a check: the node serves that shard already
+        if not checked.keeps_kv:  # a reload of the shard served parks the KV on the node
             handed, failures = await _hand_off(sessions_of(request), node_id)
     reply = await _call(tracker, node, body.request(), body.tier)
     if reply.applied and body.t3 is not None:
@@ -190,6 +191,7 @@ def _result(
         "layers": [reply.layer_start, reply.layer_end] if reply.fingerprint else None,
         "fingerprint": reply.fingerprint or None,
         "sessions_ended": reply.sessions_ended,
+        "keeps_kv": reply.keeps_kv,
         "handed_off": handed,
         "handoff_failures": failures,
         "settings": {

@@ -7,9 +7,10 @@
   half-run (a prefill cut into chunks keeps one chunk size from its first row to
   its last, so its results never depend on when the change came): rows per
   forward, prompt rows per session per forward, the KV budget.
-- **T3** (``ShardLoad``) swaps the shard: the node drains (opens refused, running
-  steps finish), drops its sessions' KV, which is no use to other layers or
-  another model, and serves the new layers; its heartbeat carries them.
+- **T3** (``ShardLoad``) swaps the shard: the node drains (opens refused,
+  half-run prompts finish, queued steps miss), drops its sessions' KV, which is
+  no use to other layers or another model (the same model and layers again
+  park it instead), and serves the new layers; its heartbeat carries them.
 
 Every value is checked here, in pure functions, before the engine is asked to
 change; a refused change raises ``RequestError`` with the reason and changes
@@ -183,7 +184,8 @@ class Configurator:
     A T3 change opens and checks the file (in the node's model dirs, a GGUF of a
     supported model, the range inside its layers) and loads the new shard on the
     calling thread while the old one keeps serving; only the swap waits for the drain.
-    The same model and range as served is already applied: nothing reloads, no KV goes.
+    The same model and range as served is loaded again, its sessions' KV parked on
+    the node's disk meanwhile (``keeps_kv``): their next turn resumes from it.
     """
 
     def __init__(
@@ -229,28 +231,32 @@ class Configurator:
         f = open_gguf(path)
         spec = read_spec(f)
         change.layers.check_within(spec.n_layers)
-        fingerprint = f.fingerprint()
         now = self._engine.shard
-        if now is not None and (now.fingerprint, now.layers) == (fingerprint, change.layers):
-            return self._answer(change, True, f"already serving {change.layers}: nothing reloaded")
+        served = (now.fingerprint, now.layers) if now is not None else None
+        keeps = served == (f.fingerprint(), change.layers)  # a reload: the KV still fits
         if check:
-            return self._answer(change, False, f"checked: {change.layers} can be loaded")
+            return self._answer(change, False, f"checked: {change.layers} can be loaded", keeps)
         try:
             shard = load_shard(f, spec, change.layers, self._engine.config.backend)
         except MemoryError:
             raise RequestError(f"not enough memory to load {change.layers}") from None
         ended = _drained(self._engine.swap(shard))
-        detail = f"now serving {change.layers}; {ended} sessions' KV dropped"
-        return self._answer(change, True, detail, ended)
+        if keeps:
+            detail = f"reloaded {change.layers}; sessions' KV parked on the node, {ended} lost"
+        else:
+            detail = f"now serving {change.layers}; {ended} sessions' KV dropped"
+        reply = self._answer(change, True, detail, keeps)
+        reply.sessions_ended = ended
+        return reply
 
     def _answer(
-        self, change: Change, applied: bool, detail: str, ended: int = 0
+        self, change: Change, applied: bool, detail: str, keeps_kv: bool = False
     ) -> pb.ConfigureResponse:
         reply = self._reply(None)
         reply.applied = applied
         reply.tier = tier(change)
         reply.detail = detail
-        reply.sessions_ended = ended
+        reply.keeps_kv = keeps_kv
         return reply
 
     def _reply(self, error: MeshnetError | None) -> pb.ConfigureResponse:

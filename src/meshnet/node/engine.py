@@ -9,10 +9,10 @@ start of its own prompt, so a long prompt never stalls running streams and a
 sequence is chunked the same way whatever else is running (its results stay
 bit-identical alone or batched).
 
-Live configuration (node/configure.py) is applied here too: tier 1 at once, a
-tier-2 change once no prompt is half-run (only half-run prompts go on until
-then), a tier-3 shard swap once every admitted step has finished (opens,
-imports and new steps are refused ``overloaded`` meanwhile).
+Live configuration (node/configure.py) is applied here too: tier 1 at once,
+tier 2 and a tier-3 shard swap once no prompt is half-run (only half-run
+prompts go on until then; during a swap's drain opens and imports are
+refused ``overloaded``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from meshnet.backends.base import BatchEntry
 from meshnet.errors import (
     CacheMiss,
     Cancelled,
+    MeshnetError,
     Overloaded,
     ShardMismatch,
     StaleEpoch,
@@ -201,10 +202,12 @@ class NodeEngine:
         return staged.future
 
     def swap(self, shard: Shard) -> Future[int]:
-        """Tier 3: drain (opens, imports and new steps are refused ``overloaded``, the
-        steps already admitted finish), then serve ``shard`` instead, dropping every
-        session's KV (hot and parked); the sessions ended. Cancelling the future before
-        it is answered withdraws the swap."""
+        """Tier 3: drain (opens and imports are refused ``overloaded``, half-run prompts
+        finish, no other step starts), then serve ``shard`` instead; the steps still
+        queued fail ``cache-miss``. The same model and layers again keep the sessions'
+        KV, parked on local disk (a resuming open reads it back); any other shard drops
+        it. The sessions whose KV was dropped. Cancelling the future before it is
+        answered withdraws the swap."""
         staged = _Staged(shard, Future())
         self._control(lambda: self._stage(staged))
         return staged.future
@@ -335,9 +338,6 @@ class NodeEngine:
 
     def _admit(self, w: StepWork) -> None:
         """Queue a step, or answer a duplicate with its recorded result, or refuse it."""
-        if self._swapping():
-            w.future.set_exception(Overloaded("the node is draining to load another shard"))
-            return
         running = any(p.session_id == w.session_id for p in self._pending)
         fence = self._fences.get(w.session_id, 0)
         verdict = check_step_number(w, self._slots.get(w.session_id), fence, running)
@@ -351,7 +351,7 @@ class NodeEngine:
     def _iteration(self) -> None:
         """One forward over a chunk of every admitted step, within the row budget."""
         pending = self._pending
-        if self._staged is not None and isinstance(self._staged.change, Batching):
+        if self._staged is not None:
             pending = [w for w in pending if w.done_rows]  # drain: only half-run prompts go on
         plan = plan_batch(
             pending,
@@ -418,16 +418,25 @@ class NodeEngine:
         log.info("loaded layers %s of %s on %s", layers, f.path.name, shard.backend.name)
         return shard
 
-    def _swap_in(self, shard: Shard) -> int:
-        """Serve ``shard``, dropping every session's KV; the sessions dropped."""
-        ended = len(self._slots) + len(self._parked)
+    def _swap_in(self, shard: Shard, park: bool = False) -> int:
+        """Serve ``shard``: queued steps fail, every session's KV is dropped, or with
+        ``park`` (``shard`` has the same model and layers) parked first and kept; the
+        sessions whose KV was dropped."""
         for w in self._pending:
             w.future.set_exception(CacheMiss("the node loaded another shard; its KV is gone"))
         self._pending.clear()
+        if park:
+            for session_id in list(self._slots):
+                try:
+                    self._apply_park(session_id, None)
+                except (MeshnetError, OSError) as e:
+                    log.warning("session %s could not be parked for the reload: %s", session_id, e)
+        ended = len(self._slots) + (0 if park else len(self._parked))
         self._slots.clear()
-        for parked in self._parked.values():
-            self._park_store.remove(parked)
-        self._parked.clear()
+        if not park:
+            for parked in self._parked.values():
+                self._park_store.remove(parked)
+            self._parked.clear()
         self._shard = shard
         self._account()
         return ended
@@ -455,13 +464,13 @@ class NodeEngine:
         return self._staged is not None and isinstance(self._staged.change, Shard)
 
     def _apply_staged(self) -> None:
-        """Apply the staged change once drained: for T2, no prompt half-run; for T3, no
-        step admitted. Withdrawn (its future cancelled) meanwhile: nothing changes."""
+        """Apply the staged change once drained (no prompt half-run). Withdrawn (its
+        future cancelled) meanwhile: nothing changes."""
         staged = self._staged
         if staged is None:
             return
         change = staged.change
-        if any(w.done_rows for w in self._pending) or (isinstance(change, Shard) and self._pending):
+        if any(w.done_rows for w in self._pending):
             return
         self._staged = None
         if not staged.future.set_running_or_notify_cancel():
@@ -480,7 +489,7 @@ class NodeEngine:
         return self.config
 
     def _apply_swap(self, shard: Shard) -> int:
-        ended = self._swap_in(shard)
+        ended = self._swap_in(shard, park=_same_shard(self._shard, shard))
         log.info(
             "tier 3 applied: layers %s of %s on %s; %d sessions' KV dropped",
             shard.layers,
@@ -623,6 +632,11 @@ class NodeEngine:
         for w in [w for w in self._pending if w.session_id == session_id]:
             self._pending.remove(w)
             w.future.set_exception(error)
+
+
+def _same_shard(old: Shard | None, new: Shard) -> bool:
+    """Whether ``new`` is ``old`` loaded again: the same model file's layers, whose KV fits."""
+    return old is not None and (old.fingerprint, old.layers) == (new.fingerprint, new.layers)
 
 
 def _rewind(slot: Slot, tokens: int, steps: int) -> None:

@@ -263,7 +263,7 @@ class NodeSettings(_message.Message):
     def __init__(self, max_streams: _Optional[int] = ..., max_queued_steps: _Optional[int] = ..., log_level: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
-    __slots__ = ("applied", "failure", "layer_start", "layer_end", "fingerprint", "tier", "detail", "settings", "sessions_ended")
+    __slots__ = ("applied", "failure", "layer_start", "layer_end", "fingerprint", "tier", "detail", "settings", "sessions_ended", "keeps_kv")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +273,7 @@ class ConfigureResponse(_message.Message):
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_ENDED_FIELD_NUMBER: _ClassVar[int]
+    KEEPS_KV_FIELD_NUMBER: _ClassVar[int]
     applied: bool
     failure: Failure
     layer_start: int
@@ -282,7 +283,8 @@ class ConfigureResponse(_message.Message):
     detail: str
     settings: NodeSettings
     sessions_ended: int
-    def __init__(self, applied: _Optional[bool] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tier: _Optional[str] = ..., detail: _Optional[str] = ..., settings: _Optional[_Union[NodeSettings, _Mapping]] = ..., sessions_ended: _Optional[int] = ...) -> None: ...
+    keeps_kv: bool
+    def __init__(self, applied: _Optional[bool] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tier: _Optional[str] = ..., detail: _Optional[str] = ..., settings: _Optional[_Union[NodeSettings, _Mapping]] = ..., sessions_ended: _Optional[int] = ..., keeps_kv: _Optional[bool] = ...) -> None: ...
 
 class FenceRequest(_message.Message):
     __slots__ = ("session_id", "epoch")
