@@ -191,7 +191,8 @@ def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
             "--no-autorun",
             dest="autorun",
             action="store_false",
-            help="drive a one-node route's every decode step instead of letting it run ahead",
+            help="drive every decode step instead of letting the route's hops run ahead "
+            "(one node by itself, several round a ring)",
         ),
         p.add_argument("--max-in-flight", type=int, default=64, help="generations at once"),
         p.add_argument(
