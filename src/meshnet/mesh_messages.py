@@ -43,6 +43,7 @@ class NodeAnnouncement(Frozen):
     kv_budget_bytes: int = Field(ge=0)
     pid: int = Field(ge=0)
     load: NodeLoad
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)  # its /metrics, if served
 
 
 class Heartbeat(Frozen):
@@ -50,6 +51,7 @@ class Heartbeat(Frozen):
     fingerprint: str = Field(max_length=64)
     layer_start: int = Field(ge=0)
     layer_end: int = Field(ge=0)
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)  # its /metrics, if served
 
 
 class HeartbeatReply(Frozen):

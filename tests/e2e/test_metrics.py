@@ -175,12 +175,18 @@ def test_a_node_serves_its_metrics_to_the_tracker_only(mesh: LocalMesh) -> None:
 
 
 def test_a_node_tells_only_its_own_metrics_port(mesh: LocalMesh) -> None:
-    url = f"{mesh.url}/mesh/nodes/node-0/metrics-port"
+    """The port comes with the node's signed heartbeat: another node cannot set it, and
+    a port out of range is refused with nothing recorded."""
+    url = f"{mesh.url}/mesh/nodes/node-0/heartbeat"
+    load = {"sessions": 0, "kv_bytes": 0, "queue_depth": 0, "steps": 0}
+    beat = {"load": load, "fingerprint": "", "layer_start": 0, "layer_end": 0}
     as_node1 = NodeAuth("node-1", mesh.node_key("node-1"))
-    assert httpx.post(url, json={"port": 9}, auth=as_node1).status_code == 403
-    assert httpx.post(url, json={"port": 9}).status_code == 401
+    assert httpx.post(url, json={**beat, "metrics_port": 9}, auth=as_node1).status_code == 403
+    assert httpx.post(url, json={**beat, "metrics_port": 9}).status_code == 401
     as_node0 = NodeAuth("node-0", mesh.node_key("node-0"))
-    assert httpx.post(url, json={"port": 0}, auth=as_node0).status_code == 400
+    r = httpx.post(url, json={**beat, "metrics_port": 0}, auth=as_node0)
+    assert r.status_code == 400
+    assert _node_metrics_port(mesh, "node-0") != 0
 
 
 def test_a_node_killed_shows_in_the_metrics(mesh: LocalMesh) -> None:

@@ -97,7 +97,6 @@ def create_app(
     app.include_router(mesh.router)
     app.include_router(health.router)
     app.include_router(metrics.admin)
-    app.include_router(metrics.mesh)
     app.include_router(dashboard.page)
     app.include_router(dashboard.admin)
     return app

@@ -7,6 +7,7 @@ node's id or address.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -15,6 +16,9 @@ from fastapi import APIRouter, Path, Request
 from meshnet.api.auth import CallingNode, require_same_node
 from meshnet.api.state import tracker_of
 from meshnet.mesh_messages import MAX_ID, Heartbeat, HeartbeatReply, NodeAnnouncement
+from meshnet.tracker.service import Tracker
+
+log = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -22,7 +26,9 @@ router = APIRouter()
 @router.post("/mesh/nodes")
 async def register(body: NodeAnnouncement, request: Request, caller: CallingNode) -> dict[str, Any]:
     require_same_node(caller, body.node_id)
-    tracker_of(request).store.register(body, time.time())
+    tracker = tracker_of(request)
+    tracker.store.register(body, time.time())
+    _note_metrics_port(tracker, body.node_id, body.metrics_port)
     return {"registered": body.node_id}
 
 
@@ -34,5 +40,14 @@ async def heartbeat(
     node_id: str = Path(max_length=MAX_ID),
 ) -> dict[str, Any]:
     require_same_node(caller, node_id)
-    known = tracker_of(request).store.heartbeat(node_id, body, time.time())
+    tracker = tracker_of(request)
+    known = tracker.store.heartbeat(node_id, body, time.time())
+    _note_metrics_port(tracker, node_id, body.metrics_port)
     return HeartbeatReply(known=known).model_dump()
+
+
+def _note_metrics_port(tracker: Tracker, node_id: str, port: int | None) -> None:
+    """Where the node serves its /metrics (on the host it registered with); a full table
+    of ports costs only that node's metrics, never its registration."""
+    if port is not None and not tracker.metrics.scrape_targets.set(node_id, port):
+        log.warning("node %s: no room to remember its metrics port", node_id)

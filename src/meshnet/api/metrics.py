@@ -6,27 +6,23 @@ the HTTP requests the tracker answers.
 - ``GET /admin/nodes/{id}/metrics`` (admin token): that node's metrics, fetched from
   the node's own metrics server with a call the tracker signs for it; the node
   serves nobody else (``node/metrics_http.py``). The host dialled is the one the
-  node registered, the port the one it told (``POST /mesh/nodes/{id}/metrics-port``,
-  signed by the node).
+  node registered, the port the one its signed registration and heartbeats say.
 - ``CountRequests``: every HTTP answer counted by method, route template (never the
   raw path, which would make a series per session id) and status.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import httpx
 from fastapi import APIRouter, Depends, Path, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from meshnet.api.auth import CallingNode, auth_of, require_admin, require_same_node
+from meshnet.api.auth import auth_of, require_admin
 from meshnet.api.state import tracker_of
 from meshnet.auth.signing import METADATA_KEY, sign_tracker_call
-from meshnet.errors import NodeFailure, NotFound, Overloaded
+from meshnet.errors import NodeFailure, NotFound
 from meshnet.mesh_messages import MAX_ID
 from meshnet.tracker.metrics import TrackerMetrics
 
@@ -35,7 +31,6 @@ MAX_NODE_METRICS_BYTES = 8 << 20  # a node's answer past this is cut off: refuse
 NODE_TIMEOUT_S = 5.0
 
 admin = APIRouter(dependencies=[Depends(require_admin)])
-mesh = APIRouter()
 
 
 @admin.get("/metrics")
@@ -77,26 +72,6 @@ async def _fetch(url: str, headers: dict[str, str], node_id: str) -> bytes:
             return bytes(body)
     except httpx.HTTPError as e:
         raise NodeFailure(f"node {node_id}'s metrics are unreachable: {e}", node_id) from None
-
-
-class MetricsPort(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    port: int = Field(ge=1, le=65535)
-
-
-@mesh.post("/mesh/nodes/{node_id}/metrics-port")
-async def metrics_port(
-    body: MetricsPort,
-    request: Request,
-    caller: CallingNode,
-    node_id: str = Path(max_length=MAX_ID),
-) -> dict[str, Any]:
-    """A node says which port its metrics server listens on (on its registered host)."""
-    require_same_node(caller, node_id)
-    if not tracker_of(request).metrics.scrape_targets.set(node_id, body.port):
-        raise Overloaded("the tracker knows the metrics ports of as many nodes as it holds")
-    return {"node_id": node_id, "port": body.port}
 
 
 class CountRequests:

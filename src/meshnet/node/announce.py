@@ -34,10 +34,12 @@ class Announcer:
         kv_budget_bytes: int,
         stats: Callable[[], EngineStats],
         interval_s: float = 1.0,
+        metrics_port: int | None = None,
     ) -> None:
         self.tracker_url = tracker_url.rstrip("/")
         self.node_id = node_id
         self._auth = NodeAuth(node_id, node_key)
+        self.metrics_port = metrics_port  # told each beat: a restarted tracker learns it again
         self.address = address
         self.backend = backend
         self.kv_budget_bytes = kv_budget_bytes
@@ -92,7 +94,7 @@ class Announcer:
             backend=self.backend,
             kv_budget_bytes=self.kv_budget_bytes,
             pid=os.getpid(),
-            **_heartbeat(self.stats()).model_dump(),
+            **_heartbeat(self.stats(), self.metrics_port).model_dump(),
         )
         r = http.post(f"{self.tracker_url}/mesh/nodes", json=body.model_dump())
         r.raise_for_status()
@@ -100,7 +102,7 @@ class Announcer:
         return True
 
     def _beat(self, http: httpx.Client) -> bool:
-        body = _heartbeat(self.stats())
+        body = _heartbeat(self.stats(), self.metrics_port)
         r = http.post(
             f"{self.tracker_url}/mesh/nodes/{self.node_id}/heartbeat", json=body.model_dump()
         )
@@ -108,13 +110,14 @@ class Announcer:
         return HeartbeatReply.model_validate(r.json()).known
 
 
-def _heartbeat(s: EngineStats) -> Heartbeat:
+def _heartbeat(s: EngineStats, metrics_port: int | None) -> Heartbeat:
     """What the node says about itself every beat (and, with more, when registering)."""
     return Heartbeat(
         load=_load(s),
         fingerprint=s.fingerprint,
         layer_start=s.layers.start if s.layers else 0,
         layer_end=s.layers.end if s.layers else 0,
+        metrics_port=metrics_port,
     )
 
 

@@ -26,7 +26,7 @@ from meshnet.node.announce import Announcer
 from meshnet.node.engine import EngineConfig
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.metrics import MeteredEngine, NodeMetrics
-from meshnet.node.metrics_http import MetricsAnnouncer, MetricsServer
+from meshnet.node.metrics_http import MetricsServer
 from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.preflight import check_node
 from meshnet.node.service import NodeIdentity, NodeService
@@ -129,18 +129,14 @@ def preflight(cfg: NodeConfig) -> bool:
     return True
 
 
-def _serve_metrics(
-    cfg: NodeConfig, host: str, metrics: NodeMetrics
-) -> tuple[MetricsServer, MetricsAnnouncer] | None:
-    """Start the node's /metrics server and tell the tracker its port (unless off)."""
+def _serve_metrics(cfg: NodeConfig, host: str, metrics: NodeMetrics) -> MetricsServer | None:
+    """Start the node's /metrics server (unless off); the heartbeats tell its port."""
     if cfg.metrics_port is None:
         return None
     server = MetricsServer(host, cfg.metrics_port, cfg.node_key, metrics.registry)
     server.start()
     log.info("node %s serves its metrics on port %d", cfg.node_id, server.port)
-    told = MetricsAnnouncer(cfg.tracker_url, cfg.node_id, cfg.node_key, server.port)
-    told.start()
-    return server, told
+    return server
 
 
 def serve(cfg: NodeConfig) -> int:
@@ -178,6 +174,7 @@ def serve(cfg: NodeConfig) -> int:
     address = f"{host}:{cfg.advertise_port or port}"
     log.info("node %s serving on %s with %d kernel threads", cfg.node_id, address, threads)
     print(f"meshnet node {cfg.node_id} listening on {address}", flush=True)
+    scrape = _serve_metrics(cfg, listen_host, metrics)
     announcer = Announcer(
         cfg.tracker_url,
         cfg.node_id,
@@ -187,17 +184,16 @@ def serve(cfg: NodeConfig) -> int:
         cfg.engine.kv_budget_bytes,
         service.stats,
         cfg.heartbeat_s,
+        metrics_port=scrape.port if scrape is not None else None,
     )
     announcer.start()
-    scrape = _serve_metrics(cfg, listen_host, metrics)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     announcer.stop()
     if scrape is not None:
-        scrape[1].stop()
-        scrape[0].stop()
+        scrape.stop()
     server.stop(grace=1.0).wait()
     service.relay.close()
     offers.close()

@@ -13,9 +13,9 @@ Bounded: ``MAX_CLIENTS`` requests at once (more are closed at once), each socket
 read or write waits at most ``TIMEOUT_S``, request lines and headers are capped
 by ``http.server``.
 
-The port (any free one unless given) is told to the tracker by ``MetricsAnnouncer``:
-a signed ``POST /mesh/nodes/{id}/metrics-port``, repeated every ``interval_s`` so a
-tracker that restarted learns it again.
+The port (any free one unless given) is told to the tracker in the node's signed
+registration and every heartbeat (``node/announce.py``), so a tracker that
+restarted learns it again.
 """
 
 from __future__ import annotations
@@ -26,10 +26,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from meshnet.auth.node_http import NodeAuth
 from meshnet.auth.signing import METADATA_KEY, verify_call
 from meshnet.errors import Unauthenticated
 
@@ -117,35 +115,3 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("metrics http: " + format, *args)
-
-
-class MetricsAnnouncer:
-    """Tells the tracker this node's metrics port, now and every ``interval_s``."""
-
-    def __init__(
-        self, tracker_url: str, node_id: str, key: str, port: int, interval_s: float = 10.0
-    ) -> None:
-        self._url = f"{tracker_url.rstrip('/')}/mesh/nodes/{node_id}/metrics-port"
-        self._auth = NodeAuth(node_id, key)
-        self._port = port
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="metrics-announcer", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=5.0, auth=self._auth) as http:
-            wait = 0.2  # soon after start (the node may register first), then each interval
-            while not self._stop.wait(wait):
-                try:
-                    http.post(self._url, json={"port": self._port}).raise_for_status()
-                    wait = self._interval_s
-                except httpx.HTTPError as e:
-                    log.debug("could not tell the tracker the metrics port: %s", e)
-                    wait = min(self._interval_s, 1.0)
