@@ -13,6 +13,7 @@ from meshnet.api.schemas import PinRouteRequest
 from meshnet.api.state import tracker_of
 from meshnet.auth.tenants import Quotas
 from meshnet.errors import MeshnetError, NotFound
+from meshnet.tracker.registry import node_json
 from meshnet.tracker.routes import route_json
 
 router = APIRouter(dependencies=[Depends(require_admin)])
@@ -20,23 +21,7 @@ router = APIRouter(dependencies=[Depends(require_admin)])
 
 @router.get("/admin/nodes")
 async def list_nodes(request: Request) -> dict[str, Any]:
-    return {
-        "nodes": [
-            {
-                "node_id": n.node_id,
-                "address": n.address,
-                "layers": [n.layers.start, n.layers.end] if n.layers else None,
-                "state": n.state.value,
-                "down_reason": n.down_reason or None,
-                "pid": n.pid,
-                "backend": n.backend,
-                "fingerprint": n.fingerprint,
-                "last_seen": n.last_seen,
-                "load": n.load.model_dump(),
-            }
-            for n in tracker_of(request).store.nodes()
-        ]
-    }
+    return {"nodes": [node_json(n) for n in tracker_of(request).store.nodes()]}
 
 
 @router.get("/admin/routes")

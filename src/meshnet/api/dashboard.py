@@ -26,7 +26,7 @@ from meshnet.api.auth import require_admin
 from meshnet.api.state import tracker_of
 from meshnet.errors import DatabaseUnavailable, MeshnetError, NotFound
 from meshnet.tracker.metrics import counter_total, layer_replicas, session_counts
-from meshnet.tracker.registry import NodeRecord
+from meshnet.tracker.registry import NodeRecord, node_json
 from meshnet.tracker.routes import route_json
 from meshnet.tracker.service import Tracker
 
@@ -128,15 +128,7 @@ def _stored(tracker: Tracker) -> dict[str, Any]:
 
 def _node(n: NodeRecord, now: float, metrics_port: int | None) -> dict[str, Any]:
     return {
-        "node_id": n.node_id,
-        "address": n.address,
-        "layers": [n.layers.start, n.layers.end] if n.layers else None,
-        "state": n.state.value,
-        "down_reason": n.down_reason or None,
-        "backend": n.backend,
-        "fingerprint": n.fingerprint,
+        **node_json(n),
         "heartbeat_age_s": round(max(0.0, now - n.last_seen), 2),
-        "kv_budget_bytes": n.kv_budget_bytes,
         "metrics_port": metrics_port,  # its /metrics server, as it said (None: not said)
-        "load": n.load.model_dump(),
     }

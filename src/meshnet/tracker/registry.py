@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import NodeLoad
@@ -43,3 +44,20 @@ class NodeRecord:
 def is_stale(record: NodeRecord, now: float, timeout_s: float) -> bool:
     """True when an up node has not been heard from for ``timeout_s``."""
     return record.state is NodeState.UP and now - record.last_seen > timeout_s
+
+
+def node_json(n: NodeRecord) -> dict[str, Any]:
+    """A node's registry record as the admin API shows it."""
+    return {
+        "node_id": n.node_id,
+        "address": n.address,
+        "layers": [n.layers.start, n.layers.end] if n.layers else None,
+        "state": n.state.value,
+        "down_reason": n.down_reason or None,
+        "pid": n.pid,
+        "backend": n.backend,
+        "fingerprint": n.fingerprint,
+        "kv_budget_bytes": n.kv_budget_bytes,
+        "last_seen": n.last_seen,
+        "load": n.load.model_dump(),
+    }
