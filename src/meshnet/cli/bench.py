@@ -18,18 +18,17 @@ from typing import Any
 
 import httpx
 
-from meshnet.auth.credentials import CREDENTIALS_FILE, read_user_credentials
 from meshnet.backends.fast import set_threads
 from meshnet.backends.quant import kernel_name
 from meshnet.benchmark.engine import bench_engine, warm_up
 from meshnet.benchmark.figures import Throughput
 from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp, peer_isa
+from meshnet.cli.mesh_admin import ADMIN_TOKEN_ENV, admin_token
 from meshnet.cli.options import positive_duration, positive_int
 from meshnet.engine.local import load_local_model
 from meshnet.errors import MeshnetError, error_for_kind
 from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 
-ADMIN_TOKEN_ENV = "MESHNET_ADMIN_TOKEN"
 DEFAULT_PROMPT = "The capital of France is"
 
 
@@ -63,7 +62,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     routes.add_argument("--url", default="http://127.0.0.1:8000", help="the tracker's API")
     routes.add_argument(
         "--admin-token",
-        default=os.environ.get(ADMIN_TOKEN_ENV),
         help=f"default: ${ADMIN_TOKEN_ENV}, else DATA_DIR/credentials.json",
     )
     routes.add_argument("--data-dir", type=Path, default=Path("meshnet-data"), help="the tracker's")
@@ -153,7 +151,7 @@ def _route(text: str) -> list[str]:
 def run_routes(args: argparse.Namespace) -> int:
     """Ask the tracker to benchmark ``--route``s; 0 when every route's output equals the
     unpinned run's, 1 when one differs."""
-    token = args.admin_token or read_user_credentials(args.data_dir / CREDENTIALS_FILE).admin_token
+    token = admin_token(args, os.environ)
     body = {
         "routes": args.route,
         "prompt": args.prompt,
