@@ -82,7 +82,15 @@ async def ledger(
     store = tracker_of(request).store
     records = store.ledger(generation_id, node_id, limit)
     return {
-        "records": [{**asdict(r), "tokens": r.tokens, "billable": r.billable} for r in records],
+        "records": [
+            {
+                **asdict(r),
+                "commitments": r.commitments.hex(),
+                "tokens": r.tokens,
+                "billable": r.billable,
+            }
+            for r in records
+        ],
         "totals": store.ledger_totals(generation_id),
     }
 

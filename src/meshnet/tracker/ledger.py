@@ -8,8 +8,15 @@ it computed in that epoch and how it ended:
   by a resume, which starts the next attempt where this one stopped);
 - ``failed``: the node failed; its work is discarded and redone elsewhere;
 - ``cancelled``: the work was abandoned (client gone, explicit cancel, the
-  generation failed elsewhere, or the KV was lost and recomputed);
-- ``unverified``: computed but not yet checked by the verifier.
+  generation failed elsewhere, the KV was lost and recomputed, or a session
+  turn's delivery that another tracker took over: ``superseded``);
+- ``unverified``: completed while the verifier is on, and not yet settled
+  (``settlement.py``): it becomes ``verified`` when a check of its span passed,
+  ``completed`` when its node's verification window closed with every sampled
+  check of that node passing, and ``rejected`` when a check of its node failed
+  while the window was open.
+
+Only ``completed`` and ``verified`` work is billable.
 
 Because a resumed attempt starts at the position the previous one reached and
 a replacement recomputes only what failed, the completed records of one
@@ -28,7 +35,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from meshnet.errors import DatabaseUnavailable
@@ -41,9 +48,12 @@ class AttemptStatus(StrEnum):
     CANCELLED = "cancelled"
     FAILED = "failed"
     UNVERIFIED = "unverified"
+    VERIFIED = "verified"
+    REJECTED = "rejected"
 
 
-BILLABLE = frozenset({AttemptStatus.COMPLETED})
+BILLABLE = frozenset({AttemptStatus.COMPLETED, AttemptStatus.VERIFIED})
+SUPERSEDED = "superseded"  # the kind of a turn delivery's work another delivery replaced
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,9 @@ class LedgerRecord:
     token_end: int  # one past the last
     status: AttemptStatus
     kind: str = ""  # the failure kind that ended it, when it did not complete
+    # What the node committed to at its range's end, per chunk of tokens (the
+    # verifier's; see docs/verification.md for the encoding); stored as hex.
+    commitments: bytes = b""
 
     @property
     def tokens(self) -> int:
@@ -86,12 +99,25 @@ class LedgerSpool:
     logged and counted in ``dropped``: past ``max_pending`` waiting records the
     oldest batches go, and a batch whose write fails with anything but
     ``DatabaseUnavailable`` (a bug, which no retry would mend) is not kept.
+
+    While ``verifying`` (the verifier samples this mesh's work), completed work is
+    written ``unverified``, for settlement to bill or reject. The records of a
+    generation that is ``hold``-ing wait here until ``release`` says whether the
+    work was delivered: a session turn's attempt is billed only when its turn was
+    completed by it, so a turn delivered again elsewhere (its lease lapsed) is
+    billed once.
     """
 
     def __init__(
-        self, write: WriteRecords, max_pending: int = 100_000, retry_s: float = 1.0
+        self,
+        write: WriteRecords,
+        max_pending: int = 100_000,
+        retry_s: float = 1.0,
+        verifying: bool = False,
     ) -> None:
         self._write = write
+        self.verifying = verifying
+        self._held: dict[str, list[LedgerRecord]] = {}  # generation id -> its records
         self._max_pending = max_pending
         self._retry_s = retry_s
         self._waiting: deque[tuple[list[LedgerRecord], float]] = deque()
@@ -101,7 +127,15 @@ class LedgerSpool:
 
     def submit(self, records: Iterable[LedgerRecord], now: float | None = None) -> None:
         """Record the attempts that ended at ``now`` (default: the wall clock)."""
-        batch = list(records)
+        batch = []
+        for r in records:
+            if self.verifying and r.status is AttemptStatus.COMPLETED:
+                r = replace(r, status=AttemptStatus.UNVERIFIED)
+            held = self._held.get(r.generation_id)
+            if held is not None:
+                held.append(r)
+            else:
+                batch.append(r)
         if not batch:
             return
         self._waiting.append((batch, time.time() if now is None else now))
@@ -110,6 +144,18 @@ class LedgerSpool:
         while self.pending > self._max_pending and len(self._waiting) > 1:
             oldest, _ = self._waiting.popleft()
             self._drop(oldest, "too many records wait for the database")
+
+    def hold(self, generation_id: str) -> None:
+        """Keep the generation's records here until ``release``."""
+        self._held.setdefault(generation_id, [])
+
+    def release(self, generation_id: str, delivered: bool, now: float | None = None) -> None:
+        """Write the held records: as they are when the work was ``delivered``, else
+        with every billable or unsettled attempt ``cancelled`` as ``superseded``."""
+        held = self._held.pop(generation_id, [])
+        if not delivered:
+            held = [_superseded(r) for r in held]
+        self.submit(held, now)
 
     def flush(self) -> bool:
         """Write what waits, oldest first, until the database refuses; whether all is."""
@@ -145,3 +191,9 @@ class LedgerSpool:
         self.pending -= len(batch)
         self.dropped += len(batch)
         log.error("ledger: %d records dropped (%s)", len(batch), why)
+
+
+def _superseded(r: LedgerRecord) -> LedgerRecord:
+    if r.status in BILLABLE or r.status is AttemptStatus.UNVERIFIED:
+        return replace(r, status=AttemptStatus.CANCELLED, kind=SUPERSEDED)
+    return r

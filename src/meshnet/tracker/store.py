@@ -8,13 +8,16 @@ the same mesh.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import Heartbeat, NodeAnnouncement, NodeLoad
+from meshnet.tracker import work_checks
 from meshnet.tracker.database import Database, parse_rows
 from meshnet.tracker.ledger import BILLABLE, AttemptStatus, LedgerRecord
 from meshnet.tracker.registry import NodeId, NodeRecord, NodeState, is_stale
+from meshnet.tracker.work_checks import SpanCheck
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -47,13 +50,16 @@ CREATE TABLE IF NOT EXISTS ledger (
     status TEXT NOT NULL,
     kind TEXT NOT NULL,
     recorded DOUBLE PRECISION NOT NULL,
+    commitments TEXT NOT NULL DEFAULT '',
     UNIQUE (generation_id, epoch, node_id, layer_start)
 );
 CREATE INDEX IF NOT EXISTS ledger_node ON ledger (node_id);
+CREATE INDEX IF NOT EXISTS ledger_status ON ledger (status, recorded);
 """
 
 _LEDGER_COLUMNS = (
-    "generation_id, epoch, node_id, layer_start, layer_end, token_start, token_end, status, kind"
+    "generation_id, epoch, node_id, layer_start, layer_end, token_start, token_end, status, kind, "
+    "commitments"
 )
 
 
@@ -69,6 +75,8 @@ class Store:
     def __init__(self, db: Database) -> None:
         self._db = db
         db.create_schema(_SCHEMA)
+        db.ensure_column("ledger", "commitments", "TEXT NOT NULL DEFAULT ''")  # older tables
+        work_checks.create_schema(db)
 
     @property
     def db(self) -> Database:
@@ -162,6 +170,7 @@ class Store:
                 r.token_end,
                 r.status.value,
                 r.kind,
+                r.commitments.hex(),
                 now,
             )
             for r in records
@@ -170,9 +179,13 @@ class Store:
             for row in rows:
                 tx.run(
                     f"INSERT INTO ledger ({_LEDGER_COLUMNS}, recorded) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                     row,
                 )
+
+    def record_check(self, check: SpanCheck, now: float | None = None) -> None:
+        """Keep the verifier's verdict on a span (``work_checks.record_check``)."""
+        work_checks.record_check(self._db, check, time.time() if now is None else now)
 
     def ledger(
         self, generation_id: str | None = None, node_id: str | None = None, limit: int = 1000
@@ -236,7 +249,7 @@ def _ledger_filter(generation_id: str | None, node_id: str | None) -> tuple[str,
 
 
 def _ledger_record(r: tuple) -> LedgerRecord:  # type: ignore[type-arg]
-    generation_id, epoch, node_id, start, end, token_start, token_end, status, kind = r
+    generation_id, epoch, node_id, start, end, token_start, token_end, status, kind, commits = r
     return LedgerRecord(
         generation_id,
         epoch,
@@ -247,6 +260,7 @@ def _ledger_record(r: tuple) -> LedgerRecord:  # type: ignore[type-arg]
         token_end,
         AttemptStatus(status),
         kind,
+        bytes.fromhex(commits),
     )
 
 
