@@ -20,6 +20,7 @@ import pytest
 
 from meshnet.errors import DatabaseUnavailable, NoRoute, RequestError, WorkerDeath
 from meshnet.tracker.database import open_database
+from meshnet.tracker.ledger import AttemptStatus, LedgerRecord, LedgerSpool
 from meshnet.tracker.outbox import Outbox, OutboxConfig, after_failure
 from meshnet.tracker.session_store import SessionRecord, SessionStore, TurnRecord, TurnStatus
 from meshnet.tracker.snapshots import SnapshotStore
@@ -41,6 +42,8 @@ class Runner:
         self.running = 0
         self.most_at_once = 0
         self.cancelled = 0
+        self.written: list[LedgerRecord] = []  # the ledger records that reached the database
+        self.ledger = LedgerSpool(lambda records, now: self.written.extend(records))
 
     def check(self, session: SessionRecord, request: dict[str, Any]) -> None:
         return None
@@ -50,6 +53,9 @@ class Runner:
         self.calls += 1
         self.running += 1
         self.most_at_once = max(self.most_at_once, self.running)
+        # The driver records work as its attempts end, before the turn completes or fails.
+        work = LedgerRecord(turn.id, self.calls, "node-0", 0, 4, 0, 3, AttemptStatus.COMPLETED)
+        self.ledger.submit([work])
         try:
             await step()
         except asyncio.CancelledError:
@@ -250,6 +256,60 @@ def test_an_attempt_whose_turn_another_tracker_took_over_is_stopped(
     done = run(scenario())
     assert slow.cancelled == 1 and quick.calls == 1
     assert done.status is TurnStatus.DONE and done.attempts == 2
+
+
+def test_a_finished_attempt_another_tracker_delivered_again_is_not_billed(
+    stores: list[SessionStore], tmp_path: Path
+) -> None:
+    """A's attempt finishes but A cannot write the turn, nor renew, until its lease
+    lapses; B delivers the turn again. The work of both attempts reaches the ledger,
+    and only the delivery that completed the turn is billable: A's is ``superseded``."""
+    first, second = Runner(sleeps(0)), Runner(sleeps(0))
+    flaky = Flaky(stores[0])
+    a, b = outbox(flaky, first, tmp_path), outbox(stores[1], second, tmp_path)
+
+    async def scenario() -> TurnRecord:
+        turn = accept(a)
+        flaky.down.update({"complete_turn": None, "renew": None, "turn": None})
+        a.start_delivery(turn)
+        while first.calls == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(FAST.lease_s * 1.5)  # A's lease lapses, its result unwritten
+        loops = await looping(b)
+        done = await until_final(stores[1], turn.id)
+        flaky.down.clear()  # A reaches the database again: the turn is B's
+        while a._delivering:
+            await asyncio.sleep(0.01)
+        await stop(loops, a, b)
+        return done
+
+    done = run(scenario())
+    assert done.status is TurnStatus.DONE and (first.calls, second.calls) == (1, 1)
+    work = first.written + second.written
+    assert [r.billable for r in second.written] == [True]
+    assert [(r.status, r.kind) for r in first.written] == [(AttemptStatus.CANCELLED, "superseded")]
+    assert sum(r.tokens for r in work if r.billable) == 3  # the turn's work, billed once
+
+
+def test_a_failed_attempts_completed_work_is_not_billed(
+    stores: list[SessionStore], tmp_path: Path
+) -> None:
+    """Work an attempt finished before the attempt failed is redone by the next one,
+    which alone bills it."""
+    runner = Runner(raises(WorkerDeath("node-1 died", "node-1")), sleeps(0))
+    box = outbox(stores[0], runner, tmp_path)
+
+    async def scenario() -> TurnRecord:
+        turn = accept(box)
+        loops = await looping(box)
+        box.start_delivery(turn)
+        done = await until_final(stores[0], turn.id)
+        await stop(loops, box)
+        return done
+
+    done = run(scenario())
+    assert done.status is TurnStatus.DONE and runner.calls == 2
+    assert [(r.epoch, r.billable) for r in runner.written] == [(1, False), (2, True)]
 
 
 # --- waits and attempts ----------------------------------------------------------------

@@ -6,6 +6,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
 from meshnet.api.auth import auth_of, require_admin
@@ -13,6 +14,7 @@ from meshnet.api.schemas import PinRouteRequest
 from meshnet.api.state import tracker_of
 from meshnet.auth.tenants import Quotas
 from meshnet.errors import MeshnetError, NotFound
+from meshnet.tracker import billing
 from meshnet.tracker.registry import node_json
 from meshnet.tracker.routes import route_json
 
@@ -93,6 +95,13 @@ async def ledger(
         ],
         "totals": store.ledger_totals(generation_id),
     }
+
+
+@router.get("/admin/billing")
+async def billing_summary(request: Request) -> dict[str, Any]:
+    """What is billable now: per tenant its usage, per node its earnings, and the work
+    still waiting on the verifier (``unverified``) or refused by it (``rejected``)."""
+    return await run_in_threadpool(billing.usage, tracker_of(request).store.db)  # a scan
 
 
 class NewTenant(BaseModel):

@@ -25,6 +25,7 @@ from meshnet.api.body_limit import BodyLimit
 from meshnet.api.errors import install_error_handlers
 from meshnet.api.state import SessionServices
 from meshnet.tracker.bench_store import BenchStore
+from meshnet.tracker.billing import Settlement
 from meshnet.tracker.loops import LoopHealth
 from meshnet.tracker.placement import Placement
 from meshnet.tracker.retention import Retention
@@ -43,6 +44,7 @@ def create_app(
     retention: Retention | None = None,
     route_bench: RouteBench | None = None,
     placement: Placement | None = None,
+    settlement: Settlement | None = None,
 ) -> FastAPI:
     """The app; its lifespan runs the tracker's background loops (each survives a
     failed pass: logged, counted in its ``LoopHealth``, run again). ``route_bench``
@@ -50,6 +52,7 @@ def create_app(
     controller keeping ``tracker.config.replicas`` nodes on every layer range."""
     sweeper = LoopHealth("heartbeat sweeper")
     placement = placement or Placement(tracker)
+    settlement = settlement or Settlement(tracker.store.db)  # settles unverified work
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -59,6 +62,7 @@ def create_app(
             asyncio.create_task(services.sessions.run_policy_forever()),
             asyncio.create_task(tracker.ledger.run_forever()),
             asyncio.create_task(placement.run_forever()),
+            asyncio.create_task(settlement.run_forever()),
         ]
         if retention is not None:
             loops.append(asyncio.create_task(retention.run_forever()))
@@ -86,6 +90,7 @@ def create_app(
         services.outbox.health,
         services.sessions.policy_health,
         placement.health,
+        settlement.health,
         *([retention.health] if retention is not None else []),
     ]
     install_error_handlers(app)

@@ -19,6 +19,7 @@ from fastapi import Depends, Request
 from meshnet.api.auth import auth_of, require_admin, require_tenant
 from meshnet.auth.tenants import Tenant
 from meshnet.errors import PermissionDenied, Unauthenticated
+from meshnet.tracker import billing
 
 
 class Meter(Protocol):
@@ -46,6 +47,11 @@ class Caller:
     @property
     def is_admin(self) -> bool:
         return self.tenant is None
+
+    @property
+    def billed_to(self) -> str:
+        """Whom the caller's generations are billed to (the ledger's usage per tenant)."""
+        return billing.ADMIN if self.tenant is None else self.tenant.id
 
     def check_route(self, route: Sequence[str] | None) -> None:
         """Naming a route needs the admin token; the admin token needs a named route."""

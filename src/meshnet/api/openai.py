@@ -35,6 +35,7 @@ from meshnet.api.state import tracker_of
 from meshnet.errors import MeshnetError, RequestError
 from meshnet.model.chat import ChatMessage
 from meshnet.model.info import ModelInfo
+from meshnet.tracker import billing
 from meshnet.tracker.driver import DoneEvent, TokenEvent
 from meshnet.tracker.routes import Route, route_json
 from meshnet.tracker.service import Started, Tracker
@@ -63,7 +64,7 @@ async def chat_completions(
     messages = [ChatMessage(m.role, m.content) for m in body.messages]
     prompt_ids = await run_in_threadpool(_chat_ids, tracker.model, messages)  # not on the loop
     meter = caller.admit(request, len(prompt_ids))
-    return await _complete(tracker, body, prompt_ids, "chat", meter, named)
+    return await _complete(tracker, body, prompt_ids, "chat", meter, named, caller.billed_to)
 
 
 def _chat_ids(model: ModelInfo, messages: list[ChatMessage]) -> list[int]:
@@ -84,7 +85,7 @@ async def completions(
     if not prompt_ids:
         raise RequestError("the prompt encodes to no tokens")
     meter = caller.admit(request, len(prompt_ids))
-    return await _complete(tracker, body, prompt_ids, "text", meter, named)
+    return await _complete(tracker, body, prompt_ids, "text", meter, named, caller.billed_to)
 
 
 def _named_route(tracker: Tracker, body: _Sampling, caller: Caller) -> Route | None:
@@ -101,13 +102,15 @@ async def _complete(
     prompt_ids: list[int],
     kind: Kind,
     slot: Meter,
-    named: Route | None = None,
+    named: Route | None,
+    tenant: str,
 ) -> JSONResponse | StreamingResponse:
     """Run the generation (on the ``named`` route, if any) under the caller's ``slot``,
-    which ends with it however it ends."""
+    which ends with it however it ends; its work is billed to ``tenant``."""
     try:
         params = body.sampling()
         started = await tracker.start(prompt_ids, params, body.top_logprobs_wanted, named)
+        billing.attribute(tracker.store.db, started.generation_id, tenant)
         events = _metered(started.events, slot)
         shape = LogprobShape(kind, tracker.model.tokenizer)
         reply = _Reply(kind, tracker.model.name, started, shape)

@@ -25,6 +25,7 @@ from meshnet.auth.quotas import Slot, check_kv, check_sessions
 from meshnet.auth.tenants import Tenant
 from meshnet.errors import MeshnetError, NotFound, RequestError, SessionGone, error_for_kind
 from meshnet.model.sampling import MAX_STOP_STRINGS
+from meshnet.tracker import billing
 from meshnet.tracker.driver import TokenEvent
 from meshnet.tracker.outbox import Outbox
 from meshnet.tracker.session_store import TurnRecord, TurnStatus
@@ -135,6 +136,7 @@ async def add_turn(
     outbox = outbox_of(request)
     fields = body.model_dump(exclude={"stream"})
     turn = outbox.accept(session_id, idempotency_key, fields)
+    billing.attribute(tracker_of(request).store.db, turn.id, tenant.id)  # its generation id
     if turn.status.final:  # a repeated Idempotency-Key: the first turn's outcome
         return _answer(turn)
     if body.stream:

@@ -184,6 +184,11 @@ class Outbox:
         if claimed is None:
             return False
         lost = asyncio.Event()
+        # The attempt's ledger records are billed only if this attempt completes the
+        # turn: one that fails, or that another tracker takes over, is superseded.
+        ledger = self.runner.ledger
+        ledger.hold(turn.id)
+        delivered = False
         attempt = asyncio.create_task(self._attempt(claimed, on_token))
         lease = asyncio.create_task(self._hold_lease(claimed, attempt, lost))
         try:
@@ -198,10 +203,11 @@ class Outbox:
             except Exception as e:  # typed or a bug: recorded, retried or failed, never lost
                 self._record_failure(claimed, e)
                 return True
-            await self._complete(claimed, session, outcome, lost)
+            delivered = await self._complete(claimed, session, outcome, lost)
             return True
         finally:
             lease.cancel()
+            ledger.release(turn.id, delivered)
 
     def _claim(self, turn: TurnRecord) -> TurnRecord | None:
         """The turn as claimed for one attempt (counted), or None when it is not ours."""
@@ -246,11 +252,12 @@ class Outbox:
 
     async def _complete(
         self, turn: TurnRecord, session: SessionRecord, outcome: TurnOutcome, lost: asyncio.Event
-    ) -> None:
-        """Write the finished turn. While the database refuses, the result is served
-        from here (``wait``) and the write retried, the lease still renewed, until it
-        lands or another tracker takes the turn over (it then runs it again, to the
-        same tokens: the seed was fixed at accept)."""
+    ) -> bool:
+        """Write the finished turn; whether it was written (this attempt delivered it).
+        While the database refuses, the result is served from here (``wait``) and the
+        write retried, the lease still renewed, until it lands or another tracker takes
+        the turn over (it then runs it again, to the same tokens: the seed was fixed at
+        accept)."""
         done = TurnRecord(
             turn.id,
             turn.session_id,
@@ -272,7 +279,7 @@ class Outbox:
                 except DatabaseUnavailable as e:
                     self._finished[turn.id] = done
                     if lost.is_set():
-                        return
+                        return False
                     tries += 1
                     wait = self.config.backoff_base_s + backoff_s(tries, self.config, self._rng)
                     log.warning("turn %s finished, not yet written (%s)", turn.id, e)
@@ -286,6 +293,7 @@ class Outbox:
                 await self.runner.release(outcome.session.route, session.id)  # ended meanwhile
         except (DatabaseUnavailable, OSError) as e:  # retention sweeps what is left
             log.warning("turn %s: clean-up after it failed: %s", turn.id, e)
+        return written
 
     async def _hold_lease(
         self, turn: TurnRecord, attempt: asyncio.Task[Any], lost: asyncio.Event

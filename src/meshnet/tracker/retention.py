@@ -32,10 +32,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+from meshnet.tracker.billing import purge_owners
 from meshnet.tracker.loops import LoopHealth
 from meshnet.tracker.session_store import SessionStore
 from meshnet.tracker.snapshots import SnapshotStore
 from meshnet.tracker.store import Store
+from meshnet.tracker.work_checks import purge_checks
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,8 @@ class Purged:
     snapshot_rows: int = 0  # index rows, with their files
     unindexed_files: int = 0
     owner_rows: int = 0  # who owned a session no longer kept
+    check_rows: int = 0  # the verifier's checks, kept as long as the ledger
+    attribution_rows: int = 0  # whom a generation was billed to, as long as the ledger
 
     @property
     def total(self) -> int:
@@ -120,6 +124,9 @@ class Retention:
         if p.ledger_s > 0:
             before = now - p.ledger_s
             purged["ledger_rows"] = _drain(lambda n: self.store.purge_ledger(before, n), batch)
+            db = self.store.db
+            purged["check_rows"] = _drain(lambda n: purge_checks(db, before, n), batch)
+            purged["attribution_rows"] = _drain(lambda n: purge_owners(db, before, n), batch)
         if p.dead_nodes_s > 0:
             before = now - p.dead_nodes_s
             purged["dead_nodes"] = _drain(lambda n: self.store.purge_dead_nodes(before, n), batch)

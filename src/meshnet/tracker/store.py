@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import Heartbeat, NodeAnnouncement, NodeLoad
-from meshnet.tracker import work_checks
+from meshnet.tracker import billing, work_checks
 from meshnet.tracker.database import Database, parse_rows
 from meshnet.tracker.ledger import BILLABLE, AttemptStatus, LedgerRecord
 from meshnet.tracker.registry import NodeId, NodeRecord, NodeState, is_stale
@@ -77,6 +77,7 @@ class Store:
         db.create_schema(_SCHEMA)
         db.ensure_column("ledger", "commitments", "TEXT NOT NULL DEFAULT ''")  # older tables
         work_checks.create_schema(db)
+        billing.create_schema(db)
 
     @property
     def db(self) -> Database:

@@ -36,6 +36,7 @@ from meshnet.model.chat import ChatMessage
 from meshnet.model.sampling import SamplingParams
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.driver import DoneEvent, TokenEvent
+from meshnet.tracker.ledger import LedgerSpool
 from meshnet.tracker.routes import Hop, Route, route_json
 from meshnet.tracker.service import Tracker
 from meshnet.tracker.session_store import SessionRecord, SessionStore, SnapshotFile, TurnRecord
@@ -74,6 +75,11 @@ class TurnRunner:
         self.store = store
         self.snapshots = snapshots
         self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def ledger(self) -> LedgerSpool:
+        """Where the turns' ledger records go (the outbox holds them per attempt)."""
+        return self.tracker.ledger
 
     def input_ids(self, session: SessionRecord, content: str) -> list[int]:
         """What the turn feeds: the last reply's final token, then the rendered user turn."""
