@@ -34,7 +34,8 @@ the API edge::
         ├── DeadlineExceeded         deadline-exceeded
         ├── HeartbeatLost            heartbeat-lost
         ├── StreamReset              stream-reset
-        └── WorkerDeath              worker-death
+        ├── WorkerDeath              worker-death
+        └── VerificationFailed       verification-failed
 
 Capacity shortfalls are return values, not exceptions (see DESIGN.md §4).
 """
@@ -269,6 +270,13 @@ class WorkerDeath(NodeFailure):
     """The node's process is gone (its address refuses or does not answer)."""
 
     kind = "worker-death"
+
+
+class VerificationFailed(NodeFailure):
+    """The verifier re-ran a span of the node's work and got other bytes: the node is
+    quarantined and its generations fail over to honest nodes."""
+
+    kind = "verification-failed"
 
 
 def error_for_kind(kind: str, message: str, node_id: str = "") -> MeshnetError:

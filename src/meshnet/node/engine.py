@@ -53,6 +53,7 @@ from meshnet.node.configure import (
 )
 from meshnet.node.parking import ParkedKV, ParkStore
 from meshnet.node.scheduler import Slot, StepWork, budget_full, check_step_number, plan_batch
+from meshnet.protocol.commitments import RowLog
 
 log = logging.getLogger(__name__)
 
@@ -372,9 +373,10 @@ class NodeEngine:
     def _forward(self, shard: Shard, chosen: list[tuple[StepWork, int]]) -> None:
         x = np.concatenate([w.x[w.done_rows : w.done_rows + n] for w, n in chosen])
         batch = [BatchEntry(self._slots[w.session_id].kv, n, w.replay) for w, n in chosen]
+        positions = [entry.kv.length for entry in batch]
         t0 = time.perf_counter()
         try:
-            out = shard.forward(x, batch)
+            out, boundary = forward_committed(shard, x, batch)
         except Exception as e:  # a bug must fail the steps, not kill the loop
             log.exception("batch of %d steps failed", len(chosen))
             for w, _ in chosen:
@@ -386,13 +388,14 @@ class NodeEngine:
         offset = 0
         for i, (w, n) in enumerate(chosen):
             w.outputs.append(out[i : i + 1] if shard.is_last else out[offset : offset + n])
+            slot = self._slots[w.session_id]
+            w.chunks += slot.rows.add(positions[i], boundary[offset : offset + n])
             offset += n
             w.done_rows += n
             if w.done_rows == w.n_tokens:
                 self._pending.remove(w)
                 self._steps += 1
                 result = w.outputs[-1] if shard.is_last else np.concatenate(w.outputs)
-                slot = self._slots[w.session_id]
                 if w.keep_output and not shard.is_last:
                     _keep_sent(slot, w, result)
                 slot.last_step = slot.steps
@@ -566,7 +569,8 @@ class NodeEngine:
             self._park_store.remove(parked)
             return False
         self._park_store.remove(parked)
-        self._slots[session_id] = Slot(parked.epoch, kv, steps=parked.steps)
+        rows = RowLog(parked.tokens)  # row digests are not parked: the next chunk commits
+        self._slots[session_id] = Slot(parked.epoch, kv, steps=parked.steps, rows=rows)
         self._account()
         return True
 
@@ -589,7 +593,8 @@ class NodeEngine:
         if not self._budget.fits(kv.growth_bytes(tokens)):
             raise budget_full(self._budget, len(self._slots))
         kv.load_bytes(tokens, payload)
-        self._slots[session_id] = Slot(epoch, kv, steps=steps)
+        # KV computed elsewhere: its positions are not this node's to commit.
+        self._slots[session_id] = Slot(epoch, kv, steps=steps, rows=RowLog(tokens))
         self._remember_fence(session_id, epoch)
         self._account()
         return OpenedSlot(tokens, steps)
@@ -634,6 +639,20 @@ class NodeEngine:
             w.future.set_exception(error)
 
 
+def forward_committed(
+    shard: Shard, x: np.ndarray, batch: list[BatchEntry]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``Shard.forward`` that also returns the rows at the range's end boundary [T, d]:
+    the output itself, or on the last shard the last layer's output before the final
+    norm and head (what a split there would send), which the node commits to."""
+    hidden = shard.backend.embed(x) if shard.is_first else x
+    hidden = shard.backend.run_layers(hidden, batch)
+    if not shard.is_last:
+        return hidden, hidden
+    last_rows = np.cumsum([e.n_new for e in batch]) - 1
+    return shard.backend.head(hidden[last_rows]), hidden
+
+
 def _same_shard(old: Shard | None, new: Shard) -> bool:
     """Whether ``new`` is ``old`` loaded again: the same model file's layers, whose KV fits."""
     return old is not None and (old.fingerprint, old.layers) == (new.fingerprint, new.layers)
@@ -643,6 +662,7 @@ def _rewind(slot: Slot, tokens: int, steps: int) -> None:
     """Cut a resumed session back to a committed point it has passed."""
     if slot.kv.length > tokens and slot.steps > steps:
         slot.kv.truncate(tokens)
+        slot.rows.truncate(tokens)  # the chunks past it were never the tracker's
         slot.steps = steps
         slot.last_step = -1
         slot.last_result = None

@@ -25,6 +25,7 @@ from meshnet.errors import (
 )
 from meshnet.kv.cache import SequenceKV
 from meshnet.kv.manager import KVBudget
+from meshnet.protocol.commitments import RowLog
 
 
 @dataclass
@@ -38,6 +39,8 @@ class Slot:
     last_result: np.ndarray | None = None  # the last committed step's output, for duplicates
     # What this hop forwarded to the next one, by step: replayed into a replacement of it.
     sent: dict[int, np.ndarray] = field(default_factory=dict)
+    # Digests of the rows computed at the range's end boundary: the chunks committed.
+    rows: RowLog = field(default_factory=RowLog)
 
     @property
     def sent_bytes(self) -> int:
@@ -58,6 +61,9 @@ class StepWork:
     future: Future[np.ndarray] = field(default_factory=Future)
     done_rows: int = 0  # prompt rows already run (chunked prefill)
     outputs: list[np.ndarray] = field(default_factory=list)
+    # (token_start, digest) of each chunk of positions this step completed, set before
+    # ``future`` is answered (protocol/commitments.py).
+    chunks: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:

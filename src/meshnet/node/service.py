@@ -239,16 +239,16 @@ class NodeService(pb_grpc.NodeServicer):
                     token = reply.result.sampled.token
                     if not whole:  # the ring's last hop: the token is the first hop's input
                         relay(step, np.asarray([token], dtype=np.int64))
-                else:
-                    reply = None  # a ring's forwarding hop answers only a failure
+                else:  # a ring's forwarding hop answers only a failure, and its commitments
                     relay(step, out)
+                    reply = _committed(ready.work) if ready.work.chunks else None
             except MeshnetError as e:
                 reply = _failure(e)
             except Exception as e:  # the engine failed the step with a bug's error
                 reply = _failure(MeshnetError(f"step {step.step} failed: {e}"))
             if reply is not None:
                 run.post(step, reply)
-                if reply.WhichOneof("kind") != "result":
+                if reply.WhichOneof("kind") not in ("result", "committed"):
                     return
             after = next_step(step, run.until, token, sampling)
             if run.proceeds(after.step):
@@ -288,7 +288,7 @@ class NodeService(pb_grpc.NodeServicer):
                     launch(step)
                     continue
                 yield reply
-                if reply.WhichOneof("kind") != "result":
+                if reply.WhichOneof("kind") not in ("result", "committed"):
                     return None
                 for request in inbox.waiting():  # None: no more requests; the run goes on
                     if request is not None and request.WhichOneof("kind") == "extend":
@@ -413,13 +413,14 @@ class NodeService(pb_grpc.NodeServicer):
         out: np.ndarray,
     ) -> pb.ForwardResponse:
         """What a computed step answers: forwarded, its hidden states, or its token."""
+        commitments = _chunks(ready.work)
         if step.forward:
-            return self._forward_output(o, step, out, ready.t0, ready.deadline)
+            return self._forward_output(o, step, out, ready, commitments)
         if sampling is None:
             ms = (time.perf_counter() - ready.t0) * 1000
-            return pb.ForwardResponse(
-                result=pb.StepResult(step=step.step, output=codec.encode(out), compute_ms=ms)
-            )
+            result = pb.StepResult(step=step.step, output=codec.encode(out), compute_ms=ms)
+            result.commitments.extend(commitments)
+            return pb.ForwardResponse(result=result)
         logits = out[-1]
         token = Sampler(sampling, step.draws).sample(logits, ready.history)
         if o.sampling.logprobs:  # a log-softmax over the vocabulary: only when asked
@@ -433,9 +434,9 @@ class NodeService(pb_grpc.NodeServicer):
         else:
             sampled = pb.Sampled(token=token)
         ms = (time.perf_counter() - ready.t0) * 1000
-        return pb.ForwardResponse(
-            result=pb.StepResult(step=step.step, sampled=sampled, compute_ms=ms)
-        )
+        result = pb.StepResult(step=step.step, sampled=sampled, compute_ms=ms)
+        result.commitments.extend(commitments)
+        return pb.ForwardResponse(result=result)
 
     def _input(
         self,
@@ -455,9 +456,15 @@ class NodeService(pb_grpc.NodeServicer):
         return _rows_checked(step, self.mailbox.take(key, timeout_s, context.is_active))
 
     def _forward_output(
-        self, o: pb.Open, step: pb.Step, out: np.ndarray, t0: float, deadline: float | None
+        self,
+        o: pb.Open,
+        step: pb.Step,
+        out: np.ndarray,
+        ready: Prepared,
+        commitments: list[pb.ChunkDigest],
     ) -> pb.ForwardResponse:
         """Send the output to the next hop; answer the driver without it."""
+        t0, deadline = ready.t0, ready.deadline
         if not o.next_address:
             return _failure(MalformedBundle("a forward step needs the next hop's address"))
         frame = pb.RelayFrame(
@@ -471,7 +478,9 @@ class NodeService(pb_grpc.NodeServicer):
         except MeshnetError as e:
             return _failure(e, blame=o.next_node_id)
         ms = (time.perf_counter() - t0) * 1000
-        return pb.ForwardResponse(result=pb.StepResult(step=step.step, compute_ms=ms))
+        result = pb.StepResult(step=step.step, compute_ms=ms)
+        result.commitments.extend(commitments)
+        return pb.ForwardResponse(result=result)
 
     def RelayStream(
         self, request_iterator: Iterator[pb.RelayFrame], context: grpc.ServicerContext
@@ -635,6 +644,16 @@ def _history(step: pb.Step, context_length: int, vocab_size: int) -> list[int]:
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
         raise MalformedBundle(f"history ids must be in [0, {vocab_size})")
     return ids
+
+
+def _chunks(work: StepWork) -> list[pb.ChunkDigest]:
+    """The commitments of the chunks a step completed (protocol/commitments.py)."""
+    return [pb.ChunkDigest(token_start=start, digest=d) for start, d in work.chunks]
+
+
+def _committed(work: StepWork) -> pb.ForwardResponse:
+    """A ring's forwarding hop's answer for a step that completed chunks."""
+    return pb.ForwardResponse(committed=pb.Committed(chunks=_chunks(work)))
 
 
 def _failure(e: MeshnetError, blame: str = "") -> pb.ForwardResponse:

@@ -123,16 +123,32 @@ class Opened(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., unparked: _Optional[bool] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "output", "compute_ms", "sampled")
+    __slots__ = ("step", "output", "compute_ms", "sampled", "commitments")
     STEP_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    COMMITMENTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     output: Tensor
     compute_ms: float
     sampled: Sampled
-    def __init__(self, step: _Optional[int] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., compute_ms: _Optional[float] = ..., sampled: _Optional[_Union[Sampled, _Mapping]] = ...) -> None: ...
+    commitments: _containers.RepeatedCompositeFieldContainer[ChunkDigest]
+    def __init__(self, step: _Optional[int] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., compute_ms: _Optional[float] = ..., sampled: _Optional[_Union[Sampled, _Mapping]] = ..., commitments: _Optional[_Iterable[_Union[ChunkDigest, _Mapping]]] = ...) -> None: ...
+
+class ChunkDigest(_message.Message):
+    __slots__ = ("token_start", "digest")
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    token_start: int
+    digest: bytes
+    def __init__(self, token_start: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
+class Committed(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkDigest]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkDigest, _Mapping]]] = ...) -> None: ...
 
 class Sampled(_message.Message):
     __slots__ = ("token", "logprob", "top_ids", "top_logprobs")
@@ -195,14 +211,16 @@ class StepOutput(_message.Message):
     def __init__(self, step: _Optional[int] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("opened", "result", "failure")
+    __slots__ = ("opened", "result", "failure", "committed")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
     opened: Opened
     result: StepResult
     failure: Failure
-    def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
+    committed: Committed
+    def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., committed: _Optional[_Union[Committed, _Mapping]] = ...) -> None: ...
 
 class LoadShard(_message.Message):
     __slots__ = ("model_path", "layer_start", "layer_end")

@@ -43,7 +43,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -60,6 +60,7 @@ from meshnet.errors import (
     NodeFailure,
     NoRoute,
     ShardMismatch,
+    VerificationFailed,
 )
 from meshnet.model.logprobs import TokenLogprobs
 from meshnet.model.sampling import SamplingParams
@@ -67,13 +68,16 @@ from meshnet.model.spec import ModelSpec
 from meshnet.model.tokenizer import TextTokenizer
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
+from meshnet.protocol.commitments import CHUNK_TOKENS
 from meshnet.tracker.channels import ChannelPool
+from meshnet.tracker.commitments import committed
 from meshnet.tracker.epochs import EpochOpener, hop_key
 from meshnet.tracker.generation import Generation, PendingRecovery, Recovery
 from meshnet.tracker.hop_link import HopLink, RelayBroken
 from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
 from meshnet.tracker.ring import Ring
 from meshnet.tracker.routes import Hop, Route
+from meshnet.tracker.verifier import SpanClaim
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +159,9 @@ class RouteDriver:
             channels, fingerprint, spec, limits.open_timeout_s, limits.fence_timeout_s
         )
         self._no_relay: dict[tuple[str, str], float] = {}  # pairs that cannot talk, until
+        # Where each chunk the hops commit goes once its tokens are committed (the
+        # tracker's verifier); None: commitments are only kept with the ledger records.
+        self.claims: Callable[[SpanClaim], None] | None = None
 
     def new_generation(
         self, generation_id: str, route: Route, params: SamplingParams, top_logprobs: int = -1
@@ -219,6 +226,7 @@ class RouteDriver:
                 if not gen.params.greedy:
                     gen.draws += 1  # the sampler drew one uniform for this token
                 text = state.push(sampled.token)
+                self._claim(gen, state.history)
                 if gen.top_logprobs >= 0:
                     logprobs.append(sampled)
                     yield TokenEvent(sampled.token, text, sampled)
@@ -253,6 +261,22 @@ class RouteDriver:
                 fabric.record(gen.attempts(gen.links, AttemptStatus.CANCELLED, Cancelled.kind))
             for link in gen.links:
                 link.close()
+
+    def _claim(self, gen: Generation, fed: Sequence[int]) -> None:
+        """Hand each chunk a hop committed, once the driver committed its positions, to
+        ``claims``: ``fed`` is every id fed so far (the last sampled one not yet)."""
+        if self.claims is None:
+            return
+        for link in gen.links:
+            for start, digest in committed(link.commitments, link.positions).items():
+                if start in link.claimed or start + CHUNK_TOKENS > len(fed):
+                    continue
+                link.claimed.add(start)
+                end = start + CHUNK_TOKENS
+                claim = SpanClaim(
+                    link.node_id, gen.id, link.hop.layers, start, digest, tuple(fed[:end])
+                )
+                self.claims(claim)
 
     async def _settle(self, gen: Generation) -> None:
         """End a session's turn with every hop's KV exactly what the driver saw committed:
@@ -704,6 +728,11 @@ class RouteDriver:
                     await self._fetch_sent(gen, before[0], steps)
             if not all(gen.has_inputs(h.layers.start, steps) for h in rebuilt):
                 survivors = {}  # a span's inputs were never logged: restart from token zero
+            if error.kind == VerificationFailed.kind:
+                # What the cheat sent on is in the KV of every hop after it and in the log:
+                # everything is recomputed from the token ids, on honest nodes.
+                survivors = {}
+                gen.inputs = {0: gen.inputs.get(0, {})}
             gen.epoch += 1  # also after a failed try: its partly opened epoch stays fenced
             try:
                 links, carried = await self.epochs.open(gen, reroute.route, survivors)

@@ -20,6 +20,7 @@ import numpy as np
 
 from meshnet.errors import Cancelled, MeshnetError
 from meshnet.model.sampling import SamplingParams
+from meshnet.tracker import commitments
 from meshnet.tracker.hop_link import HopLink
 from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
 from meshnet.tracker.ring import Ring
@@ -149,4 +150,7 @@ class Generation:
                 token_end=link.positions,
                 status=status,
                 kind=kind,
+                commitments=commitments.encode(
+                    commitments.committed(link.commitments, link.positions)
+                ),
             )

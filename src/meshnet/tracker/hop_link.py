@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -28,6 +29,7 @@ from meshnet.errors import (
 )
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
+from meshnet.tracker.commitments import checked_chunks
 from meshnet.tracker.routes import Hop
 
 _PROBE_TIMEOUT_S = 1.0
@@ -61,6 +63,10 @@ class HopLink:
     # A forwarding hop's answer to its last step, read while the next step runs.
     unread: asyncio.Task[pb.ForwardResponse] | None = None
     autorun_until: int = 0  # the step a one-hop route's node runs up to by itself
+    # The node's commitments in this epoch: chunk start -> digest (protocol/commitments.py),
+    # the newest for a chunk it computed again after a rewind.
+    commitments: dict[int, bytes] = field(default_factory=dict)
+    claimed: set[int] = field(default_factory=set)  # chunks handed to the verifier
 
     @property
     def node_id(self) -> str:
@@ -129,12 +135,24 @@ class HopLink:
             raise self.verdict or await _broken(self.keys, self.hop, "the call had ended") from None
         if reply is grpc.aio.EOF:
             raise self.verdict or await _broken(self.keys, self.hop, "closed the stream")
-        if reply.WhichOneof("kind") == "failure":
+        kind = reply.WhichOneof("kind")
+        if kind == "failure":
             f = reply.failure
             if f.node_id and f.node_id == self.next_node_id:
                 raise await self._next_failed(f)
             raise error_for_kind(f.kind, f"node {node}: {f.message}", node)
+        if kind == "result":
+            self._note(reply.result.commitments)
+        elif kind == "committed":
+            self._note(reply.committed.chunks)
         return reply
+
+    def _note(self, chunks: Sequence[pb.ChunkDigest]) -> None:
+        """Keep the node's commitments, checked (a malformed one fails the link)."""
+        try:
+            self.commitments.update(checked_chunks(chunks))
+        except MalformedBundle as e:
+            raise MalformedBundle(f"node {self.node_id}: {e.message}", self.node_id) from None
 
     async def _next_failed(self, f: pb.Failure) -> MeshnetError:
         """The node could not hand its output to the next hop: that hop's failure, and

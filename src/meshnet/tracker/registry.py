@@ -1,8 +1,9 @@
 """What the tracker knows about a node, and the liveness rule.
 
-Node states: ``up`` (heartbeating; routable when it has layers) and ``down``
-(missed heartbeats, or failed a call; never routed). A node that registers
-again comes back ``up``.
+Node states: ``up`` (heartbeating; routable when it has layers), ``down``
+(missed heartbeats, or failed a call; never routed), and with verification on
+``calibrating`` and ``quarantined`` (heartbeating, never routed). A node that
+registers again comes back ``up`` (or ``calibrating``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ NodeId = str
 class NodeState(StrEnum):
     UP = "up"  # heartbeating
     DOWN = "down"  # missed heartbeats or failed a call; not routed until it registers again
+    # Verification on (tracker/calibration.py): a node with layers runs a calibration
+    # input before it is routed; a node that failed one, or failed a verifier's check,
+    # is quarantined (``down_reason`` says why) until it serves another range or model.
+    CALIBRATING = "calibrating"
+    QUARANTINED = "quarantined"
 
 
 @dataclass(frozen=True)

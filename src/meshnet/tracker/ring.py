@@ -4,7 +4,8 @@ Once a route of several hops has run the prompt, its decode steps need no
 driver: the first hop is relayed each next token by the last (node/autorun.py).
 The driver starts the ring with one step on every hop, keeps the first hop's
 run ahead of what it read (``Extend``), and reads the tokens the last hop
-answers. The other hops answer only a failure, so each link has a reader of
+answers. The other hops answer only a failure (and, once per chunk of positions,
+their commitments, which the link keeps), so each link has a reader of
 its own and every answer — a token, or any hop's failure — comes through one
 queue, in the order it came.
 
@@ -54,7 +55,8 @@ class Ring:
 
     async def _read(self, link: HopLink, deadline: float, every: bool) -> None:
         """Queue the link's answers (``every``: the tokens of the last hop; else the one
-        answer a forwarding hop gives, a failure) until its stream ends."""
+        answer a forwarding hop gives, a failure; its commitments, once a chunk, are kept
+        by the link as they come) until its stream ends."""
         while True:
             try:
                 reply = await link.receive(max(deadline - time.monotonic(), 0.001))
@@ -64,6 +66,8 @@ class Ring:
             except Exception as e:  # not news to anyone but the step waiting: typed for it
                 self._answers.put_nowait((link, StreamReset(f"reading {link.node_id}: {e}")))
                 return
+            if not every and reply.WhichOneof("kind") == "committed":
+                continue  # the link kept the commitments (HopLink); no answer to a step
             self._answers.put_nowait((link, reply))
             if not every:
                 return

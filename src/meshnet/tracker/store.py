@@ -107,10 +107,11 @@ class Store:
         )
 
     def heartbeat(self, node_id: NodeId, hb: Heartbeat, now: float) -> bool:
-        """Record a heartbeat; False when the node is unknown or was marked down."""
+        """Record a heartbeat; False when the node is unknown or was marked down (a
+        calibrating or quarantined node beats on in its state)."""
         changed = self._db.run(
             "UPDATE nodes SET last_seen = ?, load = ?, fingerprint = ?, layer_start = ?, "
-            "layer_end = ? WHERE node_id = ? AND state = ?",
+            "layer_end = ? WHERE node_id = ? AND state <> ?",
             (
                 now,
                 hb.load.model_dump_json(),
@@ -118,7 +119,7 @@ class Store:
                 hb.layer_start,
                 hb.layer_end,
                 node_id,
-                NodeState.UP.value,
+                NodeState.DOWN.value,
             ),
         )
         return changed == 1
@@ -127,6 +128,13 @@ class Store:
         self._db.run(
             "UPDATE nodes SET state = ?, down_reason = ? WHERE node_id = ?",
             (NodeState.DOWN.value, reason, node_id),
+        )
+
+    def set_state(self, node_id: NodeId, state: NodeState, reason: str = "") -> None:
+        """Move a node that is not down to ``state`` (calibration and the verifier)."""
+        self._db.run(
+            "UPDATE nodes SET state = ?, down_reason = ? WHERE node_id = ? AND state <> ?",
+            (state.value, reason, node_id, NodeState.DOWN.value),
         )
 
     def silent(self, now: float, timeout_s: float) -> list[NodeRecord]:

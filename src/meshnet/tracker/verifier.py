@@ -1,0 +1,182 @@
+"""The verifier: re-runs a sample of nodes' committed spans on trusted capacity.
+
+Trusted capacity is the tracker's own engine: shards ``[0, end)`` of the
+served model on the ``fast`` backend (the nodes' backend), loaded on first
+use per boundary ``end``. Because those kernels are bit-exact whatever the
+batch, chunking or split (docs/kernels.md), a check is exact: the rows of a
+chunk's positions at the node's end boundary, re-computed from the session's
+token ids ``[0, chunk_end)`` (the prefix is needed for attention), must hash
+to the node's commitment (protocol/commitments.py).
+
+Each completed chunk is checked with probability ``rate``, off the request
+path: a bounded queue and one worker whose compute runs in a thread. A full
+queue skips the chunk (counted), so verification never slows a generation
+down beyond the CPU it takes. Every verdict goes to ``on_verdict`` (the
+tracker records it and quarantines a node that failed one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshnet.backends.base import BatchEntry
+from meshnet.layer_range import LayerRange
+from meshnet.model.gguf_file import open_gguf
+from meshnet.model.shard import Shard, load_shard
+from meshnet.model.spec import read_spec
+from meshnet.protocol.commitments import CHUNK_TOKENS, chunk_digests_of
+
+log = logging.getLogger(__name__)
+
+TRUSTED_BACKEND = "fast"  # the nodes' backend: the one whose bits a check compares
+_MAX_SHARDS = 4  # boundaries whose shard [0, end) is held at once
+
+
+class TrustedModel:
+    """The served model on the tracker, for computing rows at any layer boundary.
+
+    Thread-safe: one computation at a time (the verifier's worker, a calibration)."""
+
+    def __init__(self, model_path: str, backend: str = TRUSTED_BACKEND) -> None:
+        self.model_path = model_path
+        self.backend = backend
+        self._file = open_gguf(model_path)
+        self.spec = read_spec(self._file)
+        self._shards: OrderedDict[int, Shard] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def boundary_rows(self, tokens: np.ndarray, end: int) -> np.ndarray:
+        """Rows [T, d] after layer ``end - 1`` for ``tokens`` [T] fed from position 0
+        (the embedding's rows when ``end`` is 0): what a node whose range ends at
+        ``end`` commits to, before any final norm or head."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        with self._lock:
+            if end == 0:
+                return self._shard(1).backend.embed(ids)
+            shard = self._shard(end)
+            hidden = shard.backend.embed(ids)
+            return shard.backend.run_layers(hidden, [BatchEntry(shard.backend.new_kv(), len(ids))])
+
+    def logits_of(self, row: np.ndarray) -> np.ndarray:
+        """The head's logits [vocab] of one last-layer row [d] (what a last hop samples)."""
+        with self._lock:
+            shard = self._shard(self.spec.n_layers)
+            return shard.backend.head(row.reshape(1, -1))[0]
+
+    def _shard(self, end: int) -> Shard:
+        shard = self._shards.get(end)
+        if shard is None:
+            shard = load_shard(self._file, self.spec, LayerRange(0, end), self.backend)
+            self._shards[end] = shard
+            while len(self._shards) > _MAX_SHARDS:
+                self._shards.popitem(last=False)
+        self._shards.move_to_end(end)
+        return shard
+
+
+@dataclass(frozen=True)
+class SpanClaim:
+    """A node's commitment to one chunk of a generation, and the tokens it came from."""
+
+    node_id: str
+    generation_id: str
+    layers: LayerRange
+    token_start: int
+    digest: bytes
+    tokens: tuple[int, ...]  # the session's ids fed at positions [0, token_end)
+
+    @property
+    def token_end(self) -> int:
+        return self.token_start + CHUNK_TOKENS
+
+
+@dataclass(frozen=True)
+class Verdict:
+    claim: SpanClaim
+    passed: bool
+    detail: str
+
+
+@dataclass
+class VerifierStats:
+    offered: int = 0  # chunks committed and seen by the verifier
+    sampled: int = 0  # of those, drawn for a check
+    skipped: int = 0  # drawn, but the queue was full
+    passed: int = 0
+    failed: int = 0
+
+
+def check_claim(model: TrustedModel, claim: SpanClaim) -> Verdict:
+    """Re-run ``claim``'s span on ``model`` and compare with its commitment."""
+    rows = model.boundary_rows(np.asarray(claim.tokens, np.int64), claim.layers.end)
+    want = chunk_digests_of(rows[claim.token_start :], claim.token_start).get(claim.token_start)
+    if want is None:
+        return Verdict(claim, False, "the claim's tokens do not cover its chunk")
+    if want == claim.digest:
+        return Verdict(claim, True, "exact")
+    what = f"layers {claim.layers} positions [{claim.token_start}, {claim.token_end})"
+    return Verdict(claim, False, f"{what}: committed {claim.digest.hex()}, verifier {want.hex()}")
+
+
+class Verifier:
+    """Samples claims at ``rate`` and checks them in the background; call ``offer`` from
+    the event loop, ``run`` as one task of it."""
+
+    def __init__(
+        self,
+        model: TrustedModel,
+        rate: float,
+        on_verdict: Callable[[Verdict], None],
+        queue_size: int = 64,
+        seed: int | None = None,
+    ) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"verify rate must be in [0, 1], not {rate}")
+        self.model = model
+        self.rate = rate
+        self.on_verdict = on_verdict
+        self.stats = VerifierStats()
+        self._queue: asyncio.Queue[SpanClaim] = asyncio.Queue(queue_size)
+        self._random = random.Random(seed)
+
+    def offer(self, claim: SpanClaim) -> bool:
+        """Draw ``claim`` for a check with probability ``rate``; True when queued."""
+        self.stats.offered += 1
+        if self.rate <= 0.0 or self._random.random() >= self.rate:
+            return False
+        self.stats.sampled += 1
+        try:
+            self._queue.put_nowait(claim)
+        except asyncio.QueueFull:
+            self.stats.skipped += 1
+            return False
+        return True
+
+    async def run(self) -> None:
+        """Check queued claims one at a time, for ever."""
+        while True:
+            claim = await self._queue.get()
+            try:
+                verdict = await asyncio.to_thread(check_claim, self.model, claim)
+            except Exception:  # a bug in the check is not the node's fault: no verdict
+                log.exception("checking %s of %s failed", claim.layers, claim.node_id)
+            else:
+                if verdict.passed:
+                    self.stats.passed += 1
+                else:
+                    self.stats.failed += 1
+                self.on_verdict(verdict)
+            finally:
+                self._queue.task_done()
+
+    async def drain(self) -> None:
+        """Wait until every queued claim is checked (tests, benchmarks)."""
+        await self._queue.join()

@@ -1,0 +1,106 @@
+"""Commitments: chunk digests of boundary rows, the same however the rows were computed."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshnet.errors import MalformedBundle
+from meshnet.layer_range import LayerRange
+from meshnet.node.engine import NodeEngine
+from meshnet.node.scheduler import StepWork
+from meshnet.protocol import meshnet_pb2 as pb
+from meshnet.protocol.commitments import CHUNK_TOKENS, RowLog, chunk_digests_of
+from meshnet.tracker import commitments
+from meshnet.tracker.verifier import SpanClaim, TrustedModel, check_claim
+
+
+def _rows(n: int, d: int = 8, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
+
+
+def test_a_row_log_commits_whole_chunks_whatever_the_steps() -> None:
+    rows = _rows(100)
+    want = chunk_digests_of(rows, 0)
+    assert sorted(want) == [0, 32, 64]
+    log = RowLog()
+    got: dict[int, bytes] = {}
+    position = 0
+    for n in [40, 1, 1, 20, 3, 35]:  # a prompt, then decode steps and a replay
+        got.update(log.add(position, rows[position : position + n]))
+        position += n
+    assert got == want
+
+
+def test_one_ulp_changes_the_chunk() -> None:
+    rows = _rows(32)
+    bent = rows.copy()
+    bent[17, 3] = np.nextafter(bent[17, 3], np.float32(np.inf))
+    assert chunk_digests_of(rows, 0)[0] != chunk_digests_of(bent, 0)[0]
+
+
+def test_a_rewound_log_commits_what_was_computed_again() -> None:
+    rows, other = _rows(64), _rows(64, seed=1)
+    log = RowLog()
+    log.add(0, rows[:40])
+    log.truncate(30)  # a turn's end cut the KV back
+    tail = log.add(30, other[30:64])  # both chunks end among the rows computed again
+    assert dict(tail) == chunk_digests_of(np.concatenate([rows[:30], other[30:]]), 0)
+
+
+def test_kv_from_elsewhere_is_not_committed() -> None:
+    rows = _rows(70)
+    log = RowLog(40)  # imported 40 positions
+    assert log.add(40, rows[40:70]) == []  # [32, 64) was not all computed here
+    assert log.add(70, _rows(30)) != []  # [64, 96) was
+
+
+def test_ledger_encoding_round_trips_and_cuts_to_what_was_committed() -> None:
+    chunks = {0: b"a" * 16, 32: b"b" * 16, 64: b"c" * 16}
+    kept = commitments.committed(chunks, 95)
+    assert sorted(kept) == [0, 32]
+    data = commitments.encode(kept)
+    assert len(data) == 2 * commitments.RECORD_BYTES
+    assert commitments.decode(data) == kept
+    with pytest.raises(MalformedBundle):
+        commitments.decode(data[:-1])
+
+
+@pytest.mark.parametrize(
+    "chunk", [pb.ChunkDigest(token_start=5, digest=b"x" * 16), pb.ChunkDigest(digest=b"x")]
+)
+def test_a_malformed_commitment_is_refused(chunk: pb.ChunkDigest) -> None:
+    with pytest.raises(MalformedBundle):
+        commitments.checked_chunks([chunk])
+
+
+def test_the_engines_commitments_match_the_verifiers(tiny_path: Path) -> None:
+    """A node of the first two layers and one of the last two commit what a trusted
+    re-run from the token ids computes; a prompt then one-row decode steps."""
+    ids = np.random.default_rng(3).integers(0, 200, 70)
+    trusted = TrustedModel(str(tiny_path), backend="fast")
+    first, last = NodeEngine(), NodeEngine()
+    for e, layers in [(first, LayerRange(0, 2)), (last, LayerRange(2, 4))]:
+        e.start()
+        e.load(str(tiny_path), layers).result(30)
+        e.open("s", 1).result(5)
+    try:
+        claims: list[tuple[LayerRange, int, bytes]] = []
+        steps = [ids[:45], *[ids[i : i + 1] for i in range(45, 70)]]
+        for n, x in enumerate(steps):
+            w1 = StepWork("s", 1, x, None, step=n)
+            h = first.submit(w1).result(10)
+            w2 = StepWork("s", 1, h, None, step=n)
+            last.submit(w2).result(10)
+            claims += [(LayerRange(0, 2), s, d) for s, d in w1.chunks]
+            claims += [(LayerRange(2, 4), s, d) for s, d in w2.chunks]
+    finally:
+        first.stop()
+        last.stop()
+    assert sorted((c[0].end, c[1]) for c in claims) == [(2, 0), (2, 32), (4, 0), (4, 32)]
+    for layers, start, digest in claims:
+        tokens = tuple(int(t) for t in ids[: start + CHUNK_TOKENS])
+        claim = SpanClaim("n", "g", layers, start, digest, tokens)
+        assert check_claim(trusted, claim).passed
+        forged = SpanClaim("n", "g", layers, start, bytes(16), tokens)
+        assert not check_claim(trusted, forged).passed
