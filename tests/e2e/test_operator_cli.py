@@ -1,4 +1,4 @@
-"""The operator commands against a real mesh: `meshnet nodes | sessions | ledger | models`
+"""The operator commands against a real mesh: `meshnet nodes | sessions | ledger | billing | models`
 print what the tracker knows, as tables or JSON, and refuse without the admin token."""
 
 from __future__ import annotations
@@ -82,10 +82,19 @@ def test_ledger(mesh: LocalMesh, capsys: pytest.CaptureFixture[str]) -> None:
     assert "completed" in records and "2:4" in records and "node-0" not in records
 
 
+def test_billing(mesh: LocalMesh, capsys: pytest.CaptureFixture[str]) -> None:
+    tenants, nodes = _run(capsys, mesh, "billing").split("\n\n")
+    default = _rows(tenants)["default"]
+    assert int(default[1]) >= 1 and int(default[2]) >= 1  # generations, billable tokens
+    assert set(_rows(nodes)) >= {"node-0", "node-1"}
+    answer = json.loads(_run(capsys, mesh, "billing", "--json"))
+    assert {t["tenant"] for t in answer["tenants"]} >= {"default"}
+
+
 def test_the_commands_refuse_without_the_admin_token(
     mesh: LocalMesh, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for command in ("nodes", "sessions", "ledger", "models"):
+    for command in ("nodes", "sessions", "ledger", "billing", "models"):
         status = main([command, "--url", mesh.url, "--data-dir", str(tmp_path)])
         assert status == 2
         assert "needs the admin token" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""Operator commands against a running tracker: ``meshnet nodes | sessions | ledger | models``.
+"""Operator commands against a running tracker: ``meshnet nodes | sessions | ledger | billing |
+models``.
 
 Each reads the tracker's admin endpoints with the admin token (``--admin-token``,
 else ``$MESHNET_ADMIN_TOKEN``, else the ``admin_token`` of
@@ -30,6 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         ("nodes", show_nodes, "the nodes the tracker knows: state, layers, load"),
         ("sessions", show_sessions, "sessions by state and the generations running now"),
         ("ledger", show_ledger, "the work ledger: attempts and tokens per node"),
+        ("billing", show_billing, "billable usage per tenant and earnings per node"),
         ("models", show_models, "the models served: layers, coverage, route"),
     ):
         p = sub.add_parser(name, help=f"{help} (admin token)")
@@ -135,7 +137,21 @@ def show_ledger(admin: AdminClient, args: argparse.Namespace) -> tuple[dict[str,
     return answer, table
 
 
-_STATUSES = ("completed", "unverified", "failed", "cancelled")
+_STATUSES = ("completed", "verified", "unverified", "rejected", "failed", "cancelled")
+
+
+def show_billing(admin: AdminClient, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    answer = admin.get("/admin/billing")
+    amounts = ["BILLABLE TOKENS", "BILLABLE LAYER-TOKENS", "UNVERIFIED", "REJECTED"]
+    keys = ["billable_tokens", "billable_layer_tokens"]
+    keys += ["unverified_layer_tokens", "rejected_layer_tokens"]
+    tenants = [
+        [t["tenant"], t["billable_generations"], *(t[k] for k in keys)] for t in answer["tenants"]
+    ]
+    nodes = [[n["node_id"], n["billable_attempts"], *(n[k] for k in keys)] for n in answer["nodes"]]
+    table = render(["TENANT", "GENERATIONS", *amounts], tenants)
+    table += "\n\n" + render(["NODE", "ATTEMPTS", *amounts], nodes)
+    return answer, table
 
 
 def _node_totals(node: str, t: Mapping[str, int]) -> list[object]:
