@@ -14,6 +14,8 @@ from meshnet.cli.main import build_parser
 from meshnet.cli.options import duration
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import NodeAnnouncement, NodeLoad
+from meshnet.tracker import billing
+from meshnet.tracker.bench_store import BenchStore, RouteFigures
 from meshnet.tracker.database import Database, open_database
 from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
 from meshnet.tracker.retention import (
@@ -27,6 +29,7 @@ from meshnet.tracker.retention import (
 from meshnet.tracker.session_store import SessionState, SessionStore, SnapshotFile, TurnStatus
 from meshnet.tracker.snapshots import SnapshotStore, SnapshotTarget
 from meshnet.tracker.store import Store
+from meshnet.tracker.work_checks import SpanCheck, checks
 
 REQUEST = {"content": "hi", "max_tokens": 4, "temperature": 0.0}
 NOW = 100 * DAY  # the pass's clock; everything below is placed relative to it
@@ -144,6 +147,27 @@ def test_ledger_rows_go_after_their_time(db: Database, tmp_path: Path) -> None:
     m.store.record_attempts([recent], NOW - 29 * DAY)
     assert m.retention.run_once(NOW).ledger_rows == 5
     assert m.store.ledger() == [recent]
+
+
+def test_checks_attributions_and_route_benchmarks_go_with_the_ledger(
+    db: Database, tmp_path: Path
+) -> None:
+    m = Mesh(db, tmp_path / "snapshots")
+    for when, gen in ((NOW - 31 * DAY, "old"), (NOW - 29 * DAY, "recent")):
+        m.store.record_check(SpanCheck("n", gen, 0, 2, 0, 32, passed=True), when)
+        billing.attribute(db, gen, "acme", when)
+        BenchStore(db).record([_figures(gen, when)])
+    purged = m.retention.run_once(NOW)
+    assert (purged.check_rows, purged.attribution_rows, purged.benchmark_rows) == (1, 1, 1)
+    assert [c.generation_id for c, _ in checks(db)] == ["recent"]
+    assert [f.run_id for f in BenchStore(db).latest()] == ["recent"]
+    assert m.retention.run_once(NOW).total == 0
+
+
+def _figures(run_id: str, when: float) -> RouteFigures:
+    return RouteFigures(
+        run_id, 0, when, "m", "f", (("n", LayerRange(0, 2)),), 4, 4, 1, 4, 1.0, 1.0, 1.0, 9.0, True
+    )
 
 
 def _announce(node_id: str) -> NodeAnnouncement:

@@ -111,6 +111,17 @@ class BenchStore:
         return parse_rows(reversed(rows), _figures, "route benchmark")
 
 
+    def purge(self, before: float, limit: int) -> int:
+        """Delete up to ``limit`` rows recorded before ``before``, oldest first; how many
+        (a run's rows are recorded at one time, so a run goes whole, but for one cut by
+        ``limit``, whose rest goes in the next call)."""
+        return self._db.run(
+            "DELETE FROM route_benchmarks WHERE id IN "
+            "(SELECT id FROM route_benchmarks WHERE recorded < ? ORDER BY id LIMIT ?)",
+            (before, limit),
+        )
+
+
 def _route_json(hops: Sequence[tuple[str, LayerRange]]) -> list[dict[str, Any]]:
     return [{"node_id": node, "layers": [r.start, r.end]} for node, r in hops]
 

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+from meshnet.tracker.bench_store import BenchStore
 from meshnet.tracker.billing import purge_owners
 from meshnet.tracker.loops import LoopHealth
 from meshnet.tracker.session_store import SessionStore
@@ -81,6 +82,7 @@ class Purged:
     owner_rows: int = 0  # who owned a session no longer kept
     check_rows: int = 0  # the verifier's checks, kept as long as the ledger
     attribution_rows: int = 0  # whom a generation was billed to, as long as the ledger
+    benchmark_rows: int = 0  # route benchmarks' figures, as long as the ledger
 
     @property
     def total(self) -> int:
@@ -101,6 +103,7 @@ class Retention:
         """``owners(limit)`` deletes up to ``limit`` ownership rows of sessions no longer
         kept (the tenancy tables'), the number deleted."""
         self.store = store
+        self.benchmarks = BenchStore(store.db)
         self.owners = owners
         self.sessions = sessions
         self.snapshots = snapshots
@@ -127,6 +130,7 @@ class Retention:
             db = self.store.db
             purged["check_rows"] = _drain(lambda n: purge_checks(db, before, n), batch)
             purged["attribution_rows"] = _drain(lambda n: purge_owners(db, before, n), batch)
+            purged["benchmark_rows"] = _drain(lambda n: self.benchmarks.purge(before, n), batch)
         if p.dead_nodes_s > 0:
             before = now - p.dead_nodes_s
             purged["dead_nodes"] = _drain(lambda n: self.store.purge_dead_nodes(before, n), batch)
