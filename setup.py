@@ -12,11 +12,12 @@ setup(
             "meshnet.backends._native",
             [
                 f"src/meshnet/backends/native/{name}.c"
-                for name in ("module", "matmul", "dequant", "attention", "block")
+                for name in ("module", "matmul", "dequant", "attention", "block", "q8")
             ],
             depends=[
                 "src/meshnet/backends/native/native.h",
                 "src/meshnet/backends/native/matmul_tile.h",
+                "src/meshnet/backends/native/q8_tile.h",
             ],
             extra_compile_args=[
                 "-O3",

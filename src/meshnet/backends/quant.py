@@ -59,7 +59,8 @@ class QuantMatrix:
     """A [rows, cols] weight matrix of GGUF block type ``qtype``.
 
     ``data`` is the native kernels' layout of it where ``native`` (see
-    ``quant_layouts``), else the GGUF's own blocks, uint8 [rows, bytes per row].
+    ``quant_layouts``), else the GGUF's own blocks, uint8 [rows, bytes per row]. ``q8``:
+    that layout's q8 variant, multiplied with 8-bit activations (the q8 backend).
     """
 
     qtype: QT
@@ -67,6 +68,7 @@ class QuantMatrix:
     cols: int
     data: np.ndarray
     native: bool
+    q8: bool = False
 
     @property
     def kind(self) -> str:
@@ -94,14 +96,22 @@ class QuantMatrix:
         return Split(qs, d, m)
 
 
-def from_gguf(f: GGUFFile, t: gguf.ReaderTensor, shape: tuple[int, int]) -> QuantMatrix:
+def from_gguf(
+    f: GGUFFile, t: gguf.ReaderTensor, shape: tuple[int, int], q8: bool = False
+) -> QuantMatrix:
     """A GGUF 2-D tensor of ``shape`` for the kernels, its bytes read off the file (not
-    through the memory map, whose pages would stay counted in this process's memory)."""
+    through the memory map, whose pages would stay counted in this process's memory);
+    ``q8``: in the q8 layout where its type has a q8 kernel (see ``from_blocks``)."""
     try:
         qtype = QT(t.tensor_type)
     except ValueError as e:
         raise UnsupportedTensorType(f"tensor {t.name!r} has an unknown type") from e
-    return from_blocks(f.read_tensor(t), qtype, shape, name=t.name)
+    return from_blocks(f.read_tensor(t), qtype, shape, name=t.name, q8=q8)
+
+
+def from_gguf_q8(f: GGUFFile, t: gguf.ReaderTensor, shape: tuple[int, int]) -> QuantMatrix:
+    """``from_gguf`` for the q8 backend."""
+    return from_gguf(f, t, shape, q8=True)
 
 
 def from_blocks(
@@ -110,9 +120,12 @@ def from_blocks(
     shape: tuple[int, int],
     native: bool | None = None,
     name: str = "matrix",
+    q8: bool = False,
 ) -> QuantMatrix:
     """A matrix from its GGUF bytes: in the native layout (``raw`` is then dropped by the
     caller) where the extension is built, unless ``native`` is False, else kept as blocks.
+    With ``q8``, a native matrix of a type with a q8 kernel takes the q8 layout (other
+    types, and a Q8_0 matrix holding a -128 quant, keep the float32-activation one).
 
     ``UnsupportedTensorType`` when the kernels have no reading of ``qtype`` or the width
     is not a whole number of its blocks (K-quants: super-blocks of 256).
@@ -131,7 +144,11 @@ def from_blocks(
         raise UnsupportedTensorType(f"{name}: {raw.size} bytes do not hold {shape} {qtype.name}")
     use_native = NATIVE is not None if native is None else native and NATIVE is not None
     if use_native:
-        return QuantMatrix(qtype, rows, cols, layouts.pack(raw, qtype, rows, cols), True)
+        packed = layouts.pack(raw, qtype, rows, cols)
+        interleaved = layouts.q8_layout(packed, qtype) if q8 else None
+        if interleaved is not None:
+            return QuantMatrix(qtype, rows, cols, interleaved, True, q8=True)
+        return QuantMatrix(qtype, rows, cols, packed, True)
     return QuantMatrix(qtype, rows, cols, raw.reshape(rows, -1), False)
 
 
@@ -142,7 +159,7 @@ def stack_rows(parts: list[QuantMatrix]) -> QuantMatrix:
     row-group layout, every part but the last fills whole groups of 16 rows.
     """
     first = parts[0]
-    if len({(p.qtype, p.cols, p.native) for p in parts}) != 1:
+    if len({(p.qtype, p.cols, p.native, p.q8) for p in parts}) != 1:
         raise ValueError("only matrices of one block type, width and layout can be fused")
     grouped = first.native and first.qtype in layouts.LEGACY | layouts.KQUANTS
     if grouped and any(p.rows % layouts.GROUP_ROWS for p in parts[:-1]):
@@ -153,6 +170,7 @@ def stack_rows(parts: list[QuantMatrix]) -> QuantMatrix:
         first.cols,
         np.concatenate([p.data for p in parts]),
         first.native,
+        first.q8,
     )
 
 
@@ -167,7 +185,7 @@ def dequantize_rows(w: QuantMatrix, ids: np.ndarray) -> np.ndarray:
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     if w.native:
         out = np.empty((len(ids), w.cols), F32)
-        NATIVE.rows(w.data, ids, out, w.rows, w.cols // QK, layouts.CODES[w.qtype])
+        NATIVE.rows(w.data, ids, out, w.rows, w.cols // QK, native_args(w)[3])
         return out
     dense = gguf.quants.dequantize(w.data[ids], w.qtype)
     return np.ascontiguousarray(dense, dtype=F32).reshape(len(ids), w.cols)
@@ -204,7 +222,9 @@ def matmul(x: np.ndarray, w: QuantMatrix, native: bool = True, wide: bool = True
 
 
 def native_args(w: QuantMatrix) -> tuple[np.ndarray, int, int, int]:
-    """``w`` as the native kernels take a matrix: (packed, rows, nb, type)."""
+    """``w`` as the native kernels take a matrix: (packed, rows, nb, type code), the code
+    with ``Q8_LAYOUT`` set for the q8 layout."""
     if not w.native:
         raise ValueError("the matrix is not in the native layout")
-    return w.data, w.rows, w.cols // QK, layouts.CODES[w.qtype]
+    code = layouts.CODES[w.qtype] | (layouts.Q8_LAYOUT if w.q8 else 0)
+    return w.data, w.rows, w.cols // QK, code

@@ -54,6 +54,35 @@ def pack(raw: np.ndarray, qtype: QT, rows: int, cols: int) -> np.ndarray:
     return raw.reshape(-1)
 
 
+# The q8 layout (native.h): per row group and block (or super-block), the byte offset and
+# the number of byte columns of the quant region regrouped four columns a row at a time.
+Q8_LAYOUT = 32  # or'ed into a type's code
+Q8_REGIONS = {
+    QT.Q4_0: (2 * GROUP_ROWS, 16),
+    QT.Q4_1: (4 * GROUP_ROWS, 16),
+    QT.Q8_0: (2 * GROUP_ROWS, 32),
+    QT.Q4_K: (20 * GROUP_ROWS, 128),
+    QT.Q6_K: (18 * GROUP_ROWS, 192),
+}
+_GROUP_BYTES = {QT.Q4_0: 288, QT.Q4_1: 320, QT.Q8_0: 544, QT.Q4_K: 2368, QT.Q6_K: 3360}
+
+
+def q8_layout(packed: np.ndarray, qtype: QT) -> np.ndarray | None:
+    """A matrix packed by ``pack`` in the q8 layout (in place), or None where its type has
+    no q8 kernel or, for Q8_0, a quant is -128 (the AVX2 kernel's sign trick cannot take
+    it; llama.cpp's quantizer never writes it)."""
+    if qtype not in Q8_REGIONS:
+        return None
+    start, ncols = Q8_REGIONS[qtype]
+    units = packed.reshape(-1, _GROUP_BYTES[qtype])
+    region = units[:, start : start + ncols * GROUP_ROWS]
+    if qtype == QT.Q8_0 and np.any(region == 0x80):
+        return None
+    tiles = region.reshape(-1, ncols // 4, 4, GROUP_ROWS).transpose(0, 1, 3, 2)
+    units[:, start : start + ncols * GROUP_ROWS] = tiles.reshape(len(units), -1)
+    return packed
+
+
 def _by_group(raw: np.ndarray, rows: int, units: int, size: int) -> np.ndarray:
     """Blocks [rows, units, size] as [groups, units, 16 rows, size], padded with zeros."""
     groups = -(-rows // GROUP_ROWS)

@@ -15,6 +15,7 @@ import numpy as np
 
 from meshnet.backends.base import Backend, BatchEntry
 from meshnet.backends.fast import FastBackend, load_fast_weights
+from meshnet.backends.q8 import Q8Backend, load_q8_weights
 from meshnet.backends.reference import ReferenceBackend
 from meshnet.errors import ModelError
 from meshnet.layer_range import LayerRange
@@ -24,8 +25,10 @@ from meshnet.model.spec import ModelSpec
 from meshnet.model.weights import load_shard_weights
 
 LogitsMode = Literal["last", "all"]
-BACKENDS = ("fast", "numpy")
-DEFAULT_BACKEND = "fast"  # quantized numba kernels; "numpy" is the float32 reference
+BACKENDS = ("fast", "q8", "numpy")
+# "fast": quantized kernels, float32 activations; "q8": 8-bit activations as llama.cpp;
+# "numpy" is the float32 reference
+DEFAULT_BACKEND = "fast"
 
 
 @dataclass(frozen=True)
@@ -74,12 +77,14 @@ def warm_up(shard: Shard) -> None:
 def load_shard(
     f: GGUFFile, spec: ModelSpec, layers: LayerRange, backend: str = DEFAULT_BACKEND
 ) -> Shard:
-    """Load ``layers`` of the model in ``f`` onto ``backend`` ("fast" or "numpy")."""
+    """Load ``layers`` of the model in ``f`` onto ``backend`` ("fast", "q8" or "numpy")."""
     settle()  # before the first large block is freed: glibc's thresholds stay where set
     if backend == "numpy":
         compute: Backend = ReferenceBackend(spec, load_shard_weights(f, spec, layers))
     elif backend == "fast":
         compute = FastBackend(spec, load_fast_weights(f, spec, layers))
+    elif backend == "q8":
+        compute = Q8Backend(spec, load_q8_weights(f, spec, layers))
     else:
         raise ModelError(f"backend {backend!r} is not available (have: {', '.join(BACKENDS)})")
     shard = Shard(spec, layers, compute, f.fingerprint())

@@ -32,6 +32,19 @@ Py_ssize_t qmat_bytes(int type, Py_ssize_t rows, Py_ssize_t nb) {
     return groups * nb * GROUP_BYTES[type];
 }
 
+int qmat_set_type(qmat_t *w, int code) {
+    w->q8 = (code & Q8_LAYOUT) != 0;
+    w->type = code & ~Q8_LAYOUT;
+    if (w->type < 0 || w->type >= TYPE_COUNT) return -1;
+    return w->q8 && !HAS_Q8_KERNEL(w->type) ? -1 : 0;
+}
+
+/* Byte column ``c`` of row ``lane`` in a quant region of a row group (native.h): column
+ * by column, or in the q8 layout four columns of a row side by side. */
+static inline uint8_t qbyte(const uint8_t *region, int c, int lane, int q8) {
+    return q8 ? region[(c / 4) * 4 * GROUP_ROWS + lane * 4 + c % 4] : region[c * GROUP_ROWS + lane];
+}
+
 static float half(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -95,19 +108,19 @@ void dequant_block(int type, const uint8_t *row, Py_ssize_t b, float *out) {
 }
 
 /* Row ``lane`` of a row group's block (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1). */
-static void legacy_block(int type, const uint8_t *p, int lane, float *out) {
+static void legacy_block(int type, const uint8_t *p, int lane, int q8, float *out) {
     const float d = half(p + 2 * lane);
     if (type == Q8_0) {
         for (int c = 0; c < QK; c++)
-            out[c] = (float)(int8_t)p[2 * GROUP_ROWS + c * GROUP_ROWS + lane] * d;
+            out[c] = (float)(int8_t)qbyte(p + 2 * GROUP_ROWS, c, lane, q8) * d;
         return;
     }
     const int with_min = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
-    const uint8_t *qs = p + (with_min ? 4 : 2) * GROUP_ROWS + lane;
-    const uint8_t *qh = qs + 16 * GROUP_ROWS;
+    const uint8_t *qs = p + (with_min ? 4 : 2) * GROUP_ROWS;
+    const uint8_t *qh = qs + 16 * GROUP_ROWS + lane;
     const float m = with_min ? half(p + 2 * GROUP_ROWS + 2 * lane) : 0.0f;
     for (int c = 0; c < QK; c++) {
-        int q = (qs[(c % 16) * GROUP_ROWS] >> (4 * (c / 16))) & 15;
+        int q = (qbyte(qs, c % 16, lane, q8) >> (4 * (c / 16))) & 15;
         if (five) q |= ((qh[(c / 8) * GROUP_ROWS] >> (c % 8)) & 1) << 4;
         if (with_min) out[c] = d * (float)q + m;
         else out[c] = d * (float)(q - (five ? 16 : 8));
@@ -115,24 +128,24 @@ static void legacy_block(int type, const uint8_t *p, int lane, float *out) {
 }
 
 /* Row ``lane`` of a row group's K-quant super-block: 256 weights. */
-static void kquant_block(int type, const uint8_t *p, int lane, float *out) {
+static void kquant_block(int type, const uint8_t *p, int lane, int q8, float *out) {
     const float d = half(p + K_D + 2 * lane);
     if (type == Q6_K) {
         for (int n = 0; n < QK_K; n++) {
             const int k = n / 16, c = n % 16; /* sub-block, column */
-            const uint8_t *sub = p + K6_SUB + k * K6_SUB_BYTES + lane;
-            const int low = (sub[(c % 8) * GROUP_ROWS] >> (4 * (c / 8))) & 15;
-            const int high = (sub[(8 + c % 4) * GROUP_ROWS] >> (2 * (c / 4))) & 3;
+            const uint8_t *sub = p + K6_SUB + k * K6_SUB_BYTES;
+            const int low = (qbyte(sub, c % 8, lane, q8) >> (4 * (c / 8))) & 15;
+            const int high = (qbyte(sub, 8 + c % 4, lane, q8) >> (2 * (c / 4))) & 3;
             const float dl = d * (float)(int8_t)p[K6_SC + k * GROUP_ROWS + lane];
             out[n] = dl * (float)((low | high << 4) - 32);
         }
         return;
     }
     const float dmin = half(p + K_DMIN + 2 * lane);
-    const uint8_t *qs = p + (type == Q5_K ? K_QS5 : K_QS4) + lane;
+    const uint8_t *qs = p + (type == Q5_K ? K_QS5 : K_QS4);
     for (int n = 0; n < QK_K; n++) {
         const int k = n / QK, c = n % QK, i = c % 16; /* sub-block, column, byte */
-        int q = (qs[(k * 16 + i) * GROUP_ROWS] >> (4 * (c / 16))) & 15;
+        int q = (qbyte(qs, k * 16 + i, lane, q8) >> (4 * (c / 16))) & 15;
         if (type == Q5_K) {
             const int m = i / 4 + 4 * (c / 16); /* the bit of byte i % 4 */
             q |= ((p[K_QH5 + (k * 4 + i % 4) * GROUP_ROWS + lane] >> m) & 1) << 4;
@@ -155,7 +168,7 @@ void qmat_row(const qmat_t *w, Py_ssize_t r, float *out) {
     const Py_ssize_t units = w->nb / per_unit, gb = GROUP_BYTES[type];
     const uint8_t *group = w->packed + (r / GROUP_ROWS) * units * gb;
     for (Py_ssize_t u = 0; u < units; u++) {
-        if (IS_KQUANT(type)) kquant_block(type, group + u * gb, lane, out + u * QK_K);
-        else legacy_block(type, group + u * gb, lane, out + u * QK);
+        if (IS_KQUANT(type)) kquant_block(type, group + u * gb, lane, w->q8, out + u * QK_K);
+        else legacy_block(type, group + u * gb, lane, w->q8, out + u * QK);
     }
 }

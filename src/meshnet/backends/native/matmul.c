@@ -186,6 +186,8 @@ int select_isa(const char *name) {
 
 const char *isa_name(void) { return wide_isa ? "avx512" : "avx2"; }
 
+int wide_isa_selected(void) { return wide_isa; }
+
 /* The tokens of each unpacked tile (UNPACK_TT wide, as even as unpacked_rows makes them)
  * rearranged so that one block's values lie in FMA chain order, a column's tokens side
  * by side: tile at t0 of width TT, block b, chain step k, token t at
@@ -206,6 +208,7 @@ static void pack_tokens(const float *x, Py_ssize_t T, Py_ssize_t nb, int in_orde
 }
 
 int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads, int wide) {
+    if (w->q8) return q8matmul(w, x, T, out, threads, wide);
     float *sx = NULL;
     const int type = w->type;
     if (type != Q8_0 && (IS_BLOCKWISE(type) || IS_KQUANT(type))) {

@@ -13,7 +13,13 @@ static PyObject *kernel_result(int status) {
     return status < 0 ? PyErr_NoMemory() : Py_NewRef(Py_None);
 }
 
-static int check_matrix(const qmat_t *w, const Py_buffer *packed) {
+/* The matrix's type from its code (a type, Q8_LAYOUT or'ed in for the q8 layout), then its
+ * buffer against its shape. */
+static int check_matrix(qmat_t *w, int code, const Py_buffer *packed) {
+    if (qmat_set_type(w, code) < 0) {
+        PyErr_SetString(PyExc_ValueError, "unknown type code, or no q8 kernel for the type");
+        return -1;
+    }
     const Py_ssize_t bytes = qmat_bytes(w->type, w->rows, w->nb);
     if (bytes < 0 || packed->len != bytes) {
         PyErr_SetString(PyExc_ValueError, "a matrix's buffer does not match its shape");
@@ -26,13 +32,13 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
     Py_buffer packed, x, out;
     qmat_t w;
     Py_ssize_t T;
-    int threads, wide = 1;
-    if (!PyArg_ParseTuple(args, "y*y*w*nnnii|p", &packed, &x, &out, &w.rows, &w.nb, &T, &w.type,
+    int code, threads, wide = 1;
+    if (!PyArg_ParseTuple(args, "y*y*w*nnnii|p", &packed, &x, &out, &w.rows, &w.nb, &T, &code,
                           &threads, &wide))
         return NULL;
     PyObject *result = NULL;
     w.packed = packed.buf;
-    if (check_matrix(&w, &packed) < 0) goto done;
+    if (check_matrix(&w, code, &packed) < 0) goto done;
     if (T < 0 || x.len != T * w.nb * QK * (Py_ssize_t)sizeof(float) ||
         out.len != T * w.rows * (Py_ssize_t)sizeof(float)) {
         PyErr_SetString(PyExc_ValueError, "buffer sizes do not match the shapes");
@@ -53,11 +59,12 @@ done:
 static PyObject *rows(PyObject *self, PyObject *args) {
     Py_buffer packed, ids, out;
     qmat_t w;
-    if (!PyArg_ParseTuple(args, "y*y*w*nni", &packed, &ids, &out, &w.rows, &w.nb, &w.type))
+    int code;
+    if (!PyArg_ParseTuple(args, "y*y*w*nni", &packed, &ids, &out, &w.rows, &w.nb, &code))
         return NULL;
     PyObject *result = NULL;
     w.packed = packed.buf;
-    if (check_matrix(&w, &packed) < 0) goto done;
+    if (check_matrix(&w, code, &packed) < 0) goto done;
     const Py_ssize_t n = ids.len / (Py_ssize_t)sizeof(int64_t);
     const int64_t *id = ids.buf;
     if (ids.len % (Py_ssize_t)sizeof(int64_t) ||
@@ -218,12 +225,13 @@ static void free_block(PyObject *capsule) {
 /* (packed, rows, nb, type) */
 static int read_matrix(PyObject *spec, held_block_t *hb, qmat_t *w) {
     PyObject *packed;
-    if (!PyArg_ParseTuple(spec, "Onni", &packed, &w->rows, &w->nb, &w->type)) return -1;
+    int code;
+    if (!PyArg_ParseTuple(spec, "Onni", &packed, &w->rows, &w->nb, &code)) return -1;
     Py_buffer *v = &hb->views[hb->held];
     if (PyObject_GetBuffer(packed, v, PyBUF_C_CONTIGUOUS) < 0) return -1;
     hb->held++;
     w->packed = v->buf;
-    return check_matrix(w, v);
+    return check_matrix(w, code, v);
 }
 
 /* A tuple of 1 or ``most`` matrices into ws; their count into n. */
@@ -396,8 +404,9 @@ static PyMethodDef methods[] = {
     {"matmul", matmul, METH_VARARGS,
      "matmul(packed, x, out, rows, nb, T, type, threads, wide=True): out[t, r] =\n"
      "W[r] . x[t], W in the layout of its type (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q4_K, 4 Q5_K,\n"
-     "5 Q6_K, 6 Q2_K, 7 Q3_K, 8 Q5_0, 9 Q5_1, 10 F16, 11 BF16, 12 F32; see native.h);\n"
-     "wide=False keeps to AVX2 vectors (the same bits)"},
+     "5 Q6_K, 6 Q2_K, 7 Q3_K, 8 Q5_0, 9 Q5_1, 10 F16, 11 BF16, 12 F32; see native.h;\n"
+     "+32: the q8 layout, multiplied with 8-bit activations); wide=False keeps to AVX2\n"
+     "vectors (the same bits)"},
     {"rows", rows, METH_VARARGS,
      "rows(packed, ids, out, rows, nb, type): out[i] = row ids[i] of the matrix as float32\n"
      "(ids int64), as gguf-py dequantizes it"},

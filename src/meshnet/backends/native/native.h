@@ -86,11 +86,38 @@ static const Py_ssize_t GROUP_BYTES[TYPE_COUNT] = {
     0, 0, 0,                           /* F16, BF16, F32: row-wise */
 };
 
+/*
+ * The q8 layout (the q8 backend's matrices: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K): the layout
+ * above with each quant region's byte columns regrouped four at a time, so that a row's
+ * four bytes of columns 4 i .. 4 i + 3 lie side by side: byte column c of row r moves
+ * from c * 16 + r to (c / 4) * 64 + r * 4 + c % 4 within its region (Q4_0, Q4_1, Q8_0:
+ * the 16 or 32 byte columns of a block; Q4_K: the 128 of a super-block's nibbles; Q6_K:
+ * the 192 of its sub-blocks). The scales stay as they are. One int32 lane then holds four
+ * weights of one row, as an 8-bit integer dot product takes them (q8.c). A type code
+ * with Q8_LAYOUT set names a matrix in this layout.
+ */
+#define Q8_LAYOUT 32
+#define HAS_Q8_KERNEL(type) ((type) <= Q6_K && (type) != Q5_K)
+
 typedef struct {
     const uint8_t *packed; /* qmat_bytes(type, rows, nb) bytes */
     Py_ssize_t rows, nb;
     int type;
+    int q8; /* in the q8 layout: multiplied by q8matmul with 8-bit activations */
 } qmat_t;
+
+/* ``code`` (a type, Q8_LAYOUT or'ed in for the q8 layout) into w's type and q8; -1 for a
+ * code naming no type, or the q8 layout of a type without a q8 kernel. */
+int qmat_set_type(qmat_t *w, int code);
+
+/* out[t, r] = W[r] . x[t] with each row of x first quantized to 8 bits as llama.cpp does
+ * for W's type (Q8_0 blocks for Q4_0 and Q8_0, Q8_1 for Q4_1, Q8_K for the K-quants),
+ * then integer dot products per block (q8.c); -1 when out of memory. W in the q8 layout.
+ * wide 0 keeps to AVX2 (the same bits). */
+int q8matmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads, int wide);
+
+/* Whether the matmuls may take 16-lane vectors in this process (select_isa). */
+int wide_isa_selected(void);
 
 /* The bytes a [rows, nb * QK] matrix of ``type`` takes, or -1 where the type is unknown
  * or the width does not fit it (K-quants: nb a multiple of 8). */

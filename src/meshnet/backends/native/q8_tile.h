@@ -1,0 +1,338 @@
+/*
+ * The q8 matmul's tiles for one vector width, included by q8.c once per instruction set
+ * (the macros are q8.c's; the header undefines them at its end). Each lane is one output
+ * row; a tile is RV row vectors x TT tokens. Integer sums are exact, so how they are
+ * split or ordered is free; the float operations per (row, token) are fixed:
+ *
+ *   Q4_0, Q4_1, Q8_0, per block in order, acc from zero:
+ *     acc = fma(dw * dx, (float) isum, acc)      isum = sum of the block's q_w q_x
+ *                                                (Q4_0: (q_w - 8) q_x)
+ *     Q4_1 then: acc = fma(m, s_x, acc)          s_x: Q8_1's float16 d_x * sum q_x
+ *   Q4_K, per super-block in order:
+ *     acc = fma(d * dx, (float) sum_k sc_k isum_k, acc)
+ *     acc = acc - (dmin * dx) (float) sum_k m_k bsum_k   (one rounding)
+ *   Q6_K, per super-block in order:
+ *     acc = fma(d * dx, (float) sum_k sc_k (isum_k - 32 bsum_k), acc)
+ *
+ * dw, d, dmin, m are the weights' float16 fields, dx the activations' d.
+ */
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, SFX)
+#define Q8_INLINE static inline __attribute__((always_inline)) TARGET
+
+/* First row of vector v's rows within its group, and the group's bytes at unit u. */
+#define GROUP_OF(w, v, units, gb) ((w)->packed + (((v) * LANES) / GROUP_ROWS) * (units) * (gb))
+
+/* Blocks of 32 (Q4_0, Q4_1, Q8_0). */
+Q8_INLINE void FN(btile)(const q8job_t *j, const int type, const Py_ssize_t v0, const int RV,
+                         const Py_ssize_t t0, const int TT) {
+    const qmat_t *w = j->w;
+    const Py_ssize_t nb = w->nb, cols = nb * QK, gb = GROUP_BYTES[type];
+    const int quants = type == Q4_1 ? 4 * GROUP_ROWS : 2 * GROUP_ROWS;
+    const uint8_t *group[4];
+    int lane[4];
+    for (int v = 0; v < RV; v++) {
+        group[v] = GROUP_OF(w, v0 + v, nb, gb);
+        lane[v] = (int)(((v0 + v) * LANES) % GROUP_ROWS);
+    }
+    VEC acc[4][TILE_MAX];
+    for (int v = 0; v < RV; v++)
+        for (int t = 0; t < TT; t++) acc[v][t] = ZERO();
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        const int8_t *xb = j->xq + t0 * cols + b * QK;
+        const uint8_t *p[4];
+        for (int v = 0; v < RV; v++) {
+            p[v] = group[v] + b * gb;
+            if (TT >= 2 || (LANES == 8 && lane[v] == 0))
+                for (Py_ssize_t line = 0; line < gb; line += 64)
+                    _mm_prefetch((const char *)p[v] + 4 * gb + line, _MM_HINT_T0);
+        }
+        IVEC isum[4][TILE_MAX];
+        if (type == Q8_0) {
+            for (int v = 0; v < RV; v++)
+                for (int t = 0; t < TT; t++) isum[v][t] = IZERO();
+            for (int q = 0; q < QK / 4; q++) {
+                IVEC wq[4];
+                for (int v = 0; v < RV; v++) wq[v] = LDQ(p[v] + quants + q * 64 + 4 * lane[v]);
+                for (int t = 0; t < TT; t++) {
+                    const IVEC bx = BX(xb + t * cols + 4 * q);
+                    for (int v = 0; v < RV; v++) isum[v][t] = DOTS(isum[v][t], wq[v], bx);
+                }
+            }
+            if (DOTS_BIAS)
+                for (int t = 0; t < TT; t++) {
+                    const IVEC bias = SET1I(DOTS_BIAS * j->xb[(t0 + t) * nb + b]);
+                    for (int v = 0; v < RV; v++) isum[v][t] = SUBI(isum[v][t], bias);
+                }
+        } else {
+            IVEC part[4][TILE_MAX];
+            for (int v = 0; v < RV; v++)
+                for (int t = 0; t < TT; t++) part[v][t] = PZERO();
+            for (int q = 0; q < 4; q++) {
+                IVEC lo[4], hi[4];
+                for (int v = 0; v < RV; v++) {
+                    const IVEC z = LDQ(p[v] + quants + q * 64 + 4 * lane[v]);
+                    lo[v] = BYTES15(z);
+                    hi[v] = HIGH15(z);
+                }
+                for (int t = 0; t < TT; t++) {
+                    const IVEC bl = BX(xb + t * cols + 4 * q), bh = BX(xb + t * cols + 16 + 4 * q);
+                    for (int v = 0; v < RV; v++) {
+                        part[v][t] = DOTU(part[v][t], lo[v], bl);
+                        part[v][t] = DOTU(part[v][t], hi[v], bh);
+                    }
+                }
+            }
+            for (int t = 0; t < TT; t++) {
+                const IVEC off = SET1I(type == Q4_0 ? 8 * j->xb[(t0 + t) * nb + b] : 0);
+                for (int v = 0; v < RV; v++) isum[v][t] = SUBI(PFLUSH(part[v][t]), off);
+            }
+        }
+        for (int v = 0; v < RV; v++) {
+            const VEC dw = HALVES(p[v] + 2 * lane[v]);
+            for (int t = 0; t < TT; t++) {
+                const VEC dd = MUL(dw, SET1(j->xd[(t0 + t) * nb + b]));
+                acc[v][t] = FMA(dd, CVT(isum[v][t]), acc[v][t]);
+            }
+            if (type == Q4_1) {
+                const VEC m = HALVES(p[v] + 2 * GROUP_ROWS + 2 * lane[v]);
+                for (int t = 0; t < TT; t++)
+                    acc[v][t] = FMA(m, SET1(j->xs[(t0 + t) * nb + b]), acc[v][t]);
+            }
+        }
+    }
+    for (int v = 0; v < RV; v++) {
+        const Py_ssize_t row = (v0 + v) * LANES;
+        if (row >= w->rows) continue;
+        const int n = w->rows - row < LANES ? (int)(w->rows - row) : LANES;
+        for (int t = 0; t < TT; t++) STORE(j->out + (t0 + t) * w->rows + row, acc[v][t], n);
+    }
+}
+
+/* Q4_K: super-blocks of 8 sub-blocks of 32. */
+Q8_INLINE void FN(q4k_super)(const uint8_t *p, const int lane, const int8_t *xs,
+                             const Py_ssize_t cols, IVEC sumi[KTILE_MAX], const int TT) {
+    for (int t = 0; t < TT; t++) sumi[t] = IZERO();
+    for (int k = 0; k < QK_K / QK; k++) {
+        IVEC part[KTILE_MAX];
+        for (int t = 0; t < TT; t++) part[t] = PZERO();
+        for (int q = 0; q < 4; q++) {
+            const IVEC z = LDQ(p + K_QS4 + (k * 4 + q) * 64 + 4 * lane);
+            const IVEC lo = BYTES15(z), hi = HIGH15(z);
+            for (int t = 0; t < TT; t++) {
+                const int8_t *xk = xs + t * cols + QK * k;
+                part[t] = DOTU(part[t], lo, BX(xk + 4 * q));
+                part[t] = DOTU(part[t], hi, BX(xk + 16 + 4 * q));
+            }
+        }
+        const IVEC sc = U8(p + K_SC + k * GROUP_ROWS + lane);
+        for (int t = 0; t < TT; t++) sumi[t] = ADDI(sumi[t], PSCALE(part[t], sc));
+    }
+}
+
+/* Q6_K: super-blocks of 16 sub-blocks of 16; its quants are 0 .. 63, less 32. */
+Q8_INLINE void FN(q6k_super)(const uint8_t *p, const int lane, const int8_t *xs,
+                             const Py_ssize_t cols, IVEC sumi[KTILE_MAX], const int TT) {
+    for (int t = 0; t < TT; t++) sumi[t] = IZERO();
+    for (int k = 0; k < QK_K / 16; k++) {
+        const uint8_t *sub = p + K6_SUB + k * K6_SUB_BYTES + 4 * lane;
+        const IVEC ql0 = LDQ(sub), ql1 = LDQ(sub + 64), qh = LDQ(sub + 128);
+        const IVEC q0 = ORI(BYTES15(ql0), BMASK(SLLI32(qh, 4), 0x30));
+        const IVEC q1 = ORI(BYTES15(ql1), BMASK(SLLI32(qh, 2), 0x30));
+        const IVEC q2 = ORI(HIGH15(ql0), BMASK(qh, 0x30));
+        const IVEC q3 = ORI(HIGH15(ql1), BMASK(SRLI32(qh, 2), 0x30));
+        const IVEC sc = S8(p + K6_SC + k * GROUP_ROWS + lane);
+        for (int t = 0; t < TT; t++) {
+            const int8_t *xk = xs + t * cols + 16 * k;
+            IVEC a = DOTU(DOTU(PZERO(), q0, BX(xk)), q1, BX(xk + 4));
+            IVEC c = DOTU(DOTU(PZERO(), q2, BX(xk + 8)), q3, BX(xk + 12));
+#if DOTS_BIAS /* int32 partials: add, then one multiply */
+            sumi[t] = ADDI(sumi[t], PSCALE(ADDI(a, c), sc));
+#else /* int16 partials: two of them would overflow */
+            sumi[t] = ADDI(sumi[t], ADDI(PSCALE(a, sc), PSCALE(c, sc)));
+#endif
+        }
+    }
+}
+
+/* Sum over pairs of pieces of (a's int16 pair) x (the token's int16 pair): mins times the
+ * sums of 32 quants (Q4_K), or scales times the sums of 16 (Q6_K). */
+Q8_INLINE IVEC FN(pair_dot)(const IVEC *a, const int32_t *pairs, const int n) {
+    IVEC s = IZERO();
+    for (int i = 0; i < n; i++) s = ADDI(s, MADD16(a[i], SET1I(pairs[i])));
+    return s;
+}
+
+/* Int16 pairs of byte fields k and k + 1 of 16 rows (unsigned, or signed with ``sign``). */
+Q8_INLINE IVEC FN(field_pair)(const uint8_t *f, const int lane, const int k, const int sign) {
+    const IVEC a = sign ? S8(f + k * GROUP_ROWS + lane) : U8(f + k * GROUP_ROWS + lane);
+    const IVEC b = sign ? S8(f + (k + 1) * GROUP_ROWS + lane) : U8(f + (k + 1) * GROUP_ROWS + lane);
+    return ORI(SRLI32(SLLI32(a, 16), 16), SLLI32(b, 16)); /* low half a, high half b */
+}
+
+/* The K-quants (Q4_K, Q6_K). */
+Q8_INLINE void FN(ktile)(const q8job_t *j, const int type, const Py_ssize_t v0, const int RV,
+                         const Py_ssize_t t0, const int TT) {
+    const qmat_t *w = j->w;
+    const Py_ssize_t nb = w->nb, cols = nb * QK, supers = nb / (QK_K / QK);
+    const Py_ssize_t gb = GROUP_BYTES[type];
+    const int npairs = type == Q6_K ? 8 : 4;
+    const uint8_t *group[4];
+    int lane[4];
+    for (int v = 0; v < RV; v++) {
+        group[v] = GROUP_OF(w, v0 + v, supers, gb);
+        lane[v] = (int)(((v0 + v) * LANES) % GROUP_ROWS);
+    }
+    VEC acc[4][KTILE_MAX];
+    for (int v = 0; v < RV; v++)
+        for (int t = 0; t < TT; t++) acc[v][t] = ZERO();
+    for (Py_ssize_t sb = 0; sb < supers; sb++) {
+        const int8_t *xs = j->xq + t0 * cols + sb * QK_K;
+        for (int v = 0; v < RV; v++) {
+            const uint8_t *p = group[v] + sb * gb;
+            if (TT >= 2 || (LANES == 8 && lane[v] == 0))
+                for (Py_ssize_t line = 0; line < gb; line += 64)
+                    _mm_prefetch((const char *)p + gb + line, _MM_HINT_T0);
+            IVEC sumi[KTILE_MAX], fp[8];
+            if (type == Q6_K) FN(q6k_super)(p, lane[v], xs, cols, sumi, TT);
+            else FN(q4k_super)(p, lane[v], xs, cols, sumi, TT);
+            const uint8_t *fields = p + (type == Q6_K ? K6_SC : K_MIN);
+            for (int i = 0; i < npairs; i++) fp[i] = FN(field_pair)(fields, lane[v], 2 * i, type == Q6_K);
+            const VEC d = HALVES(p + K_D + 2 * lane[v]);
+            for (int t = 0; t < TT; t++) {
+                const int32_t *pairs = j->xb + ((t0 + t) * supers + sb) * npairs;
+                const IVEC off = FN(pair_dot)(fp, pairs, npairs);
+                const VEC dx = SET1(j->xd[(t0 + t) * supers + sb]);
+                if (type == Q6_K) {
+                    acc[v][t] = FMA(MUL(d, dx), CVT(SUBI(sumi[t], SLLI32(off, 5))), acc[v][t]);
+                } else {
+                    const VEC dmin = HALVES(p + K_DMIN + 2 * lane[v]);
+                    acc[v][t] = FMA(MUL(d, dx), CVT(sumi[t]), acc[v][t]);
+                    acc[v][t] = FNMA(MUL(dmin, dx), CVT(off), acc[v][t]);
+                }
+            }
+        }
+    }
+    for (int v = 0; v < RV; v++) {
+        const Py_ssize_t row = (v0 + v) * LANES;
+        if (row >= w->rows) continue;
+        const int n = w->rows - row < LANES ? (int)(w->rows - row) : LANES;
+        for (int t = 0; t < TT; t++) STORE(j->out + (t0 + t) * w->rows + row, acc[v][t], n);
+    }
+}
+
+/* The tile of ``type``'s family. */
+Q8_INLINE void FN(any_tile)(const q8job_t *j, const int type, const Py_ssize_t v,
+                            const int RV, const Py_ssize_t t0, const int TT) {
+    if (!IS_KQUANT(type)) FN(btile)(j, type, v, RV, t0, TT);
+    else if (TT <= KTILE_MAX) FN(ktile)(j, type, v, RV, t0, TT); /* token_tiles keeps to it */
+}
+
+/* Tokens in as few tiles of at most ``most`` as possible, widths as even as possible. */
+Q8_INLINE void FN(token_tiles)(const q8job_t *j, const int type, const Py_ssize_t v,
+                               const int most) {
+    const Py_ssize_t tiles = (j->T + most - 1) / most;
+    Py_ssize_t t = 0;
+    for (Py_ssize_t i = 0; i < tiles; i++) {
+        const int width = (int)(j->T / tiles + (i < j->T % tiles));
+        switch (width) {
+#if TILE_MAX >= 12
+        case 12: FN(any_tile)(j, type, v, 1, t, 12); break;
+        case 11: FN(any_tile)(j, type, v, 1, t, 11); break;
+        case 10: FN(any_tile)(j, type, v, 1, t, 10); break;
+        case 9: FN(any_tile)(j, type, v, 1, t, 9); break;
+#endif
+#if TILE_MAX >= 8
+        case 8: FN(any_tile)(j, type, v, 1, t, 8); break;
+        case 7: FN(any_tile)(j, type, v, 1, t, 7); break;
+        case 6: FN(any_tile)(j, type, v, 1, t, 6); break;
+        case 5: FN(any_tile)(j, type, v, 1, t, 5); break;
+#endif
+        case 4: FN(any_tile)(j, type, v, 1, t, 4); break;
+        case 3: FN(any_tile)(j, type, v, 1, t, 3); break;
+        case 2: FN(any_tile)(j, type, v, 1, t, 2); break;
+        default: FN(any_tile)(j, type, v, 1, t, 1); break;
+        }
+        t += width;
+    }
+}
+
+/* Row vectors [v0, v1) for every token: a lone token four row vectors at once (four
+ * chains of its own), batches one row vector x tiles of tokens. */
+Q8_INLINE void FN(q8rows_typed)(const q8job_t *j, const int type, Py_ssize_t v0,
+                                Py_ssize_t v1) {
+    Py_ssize_t v = v0;
+    if (j->T == 1) {
+        for (; v + 4 <= v1; v += 4) FN(any_tile)(j, type, v, 4, 0, 1);
+        for (; v < v1; v++) FN(any_tile)(j, type, v, 1, 0, 1);
+        return;
+    }
+    const int most = IS_KQUANT(type) ? KTILE_MAX : TILE_MAX;
+    for (; v < v1; v++) FN(token_tiles)(j, type, v, most);
+}
+
+#define Q8_ROWS_OF(name, code)                                                               \
+    static __attribute__((noinline)) TARGET void FN(CAT(q8rows_, name))(                     \
+        const q8job_t *j, Py_ssize_t v0, Py_ssize_t v1) {                                    \
+        FN(q8rows_typed)(j, code, v0, v1);                                                   \
+    }
+Q8_ROWS_OF(q4_0, Q4_0)
+Q8_ROWS_OF(q4_1, Q4_1)
+Q8_ROWS_OF(q8_0, Q8_0)
+Q8_ROWS_OF(q4_k, Q4_K)
+Q8_ROWS_OF(q6_k, Q6_K)
+#undef Q8_ROWS_OF
+
+static TARGET void FN(q8rows)(const q8job_t *j, Py_ssize_t v0, Py_ssize_t v1) {
+    switch (j->w->type) {
+    case Q4_0: FN(q8rows_q4_0)(j, v0, v1); break;
+    case Q4_1: FN(q8rows_q4_1)(j, v0, v1); break;
+    case Q8_0: FN(q8rows_q8_0)(j, v0, v1); break;
+    case Q4_K: FN(q8rows_q4_k)(j, v0, v1); break;
+    default: FN(q8rows_q6_k)(j, v0, v1); break;
+    }
+}
+
+#undef FN
+#undef CAT
+#undef CAT_
+#undef Q8_INLINE
+#undef GROUP_OF
+#undef LANES
+#undef VEC
+#undef IVEC
+#undef TARGET
+#undef SFX
+#undef TILE_MAX
+#undef KTILE_MAX
+#undef LDQ
+#undef BX
+#undef BYTES15
+#undef HIGH15
+#undef BMASK
+#undef SLLI32
+#undef SRLI32
+#undef ORI
+#undef IZERO
+#undef PZERO
+#undef DOTU
+#undef PFLUSH
+#undef PSCALE
+#undef DOTS
+#undef DOTS_BIAS
+#undef MADD16
+#undef ADDI
+#undef SUBI
+#undef MULLO
+#undef SET1I
+#undef U8
+#undef S8
+#undef HALVES
+#undef CVT
+#undef MUL
+#undef FMA
+#undef FNMA
+#undef SET1
+#undef ZERO
+#undef STORE
