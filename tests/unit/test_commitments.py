@@ -12,7 +12,7 @@ from meshnet.node.scheduler import StepWork
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol.commitments import CHUNK_TOKENS, RowLog, chunk_digests_of
 from meshnet.tracker import commitments
-from meshnet.tracker.verifier import SpanClaim, TrustedModel, check_claim
+from meshnet.tracker.verifier import SpanClaim, TrustedModel, Upstream, check_claim
 
 
 def _rows(n: int, d: int = 8, seed: int = 0) -> np.ndarray:
@@ -101,6 +101,78 @@ def test_the_engines_commitments_match_the_verifiers(tiny_path: Path) -> None:
     for layers, start, digest in claims:
         tokens = tuple(int(t) for t in ids[: start + CHUNK_TOKENS])
         claim = SpanClaim("n", "g", layers, start, digest, tokens)
-        assert check_claim(trusted, claim).passed
-        forged = SpanClaim("n", "g", layers, start, bytes(16), tokens)
-        assert not check_claim(trusted, forged).passed
+        [verdict] = check_claim(trusted, claim)
+        assert verdict.passed
+    forged = SpanClaim("n", "g", LayerRange(0, 2), 32, bytes(16), tuple(int(t) for t in ids[:64]))
+    [verdict] = check_claim(trusted, forged)
+    assert not verdict.passed and verdict.claim.node_id == "n"
+    # A later hop that differs because the hop before it cheated is not blamed: the
+    # verdict falls on the first hop whose commitments differ; too few: no verdict.
+    first = {(c[0].end, c[1]): c[2] for c in claims}
+    bent = {0: first[(2, 0)], 32: bytes(16)}
+    tokens = tuple(int(t) for t in ids[:64])
+    after_cheat = SpanClaim(
+        "late",
+        "g",
+        LayerRange(2, 4),
+        32,
+        bytes(16),
+        tokens,
+        (Upstream("early", LayerRange(0, 2), tuple(bent.items())),),
+    )
+    [verdict] = check_claim(trusted, after_cheat)
+    assert not verdict.passed and verdict.claim.node_id == "early"
+    assert verdict.claim.token_start == 32
+    unvouched = SpanClaim(
+        "late",
+        "g",
+        LayerRange(2, 4),
+        32,
+        bytes(16),
+        tokens,
+        (Upstream("early", LayerRange(0, 2), ((0, first[(2, 0)]),)),),
+    )
+    assert check_claim(trusted, unvouched) == []
+    honest_before = SpanClaim(
+        "late",
+        "g",
+        LayerRange(2, 4),
+        32,
+        bytes(16),
+        tokens,
+        (Upstream("early", LayerRange(0, 2), ((0, first[(2, 0)]), (32, first[(2, 32)]))),),
+    )
+    [verdict] = check_claim(trusted, honest_before)
+    assert not verdict.passed and verdict.claim.node_id == "late"
+
+
+def _claim(start: int = 0) -> SpanClaim:
+    return SpanClaim("n", "g", LayerRange(0, 2), start, bytes(16), tuple(range(start + 32)))
+
+
+def test_the_verifier_samples_at_its_rate_and_skips_when_full() -> None:
+    import asyncio
+
+    from meshnet.tracker.verifier import Verifier
+
+    async def scenario() -> None:
+        never = Verifier(None, 0.0, lambda v: None)  # type: ignore[arg-type]
+        assert not any(never.offer(_claim()) for _ in range(100))
+        every = Verifier(None, 1.0, lambda v: None, queue_size=3)  # type: ignore[arg-type]
+        every._worker = asyncio.get_running_loop().create_future()  # type: ignore[assignment]
+        taken = [every.offer(_claim(32 * i)) for i in range(5)]
+        assert taken == [True, True, True, False, False]
+        assert (every.stats.sampled, every.stats.skipped) == (5, 2)
+        tenth = Verifier(None, 0.1, lambda v: None, queue_size=10_000, seed=7)  # type: ignore[arg-type]
+        tenth._worker = asyncio.get_running_loop().create_future()  # type: ignore[assignment]
+        drawn = sum(tenth.offer(_claim()) for _ in range(5000))
+        assert 400 < drawn < 600
+
+    asyncio.run(scenario())
+
+
+def test_a_verifier_with_a_rate_out_of_range_is_refused() -> None:
+    from meshnet.tracker.verifier import Verifier
+
+    with pytest.raises(ValueError):
+        Verifier(None, 1.5, lambda v: None)  # type: ignore[arg-type]

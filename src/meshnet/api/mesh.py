@@ -8,7 +8,6 @@ node's id or address.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from fastapi import APIRouter, Path, Request
@@ -27,7 +26,7 @@ router = APIRouter()
 async def register(body: NodeAnnouncement, request: Request, caller: CallingNode) -> dict[str, Any]:
     require_same_node(caller, body.node_id)
     tracker = tracker_of(request)
-    tracker.store.register(body, time.time())
+    tracker.register(body)
     _note_metrics_port(tracker, body.node_id, body.metrics_port)
     return {"registered": body.node_id}
 
@@ -41,7 +40,7 @@ async def heartbeat(
 ) -> dict[str, Any]:
     require_same_node(caller, node_id)
     tracker = tracker_of(request)
-    known = tracker.store.heartbeat(node_id, body, time.time())
+    known = tracker.heartbeat(node_id, body)
     _note_metrics_port(tracker, node_id, body.metrics_port)
     return HeartbeatReply(known=known).model_dump()
 

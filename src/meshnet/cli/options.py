@@ -182,6 +182,14 @@ def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
             "(0: only a failing generation heals)",
         ),
         p.add_argument(
+            "--verify-rate",
+            type=float,
+            default=0.0,
+            help="share of every node's committed chunks of 32 tokens the tracker re-runs on "
+            "its own engine (0 to 1; 0: off); above 0 nodes also calibrate before they are "
+            "routed, and a mismatch quarantines the node (docs/verification.md)",
+        ),
+        p.add_argument(
             "--no-relay",
             dest="relay",
             action="store_false",

@@ -31,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 0.0 <= args.verify_rate <= 1.0:
+        raise SystemExit(f"--verify-rate is a share of chunks, 0 to 1, not {args.verify_rate}")
     return serve(
         TrackerProcessConfig(
             host=args.host,
@@ -39,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
             database=args.database,
             model_path=args.model,
             mesh_secret_file=args.mesh_secret_file,
+            verify_rate=args.verify_rate,
             tracker=TrackerConfig(
                 heartbeat_timeout_s=args.heartbeat_timeout,
                 replicas=args.replicas,

@@ -77,7 +77,7 @@ from meshnet.tracker.hop_link import HopLink, RelayBroken
 from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
 from meshnet.tracker.ring import Ring
 from meshnet.tracker.routes import Hop, Route
-from meshnet.tracker.verifier import SpanClaim
+from meshnet.tracker.verifier import SpanClaim, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -267,14 +267,22 @@ class RouteDriver:
         ``claims``: ``fed`` is every id fed so far (the last sampled one not yet)."""
         if self.claims is None:
             return
-        for link in gen.links:
+        for i, link in enumerate(gen.links):
             for start, digest in committed(link.commitments, link.positions).items():
                 if start in link.claimed or start + CHUNK_TOKENS > len(fed):
                     continue
                 link.claimed.add(start)
                 end = start + CHUNK_TOKENS
+                upstream = tuple(
+                    Upstream(
+                        u.node_id,
+                        u.hop.layers,
+                        tuple((s, d) for s, d in committed(u.commitments, end).items()),
+                    )
+                    for u in gen.links[:i]
+                )
                 claim = SpanClaim(
-                    link.node_id, gen.id, link.hop.layers, start, digest, tuple(fed[:end])
+                    link.node_id, gen.id, link.hop.layers, start, digest, tuple(fed[:end]), upstream
                 )
                 self.claims(claim)
 

@@ -29,6 +29,7 @@ from meshnet.tracker.sessions import SessionPolicy, Sessions
 from meshnet.tracker.snapshots import SnapshotStore
 from meshnet.tracker.store import Store
 from meshnet.tracker.turns import TurnRunner
+from meshnet.tracker.verifier import TrustedModel
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class TrackerProcessConfig:
     policy: SessionPolicy = field(default_factory=SessionPolicy)
     mesh_secret_file: Path | None = None  # None: data_dir/mesh.secret, made on first start
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)  # what is kept how long
+    # Share of committed chunks the verifier re-runs; above 0 nodes also calibrate (and the
+    # tracker loads its own engine of the model: tracker/verifier.py). 0: off.
+    verify_rate: float = 0.0
 
 
 def mesh_secret(cfg: TrackerProcessConfig) -> str:
@@ -75,6 +79,9 @@ def serve(cfg: TrackerProcessConfig) -> int:
     channels = ChannelPool(keys)
     driver = RouteDriver(channels, model.fingerprint, model.spec, model.tokenizer, cfg.driver)
     tracker = Tracker(store, model, channels, driver, cfg.tracker)
+    if cfg.verify_rate > 0:
+        tracker.verify(TrustedModel(str(model.path)), cfg.verify_rate)
+        log.info("verification on: calibration, and %.1f%% of chunks re-run", cfg.verify_rate * 100)
     session_store = SessionStore(store.db)
     snapshots = SnapshotStore(cfg.data_dir / "snapshots")
     runner = TurnRunner(tracker, session_store, snapshots)

@@ -35,12 +35,15 @@ from meshnet.errors import (
     Overloaded,
     RequestError,
     StreamReset,
+    VerificationFailed,
     WorkerDeath,
 )
 from meshnet.layer_range import LayerRange
+from meshnet.mesh_messages import Heartbeat, NodeAnnouncement
 from meshnet.model.info import ModelInfo
 from meshnet.model.sampling import SamplingParams
 from meshnet.tracker.admission import Admission, AdmissionConfig, Reservation
+from meshnet.tracker.calibration import NodeTrust
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.driver import DoneEvent, Fabric, Reroute, RouteDriver, TokenEvent
 from meshnet.tracker.generation import Generation
@@ -59,6 +62,8 @@ from meshnet.tracker.routes import (
     splice,
 )
 from meshnet.tracker.store import Store
+from meshnet.tracker.verifier import TrustedModel, Verdict, Verifier
+from meshnet.tracker.work_checks import SpanCheck
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +94,7 @@ class Started:
 _DEAD_KINDS = frozenset(
     {
         WorkerDeath.kind,
+        VerificationFailed.kind,
         HeartbeatLost.kind,
         DeadlineExceeded.kind,
         MalformedBundle.kind,
@@ -125,6 +131,8 @@ class Tracker:
         self.heal_lock = asyncio.Lock()
         self.metrics = metrics or TrackerMetrics()  # what /metrics and the dashboard read
         self.metrics.watch(self)
+        self.trust: NodeTrust | None = None  # calibration, when verification is on
+        self.verifier: Verifier | None = None
 
     def route(self) -> Route:
         """The pinned route when one is set, else the least-loaded complete chain."""
@@ -428,8 +436,62 @@ class Tracker:
             log.warning("node %s did not load layers %s: %s", node.node_id, span, result.failure)
             return result
         self.store.set_layers(node.node_id, span, self.model.fingerprint)
+        if self.trust is not None:  # routed only once it calibrated on the span
+            self.trust.decide(node.node_id)
+            if not await self.trust.calibrated(node.node_id):
+                return LoadResult(None, f"node {node.node_id} did not calibrate on {span}")
         log.info("healed: node %s now serves layers %s", node.node_id, span)
         return result
+
+    # --- verification (tracker/calibration.py, tracker/verifier.py) --------------
+
+    def verify(self, model: TrustedModel, rate: float) -> None:
+        """Turn verification on: nodes calibrate before they are routed, and a fraction
+        ``rate`` of every node's committed chunks is re-run on ``model``."""
+        self.trust = NodeTrust(
+            self.store, self.channels, self.model.fingerprint, model, self._quarantined
+        )
+        self.verifier = Verifier(model, rate, self._checked)
+        self.driver.claims = self.verifier.offer
+        self.ledger.verifying = True  # completed work waits for its checks (ledger.py)
+
+    def register(self, a: NodeAnnouncement) -> None:
+        """A node registered (again): up, or with verification on, calibrating."""
+        self.store.register(a, time.time())
+        if self.trust is not None:
+            self.trust.decide(a.node_id)
+
+    def heartbeat(self, node_id: str, hb: Heartbeat) -> bool:
+        """A node's heartbeat; False when it is unknown or down (it registers again)."""
+        known = self.store.heartbeat(node_id, hb, time.time())
+        if known and self.trust is not None:
+            self.trust.decide(node_id)  # it may serve other layers now (a T3 configure)
+        return known
+
+    def _checked(self, verdict: Verdict) -> None:
+        """Record the verifier's verdict on a span; a failed one quarantines the node."""
+        c = verdict.claim
+        self.store.record_check(
+            SpanCheck(
+                c.node_id,
+                c.generation_id,
+                c.layers.start,
+                c.layers.end,
+                c.token_start,
+                c.token_end,
+                verdict.passed,
+                verdict.detail,
+            )
+        )
+        if not verdict.passed and self.trust is not None:
+            self.trust.quarantine(c.node_id, f"verification failed: {verdict.detail}")
+
+    def _quarantined(self, node_id: str, reason: str) -> None:
+        """Fail over every generation running on a quarantined node, at once."""
+        self.metrics.node_down(node_id, VerificationFailed.kind)
+        verdict = VerificationFailed(f"node {node_id} quarantined: {reason}", node_id)
+        for gen in self.generations():
+            gen.node_lost(node_id, verdict)
 
     async def _node_failed(self, node_id: str, kind: str) -> bool:
         """Mark a node that failed a call down; True when it was. A timeout or silence
@@ -438,6 +500,8 @@ class Tracker:
         on the node: its channel is dialled afresh, it stays up."""
         if not node_id:
             return False
+        if kind == VerificationFailed.kind:
+            return True  # quarantined already (NodeTrust.quarantine)
         address = next((n.address for n in self.store.nodes() if n.node_id == node_id), None)
         if kind == StreamReset.kind:
             log.info("node %s: its stream broke but it answers; dialling it afresh", node_id)

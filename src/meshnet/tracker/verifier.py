@@ -13,6 +13,14 @@ path: a bounded queue and one worker whose compute runs in a thread. A full
 queue skips the chunk (counted), so verification never slows a generation
 down beyond the CPU it takes. Every verdict goes to ``on_verdict`` (the
 tracker records it and quarantines a node that failed one).
+
+The re-run starts from the token ids, so a node whose inputs came from a
+cheating hop before it differs too, through no fault of its own. A claim that
+differs is therefore blamed on its node only when every hop before it on the
+route committed, for every position up to the chunk's end, exactly what the
+verifier computes at that hop's boundary; the first hop that did not is the
+one blamed, and when a hop before it committed too little to tell, there is
+no verdict (``inconclusive``).
 """
 
 from __future__ import annotations
@@ -83,6 +91,16 @@ class TrustedModel:
 
 
 @dataclass(frozen=True)
+class Upstream:
+    """A hop before the claim's node on its route, and what it committed: whether the
+    node's inputs were honest, when its own check fails."""
+
+    node_id: str
+    layers: LayerRange
+    chunks: tuple[tuple[int, bytes], ...]  # (start, digest) of chunks before the claim's end
+
+
+@dataclass(frozen=True)
 class SpanClaim:
     """A node's commitment to one chunk of a generation, and the tokens it came from."""
 
@@ -92,6 +110,7 @@ class SpanClaim:
     token_start: int
     digest: bytes
     tokens: tuple[int, ...]  # the session's ids fed at positions [0, token_end)
+    upstream: tuple[Upstream, ...] = ()  # the route's hops before it, in order
 
     @property
     def token_end(self) -> int:
@@ -112,23 +131,54 @@ class VerifierStats:
     skipped: int = 0  # drawn, but the queue was full
     passed: int = 0
     failed: int = 0
+    inconclusive: int = 0  # differed, but its inputs could not be vouched for
 
 
-def check_claim(model: TrustedModel, claim: SpanClaim) -> Verdict:
-    """Re-run ``claim``'s span on ``model`` and compare with its commitment."""
+def check_claim(model: TrustedModel, claim: SpanClaim) -> list[Verdict]:
+    """Re-run ``claim``'s span on ``model`` and compare with its commitment: its verdict,
+    or when it differs and its inputs came from hops before it, the verdict on the first
+    of those that committed other bytes (its rows were computed from theirs); no verdict
+    when the hops before it did not commit all they sent it (inconclusive)."""
+    verdict = check_span(model, claim)
+    if verdict.passed or claim.layers.start == 0:
+        return [verdict]
+    for up in claim.upstream:
+        have = dict(up.chunks)
+        rows = model.boundary_rows(np.asarray(claim.tokens, np.int64), up.layers.end)
+        for start, want in sorted(chunk_digests_of(rows, 0).items()):
+            if start not in have:
+                return []  # its inputs cannot be vouched for: no verdict either way
+            if have[start] != want:
+                tokens = claim.tokens[: start + CHUNK_TOKENS]
+                culprit = SpanClaim(
+                    up.node_id, claim.generation_id, up.layers, start, have[start], tokens
+                )
+                return [_mismatch(culprit, want)]
+    chained = [u.layers for u in claim.upstream]
+    if not chained or chained[0].start != 0 or chained[-1].end != claim.layers.start:
+        return []
+    return [verdict]
+
+
+def check_span(model: TrustedModel, claim: SpanClaim) -> Verdict:
+    """The exact check of ``claim``'s own chunk, whatever its inputs were."""
     rows = model.boundary_rows(np.asarray(claim.tokens, np.int64), claim.layers.end)
     want = chunk_digests_of(rows[claim.token_start :], claim.token_start).get(claim.token_start)
     if want is None:
         return Verdict(claim, False, "the claim's tokens do not cover its chunk")
     if want == claim.digest:
         return Verdict(claim, True, "exact")
+    return _mismatch(claim, want)
+
+
+def _mismatch(claim: SpanClaim, want: bytes) -> Verdict:
     what = f"layers {claim.layers} positions [{claim.token_start}, {claim.token_end})"
     return Verdict(claim, False, f"{what}: committed {claim.digest.hex()}, verifier {want.hex()}")
 
 
 class Verifier:
     """Samples claims at ``rate`` and checks them in the background; call ``offer`` from
-    the event loop, ``run`` as one task of it."""
+    the event loop (the first claim drawn starts the worker task there)."""
 
     def __init__(
         self,
@@ -146,6 +196,7 @@ class Verifier:
         self.stats = VerifierStats()
         self._queue: asyncio.Queue[SpanClaim] = asyncio.Queue(queue_size)
         self._random = random.Random(seed)
+        self._worker: asyncio.Task[None] | None = None  # started by the first claim drawn
 
     def offer(self, claim: SpanClaim) -> bool:
         """Draw ``claim`` for a check with probability ``rate``; True when queued."""
@@ -153,6 +204,8 @@ class Verifier:
         if self.rate <= 0.0 or self._random.random() >= self.rate:
             return False
         self.stats.sampled += 1
+        if self._worker is None:
+            self._worker = asyncio.get_running_loop().create_task(self.run())
         try:
             self._queue.put_nowait(claim)
         except asyncio.QueueFull:
@@ -165,15 +218,17 @@ class Verifier:
         while True:
             claim = await self._queue.get()
             try:
-                verdict = await asyncio.to_thread(check_claim, self.model, claim)
+                verdicts = await asyncio.to_thread(check_claim, self.model, claim)
             except Exception:  # a bug in the check is not the node's fault: no verdict
                 log.exception("checking %s of %s failed", claim.layers, claim.node_id)
             else:
-                if verdict.passed:
-                    self.stats.passed += 1
-                else:
-                    self.stats.failed += 1
-                self.on_verdict(verdict)
+                self.stats.inconclusive += not verdicts
+                for verdict in verdicts:
+                    if verdict.passed:
+                        self.stats.passed += 1
+                    else:
+                        self.stats.failed += 1
+                    self.on_verdict(verdict)
             finally:
                 self._queue.task_done()
 

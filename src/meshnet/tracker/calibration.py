@@ -1,0 +1,226 @@
+"""Calibration before routing, and the node states verification adds.
+
+With verification on, a node that registers with a layer range, or comes to
+serve another one (a T3 configure, placement, a heal), is ``calibrating``:
+the tracker computes a fresh random input at the range's start boundary and
+the rows at its end on trusted capacity (verifier.TrustedModel), sends the
+input as an ordinary one-off step (a throwaway session id, released when the
+stream ends), and compares the node's commitments and its output exactly;
+then a second fresh input of the same shape (a node that answers from a cache
+of earlier inputs fails it). A
+match makes the node ``up`` (routable); a mismatch ``quarantined``, with the
+reason. A node that cannot be reached is left ``calibrating`` and tried again
+at its next heartbeat.
+
+A quarantined node stays out (its registrations and heartbeats keep it
+quarantined) until it serves another range or model, which is calibrated
+afresh. A tracker that restarts keeps a quarantined node so until then too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from meshnet.errors import MalformedBundle, MeshnetError
+from meshnet.layer_range import LayerRange
+from meshnet.protocol import codec
+from meshnet.protocol import meshnet_pb2 as pb
+from meshnet.protocol.commitments import CHUNK_TOKENS, chunk_digests_of
+from meshnet.tracker.channels import ChannelPool
+from meshnet.tracker.commitments import checked_chunks
+from meshnet.tracker.hop_link import open_link
+from meshnet.tracker.registry import NodeRecord, NodeState
+from meshnet.tracker.routes import Hop
+from meshnet.tracker.store import Store
+from meshnet.tracker.verifier import TrustedModel
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_TOKENS = 2 * CHUNK_TOKENS  # positions of a calibration input
+# Inputs of one calibration, each fresh and of the same shape: a node that answers a new
+# input with what it cached for an earlier one fails the second.
+CALIBRATION_INPUTS = 2
+_TIMEOUT_S = 60.0
+
+Served = tuple[str, LayerRange]  # (fingerprint, layers): what a verdict is about
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A calibration input and what an honest node answers to it."""
+
+    tokens: np.ndarray  # ids [T]
+    x: np.ndarray  # the input at the range's start: the ids, or hidden rows [T, d]
+    rows: np.ndarray  # the rows at the range's end [T, d]
+    output: np.ndarray  # what the node answers: ``rows``, or on the last range the logits
+
+
+def prepare(model: TrustedModel, layers: LayerRange, seed: int) -> Calibration:
+    """A fresh random input for ``layers`` and its expected answer (trusted compute)."""
+    spec = model.spec
+    tokens = np.random.default_rng(seed).integers(0, spec.vocab_size, CALIBRATION_TOKENS)
+    x = tokens if layers.start == 0 else model.boundary_rows(tokens, layers.start)
+    rows = model.boundary_rows(tokens, layers.end)
+    last = layers.end == spec.n_layers
+    output = model.logits_of(rows[-1])[None, :] if last else rows
+    return Calibration(tokens, x, rows, output)
+
+
+def compare(cal: Calibration, result: pb.StepResult) -> str:
+    """Why the node's answer is not the trusted one; "" when it is, bit for bit."""
+    try:
+        got = checked_chunks(result.commitments)
+        rows, width = cal.output.shape
+        out = codec.decode(result.output, codec.TensorLimits("f32", 2, rows, width))
+    except MalformedBundle as e:
+        return f"calibration: a malformed answer: {e.message}"
+    want = chunk_digests_of(cal.rows, 0)
+    if got != want:
+        return f"calibration: commitments differ ({len(got)} chunks sent, {len(want)} expected)"
+    if out.shape != cal.output.shape or not np.array_equal(out, cal.output):
+        return "calibration: the output differs from the verifier's"
+    return ""
+
+
+async def run_calibration(
+    channels: ChannelPool, node: NodeRecord, fingerprint: str, cal: Calibration
+) -> str:
+    """Send ``cal``'s input to ``node`` as one step of a throwaway session; "" when its
+    answer is exact, else the reason. ``MeshnetError`` when the node was not reached."""
+    assert node.layers is not None
+    hop = Hop(node.node_id, node.address, node.layers)
+    message = pb.Open(
+        session_id=uuid.uuid4().hex,  # like any generation's: the node cannot tell
+        epoch=1,
+        fingerprint=fingerprint,
+        layer_start=node.layers.start,
+        layer_end=node.layers.end,
+    )
+    stub = channels.stub(node.address)
+    link, _ = await open_link(stub, channels.keys, hop, message, _TIMEOUT_S, _TIMEOUT_S)
+    try:
+        step = pb.Step(step=0, input=codec.encode(cal.x), timeout_ms=int(_TIMEOUT_S * 1000))
+        reply = await link.exchange(pb.ForwardRequest(step=step), _TIMEOUT_S)
+    finally:
+        link.close()  # the node releases the session's KV as the stream ends
+    if reply.WhichOneof("kind") != "result":
+        raise MalformedBundle(f"node {node.node_id} answered no result", node.node_id)
+    return compare(cal, reply.result)
+
+
+@dataclass
+class _Verdict:
+    served: Served
+    passed: bool
+    reason: str = ""
+
+
+class NodeTrust:
+    """Which nodes calibrated on what they serve; keeps the registry's states so.
+
+    ``decide`` is called after each registration and heartbeat (from the event loop).
+    ``on_quarantine(node_id, reason)`` fails over the node's running generations."""
+
+    def __init__(
+        self,
+        store: Store,
+        channels: ChannelPool,
+        fingerprint: str,
+        model: TrustedModel,
+        on_quarantine: Callable[[str, str], None],
+    ) -> None:
+        self.store = store
+        self.channels = channels
+        self.fingerprint = fingerprint
+        self.model = model
+        self.on_quarantine = on_quarantine
+        self._verdicts: dict[str, _Verdict] = {}
+        self._running: dict[str, tuple[Served, asyncio.Task[Any]]] = {}
+        self.calibrations = 0  # run to an answer, in all
+        self.quarantines = 0
+
+    def decide(self, node_id: str) -> None:
+        """Bring a node's state in line with its verdict on what it serves now: keep it,
+        or start a calibration of what it has not calibrated on."""
+        node = next((n for n in self.store.nodes() if n.node_id == node_id), None)
+        if node is None or node.layers is None or node.state is NodeState.DOWN:
+            return
+        if node.fingerprint != self.fingerprint:
+            return  # another model's node: never routed for this one
+        served = (node.fingerprint, node.layers)
+        verdict = self._verdicts.get(node_id)
+        if verdict is None and node.state is NodeState.QUARANTINED:  # a tracker restarted
+            verdict = self._verdicts[node_id] = _Verdict(served, False, node.down_reason)
+        if verdict is not None and verdict.served == served:
+            state = NodeState.UP if verdict.passed else NodeState.QUARANTINED
+            if node.state is not state:
+                self.store.set_state(node_id, state, verdict.reason)
+            return
+        running = self._running.get(node_id)
+        if running is not None and running[0] == served:
+            return
+        if running is not None:
+            running[1].cancel()
+        self.store.set_state(node_id, NodeState.CALIBRATING, "")
+        task = asyncio.get_running_loop().create_task(self._calibrate(node, served))
+        self._running[node_id] = (served, task)
+        task.add_done_callback(lambda _: self._ran(node_id, task))
+
+    def _ran(self, node_id: str, task: asyncio.Task[Any]) -> None:
+        running = self._running.get(node_id)
+        if running is not None and running[1] is task:
+            del self._running[node_id]
+
+    async def calibrated(self, node_id: str, timeout_s: float = _TIMEOUT_S) -> bool:
+        """Wait for a node's calibration (if one runs); True when it may be routed."""
+        deadline = time.monotonic() + timeout_s
+        while node_id in self._running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        verdict = self._verdicts.get(node_id)
+        return verdict is not None and verdict.passed
+
+    async def _calibrate(self, node: NodeRecord, served: Served) -> None:
+        assert node.layers is not None
+        reason = ""
+        try:
+            for _ in range(CALIBRATION_INPUTS):
+                seed = int.from_bytes(uuid.uuid4().bytes[:8], "little")
+                cal = await asyncio.to_thread(prepare, self.model, node.layers, seed)
+                reason = await run_calibration(self.channels, node, self.fingerprint, cal)
+                if reason:
+                    break
+        except MeshnetError as e:  # not reached: tried again at its next heartbeat
+            log.warning("node %s: calibration did not run: %s", node.node_id, e)
+            return
+        self.calibrations += 1
+        if not reason:
+            log.info("node %s calibrated on layers %s: up", node.node_id, node.layers)
+            self._verdicts[node.node_id] = _Verdict(served, True)
+            self.store.set_state(node.node_id, NodeState.UP, "")
+            return
+        self.quarantine(node.node_id, reason, served)
+
+    def quarantine(self, node_id: str, reason: str, served: Served | None = None) -> None:
+        """Take a node out of routing at once, for what it serves, and fail over its
+        generations."""
+        if served is None:
+            node = next((n for n in self.store.nodes() if n.node_id == node_id), None)
+            if node is None or node.layers is None:
+                return
+            served = (node.fingerprint, node.layers)
+        old = self._verdicts.get(node_id)
+        if old is not None and old.served == served and not old.passed:
+            return  # quarantined already for what it serves
+        log.warning("node %s quarantined: %s", node_id, reason)
+        self.quarantines += 1
+        self._verdicts[node_id] = _Verdict(served, False, reason)
+        self.store.set_state(node_id, NodeState.QUARANTINED, reason)
+        self.on_quarantine(node_id, reason)

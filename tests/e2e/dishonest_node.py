@@ -1,0 +1,78 @@
+"""A dishonest node for the verification tests: the normal ``meshnet node``, patched in
+its own process before it starts, that claims the honest fingerprint and range while
+computing something else. No hook in production code: the patches replace functions
+of ``meshnet.node.engine`` the way a cheater editing their copy would.
+
+Run as ``python dishonest_node.py CHEAT AFTER -- python -m meshnet.cli.main node ...``
+(the ``LocalMesh.start_node`` prefix): CHEAT is one of the kinds below, AFTER the
+forwards it computes honestly first (2: honest on its calibration's two inputs, then
+cheating).
+
+- ``weights``: one tensor differs (the token embedding's rows, one channel, +1e-3);
+- ``skip-layer``: runs its range without its last layer;
+- ``cached``: answers a new input with the output it cached for the first input of
+  the same shape;
+- ``ulp``: every output row one ulp off in one channel;
+- ``sometimes``: ``ulp``, on one forward in four.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import numpy as np
+
+import meshnet.node.engine as engine
+from meshnet.cli.main import main
+from meshnet.layer_range import LayerRange
+
+_honest_forward = engine.forward_committed
+_honest_load = engine.load_shard
+
+
+def _bent(rows: np.ndarray) -> np.ndarray:
+    out = np.array(rows, dtype=np.float32, copy=True)
+    out[:, 0] = np.nextafter(out[:, 0], np.float32(np.inf))
+    return out
+
+
+def patch(cheat: str, after: int) -> None:
+    calls = [0]
+    cache: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
+
+    def forward(shard: Any, x: np.ndarray, batch: Any) -> tuple[np.ndarray, np.ndarray]:
+        calls[0] += 1
+        honest = calls[0] <= after
+        if cheat == "weights" and not honest and shard.is_first:
+            hidden = shard.backend.embed(x)
+            hidden[:, 0] += np.float32(1e-3)
+            hidden = shard.backend.run_layers(hidden, batch)
+            return (hidden, hidden) if not shard.is_last else _honest_forward(shard, x, batch)
+        out, boundary = _honest_forward(shard, x, batch)
+        if honest:
+            return out, boundary
+        if cheat == "cached":
+            return cache.setdefault(tuple(x.shape), (out, boundary))
+        if cheat == "ulp" or (cheat == "sometimes" and calls[0] % 4 == 0):
+            bent = _bent(boundary)
+            return (bent, bent) if not shard.is_last else (out, bent)
+        return out, boundary
+
+    def load_shard(f: Any, spec: Any, layers: LayerRange, backend: str) -> Any:
+        if cheat != "skip-layer" or len(layers) < 2:
+            return _honest_load(f, spec, layers, backend)
+        shard = _honest_load(f, spec, LayerRange(layers.start, layers.end - 1), backend)
+        return dataclasses.replace(shard, layers=layers)  # claims the whole range
+
+    engine.forward_committed = forward
+    engine.load_shard = load_shard
+
+
+if __name__ == "__main__":
+    cheat, after, sep, *rest = sys.argv[1:]
+    assert sep == "--"
+    argv = rest[rest.index("meshnet.cli.main") + 1 :]  # after `python -m meshnet.cli.main`
+    patch(cheat, int(after))
+    sys.exit(main(argv))

@@ -1,0 +1,126 @@
+"""Verified work on real processes: dishonest nodes (tests/e2e/dishonest_node.py) that
+claim the honest fingerprint are caught — by calibration before they are routed, or by
+the verifier at rate 1.0 once they cheat — quarantined, their work never billable, and
+every client's output equal to an honest mesh's."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import MeshFactory
+
+from meshnet.layer_range import LayerRange
+from meshnet.local_mesh import LocalMesh
+
+PROMPT = "the quick brown fox jumps over the lazy dog " * 6  # > 32 positions by itself
+BODY = {"model": "long", "prompt": PROMPT, "max_tokens": 60, "temperature": 0}
+LAUNCHER = str(Path(__file__).parent / "dishonest_node.py")
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tiny_factory: Any) -> Path:
+    return Path(tiny_factory("long.gguf", context_length=1024))
+
+
+@pytest.fixture(scope="module")
+def honest_ids(mesh_factory: MeshFactory, long_tiny: Path) -> list[int]:
+    """What an honest mesh (verification off) answers."""
+    return _complete(mesh_factory("0:2,2:4", model=long_tiny))["meshnet"]["ids"]
+
+
+def _complete(mesh: LocalMesh) -> dict[str, Any]:
+    r = httpx.post(f"{mesh.url}/v1/completions", json=BODY, headers=mesh.api_headers, timeout=120)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def _nodes(mesh: LocalMesh) -> dict[str, dict[str, Any]]:
+    r = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers, timeout=10)
+    return {n["node_id"]: n for n in r.json()["nodes"]}
+
+
+def _wait_state(mesh: LocalMesh, node_id: str, state: str, within_s: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + within_s
+    while True:
+        node = _nodes(mesh).get(node_id, {})
+        if node.get("state") == state or time.monotonic() > deadline:
+            assert node.get("state") == state, node
+            return node
+        time.sleep(0.2)
+
+
+def _ledger(mesh: LocalMesh, node_id: str) -> list[dict[str, Any]]:
+    r = httpx.get(
+        f"{mesh.url}/admin/ledger",
+        params={"node_id": node_id},
+        headers=mesh.admin_headers,
+        timeout=10,
+    )
+    assert r.status_code == 200, r.text
+    return list(r.json()["records"])
+
+
+def _mesh_with_cheater(mesh_factory: MeshFactory, model: Path, cheat: str, after: int) -> LocalMesh:
+    """A tracker at rate 1.0, an honest node of layers 2:4 and the cheater on 0:2; once
+    the cheater's state is settled, an empty node (placement, or a failover's heal, gives
+    it 0:2 when the cheater is out)."""
+    args = ["--verify-rate", "1.0"]
+    mesh = mesh_factory("2:4", model=model, tracker_args=args, need_route=False)
+    prefix = [sys.executable, LAUNCHER, cheat, str(after), "--"]
+    mesh.start_node("cheater", LayerRange(0, 2), prefix=prefix)
+    return mesh
+
+
+@pytest.mark.parametrize("cheat", ["weights", "skip-layer", "ulp", "cached"])
+def test_calibration_keeps_a_cheater_out(
+    mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int], cheat: str
+) -> None:
+    mesh = _mesh_with_cheater(mesh_factory, long_tiny, cheat, after=0)
+    node = _wait_state(mesh, "cheater", "quarantined")
+    assert "calibration" in node["down_reason"]
+    mesh.start_node("spare", None)
+    mesh.wait_ready(expected_nodes=2, timeout_s=60)  # the empty node took 0:2, calibrated
+    out = _complete(mesh)
+    assert out["meshnet"]["ids"] == honest_ids
+    assert all(h["node_id"] != "cheater" for h in out["meshnet"]["route"])
+    assert _ledger(mesh, "cheater") == []  # never routed: no work at all
+    time.sleep(1.0)  # heartbeats and registrations keep it out
+    assert _nodes(mesh)["cheater"]["state"] == "quarantined"
+
+
+@pytest.mark.parametrize("cheat", ["ulp", "sometimes"])
+def test_the_verifier_catches_a_node_that_cheats_after_calibrating(
+    mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int], cheat: str
+) -> None:
+    mesh = _mesh_with_cheater(mesh_factory, long_tiny, cheat, after=2)
+    _wait_state(mesh, "cheater", "up")  # honest on its two calibration inputs
+    mesh.start_node("spare", None)
+    mesh.wait_ready(expected_nodes=3, timeout_s=60)
+    out = _complete(mesh)  # the cheater is caught mid-generation and failed over
+    assert out["meshnet"]["ids"] == honest_ids
+    node = _wait_state(mesh, "cheater", "quarantined")
+    assert "verification failed" in node["down_reason"]
+    records = _ledger(mesh, "cheater")
+    assert records and not any(r["billable"] for r in records)
+    assert all(r["status"] in ("failed", "rejected", "cancelled") for r in records), records
+    again = _complete(mesh)
+    assert again["meshnet"]["ids"] == honest_ids
+    assert all(h["node_id"] != "cheater" for h in again["meshnet"]["route"])
+
+
+def test_an_honest_mesh_at_rate_one_fails_no_check(
+    mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int]
+) -> None:
+    mesh = mesh_factory("0:1,1:3,3:4", model=long_tiny, tracker_args=["--verify-rate", "1.0"])
+    for _ in range(3):
+        assert _complete(mesh)["meshnet"]["ids"] == honest_ids
+    time.sleep(2.0)  # the verifier's queue drains
+    for node_id in ("node-0", "node-1", "node-2"):
+        assert _nodes(mesh)[node_id]["state"] == "up"
+        records = _ledger(mesh, node_id)
+        assert records and all(r["status"] != "rejected" for r in records)
