@@ -107,14 +107,17 @@ def test_q8_matmul_is_float64_math_on_the_same_8_bit_activations(qtype: QT, wide
 
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)
 def test_q8_matmul_is_near_float32_activations(qtype: QT) -> None:
-    """8-bit activations lose at most half a quantization step per weight: the error is
-    within 1% of each output's sum of |w| |x| (well inside it on random data)."""
-    w, dense = _matrix(qtype, 40, seed=3)
-    x = _x(3, seed=4)
+    """8-bit activations move each input by at most half a step (amax / 127): every output
+    within 1% of its sum of |w| |x|, and on Gaussian inputs an error of 1.5% rms of the
+    outputs at most (measured: 0.53% for blocks of 32, 0.70% for Q8_K's 256)."""
+    w, dense = _matrix(qtype, 256, seed=3)
+    x = _x(8, seed=4)
+    x[0, :32] = np.random.default_rng(5).standard_normal(32)
     got = quant.matmul(x, w)
     want = x.astype(np.float64) @ dense.T
     bound = 0.01 * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
     assert np.all(np.abs(got - want) <= bound)
+    assert np.sqrt(np.mean((got - want) ** 2)) <= 0.015 * np.sqrt(np.mean(want**2))
 
 
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)

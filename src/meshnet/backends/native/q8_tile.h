@@ -46,7 +46,7 @@ Q8_INLINE void FN(btile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
             p[v] = group[v] + b * gb;
             if (TT >= 2 || (LANES == 8 && lane[v] == 0))
                 for (Py_ssize_t line = 0; line < gb; line += 64)
-                    _mm_prefetch((const char *)p[v] + 4 * gb + line, _MM_HINT_T0);
+                    _mm_prefetch((const char *)p[v] + Q8_AHEAD * gb + line, _MM_HINT_T0);
         }
         IVEC isum[4][TILE_MAX];
         if (type == Q8_0) {
