@@ -78,11 +78,14 @@ def test_fast_backend_matches_the_float32_reference(case: tuple) -> None:  # typ
     assert np.max(np.abs(fast - ref)) < 1e-4 * np.max(np.abs(ref))
 
 
-def test_split_batched_chunked_and_cached_logits_are_bit_identical(case: tuple) -> None:  # type: ignore[type-arg]
+@pytest.mark.parametrize("backend", ["fast", "q8"])
+def test_split_batched_chunked_and_cached_logits_are_bit_identical(
+    case: tuple, backend: str
+) -> None:  # type: ignore[type-arg]
     _, path, recorded = case
     prompt, follow = recorded["prompt_ids"], [s["id"] for s in recorded["steps"]][:6]
-    whole = load_local_model(path, backend="fast")
-    split = load_local_model(path, backend="fast", split=3)
+    whole = load_local_model(path, backend=backend)
+    split = load_local_model(path, backend=backend, split=3)
     cached = step_logits(whole.chain, prompt, follow)
     assert np.array_equal(cached, step_logits(split.chain, prompt, follow))
     assert np.array_equal(cached, recomputed_logits(whole.chain, prompt, follow))

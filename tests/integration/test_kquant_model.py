@@ -45,8 +45,9 @@ def test_a_kquant_model_gives_the_reference_logits_and_ids(path: Path) -> None:
     assert np.array_equal(fast.argmax(axis=1), ref.argmax(axis=1))
 
 
-def test_a_kquant_model_split_and_alone_are_bit_identical(path: Path) -> None:
+@pytest.mark.parametrize("backend", ["fast", "q8"])
+def test_a_kquant_model_split_and_alone_are_bit_identical(path: Path, backend: str) -> None:
     prompt, follow = [5, 17, 40, 99, 123, 7, 64, 200], [31, 90, 12, 150]
-    whole = step_logits(load_local_model(path, backend="fast").chain, prompt, follow)
-    split = step_logits(load_local_model(path, backend="fast", split=2).chain, prompt, follow)
+    whole = step_logits(load_local_model(path, backend=backend).chain, prompt, follow)
+    split = step_logits(load_local_model(path, backend=backend, split=2).chain, prompt, follow)
     assert np.array_equal(whole, split)

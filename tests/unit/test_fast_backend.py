@@ -69,10 +69,17 @@ def _logits_in_batch(
     return rows
 
 
+@pytest.fixture(scope="module", params=["fast", "q8"])
+def tiny_on(request: pytest.FixtureRequest, tiny_path: Path) -> LocalModel:
+    """The tiny model on each quantized backend (q8: 8-bit activations, its own contract)."""
+    return load_local_model(tiny_path, backend=request.param)
+
+
 @pytest.mark.parametrize("batch", [2, 8, 32])
 def test_a_sequences_logits_are_bit_identical_alone_and_batched(
-    tiny: LocalModel, batch: int
+    tiny_on: LocalModel, batch: int
 ) -> None:
+    tiny = tiny_on
     rng = np.random.default_rng(batch)
     others = [rng.integers(3, 260, rng.integers(1, 20)).tolist() for _ in range(batch - 1)]
     alone = _logits_in_batch(tiny, PROMPT, [], 4)
@@ -84,11 +91,11 @@ def test_a_sequences_logits_are_bit_identical_alone_and_batched(
 @pytest.mark.skipif(quant.NATIVE is None, reason="the native kernels are not built")
 @pytest.mark.parametrize("chunk", [1, 3, len(PROMPT)])
 def test_a_prompt_gives_the_same_bits_in_one_chunk_in_several_or_token_by_token(
-    tiny: LocalModel, chunk: int
+    tiny_on: LocalModel, chunk: int
 ) -> None:
     """Prompt rows meet the very kernels decode rows do, so how a prompt is chunked
     (the scheduler's choice, which depends on load) never changes a session's logits."""
-    shard = tiny.chain.shards[0]
+    shard = tiny_on.chain.shards[0]
 
     def run(step: int) -> list[np.ndarray]:
         kv = shard.backend.new_kv()
