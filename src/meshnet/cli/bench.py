@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     ours = Throughput.best(our_rounds)
     peer = Throughput.best(peer_rounds) if peer_rounds else None
     rows = _rows(args.prompt_tokens, ours.prefill_tok_s, ours.decode_tok_s, peer)
-    backend = args.backend + (f" ({kernel_name()} kernels)" if args.backend == "fast" else "")
+    backend = args.backend + (f" ({kernel_name()} kernels)" if args.backend != "numpy" else "")
     isa = peer_isa(bin_dir) if bin_dir is not None else None
     if args.json:
         report = {"backend": backend, "threads": args.threads, "llamacpp_isa": isa, "rows": rows}
