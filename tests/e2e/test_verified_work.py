@@ -124,3 +124,6 @@ def test_an_honest_mesh_at_rate_one_fails_no_check(
         assert _nodes(mesh)[node_id]["state"] == "up"
         records = _ledger(mesh, node_id)
         assert records and all(r["status"] != "rejected" for r in records)
+        for r in records:  # every whole chunk it computed is committed in its record
+            whole = r["token_end"] // 32 - -(-r["token_start"] // 32)
+            assert len(bytes.fromhex(r["commitments"])) >= 20 * max(whole, 0) > 0, r
