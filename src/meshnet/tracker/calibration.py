@@ -147,9 +147,10 @@ class NodeTrust:
         self.calibrations = 0  # run to an answer, in all
         self.quarantines = 0
 
-    def decide(self, node_id: str) -> None:
+    def decide(self, node_id: str, before: NodeRecord | None = None) -> None:
         """Bring a node's state in line with its verdict on what it serves now: keep it,
-        or start a calibration of what it has not calibrated on."""
+        or start a calibration of what it has not calibrated on. ``before``: its record
+        before a registration (which made it ``up``), as the registry had it."""
         node = next((n for n in self.store.nodes() if n.node_id == node_id), None)
         if node is None or node.layers is None or node.state is NodeState.DOWN:
             return
@@ -157,8 +158,10 @@ class NodeTrust:
             return  # another model's node: never routed for this one
         served = (node.fingerprint, node.layers)
         verdict = self._verdicts.get(node_id)
-        if verdict is None and node.state is NodeState.QUARANTINED:  # a tracker restarted
-            verdict = self._verdicts[node_id] = _Verdict(served, False, node.down_reason)
+        was = before if before is not None and before.state is NodeState.QUARANTINED else node
+        if verdict is None and was.state is NodeState.QUARANTINED:  # a tracker restarted
+            old = (was.fingerprint, was.layers)
+            verdict = self._verdicts[node_id] = _Verdict(old, False, was.down_reason)
         if verdict is not None and verdict.served == served:
             state = NodeState.UP if verdict.passed else NodeState.QUARANTINED
             if node.state is not state:

@@ -457,9 +457,10 @@ class Tracker:
 
     def register(self, a: NodeAnnouncement) -> None:
         """A node registered (again): up, or with verification on, calibrating."""
+        before = next((n for n in self.store.nodes() if n.node_id == a.node_id), None)
         self.store.register(a, time.time())
         if self.trust is not None:
-            self.trust.decide(a.node_id)
+            self.trust.decide(a.node_id, before)
 
     def heartbeat(self, node_id: str, hb: Heartbeat) -> bool:
         """A node's heartbeat; False when it is unknown or down (it registers again)."""
