@@ -176,3 +176,17 @@ def test_a_verifier_with_a_rate_out_of_range_is_refused() -> None:
 
     with pytest.raises(ValueError):
         Verifier(None, 1.5, lambda v: None)  # type: ignore[arg-type]
+
+
+def test_the_verifier_reuses_a_generations_prefix_exactly(tiny_path: Path) -> None:
+    trusted = TrustedModel(str(tiny_path), backend="fast")
+    ids = np.random.default_rng(5).integers(0, 200, 128)
+    whole = trusted.boundary_rows(ids, 3)
+    for first, end in [(0, 32), (32, 64), (96, 128), (64, 96), (64, 128)]:  # gaps, going back
+        rows = trusted.rows_from(ids[:end], 3, first, "g")
+        assert np.array_equal(rows, whole[first:end]), (first, end)
+    other = ids.copy()
+    other[10] += 1  # another generation's tokens under the same key: no reuse
+    assert np.array_equal(
+        trusted.rows_from(other[:64], 3, 32, "g"), trusted.boundary_rows(other[:64], 3)[32:]
+    )

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshnet.backends.base import BatchEntry
+from meshnet.kv.cache import SequenceKV
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.shard import Shard, load_shard
@@ -46,6 +47,19 @@ log = logging.getLogger(__name__)
 
 TRUSTED_BACKEND = "fast"  # the nodes' backend: the one whose bits a check compares
 _MAX_SHARDS = 4  # boundaries whose shard [0, end) is held at once
+_MAX_PREFIXES = 8  # generations' checked prefixes (their KV) held at once
+
+
+@dataclass
+class _Prefix:
+    """The KV of ``tokens`` through a shard ``[0, end)``: a generation's checked prefix."""
+
+    tokens: tuple[int, ...]
+    kv: SequenceKV
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
 
 
 class TrustedModel:
@@ -59,6 +73,7 @@ class TrustedModel:
         self._file = open_gguf(model_path)
         self.spec = read_spec(self._file)
         self._shards: OrderedDict[int, Shard] = OrderedDict()
+        self._prefixes: OrderedDict[tuple[str, int], _Prefix] = OrderedDict()  # (key, end)
         self._lock = threading.Lock()
 
     def boundary_rows(self, tokens: np.ndarray, end: int) -> np.ndarray:
@@ -72,6 +87,28 @@ class TrustedModel:
             shard = self._shard(end)
             hidden = shard.backend.embed(ids)
             return shard.backend.run_layers(hidden, [BatchEntry(shard.backend.new_kv(), len(ids))])
+
+    def rows_from(self, tokens: np.ndarray, end: int, first: int, key: str) -> np.ndarray:
+        """Rows [T - first, d] after layer ``end - 1`` for positions ``first``.. of
+        ``tokens`` fed from position 0; the KV of an earlier call for the same ``key``
+        (a generation) whose tokens are a prefix of these is reused, so a session's
+        chunks checked in order cost their own tokens, not the whole prefix again.
+        (Bit-exact either way: the kernels do not depend on how positions are chunked.)"""
+        ids = np.asarray(tokens, dtype=np.int64)
+        with self._lock:
+            shard = self._shard(end)
+            held = self._prefixes.pop((key, end), None)
+            done = 0 if held is None else held.length
+            if held is None or done > first or held.tokens != tuple(ids[:done].tolist()):
+                held, done = _Prefix((), shard.backend.new_kv()), 0
+            new = ids[done:]
+            hidden = shard.backend.run_layers(
+                shard.backend.embed(new), [BatchEntry(held.kv, len(new))]
+            )
+            self._prefixes[(key, end)] = _Prefix(tuple(ids.tolist()), held.kv)
+            while len(self._prefixes) > _MAX_PREFIXES:
+                self._prefixes.popitem(last=False)
+            return hidden[first - done :]
 
     def logits_of(self, row: np.ndarray) -> np.ndarray:
         """The head's logits [vocab] of one last-layer row [d] (what a last hop samples)."""
@@ -162,8 +199,9 @@ def check_claim(model: TrustedModel, claim: SpanClaim) -> list[Verdict]:
 
 def check_span(model: TrustedModel, claim: SpanClaim) -> Verdict:
     """The exact check of ``claim``'s own chunk, whatever its inputs were."""
-    rows = model.boundary_rows(np.asarray(claim.tokens, np.int64), claim.layers.end)
-    want = chunk_digests_of(rows[claim.token_start :], claim.token_start).get(claim.token_start)
+    tokens = np.asarray(claim.tokens, np.int64)
+    rows = model.rows_from(tokens, claim.layers.end, claim.token_start, claim.generation_id)
+    want = chunk_digests_of(rows, claim.token_start).get(claim.token_start)
     if want is None:
         return Verdict(claim, False, "the claim's tokens do not cover its chunk")
     if want == claim.digest:
