@@ -16,13 +16,17 @@ from meshnet.backends import quant
 
 pytestmark = pytest.mark.skipif(quant.NATIVE is None, reason="the native kernels are not built")
 
-Q8_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q6_K]
-K_TYPES = (QT.Q4_K, QT.Q6_K)
+Q8_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+K_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
 COLS = 512  # two super-blocks
 
 
 def _gguf_bytes(data: np.ndarray, qtype: QT) -> np.ndarray:
-    if qtype in (*K_TYPES, QT.Q5_K):
+    if qtype == QT.F32:
+        return data.view(np.uint8)
+    if qtype == QT.F16:
+        return data.astype(np.float16).view(np.uint8)
+    if qtype in (*K_TYPES, QT.Q2_K):
         return k_quantize(data, qtype)
     return gguf.quants.quantize(data, qtype)
 
@@ -68,8 +72,8 @@ def quantized_x(x: np.ndarray, qtype: QT) -> np.ndarray:
     return (q * d[:, None]).reshape(x.shape)
 
 
-def _q41_correction(x: np.ndarray, raw_m: np.ndarray) -> np.ndarray:
-    """Q4_1's offsets meet llama.cpp's s = float16(d_x * sum q) rather than sum of the
+def _offset_correction(x: np.ndarray, raw_m: np.ndarray) -> np.ndarray:
+    """Q4_1's and Q5_1's offsets meet llama.cpp's s = float16(d_x * sum q) rather than sum of the
     quantized x: the difference per (row, token), to add to the float64 product."""
     f32 = np.float32
     blocks = x.reshape(x.shape[0], -1, 32)
@@ -82,9 +86,9 @@ def _q41_correction(x: np.ndarray, raw_m: np.ndarray) -> np.ndarray:
     return (s - exact) @ raw_m.T  # [T, rows]
 
 
-def _q41_offsets(qtype: QT, rows: int, seed: int) -> np.ndarray:
+def _offsets(qtype: QT, rows: int, seed: int) -> np.ndarray:
     data = np.random.default_rng(seed).standard_normal((rows, COLS)).astype(np.float32) * 0.2
-    raw = _gguf_bytes(data, qtype).reshape(rows, -1, 20)
+    raw = _gguf_bytes(data, qtype).reshape(rows, -1, 20 if qtype == QT.Q4_1 else 24)
     return raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)  # [rows, nb]
 
 
@@ -98,8 +102,8 @@ def test_q8_matmul_is_float64_math_on_the_same_8_bit_activations(qtype: QT, wide
     assert w.q8
     xq = quantized_x(x, qtype)
     want = xq @ dense.T
-    if qtype == QT.Q4_1:
-        want += _q41_correction(x, _q41_offsets(qtype, 45, 2))
+    if qtype in (QT.Q4_1, QT.Q5_1):
+        want += _offset_correction(x, _offsets(qtype, 45, 2))
     got = quant.matmul(x, w, wide=wide)
     bound = 1e-5 * (np.abs(xq) @ np.abs(dense).T) + 1e-30
     assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
@@ -151,10 +155,10 @@ def test_q8_layout_holds_the_same_bytes_as_the_float32_one() -> None:
         assert q8.q8 and not fast.q8 and q8.data.nbytes == fast.data.nbytes
 
 
-@pytest.mark.parametrize("qtype", [QT.Q5_0, QT.Q5_K, QT.F32], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [QT.Q2_K, QT.F16, QT.F32], ids=lambda q: q.name)
 def test_types_without_a_q8_kernel_keep_the_float32_kernels(qtype: QT) -> None:
     data = np.random.default_rng(9).standard_normal((20, COLS)).astype(np.float32)
-    raw = data.view(np.uint8) if qtype == QT.F32 else _gguf_bytes(data, qtype)
+    raw = _gguf_bytes(data, qtype)
     w = quant.from_blocks(raw, qtype, (20, COLS), q8=True)
     fast = quant.from_blocks(raw, qtype, (20, COLS))
     x = _x(2)
@@ -175,4 +179,4 @@ def test_a_q8_code_for_a_type_without_a_q8_kernel_is_refused() -> None:
     out = np.empty((1, rows), np.float32)
     x = _x(1)
     with pytest.raises(ValueError):
-        quant.NATIVE.matmul(packed, x, out, rows, nb, 1, 8 | 32, 1)  # Q5_0 in the q8 layout
+        quant.NATIVE.matmul(packed, x, out, rows, nb, 1, 6 | 32, 1)  # Q2_K in the q8 layout

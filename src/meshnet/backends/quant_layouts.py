@@ -55,16 +55,30 @@ def pack(raw: np.ndarray, qtype: QT, rows: int, cols: int) -> np.ndarray:
 
 
 # The q8 layout (native.h): per row group and block (or super-block), the byte offset and
-# the number of byte columns of the quant region regrouped four columns a row at a time.
+# the number of byte columns of each quant region regrouped four columns a row at a time,
+# and (Q5_0, Q5_1) the offset of the fifth bits re-encoded as Q5_K's.
 Q8_LAYOUT = 32  # or'ed into a type's code
 Q8_REGIONS = {
-    QT.Q4_0: (2 * GROUP_ROWS, 16),
-    QT.Q4_1: (4 * GROUP_ROWS, 16),
-    QT.Q8_0: (2 * GROUP_ROWS, 32),
-    QT.Q4_K: (20 * GROUP_ROWS, 128),
-    QT.Q6_K: (18 * GROUP_ROWS, 192),
+    QT.Q4_0: ((2 * GROUP_ROWS, 16),),
+    QT.Q4_1: ((4 * GROUP_ROWS, 16),),
+    QT.Q8_0: ((2 * GROUP_ROWS, 32),),
+    QT.Q5_0: ((2 * GROUP_ROWS, 16),),
+    QT.Q5_1: ((4 * GROUP_ROWS, 16),),
+    QT.Q4_K: ((20 * GROUP_ROWS, 128),),
+    QT.Q5_K: ((20 * GROUP_ROWS, 32), (52 * GROUP_ROWS, 128)),
+    QT.Q6_K: ((18 * GROUP_ROWS, 192),),
 }
-_GROUP_BYTES = {QT.Q4_0: 288, QT.Q4_1: 320, QT.Q8_0: 544, QT.Q4_K: 2368, QT.Q6_K: 3360}
+_FIFTH_BITS = {QT.Q5_0: 18 * GROUP_ROWS, QT.Q5_1: 20 * GROUP_ROWS}
+_GROUP_BYTES = {
+    QT.Q4_0: 288,
+    QT.Q4_1: 320,
+    QT.Q8_0: 544,
+    QT.Q5_0: 352,
+    QT.Q5_1: 384,
+    QT.Q4_K: 2368,
+    QT.Q5_K: 2880,
+    QT.Q6_K: 3360,
+}
 
 
 def q8_layout(packed: np.ndarray, qtype: QT) -> np.ndarray | None:
@@ -73,13 +87,21 @@ def q8_layout(packed: np.ndarray, qtype: QT) -> np.ndarray | None:
     it; llama.cpp's quantizer never writes it)."""
     if qtype not in Q8_REGIONS:
         return None
-    start, ncols = Q8_REGIONS[qtype]
     units = packed.reshape(-1, _GROUP_BYTES[qtype])
-    region = units[:, start : start + ncols * GROUP_ROWS]
-    if qtype == QT.Q8_0 and np.any(region == 0x80):
+    if qtype == QT.Q8_0 and np.any(units[:, 2 * GROUP_ROWS :] == 0x80):
         return None
-    tiles = region.reshape(-1, ncols // 4, 4, GROUP_ROWS).transpose(0, 1, 3, 2)
-    units[:, start : start + ncols * GROUP_ROWS] = tiles.reshape(len(units), -1)
+    for start, ncols in Q8_REGIONS[qtype]:
+        region = units[:, start : start + ncols * GROUP_ROWS]
+        tiles = region.reshape(-1, ncols // 4, 4, GROUP_ROWS).transpose(0, 1, 3, 2)
+        units[:, start : start + ncols * GROUP_ROWS] = tiles.reshape(len(units), -1)
+    if qtype in _FIFTH_BITS:
+        start = _FIFTH_BITS[qtype]
+        qh = units[:, start : start + 4 * GROUP_ROWS].reshape(-1, 4, GROUP_ROWS)  # [u, byte, row]
+        bits = np.unpackbits(qh.transpose(0, 2, 1), axis=-1, bitorder="little")  # column c at c
+        quads = bits.reshape(-1, GROUP_ROWS, 8, 4)  # column 4 m + b at [m, b]
+        shifts = np.arange(8, dtype=np.uint8).reshape(8, 1)
+        encoded = np.bitwise_or.reduce(quads << shifts, axis=-2)  # byte b: columns b + 4 m
+        units[:, start : start + 4 * GROUP_ROWS] = encoded.reshape(len(units), -1)
     return packed
 
 

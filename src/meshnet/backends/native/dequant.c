@@ -117,11 +117,12 @@ static void legacy_block(int type, const uint8_t *p, int lane, int q8, float *ou
     }
     const int with_min = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
     const uint8_t *qs = p + (with_min ? 4 : 2) * GROUP_ROWS;
-    const uint8_t *qh = qs + 16 * GROUP_ROWS + lane;
+    const uint8_t *qh = qs + 16 * GROUP_ROWS;
     const float m = with_min ? half(p + 2 * GROUP_ROWS + 2 * lane) : 0.0f;
     for (int c = 0; c < QK; c++) {
         int q = (qbyte(qs, c % 16, lane, q8) >> (4 * (c / 16))) & 15;
-        if (five) q |= ((qh[(c / 8) * GROUP_ROWS] >> (c % 8)) & 1) << 4;
+        if (five && q8) q |= ((qh[4 * lane + c % 4] >> (c / 4)) & 1) << 4; /* see native.h */
+        else if (five) q |= ((qh[(c / 8) * GROUP_ROWS + lane] >> (c % 8)) & 1) << 4;
         if (with_min) out[c] = d * (float)q + m;
         else out[c] = d * (float)(q - (five ? 16 : 8));
     }
@@ -148,7 +149,7 @@ static void kquant_block(int type, const uint8_t *p, int lane, int q8, float *ou
         int q = (qbyte(qs, k * 16 + i, lane, q8) >> (4 * (c / 16))) & 15;
         if (type == Q5_K) {
             const int m = i / 4 + 4 * (c / 16); /* the bit of byte i % 4 */
-            q |= ((p[K_QH5 + (k * 4 + i % 4) * GROUP_ROWS + lane] >> m) & 1) << 4;
+            q |= ((qbyte(p + K_QH5, k * 4 + i % 4, lane, q8) >> m) & 1) << 4;
         }
         const float dl = d * (float)p[K_SC + k * GROUP_ROWS + lane];
         const float ml = dmin * (float)p[K_MIN + k * GROUP_ROWS + lane];

@@ -87,17 +87,19 @@ static const Py_ssize_t GROUP_BYTES[TYPE_COUNT] = {
 };
 
 /*
- * The q8 layout (the q8 backend's matrices: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K): the layout
- * above with each quant region's byte columns regrouped four at a time, so that a row's
- * four bytes of columns 4 i .. 4 i + 3 lie side by side: byte column c of row r moves
- * from c * 16 + r to (c / 4) * 64 + r * 4 + c % 4 within its region (Q4_0, Q4_1, Q8_0:
- * the 16 or 32 byte columns of a block; Q4_K: the 128 of a super-block's nibbles; Q6_K:
- * the 192 of its sub-blocks). The scales stay as they are. One int32 lane then holds four
- * weights of one row, as an 8-bit integer dot product takes them (q8.c). A type code
- * with Q8_LAYOUT set names a matrix in this layout.
+ * The q8 layout (the q8 backend's matrices: every type of the two row-group families):
+ * the layout above with each quant region's byte columns regrouped four at a time, so
+ * that a row's four bytes of columns 4 i .. 4 i + 3 lie side by side: byte column c of
+ * row r moves from c * 16 + r to (c / 4) * 64 + r * 4 + c % 4 within its region (Q4_0,
+ * Q4_1, Q8_0, Q5_0, Q5_1: the 16 or 32 byte columns of a block's quants; Q4_K, Q5_K: the
+ * 128 of a super-block's nibbles, and Q5_K's 32 of fifth bits; Q6_K: the 192 of its
+ * sub-blocks). Q5_0's and Q5_1's fifth bits are re-encoded as Q5_K's: per row 4 bytes,
+ * bit m of byte b for column b + 4 m. The scales stay as they are. One int32 lane then
+ * holds four weights of one row, as an 8-bit integer dot product takes them (q8.c). A
+ * type code with Q8_LAYOUT set names a matrix in this layout.
  */
 #define Q8_LAYOUT 32
-#define HAS_Q8_KERNEL(type) ((type) <= Q6_K && (type) != Q5_K)
+#define HAS_Q8_KERNEL(type) (!IS_ROWWISE(type))
 
 typedef struct {
     const uint8_t *packed; /* qmat_bytes(type, rows, nb) bytes */

@@ -1,7 +1,8 @@
 /*
  * The q8 backend's matmul: out[t, r] = W[r] . x[t] with x quantized to 8 bits first, as
- * llama.cpp multiplies a quantized file: each row of x in blocks of 32 (Q8_0 for Q4_0 and
- * Q8_0 weights, Q8_1 for Q4_1) or super-blocks of 256 (Q8_K for Q4_K and Q6_K), then per
+ * llama.cpp multiplies a quantized file: each row of x in blocks of 32 (Q8_0 for Q4_0, Q5_0
+ * and Q8_0 weights, Q8_1 for Q4_1 and Q5_1) or super-blocks of 256 (Q8_K for the
+ * K-quants), then per
  * block an integer dot product of the weights' quants with the activations' (exact, in
  * any order), and the block results combined in float32 in one fixed order per
  * (row, token) pair, written out where q8_tile.h defines each type's tile. W is in the
@@ -26,11 +27,11 @@ typedef struct {
     const qmat_t *w;
     const int8_t *xq; /* [T, cols] the quants */
     const float *xd;  /* [T, units] each block's (Q8_0, Q8_1) or super-block's (Q8_K) d */
-    const float *xs;  /* [T, nb] Q8_1's s (Q4_1); NULL for the other types */
-    const int32_t *xb; /* Q4_0, Q8_0: [T, nb] sum of each block's quants; Q4_K: [T, supers
-                        * * 4] the sums of sub-blocks 2 i and 2 i + 1 (32 quants each) as
-                        * int16 pairs (low half first); Q6_K: [T, supers * 8] likewise for
-                        * its sub-blocks of 16. NULL for Q4_1. */
+    const float *xs;  /* [T, nb] Q8_1's s (Q4_1, Q5_1); NULL for the other types */
+    const int32_t *xb; /* Q4_0, Q5_0, Q8_0: [T, nb] sum of each block's quants; Q4_K, Q5_K:
+                        * [T, supers * 4] the sums of sub-blocks 2 i and 2 i + 1 (32 quants
+                        * each) as int16 pairs (low half first); Q6_K: [T, supers * 8]
+                        * likewise for its sub-blocks of 16. NULL for Q4_1, Q5_1. */
     float *out;       /* [T, rows] */
     Py_ssize_t T;
 } q8job_t;
@@ -207,19 +208,19 @@ static void *quantize_rows(const qmat_t *w, const float *x, Py_ssize_t T, q8job_
     float *xd = (float *)buf, *xs = xd + T * units;
     int32_t *xb = (int32_t *)(xs + T * nb);
     int8_t *xq = (int8_t *)(xb + T * pairs);
+    const int q8_1 = w->type == Q4_1 || w->type == Q5_1; /* weights with an offset m */
     for (Py_ssize_t t = 0; t < T; t++) {
         if (kq)
             quantize_q8_k(x + t * cols, supers, width, xq + t * cols, xd + t * units,
                           xb + t * pairs);
         else
             quantize_q8_0(x + t * cols, nb, xq + t * cols, xd + t * nb,
-                          w->type == Q4_1 ? xs + t * nb : NULL,
-                          w->type == Q4_1 ? NULL : xb + t * nb);
+                          q8_1 ? xs + t * nb : NULL, q8_1 ? NULL : xb + t * nb);
     }
     j->xq = xq;
     j->xd = xd;
-    j->xs = w->type == Q4_1 ? xs : NULL;
-    j->xb = w->type == Q4_1 ? NULL : xb;
+    j->xs = q8_1 ? xs : NULL;
+    j->xb = q8_1 ? NULL : xb;
     return buf;
 }
 

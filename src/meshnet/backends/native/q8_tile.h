@@ -4,11 +4,11 @@
  * row; a tile is RV row vectors x TT tokens. Integer sums are exact, so how they are
  * split or ordered is free; the float operations per (row, token) are fixed:
  *
- *   Q4_0, Q4_1, Q8_0, per block in order, acc from zero:
+ *   Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, per block in order, acc from zero:
  *     acc = fma(dw * dx, (float) isum, acc)      isum = sum of the block's q_w q_x
- *                                                (Q4_0: (q_w - 8) q_x)
- *     Q4_1 then: acc = fma(m, s_x, acc)          s_x: Q8_1's float16 d_x * sum q_x
- *   Q4_K, per super-block in order:
+ *                                                (Q4_0, Q5_0: (q_w - 8 or 16) q_x)
+ *     Q4_1, Q5_1 then: acc = fma(m, s_x, acc)    s_x: Q8_1's float16 d_x * sum q_x
+ *   Q4_K, Q5_K, per super-block in order:
  *     acc = fma(d * dx, (float) sum_k sc_k isum_k, acc)
  *     acc = acc - (dmin * dx) (float) sum_k m_k bsum_k   (one rounding)
  *   Q6_K, per super-block in order:
@@ -24,12 +24,18 @@
 /* First row of vector v's rows within its group, and the group's bytes at unit u. */
 #define GROUP_OF(w, v, units, gb) ((w)->packed + (((v) * LANES) / GROUP_ROWS) * (units) * (gb))
 
-/* Blocks of 32 (Q4_0, Q4_1, Q8_0). */
+/* Quad q (columns 4 q ..) of a 4-bit region's word z, and (five) its fifth bits from h
+ * (bit m of byte b: column b + 4 m): low nibbles columns 4 q + b, high 16 + 4 q + b. */
+#define LO5(z, h, q, five) ((five) ? ORI(BYTES15(z), BMASK(SLLI32(h, 4 - (q)), 0x10)) : BYTES15(z))
+#define HI5(z, h, q, five) ((five) ? ORI(HIGH15(z), BMASK(SRLI32(h, q), 0x10)) : HIGH15(z))
+
+/* Blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). */
 Q8_INLINE void FN(btile)(const q8job_t *j, const int type, const Py_ssize_t v0, const int RV,
                          const Py_ssize_t t0, const int TT) {
     const qmat_t *w = j->w;
     const Py_ssize_t nb = w->nb, cols = nb * QK, gb = GROUP_BYTES[type];
-    const int quants = type == Q4_1 ? 4 * GROUP_ROWS : 2 * GROUP_ROWS;
+    const int with_min = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
+    const int quants = with_min ? 4 * GROUP_ROWS : 2 * GROUP_ROWS;
     const uint8_t *group[4];
     int lane[4];
     for (int v = 0; v < RV; v++) {
@@ -66,27 +72,39 @@ Q8_INLINE void FN(btile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
                     for (int v = 0; v < RV; v++) isum[v][t] = SUBI(isum[v][t], bias);
                 }
         } else {
-            IVEC part[4][TILE_MAX];
+            /* AVX2's int16 partials hold 8 products of 4-bit quants, 4 of 5-bit ones: the
+             * 5-bit types sum low and high quads apart */
+            IVEC part[4][TILE_MAX], part5[4][TILE_MAX];
             for (int v = 0; v < RV; v++)
-                for (int t = 0; t < TT; t++) part[v][t] = PZERO();
+                for (int t = 0; t < TT; t++) part[v][t] = part5[v][t] = PZERO();
+            IVEC h[4];
+            for (int v = 0; v < RV; v++)
+                h[v] = five ? LDQ(p[v] + quants + 16 * GROUP_ROWS + 4 * lane[v]) : IZERO();
+#pragma GCC unroll 4 /* the fifth bits' shift counts become constants */
             for (int q = 0; q < 4; q++) {
                 IVEC lo[4], hi[4];
                 for (int v = 0; v < RV; v++) {
                     const IVEC z = LDQ(p[v] + quants + q * 64 + 4 * lane[v]);
-                    lo[v] = BYTES15(z);
-                    hi[v] = HIGH15(z);
+                    lo[v] = LO5(z, h[v], q, five);
+                    hi[v] = HI5(z, h[v], q, five);
                 }
                 for (int t = 0; t < TT; t++) {
                     const IVEC bl = BX(xb + t * cols + 4 * q), bh = BX(xb + t * cols + 16 + 4 * q);
                     for (int v = 0; v < RV; v++) {
                         part[v][t] = DOTU(part[v][t], lo[v], bl);
-                        part[v][t] = DOTU(part[v][t], hi[v], bh);
+                        if (five) part5[v][t] = DOTU(part5[v][t], hi[v], bh);
+                        else part[v][t] = DOTU(part[v][t], hi[v], bh);
                     }
                 }
             }
             for (int t = 0; t < TT; t++) {
-                const IVEC off = SET1I(type == Q4_0 ? 8 * j->xb[(t0 + t) * nb + b] : 0);
-                for (int v = 0; v < RV; v++) isum[v][t] = SUBI(PFLUSH(part[v][t]), off);
+                const int32_t sx = with_min ? 0 : j->xb[(t0 + t) * nb + b];
+                const IVEC off = SET1I(type == Q4_0 ? 8 * sx : type == Q5_0 ? 16 * sx : 0);
+                for (int v = 0; v < RV; v++) {
+                    IVEC sum = PFLUSH(part[v][t]);
+                    if (five) sum = ADDI(sum, PFLUSH(part5[v][t]));
+                    isum[v][t] = SUBI(sum, off);
+                }
             }
         }
         for (int v = 0; v < RV; v++) {
@@ -95,7 +113,7 @@ Q8_INLINE void FN(btile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
                 const VEC dd = MUL(dw, SET1(j->xd[(t0 + t) * nb + b]));
                 acc[v][t] = FMA(dd, CVT(isum[v][t]), acc[v][t]);
             }
-            if (type == Q4_1) {
+            if (with_min) {
                 const VEC m = HALVES(p[v] + 2 * GROUP_ROWS + 2 * lane[v]);
                 for (int t = 0; t < TT; t++)
                     acc[v][t] = FMA(m, SET1(j->xs[(t0 + t) * nb + b]), acc[v][t]);
@@ -110,24 +128,37 @@ Q8_INLINE void FN(btile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
     }
 }
 
-/* Q4_K: super-blocks of 8 sub-blocks of 32. */
-Q8_INLINE void FN(q4k_super)(const uint8_t *p, const int lane, const int8_t *xs,
-                             const Py_ssize_t cols, IVEC sumi[KTILE_MAX], const int TT) {
+/* Q4_K, Q5_K: super-blocks of 8 sub-blocks of 32. */
+Q8_INLINE void FN(q4k_super)(const int type, const uint8_t *p, const int lane,
+                             const int8_t *xs, const Py_ssize_t cols, IVEC sumi[KTILE_MAX],
+                             const int TT) {
+    const int five = type == Q5_K;
+    const Py_ssize_t qs = five ? K_QS5 : K_QS4;
     for (int t = 0; t < TT; t++) sumi[t] = IZERO();
     for (int k = 0; k < QK_K / QK; k++) {
-        IVEC part[KTILE_MAX];
-        for (int t = 0; t < TT; t++) part[t] = PZERO();
+        IVEC part[KTILE_MAX], part5[KTILE_MAX]; /* 5-bit: low and high quads apart */
+        for (int t = 0; t < TT; t++) part[t] = part5[t] = PZERO();
+        const IVEC h = five ? LDQ(p + K_QH5 + k * 64 + 4 * lane) : IZERO();
+#pragma GCC unroll 4 /* the fifth bits' shift counts become constants */
         for (int q = 0; q < 4; q++) {
-            const IVEC z = LDQ(p + K_QS4 + (k * 4 + q) * 64 + 4 * lane);
-            const IVEC lo = BYTES15(z), hi = HIGH15(z);
+            const IVEC z = LDQ(p + qs + (k * 4 + q) * 64 + 4 * lane);
+            const IVEC lo = LO5(z, h, q, five), hi = HI5(z, h, q, five);
             for (int t = 0; t < TT; t++) {
                 const int8_t *xk = xs + t * cols + QK * k;
                 part[t] = DOTU(part[t], lo, BX(xk + 4 * q));
-                part[t] = DOTU(part[t], hi, BX(xk + 16 + 4 * q));
+                if (five) part5[t] = DOTU(part5[t], hi, BX(xk + 16 + 4 * q));
+                else part[t] = DOTU(part[t], hi, BX(xk + 16 + 4 * q));
             }
         }
         const IVEC sc = U8(p + K_SC + k * GROUP_ROWS + lane);
-        for (int t = 0; t < TT; t++) sumi[t] = ADDI(sumi[t], PSCALE(part[t], sc));
+        for (int t = 0; t < TT; t++) {
+            if (!five) sumi[t] = ADDI(sumi[t], PSCALE(part[t], sc));
+#if DOTS_BIAS /* int32 partials: add, then one multiply */
+            else sumi[t] = ADDI(sumi[t], PSCALE(ADDI(part[t], part5[t]), sc));
+#else
+            else sumi[t] = ADDI(sumi[t], ADDI(PSCALE(part[t], sc), PSCALE(part5[t], sc)));
+#endif
+        }
     }
 }
 
@@ -196,7 +227,7 @@ Q8_INLINE void FN(ktile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
                     _mm_prefetch((const char *)p + gb + line, _MM_HINT_T0);
             IVEC sumi[KTILE_MAX], fp[8];
             if (type == Q6_K) FN(q6k_super)(p, lane[v], xs, cols, sumi, TT);
-            else FN(q4k_super)(p, lane[v], xs, cols, sumi, TT);
+            else FN(q4k_super)(type, p, lane[v], xs, cols, sumi, TT);
             const uint8_t *fields = p + (type == Q6_K ? K6_SC : K_MIN);
             for (int i = 0; i < npairs; i++) fp[i] = FN(field_pair)(fields, lane[v], 2 * i, type == Q6_K);
             const VEC d = HALVES(p + K_D + 2 * lane[v]);
@@ -280,7 +311,10 @@ Q8_INLINE void FN(q8rows_typed)(const q8job_t *j, const int type, Py_ssize_t v0,
 Q8_ROWS_OF(q4_0, Q4_0)
 Q8_ROWS_OF(q4_1, Q4_1)
 Q8_ROWS_OF(q8_0, Q8_0)
+Q8_ROWS_OF(q5_0, Q5_0)
+Q8_ROWS_OF(q5_1, Q5_1)
 Q8_ROWS_OF(q4_k, Q4_K)
+Q8_ROWS_OF(q5_k, Q5_K)
 Q8_ROWS_OF(q6_k, Q6_K)
 #undef Q8_ROWS_OF
 
@@ -289,7 +323,10 @@ static TARGET void FN(q8rows)(const q8job_t *j, Py_ssize_t v0, Py_ssize_t v1) {
     case Q4_0: FN(q8rows_q4_0)(j, v0, v1); break;
     case Q4_1: FN(q8rows_q4_1)(j, v0, v1); break;
     case Q8_0: FN(q8rows_q8_0)(j, v0, v1); break;
+    case Q5_0: FN(q8rows_q5_0)(j, v0, v1); break;
+    case Q5_1: FN(q8rows_q5_1)(j, v0, v1); break;
     case Q4_K: FN(q8rows_q4_k)(j, v0, v1); break;
+    case Q5_K: FN(q8rows_q5_k)(j, v0, v1); break;
     default: FN(q8rows_q6_k)(j, v0, v1); break;
     }
 }
@@ -299,6 +336,8 @@ static TARGET void FN(q8rows)(const q8job_t *j, Py_ssize_t v0, Py_ssize_t v1) {
 #undef CAT_
 #undef Q8_INLINE
 #undef GROUP_OF
+#undef LO5
+#undef HI5
 #undef LANES
 #undef VEC
 #undef IVEC
