@@ -113,14 +113,17 @@ def test_the_verifier_catches_a_node_that_cheats_after_calibrating(
     assert all(h["node_id"] != "cheater" for h in again["meshnet"]["route"])
 
 
+@pytest.mark.parametrize("layout", ["0:4", "0:1,1:3,3:4"], ids=["one-node", "ring"])
 def test_an_honest_mesh_at_rate_one_fails_no_check(
-    mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int]
+    mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int], layout: str
 ) -> None:
-    mesh = mesh_factory("0:1,1:3,3:4", model=long_tiny, tracker_args=["--verify-rate", "1.0"])
+    """Commitments come on every path (a node running by itself, a ring's forwarding and
+    last hops) and are kept in the ledger; no honest chunk fails its check."""
+    mesh = mesh_factory(layout, model=long_tiny, tracker_args=["--verify-rate", "1.0"])
     for _ in range(3):
         assert _complete(mesh)["meshnet"]["ids"] == honest_ids
     time.sleep(2.0)  # the verifier's queue drains
-    for node_id in ("node-0", "node-1", "node-2"):
+    for node_id in [f"node-{i}" for i in range(layout.count(",") + 1)]:
         assert _nodes(mesh)[node_id]["state"] == "up"
         records = _ledger(mesh, node_id)
         assert records and all(r["status"] != "rejected" for r in records)
