@@ -190,3 +190,33 @@ def test_the_verifier_reuses_a_generations_prefix_exactly(tiny_path: Path) -> No
     assert np.array_equal(
         trusted.rows_from(other[:64], 3, 32, "g"), trusted.boundary_rows(other[:64], 3)[32:]
     )
+
+
+def test_the_verifier_goes_on_when_a_verdict_cannot_be_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+
+    from meshnet.tracker import verifier
+    from meshnet.tracker.verifier import Verdict, Verifier
+
+    monkeypatch.setattr(
+        verifier, "check_claim", lambda model, c: [Verdict(c, c.token_start == 0, "")]
+    )
+    kept: list[Verdict] = []
+
+    def keep(v: Verdict) -> None:
+        if not kept:
+            kept.append(v)
+            raise RuntimeError("the database is gone")
+        kept.append(v)
+
+    async def scenario() -> None:
+        v = Verifier(None, 1.0, keep)  # type: ignore[arg-type]
+        for i in range(3):
+            v.offer(_claim(32 * i))
+        await asyncio.wait_for(v.drain(), 5)
+        assert (v.stats.passed, v.stats.failed) == (1, 2)
+
+    asyncio.run(scenario())
+    assert [k.claim.token_start for k in kept] == [0, 32, 64]

@@ -470,8 +470,11 @@ class Tracker:
         return known
 
     def _checked(self, verdict: Verdict) -> None:
-        """Record the verifier's verdict on a span; a failed one quarantines the node."""
+        """Record the verifier's verdict on a span; a failed one quarantines the node
+        (first: it must not wait on the database)."""
         c = verdict.claim
+        if not verdict.passed and self.trust is not None:
+            self.trust.quarantine(c.node_id, f"verification failed: {verdict.detail}")
         self.store.record_check(
             SpanCheck(
                 c.node_id,
@@ -484,8 +487,6 @@ class Tracker:
                 verdict.detail,
             )
         )
-        if not verdict.passed and self.trust is not None:
-            self.trust.quarantine(c.node_id, f"verification failed: {verdict.detail}")
 
     def _quarantined(self, node_id: str, reason: str) -> None:
         """Fail over every generation running on a quarantined node, at once."""

@@ -262,13 +262,23 @@ class Verifier:
             else:
                 self.stats.inconclusive += not verdicts
                 for verdict in verdicts:
-                    if verdict.passed:
-                        self.stats.passed += 1
-                    else:
-                        self.stats.failed += 1
-                    self.on_verdict(verdict)
+                    self._report(verdict)
             finally:
                 self._queue.task_done()
+
+    def _report(self, verdict: Verdict) -> None:
+        """Count a verdict and hand it on; a failure to record it (a database gone) is
+        logged and the worker goes on."""
+        if verdict.passed:
+            self.stats.passed += 1
+        else:
+            self.stats.failed += 1
+        try:
+            self.on_verdict(verdict)
+        except Exception:
+            log.exception(
+                "the verdict on %s of %s was not kept", verdict.claim.layers, verdict.claim.node_id
+            )
 
     async def drain(self) -> None:
         """Wait until every queued claim is checked (tests, benchmarks)."""
