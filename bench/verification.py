@@ -4,14 +4,17 @@
         [--requests 3] [--rates 0,0.01,0.1] [--honest-chunks 1000]
 
 1. Throughput: for each rate a loopback mesh (tracker + 2 nodes, the layers
-   split evenly) started with ``--verify-rate R``; greedy completions of
+   split evenly) started with ``--verify-rate R``, all at once, the requests going
+   round them in turn (rate 0 first: the ratios are to it); greedy completions of
    ``--tokens`` tokens (a chat request for a long story) through the API, best-of
    ``--requests`` tokens/s (the tokens generated over the request's wall time).
 2. Commitment bytes per token: read off the ledger records of those runs (their
-   ``commitments`` column), against TOPLOC's ~8 bytes per token.
+   ``commitments`` column, per KV position a node computed: a route of two nodes
+   stores twice that per token), against TOPLOC's ~8 bytes per token.
 3. Detection: the probability that a node cheating on every chunk escapes a
    verifier sampling at rate R for n chunks is (1-R)^n; the chunks (and tokens,
-   32 per chunk) for >= 99% detection, and a Monte-Carlo check of it.
+   32 per chunk) for >= 99% detection, and the share of 10,000 runs of the
+   verifier's own sampling (fresh seeds) that draw a chunk within them.
 4. False positives: in-process, ``--honest-chunks`` honest chunks of the two
    nodes' spans (a fast-backend node engine: prompt chunks and one-row decode
    steps) checked by the verifier's exact check; every one must pass.
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
 import tempfile
 import time
 from pathlib import Path
@@ -35,42 +37,61 @@ from meshnet.model.bundled import bundled_model_path
 from meshnet.node.engine import NodeEngine
 from meshnet.node.scheduler import StepWork
 from meshnet.protocol.commitments import CHUNK_TOKENS
-from meshnet.tracker.verifier import SpanClaim, TrustedModel, check_span
+from meshnet.tracker.verifier import SpanClaim, TrustedModel, Verifier, check_span
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 TOPLOC_BYTES_PER_TOKEN = 258 / 32
 
 
-def throughput(rate: float, tokens: int, requests: int) -> tuple[float, float]:
-    """Best-of tokens/s through the API at ``rate``, and commitment bytes per token."""
+def _request(mesh: LocalMesh, tokens: int) -> float:
+    """One greedy chat request of ``tokens`` tokens: its tokens/s over its wall time."""
+    models = httpx.get(f"{mesh.url}/v1/models", headers=mesh.api_headers).json()
+    messages = [{"role": "user", "content": PROMPT}]
+    body = {
+        "model": models["data"][0]["id"],
+        "messages": messages,
+        "max_tokens": tokens,
+        "temperature": 0,
+    }
+    t0 = time.perf_counter()
+    r = httpx.post(
+        f"{mesh.url}/v1/chat/completions", json=body, headers=mesh.api_headers, timeout=600
+    )
+    r.raise_for_status()
+    return len(r.json()["meshnet"]["ids"]) / (time.perf_counter() - t0)
+
+
+def _bytes_per_token(mesh: LocalMesh) -> float:
+    """Commitment bytes in the ledger per KV position its records computed."""
+    records = httpx.get(f"{mesh.url}/admin/ledger", headers=mesh.admin_headers).json()["records"]
+    committed = sum(len(rec["commitments"]) // 2 for rec in records)
+    positions = sum(rec["token_end"] - rec["token_start"] for rec in records)
+    return committed / max(positions, 1)
+
+
+def throughput(rates: list[float], tokens: int, rounds: int) -> list[tuple[float, float]]:
+    """Per rate: best-of tokens/s through the API, and commitment bytes per position.
+
+    One mesh per rate, all started first; the requests go round them in turn (a pause
+    after each lets a verifier finish its checks), so a noisy machine weighs on every
+    rate alike."""
     with tempfile.TemporaryDirectory() as d:
-        mesh = LocalMesh(Path(d), tracker_args=["--verify-rate", str(rate)])
+        meshes = [
+            LocalMesh(Path(d) / f"rate{i}", tracker_args=["--verify-rate", str(rate)])
+            for i, rate in enumerate(rates)
+        ]
         try:
-            mesh.start(even_layout(30, 2))
-            best = 0.0
-            models = httpx.get(f"{mesh.url}/v1/models", headers=mesh.api_headers).json()
-            model = models["data"][0]["id"]
-            messages = [{"role": "user", "content": PROMPT}]
-            body = {"model": model, "messages": messages, "max_tokens": tokens, "temperature": 0}
-            for _ in range(requests):
-                t0 = time.perf_counter()
-                r = httpx.post(
-                    f"{mesh.url}/v1/chat/completions",
-                    json=body,
-                    headers=mesh.api_headers,
-                    timeout=600,
-                )
-                r.raise_for_status()
-                n = len(r.json()["meshnet"]["ids"])
-                best = max(best, n / (time.perf_counter() - t0))
-            time.sleep(1.0)
-            ledger = httpx.get(f"{mesh.url}/admin/ledger", headers=mesh.admin_headers).json()
-            records = ledger["records"]
-            committed = sum(len(rec.get("commitments", "")) // 2 for rec in records)
-            positions = sum(rec["token_end"] - rec["token_start"] for rec in records)
-            return best, committed / max(positions, 1)
+            for mesh in meshes:
+                mesh.start(even_layout(30, 2))
+            best = [0.0] * len(meshes)
+            for _ in range(rounds):
+                for i, mesh in enumerate(meshes):
+                    best[i] = max(best[i], _request(mesh, tokens))
+                    time.sleep(1.0)
+            return [(b, _bytes_per_token(m)) for b, m in zip(best, meshes, strict=True)]
         finally:
-            mesh.stop()
+            for mesh in meshes:
+                mesh.stop()
 
 
 def chunks_for(rate: float, confidence: float = 0.99) -> int:
@@ -78,9 +99,14 @@ def chunks_for(rate: float, confidence: float = 0.99) -> int:
     return math.ceil(math.log(1 - confidence) / math.log(1 - rate))
 
 
-def simulated_detection(rate: float, chunks: int, runs: int, seed: int = 1) -> float:
-    rng = random.Random(seed)
-    caught = sum(any(rng.random() < rate for _ in range(chunks)) for _ in range(runs))
+def measured_detection(rate: float, chunks: int, runs: int) -> float:
+    """Share of ``runs`` (each a fresh verifier, its own seed) in which the verifier's
+    own sampling draws at least one of ``chunks`` chunks of a node cheating on every
+    one: a drawn chunk of a cheat is always caught (the check is exact)."""
+    caught = 0
+    for run in range(runs):
+        verifier = Verifier(None, rate, lambda v: None, seed=run)  # type: ignore[arg-type]
+        caught += any(verifier.draw() for _ in range(chunks))
     return caught / runs
 
 
@@ -131,20 +157,21 @@ def main() -> None:
     p.add_argument("--rates", default="0,0.01,0.1")
     p.add_argument("--honest-chunks", type=int, default=1000)
     args = p.parse_args()
-    base = 0.0
-    for rate in [float(r) for r in args.rates.split(",")]:
-        tps, bpt = throughput(rate, args.tokens, args.requests)
-        base = base or tps
+    rates = [float(r) for r in args.rates.split(",")]
+    figures = throughput(rates, args.tokens, args.requests)
+    base = figures[0][0]
+    for rate, (tps, bpt) in zip(rates, figures, strict=True):
         print(
             f"verify-rate {rate:5.2f}: {tps:6.2f} tokens/s ({tps / base:.3f}x rate 0), "
             f"commitments {bpt:.3f} bytes/token (TOPLOC ~{TOPLOC_BYTES_PER_TOKEN:.1f})"
         )
     for rate in (0.01, 0.1, 1.0):
         n = chunks_for(rate) if rate < 1 else 1
-        sim = simulated_detection(rate, n, 10000)
+        sim = measured_detection(rate, n, 10000)
         print(
             f"rate {rate:4.2f}: >=99% detection of a node cheating on every chunk within "
-            f"{n} chunks = {n * CHUNK_TOKENS} tokens of its span (simulated over 10000 runs: "
+            f"{n} chunks = {n * CHUNK_TOKENS} tokens of its span (measured over 10000 runs "
+            "of the verifier's sampling: "
             f"{sim:.4f})"
         )
     checked, failed = honest_checks(args.honest_chunks)

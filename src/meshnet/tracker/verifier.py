@@ -239,7 +239,7 @@ class Verifier:
     def offer(self, claim: SpanClaim) -> bool:
         """Draw ``claim`` for a check with probability ``rate``; True when queued."""
         self.stats.offered += 1
-        if self.rate <= 0.0 or self._random.random() >= self.rate:
+        if not self.draw():
             return False
         self.stats.sampled += 1
         if self._worker is None:
@@ -250,6 +250,10 @@ class Verifier:
             self.stats.skipped += 1
             return False
         return True
+
+    def draw(self) -> bool:
+        """Whether the next claim is checked: true with probability ``rate``."""
+        return self.rate > 0.0 and self._random.random() < self.rate
 
     async def run(self) -> None:
         """Check queued claims one at a time, for ever."""
