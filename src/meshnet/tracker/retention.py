@@ -103,6 +103,7 @@ class Retention:
         """``owners(limit)`` deletes up to ``limit`` ownership rows of sessions no longer
         kept (the tenancy tables'), the number deleted."""
         self.store = store
+        self.db = store.db  # the verifier's checks and billing attributions live there too
         self.benchmarks = BenchStore(store.db)
         self.owners = owners
         self.sessions = sessions
@@ -127,9 +128,8 @@ class Retention:
         if p.ledger_s > 0:
             before = now - p.ledger_s
             purged["ledger_rows"] = _drain(lambda n: self.store.purge_ledger(before, n), batch)
-            db = self.store.db
-            purged["check_rows"] = _drain(lambda n: purge_checks(db, before, n), batch)
-            purged["attribution_rows"] = _drain(lambda n: purge_owners(db, before, n), batch)
+            purged["check_rows"] = _drain(lambda n: purge_checks(self.db, before, n), batch)
+            purged["attribution_rows"] = _drain(lambda n: purge_owners(self.db, before, n), batch)
             purged["benchmark_rows"] = _drain(lambda n: self.benchmarks.purge(before, n), batch)
         if p.dead_nodes_s > 0:
             before = now - p.dead_nodes_s
