@@ -21,14 +21,17 @@ from meshnet.model.info import load_model_info
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.database import Database, open_database
 from meshnet.tracker.driver import DriverLimits, RouteDriver
+from meshnet.tracker.model_turns import ModelTurns
 from meshnet.tracker.outbox import Outbox, OutboxConfig
+from meshnet.tracker.placement import Placement
 from meshnet.tracker.retention import Retention, RetentionPolicy
+from meshnet.tracker.served import ServedModel, ServedModels, model_tracker
 from meshnet.tracker.service import Tracker, TrackerConfig
+from meshnet.tracker.session_models import SessionModels
 from meshnet.tracker.session_store import SessionStore
 from meshnet.tracker.sessions import SessionPolicy, Sessions
 from meshnet.tracker.snapshots import SnapshotStore
 from meshnet.tracker.store import Store
-from meshnet.tracker.turns import TurnRunner
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ class TrackerProcessConfig:
     policy: SessionPolicy = field(default_factory=SessionPolicy)
     mesh_secret_file: Path | None = None  # None: data_dir/mesh.secret, made on first start
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)  # what is kept how long
+    more_models: tuple[str, ...] = ()  # served too (nodes load them from the same paths)
 
 
 def mesh_secret(cfg: TrackerProcessConfig) -> str:
@@ -75,9 +79,16 @@ def serve(cfg: TrackerProcessConfig) -> int:
     channels = ChannelPool(keys)
     driver = RouteDriver(channels, model.fingerprint, model.spec, model.tokenizer, cfg.driver)
     tracker = Tracker(store, model, channels, driver, cfg.tracker)
+    placement = Placement(tracker)
+    served = ServedModels(ServedModel(model, tracker, placement, ""))
+    for path in cfg.more_models:
+        info = load_model_info(path)
+        served.check_new(info)
+        other = model_tracker(tracker, info, path)
+        served.add(ServedModel(info, other, Placement(other), path))
     session_store = SessionStore(store.db)
     snapshots = SnapshotStore(cfg.data_dir / "snapshots")
-    runner = TurnRunner(tracker, session_store, snapshots)
+    runner = ModelTurns(served, SessionModels(store.db), session_store, snapshots)
     services = SessionServices(
         Sessions(tracker, session_store, snapshots, runner, cfg.policy),
         Outbox(session_store, runner, snapshots, cfg.outbox),
@@ -86,8 +97,9 @@ def serve(cfg: TrackerProcessConfig) -> int:
     retention = Retention(
         store, session_store, snapshots, cfg.retention, auth.tenants.purge_orphans
     )
-    app = create_app(tracker, services, auth, retention)
-    log.info("tracker serving %s on http://%s:%d", model.name, cfg.host, cfg.port)
+    app = create_app(tracker, services, auth, retention, placement=placement, served=served)
+    names = ", ".join(m.name for m in served)
+    log.info("tracker serving %s on http://%s:%d", names, cfg.host, cfg.port)
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
     finally:
