@@ -230,3 +230,19 @@ def test_an_unload_empties_the_node_and_a_check_changes_nothing(service: NodeSer
     assert reply.fingerprint == "" and not service.engine.stats().loaded
     with pytest.raises(ShardMismatch):
         service.engine.open("t", 1).result(5)
+
+
+# --- a node's doctor against a tracker of several models -----------------------------------
+
+
+def test_the_doctor_accepts_any_model_the_tracker_serves() -> None:
+    from meshnet.node.preflight.model import ModelFacts
+    from meshnet.node.preflight.tracker import check_served_model
+
+    facts = ModelFacts(Path("/m/tiny-b.gguf"), cast(Any, None), "bb" * 32, 0)
+    models = [{"name": "a", "fingerprint": "aa" * 32}, {"name": "tiny-b", "fingerprint": "bb" * 32}]
+    health = {"model": "a", "models": models}
+    assert not check_served_model(health, facts).failed
+    other = ModelFacts(Path("/m/c.gguf"), cast(Any, None), "cc" * 32, 0)
+    failed = check_served_model(health, other)
+    assert failed.failed and "'a', 'tiny-b'" in failed.detail
