@@ -18,6 +18,7 @@ from solo import solo_chat_ids
 from streams import Streamed, at, stream_completion
 from tinymodel import TinyConfig, write_tiny_gguf
 
+from meshnet.cli.main import main
 from meshnet.engine.generate import generate
 from meshnet.engine.local import LocalModel, load_local_model
 from meshnet.layer_range import LayerRange
@@ -243,20 +244,16 @@ def test_replace_with_a_session_open_and_a_generation_running(
 
 
 def test_freed_nodes_are_reused_and_release_frees_them(
-    mesh: LocalMesh, solo: dict[str, LocalModel], models_dir: Path
+    mesh: LocalMesh,
+    solo: dict[str, LocalModel],
+    models_dir: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    placement = [
-        {"node_id": "tiny-0", "layers": [0, 2]},  # emptied by the replacement above
-        {"node_id": "spare-1", "layers": [2, 4]},
-    ]
-    r = _post(
-        mesh,
-        "/admin/models",
-        {"path": str(models_dir / "tiny-c.gguf"), "placement": placement},
-        admin=True,
-    )
-    assert r.status_code == 201, r.text
-    assert r.json()["complete"] and len(r.json()["nodes"]) == 2
+    # Through the operator commands: tiny-0 was emptied by the replacement above.
+    admin = ["models", "--url", mesh.url, "--admin-token", mesh.credentials.admin_token]
+    where = "tiny-0=0:2,spare-1=2:4"
+    assert main([*admin, "serve", str(models_dir / "tiny-c.gguf"), "--placement", where]) == 0
+    assert "tiny-c: serving, route complete; tiny-0[0:2], spare-1[2:4]" in capsys.readouterr().out
     assert "tiny-c" in _listed(mesh)
     body = _chat("tiny-c", "hello")
     r = _post(mesh, "/v1/chat/completions", body)
@@ -264,16 +261,16 @@ def test_freed_nodes_are_reused_and_release_frees_them(
     assert len(r.json()["meshnet"]["route"]) == 2
     assert r.json()["meshnet"]["ids"] == solo_chat_ids(solo["tiny-c"], body)
 
-    r = httpx.delete(
-        f"{mesh.url}/admin/models/tiny-c?drain_s=5", headers=mesh.admin_headers, timeout=30
-    )
-    assert r.status_code == 202, r.text
+    assert main([*admin, "release", "tiny-c", "--drain", "5"]) == 0
+    assert "tiny-c: draining" in capsys.readouterr().out
     assert "tiny-c" not in _listed(mesh)  # no new request from the release on
     assert _post(mesh, "/v1/chat/completions", body).status_code == 404
     _until(lambda: "tiny-c" not in _admin_models(mesh), "tiny-c released")
     _until(lambda: _layers(mesh)["tiny-0"] is None and _layers(mesh)["spare-1"] is None, "freed")
     gone = httpx.delete(f"{mesh.url}/admin/models/tiny-c", headers=mesh.admin_headers, timeout=30)
     assert gone.status_code == 404
+    assert main([*admin, "release", "tiny-c"]) == 2  # the operator is told, nothing changes
+    assert "no model 'tiny-c'" in capsys.readouterr().err
 
 
 def test_a_model_is_listed_only_while_its_route_is_complete(mesh: LocalMesh) -> None:
