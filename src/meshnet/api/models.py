@@ -16,7 +16,7 @@ a refused call changes nothing):
 - ``DELETE /admin/models/{name}?drain_s=`` — stop routing new requests to it,
   let its generations finish (``drain_s``, then cancelled), empty its nodes (202).
 
-See tracker/model_admin.py for what each does and docs/models-serving.md.
+See tracker/model_admin.py for what each does, and docs/serving-models.md.
 """
 
 from __future__ import annotations
