@@ -140,6 +140,9 @@ def test_two_models_served_at_once_each_exact(mesh: LocalMesh, solo: dict[str, L
         assert r.status_code == 200, r.text
         assert r.json()["model"] == model
         assert r.json()["meshnet"]["ids"] == solo_chat_ids(solo[model], body)
+    metrics = httpx.get(f"{mesh.url}/metrics", headers=mesh.admin_headers, timeout=10).text
+    for model, layers in ((BUNDLED, 30), ("tiny-a", 4)):  # every model's coverage
+        assert f'meshnet_layer_replicas{{layer="{layers - 1}",model="{model}"}} 1.0' in metrics
     held = _admin_models(mesh)
     assert {m["state"] for m in held.values()} == {"serving"}
     assert held["tiny-a"]["complete"] and held["tiny-a"]["nodes"][0]["node_id"] == "tiny-0"

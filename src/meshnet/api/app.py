@@ -60,6 +60,7 @@ def create_app(
     served = served or ServedModels(ServedModel(tracker.model, tracker, placement, ""))
     placement = served.first.placement
     model_admin = ModelAdmin(served)
+    tracker.metrics.served = lambda: [m.tracker for m in served]  # every model's, scraped
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
