@@ -3,7 +3,8 @@ random-weight models (their own byte-level tokenizer) served at once, each reque
 exact against its model run alone; a model replaced with a session open and a
 generation running (the generation finishes exact, the session's next turn answers on
 the new model, the old model's node comes back empty and is reused); a release
-that frees its nodes; ``/v1/models`` listing only models with a complete route."""
+that frees its nodes; a restarted tracker serving what it served; ``/v1/models``
+listing only models with a complete route. The tests run in order on one mesh."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ BUNDLED = bundled_model_path().name.removesuffix(".gguf")
 # No policy moves and no placement (a killed node must stay a gap): every move is asked for.
 QUIET = ["--park-after", "0", "--evict-after", "0", "--policy-interval", "3600", "--replicas", "0"]
 LONG_TOKENS = 400
+SESSION: dict[str, str] = {}  # the session the replacement test opens, used after a restart
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +184,7 @@ def test_replace_with_a_session_open_and_a_generation_running(
 ) -> None:
     r = _post(mesh, "/v1/sessions", {"model": "tiny-a", "system": "be brief"})
     assert r.status_code == 200 and r.json()["model"] == "tiny-a", r.text
-    sid = r.json()["id"]
+    sid = SESSION["id"] = r.json()["id"]
     first = _session_turn(mesh, sid, "hello there")
     assert first.status_code == 200, first.text
     wrong = _session_turn(mesh, sid, "more", model=BUNDLED)
@@ -274,6 +276,30 @@ def test_freed_nodes_are_reused_and_release_frees_them(
     assert gone.status_code == 404
     assert main([*admin, "release", "tiny-c"]) == 2  # the operator is told, nothing changes
     assert "no model 'tiny-c'" in capsys.readouterr().err
+
+
+def test_a_restarted_tracker_serves_what_it_served(mesh: LocalMesh) -> None:
+    # Its flags say SmolLM2 and tiny-a; since, tiny-a was replaced by tiny-b (recorded).
+    assert mesh.tracker is not None
+    mesh.tracker.terminate()
+    mesh.tracker.wait(timeout=30)
+    mesh.start_tracker()
+    _until(lambda: _reachable(mesh), "the tracker answers again")
+    _until(lambda: sorted(_listed(mesh)) == sorted([BUNDLED, "tiny-b"]), "both listed again")
+    assert sorted(_admin_models(mesh)) == sorted([BUNDLED, "tiny-b"])
+    r = _post(mesh, "/v1/chat/completions", _chat("tiny-a", "hi"))
+    assert r.status_code == 200 and r.json()["model"] == "tiny-b", r.text
+    sid = SESSION["id"]  # opened on tiny-a, rebased onto tiny-b before the restart
+    r = _session_turn(mesh, sid, "thanks")
+    assert r.status_code == 200, r.text
+    assert r.json()["resume_path"] in ("hot", "parked") and "rebased_from" not in r.json()
+
+
+def _reachable(mesh: LocalMesh) -> bool:
+    try:
+        return httpx.get(f"{mesh.url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_a_model_is_listed_only_while_its_route_is_complete(mesh: LocalMesh) -> None:

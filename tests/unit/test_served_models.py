@@ -27,6 +27,7 @@ from meshnet.tracker.database import open_database
 from meshnet.tracker.model_admin import Assignment, check_assignments, choose_assignments
 from meshnet.tracker.registry import NodeRecord, NodeState
 from meshnet.tracker.served import MAX_MODELS, ModelState, ServedModel, ServedModels
+from meshnet.tracker.served_store import ServedRow, ServedStore
 from meshnet.tracker.session_models import SessionModels
 
 
@@ -132,8 +133,23 @@ def test_a_replaced_name_leads_to_its_replacement_through_chains() -> None:
     models.forget("b")
     assert models.for_request("a").name == "c" and models.for_request("b").name == "c"
     assert models.first.name == "c"  # whole-tracker views follow the first model
+    models.add(served("a", fingerprint="new"))  # served anew, a name is taken back
+    assert models.for_request("a").info.fingerprint == "new"
+    assert models.for_request("b").name == "c"
     with pytest.raises(RequestError, match="served already"):
-        models.add(served("a", fingerprint="new"))  # a name that leads somewhere is taken
+        models.add(served("c", fingerprint="other"))
+
+
+def test_a_recorded_replacement_is_restored_over_a_model_of_that_name() -> None:
+    models = ServedModels(served("a"))
+    models.add(served("b"))
+    assert models.restore_alias("a", "b")  # "a" came from a flag; it was replaced since
+    assert not models.holds("a") and models.for_request("a").name == "b"
+    assert models.first.name == "b"
+    assert models.restore_alias("old", "b") and models.for_request("old").name == "b"
+    assert not models.restore_alias("gone", "nowhere")  # its replacement is not served
+    with pytest.raises(ModelNotFound):
+        models.for_request("gone")
 
 
 def test_the_first_model_released_leaves_the_oldest_one_left() -> None:
@@ -207,6 +223,21 @@ def test_a_session_is_on_the_model_it_was_bound_to(tmp_path: Path) -> None:
     bound.bind("s1", "b")  # rebased onto a replacement
     assert bound.model_of("s1") == "b"
     assert bound.conversation("s1") == []
+    db.close()
+
+
+def test_the_served_set_is_recorded_with_its_replacements(tmp_path: Path) -> None:
+    db = open_database(tmp_path / "t.db")
+    record = ServedStore(db)
+    record.served("b", "/m/b.gguf", "/n/b.gguf")
+    record.replaced(ServedRow("a", "/m/a.gguf", "", None), "b")
+    record.served("c", "/m/c.gguf", "/m/c.gguf")
+    record.replaced(ServedRow("b", "/m/b.gguf", "/n/b.gguf", None), "c")  # a chain
+    rows = {r.name: r for r in ServedStore(db).rows()}  # as a restarted tracker reads it
+    assert rows["a"].replaced_by == "c" and rows["b"].replaced_by == "c"
+    assert rows["c"] == ServedRow("c", "/m/c.gguf", "/m/c.gguf", None)
+    record.released("c")
+    assert record.rows() == []  # nothing leads to a released model
     db.close()
 
 

@@ -48,18 +48,22 @@ def create_app(
     route_bench: RouteBench | None = None,
     placement: Placement | None = None,
     served: ServedModels | None = None,
+    model_admin: ModelAdmin | None = None,
 ) -> FastAPI:
     """The app; its lifespan runs the tracker's background loops (each survives a
     failed pass: logged, counted in its ``LoopHealth``, run again). ``route_bench``
     defaults to one recording in the tracker's own database, ``placement`` to the
     controller keeping ``tracker.config.replicas`` nodes on every layer range.
-    ``served``: the models served (default: ``tracker``'s alone, with ``placement``);
-    ``tracker`` is the first of them."""
+    ``served``: the models served (default: ``model_admin``'s, else ``tracker``'s alone,
+    with ``placement``); ``tracker`` is the first of them. ``model_admin`` serves,
+    replaces and releases them (default: one that records nothing)."""
     sweeper = LoopHealth("heartbeat sweeper")
     placement = placement or Placement(tracker)
+    if model_admin is not None:
+        served = model_admin.models
     served = served or ServedModels(ServedModel(tracker.model, tracker, placement, ""))
     placement = served.first.placement
-    model_admin = ModelAdmin(served)
+    model_admin = model_admin or ModelAdmin(served)
     tracker.metrics.served = lambda: [m.tracker for m in served]  # every model's, scraped
 
     @contextlib.asynccontextmanager

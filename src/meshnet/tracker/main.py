@@ -21,11 +21,13 @@ from meshnet.model.info import load_model_info
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.database import Database, open_database
 from meshnet.tracker.driver import DriverLimits, RouteDriver
+from meshnet.tracker.model_admin import ModelAdmin
 from meshnet.tracker.model_turns import ModelTurns
 from meshnet.tracker.outbox import Outbox, OutboxConfig
 from meshnet.tracker.placement import Placement
 from meshnet.tracker.retention import Retention, RetentionPolicy
 from meshnet.tracker.served import ServedModel, ServedModels, model_tracker
+from meshnet.tracker.served_store import ServedStore
 from meshnet.tracker.service import Tracker, TrackerConfig
 from meshnet.tracker.session_models import SessionModels
 from meshnet.tracker.session_store import SessionStore
@@ -97,7 +99,11 @@ def serve(cfg: TrackerProcessConfig) -> int:
     retention = Retention(
         store, session_store, snapshots, cfg.retention, auth.tenants.purge_orphans
     )
-    app = create_app(tracker, services, auth, retention, placement=placement, served=served)
+    model_admin = ModelAdmin(served, placement.config, ServedStore(store.db))
+    model_admin.restore()  # what the admin calls served before a restart
+    app = create_app(
+        tracker, services, auth, retention, placement=placement, model_admin=model_admin
+    )
     names = ", ".join(m.name for m in served)
     log.info("tracker serving %s on http://%s:%d", names, cfg.host, cfg.port)
     try:

@@ -32,13 +32,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from meshnet.errors import RequestError
+from meshnet.errors import MeshnetError, RequestError
 from meshnet.layer_range import LayerRange, split_evenly
 from meshnet.model.info import ModelInfo, load_model_info
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.placement import Placement, PlacementConfig, configure_span
 from meshnet.tracker.registry import NodeRecord, NodeState
 from meshnet.tracker.served import ModelState, ServedModel, ServedModels, model_tracker
+from meshnet.tracker.served_store import ServedRow, ServedStore
 from meshnet.tracker.service import Tracker
 
 log = logging.getLogger(__name__)
@@ -119,8 +120,14 @@ class ModelAdmin:
     """Serves, replaces and releases the models of one tracker; runs their placement
     loops (``run_forever``, the app's lifespan task). Call from the event loop only."""
 
-    def __init__(self, models: ServedModels, placement: PlacementConfig | None = None) -> None:
+    def __init__(
+        self,
+        models: ServedModels,
+        placement: PlacementConfig | None = None,
+        record: ServedStore | None = None,
+    ) -> None:
         self.models = models
+        self.record = record  # where the served set is kept across restarts (None: nowhere)
         self._base: Tracker = models.first.tracker  # what every later model's tracker shares
         self._placement = placement or models.first.placement.config
         self._loops: dict[str, asyncio.Task[None]] = {}
@@ -148,6 +155,27 @@ class ModelAdmin:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
+    def restore(self) -> None:
+        """Serve what the database recorded (``served_store``): each model served through
+        the admin calls, then each replacement. Call once, before ``run_forever``; a
+        recorded model whose file cannot be read is logged and left out."""
+        if self.record is None:
+            return
+        rows = self.record.rows()
+        for row in rows:
+            if row.replaced_by is not None or self.models.holds(row.name):
+                continue
+            try:
+                info = load_model_info(row.path)
+                self.models.add(self.new_model(info, row.node_path))
+            except (MeshnetError, OSError) as e:
+                log.warning("model %s (%s) is not served again: %s", row.name, row.path, e)
+                continue
+            log.info("serving %s again, as recorded", row.name)
+        for row in rows:
+            if row.replaced_by is not None and self.models.restore_alias(row.name, row.replaced_by):
+                log.info("%s leads to %s, as recorded", row.name, row.replaced_by)
+
     def new_model(self, info: ModelInfo, node_path: str) -> ServedModel:
         """A served model for ``info`` whose nodes load ``node_path``."""
         tracker = model_tracker(self._base, info, node_path)
@@ -168,6 +196,8 @@ class ModelAdmin:
             await self._load_all(plan, nodes, info, node_path)
             model = self.new_model(info, node_path)
             self.models.add(model)
+            if self.record is not None:
+                self.record.served(model.name, request.path, node_path)
         self._start(model)
         log.info("serving %s on %s", info.name, ", ".join(a.node_id for a in plan))
         return model
@@ -206,6 +236,8 @@ class ModelAdmin:
         if model.state is ModelState.SERVING and not others:
             raise RequestError(f"{name!r} is the only model served: replace it instead")
         self.models.drain(name)
+        if self.record is not None:
+            self.record.released(name)
         self._retire_later(model, drain_s)
         return model
 
@@ -220,6 +252,9 @@ class ModelAdmin:
         if old.state is not ModelState.SERVING:  # released while the new one loaded
             return new
         self.models.drain(name, replaced_by=new.name)
+        if self.record is not None:
+            row = ServedRow(name, str(old.info.path), old.node_path, None)
+            self.record.replaced(row, new.name)
         self._retire_later(old, drain_s)
         return new
 

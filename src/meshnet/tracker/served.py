@@ -102,13 +102,15 @@ class ServedModels:
             return next(iter(self._models.values()))
 
     def add(self, model: ServedModel) -> None:
-        """Serve ``model``; ``RequestError`` when its name is taken or too many are served."""
+        """Serve ``model``; ``RequestError`` when its name is taken or too many are served.
+        A name that led to a replacement is taken back: it names this model from now on."""
         self.check_new(model.info)
+        self._aliases.pop(model.name, None)
         self._models[model.name] = model
 
     def check_new(self, info: ModelInfo) -> None:
         """``RequestError`` unless a model named and fingerprinted so can be added."""
-        if info.name in self._models or info.name in self._aliases:
+        if info.name in self._models:
             raise RequestError(f"a model named {info.name!r} is served already")
         same = [m.name for m in self._models.values() if m.info.fingerprint == info.fingerprint]
         if same:
@@ -156,6 +158,22 @@ class ServedModels:
                 if target == name:
                     self._aliases[alias] = replaced_by
         return model
+
+    def restore_alias(self, name: str, target: str) -> bool:
+        """Make ``name`` lead to ``target`` again (a replacement recorded before a restart);
+        a model served under ``name`` is dropped. False when ``target`` is not served."""
+        if target not in self._models or target == name:
+            return False
+        if name in self._models:
+            self.drain(name, replaced_by=target)
+            self.forget(name)
+        else:
+            self._aliases[name] = target
+        return True
+
+    def holds(self, name: str) -> bool:
+        """Whether a model of that name is held (serving or draining)."""
+        return name in self._models
 
     def forget(self, name: str) -> None:
         """Drop a drained model (its nodes were emptied)."""
