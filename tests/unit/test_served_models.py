@@ -223,6 +223,8 @@ def test_a_session_is_on_the_model_it_was_bound_to(tmp_path: Path) -> None:
     bound.bind("s1", "b")  # rebased onto a replacement
     assert bound.model_of("s1") == "b"
     assert bound.conversation("s1") == []
+    assert bound.purge_orphans(10) == 1  # no session s1 is kept: its row goes
+    assert bound.model_of("s1") is None
     db.close()
 
 

@@ -90,15 +90,19 @@ def serve(cfg: TrackerProcessConfig) -> int:
         served.add(ServedModel(info, other, Placement(other), path))
     session_store = SessionStore(store.db)
     snapshots = SnapshotStore(cfg.data_dir / "snapshots")
-    runner = ModelTurns(served, SessionModels(store.db), session_store, snapshots)
+    session_models = SessionModels(store.db)
+    runner = ModelTurns(served, session_models, session_store, snapshots)
     services = SessionServices(
         Sessions(tracker, session_store, snapshots, runner, cfg.policy),
         Outbox(session_store, runner, snapshots, cfg.outbox),
     )
     auth = tracker_auth(cfg, store.db, keys)
-    retention = Retention(
-        store, session_store, snapshots, cfg.retention, auth.tenants.purge_orphans
-    )
+
+    def purge_session_rows(limit: int) -> int:
+        """The rows of sessions no longer kept: their owner and their model."""
+        return auth.tenants.purge_orphans(limit) + session_models.purge_orphans(limit)
+
+    retention = Retention(store, session_store, snapshots, cfg.retention, purge_session_rows)
     model_admin = ModelAdmin(served, placement.config, ServedStore(store.db))
     model_admin.restore()  # what the admin calls served before a restart
     app = create_app(

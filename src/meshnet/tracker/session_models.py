@@ -60,3 +60,12 @@ class SessionModels:
             messages.append(ChatMessage("user", str(asked.get("content", ""))))
             messages.append(ChatMessage("assistant", str(answered.get("text", ""))))
         return messages
+
+    def purge_orphans(self, limit: int) -> int:
+        """Delete up to ``limit`` rows whose session is no longer kept (retention)."""
+        return self._db.run(
+            "DELETE FROM session_models WHERE session_id IN ("
+            " SELECT m.session_id FROM session_models m"
+            " LEFT JOIN sessions s ON s.id = m.session_id WHERE s.id IS NULL LIMIT ?)",
+            (limit,),
+        )
