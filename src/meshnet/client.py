@@ -82,15 +82,28 @@ class AdminClient:
     def __exit__(self, *exc: object) -> None:
         self._http.close()
 
-    def get(self, path: str, **params: str | int) -> dict[str, Any]:
+    def get(self, path: str, **params: str | int | float) -> dict[str, Any]:
         """The JSON object ``GET path`` answers."""
+        return self.send("GET", path, **params)
+
+    def send(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+        **params: str | int | float,
+    ) -> dict[str, Any]:
+        """The JSON object ``METHOD path`` answers (any 2xx); ``timeout_s`` for a call
+        that waits on the mesh (a model load)."""
+        timeout = self._http.timeout if timeout_s is None else httpx.Timeout(timeout_s)
         try:
-            r = self._http.get(path, params=params)
+            r = self._http.request(method, path, params=params, json=body, timeout=timeout)
         except httpx.HTTPError as e:
             raise MeshnetError(f"cannot reach the tracker at {self.url}: {e}") from None
         if r.status_code in (401, 403):
             raise Unauthenticated(f"the tracker at {self.url} refused the admin token")
-        if r.status_code != 200:
+        if not 200 <= r.status_code < 300:
             raise MeshnetError(f"{path}: HTTP {r.status_code}: {_error_message(r)}")
         body = r.json()
         if not isinstance(body, dict):

@@ -17,6 +17,7 @@ from meshnet.api import (
     health,
     mesh,
     metrics,
+    models,
     openai,
     sessions,
 )
@@ -24,12 +25,15 @@ from meshnet.api.auth import TrackerAuth
 from meshnet.api.body_limit import BodyLimit
 from meshnet.api.errors import install_error_handlers
 from meshnet.api.state import SessionServices
+from meshnet.errors import HeartbeatLost
 from meshnet.tracker.bench_store import BenchStore
 from meshnet.tracker.billing import Settlement
 from meshnet.tracker.loops import LoopHealth
+from meshnet.tracker.model_admin import ModelAdmin
 from meshnet.tracker.placement import Placement
 from meshnet.tracker.retention import Retention
 from meshnet.tracker.route_bench import RouteBench
+from meshnet.tracker.served import ServedModel, ServedModels
 from meshnet.tracker.service import Tracker
 
 log = logging.getLogger(__name__)
@@ -45,23 +49,34 @@ def create_app(
     route_bench: RouteBench | None = None,
     placement: Placement | None = None,
     settlement: Settlement | None = None,
+    served: ServedModels | None = None,
+    model_admin: ModelAdmin | None = None,
 ) -> FastAPI:
     """The app; its lifespan runs the tracker's background loops (each survives a
     failed pass: logged, counted in its ``LoopHealth``, run again). ``route_bench``
     defaults to one recording in the tracker's own database, ``placement`` to the
-    controller keeping ``tracker.config.replicas`` nodes on every layer range."""
+    controller keeping ``tracker.config.replicas`` nodes on every layer range.
+    ``served``: the models served (default: ``model_admin``'s, else ``tracker``'s alone,
+    with ``placement``); ``tracker`` is the first of them. ``model_admin`` serves,
+    replaces and releases them (default: one that records nothing)."""
     sweeper = LoopHealth("heartbeat sweeper")
     placement = placement or Placement(tracker)
     settlement = settlement or Settlement(tracker.store.db)  # settles unverified work
+    if model_admin is not None:
+        served = model_admin.models
+    served = served or ServedModels(ServedModel(tracker.model, tracker, placement, ""))
+    placement = served.first.placement
+    model_admin = model_admin or ModelAdmin(served)
+    tracker.metrics.served = lambda: [m.tracker for m in served]  # every model's, scraped
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loops = [
-            asyncio.create_task(sweep_forever(tracker, sweeper)),
+            asyncio.create_task(sweep_forever(tracker, sweeper, served)),
             asyncio.create_task(services.outbox.run_forever()),
             asyncio.create_task(services.sessions.run_policy_forever()),
             asyncio.create_task(tracker.ledger.run_forever()),
-            asyncio.create_task(placement.run_forever()),
+            asyncio.create_task(model_admin.run_forever()),  # every model's placement
             asyncio.create_task(settlement.run_forever()),
         ]
         if retention is not None:
@@ -82,6 +97,8 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(metrics.CountRequests, metrics=tracker.metrics)  # outermost: sees all
     app.state.tracker = tracker
+    app.state.models = served
+    app.state.model_admin = model_admin
     app.state.sessions = services
     app.state.auth = auth
     app.state.route_bench = route_bench or RouteBench(tracker, BenchStore(tracker.store.db))
@@ -94,6 +111,8 @@ def create_app(
         *([retention.health] if retention is not None else []),
     ]
     install_error_handlers(app)
+    app.include_router(models.router)
+    app.include_router(models.admin)
     app.include_router(openai.router)
     app.include_router(sessions.router)
     app.include_router(admin.router)
@@ -107,15 +126,23 @@ def create_app(
     return app
 
 
-async def sweep_forever(tracker: Tracker, health: LoopHealth | None = None) -> None:
+async def sweep_forever(
+    tracker: Tracker, health: LoopHealth | None = None, served: ServedModels | None = None
+) -> None:
     """Mark down nodes that stopped heartbeating, every ``sweep_interval_s``; a failed
     pass (a database error, a bug) is logged, counted in ``health``, and the next one
-    runs as usual."""
+    runs as usual. The steps waiting on a lost node fail at once in every ``served``
+    model's generations (``tracker`` fails its own)."""
     health = health or LoopHealth("heartbeat sweeper")
     while True:
         try:
             for node_id in await tracker.sweep():
                 log.warning("node %s missed its heartbeats: marked down", node_id)
+                verdict = HeartbeatLost(f"node {node_id} stopped heartbeating", node_id)
+                for model in served or ():
+                    if model.tracker is not tracker:
+                        for gen in model.tracker.generations():
+                            gen.node_lost(node_id, verdict)
         except Exception as e:
             health.failed(e)
         else:

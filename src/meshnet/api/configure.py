@@ -12,6 +12,7 @@ The body names exactly one tier (DESIGN.md §7, node/configure.py):
   parked session whose route holds the node to the snapshot store, so their next turn
   resumes from the snapshot on any node serving those layers (re-prefilled where none
   does; the same tokens either way). ``handoff: "none"`` lets those turns re-prefill.
+  No ``model_path`` and layers ``[0, 0)`` unload: the node becomes empty.
 
 The tracker calls the node's ``Configure``, signed as every tracker call is, and
 answers what the node now runs with, or the node's typed reason (the error's ``code``)
@@ -119,7 +120,7 @@ async def configure_node(node_id: str, body: ConfigureBody, request: Request) ->
         if not checked.keeps_kv:  # a reload of the shard served parks the KV on the node
             handed, failures = await _hand_off(sessions_of(request), node_id)
     reply = await _call(tracker, node, body.request(), body.tier)
-    if reply.applied and body.t3 is not None:
+    if reply.applied and body.t3 is not None and reply.fingerprint:  # not an unload
         layers = LayerRange(reply.layer_start, reply.layer_end)
         tracker.store.set_layers(node.node_id, layers, reply.fingerprint)
     return _result(node_id, body, reply, handed, failures)

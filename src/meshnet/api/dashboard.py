@@ -23,7 +23,7 @@ from prometheus_client import Gauge
 from starlette.concurrency import run_in_threadpool
 
 from meshnet.api.auth import require_admin
-from meshnet.api.state import tracker_of
+from meshnet.api.state import models_of, tracker_of
 from meshnet.errors import DatabaseUnavailable, MeshnetError, NotFound
 from meshnet.tracker.metrics import counter_total, layer_replicas, session_counts
 from meshnet.tracker.registry import NodeRecord, node_json
@@ -70,7 +70,9 @@ async def dashboard_state(request: Request) -> dict[str, Any]:
     """One snapshot of the mesh for the dashboard."""
     tracker = tracker_of(request)
     live = _live(tracker)  # the event loop's own state, read on the loop
-    stored = await run_in_threadpool(_stored, tracker)  # the database's, off it
+    live["generations_in_flight"] = sum(len(m.tracker.generations()) for m in models_of(request))
+    trackers = [m.tracker for m in models_of(request)]  # every served model's
+    stored = await run_in_threadpool(_stored, tracker, trackers)  # the database's, off it
     return {**live, **stored}
 
 
@@ -97,32 +99,35 @@ def _gauge_value(gauge: Gauge) -> float:
     return sum(s.value for metric in gauge.collect() for s in metric.samples)
 
 
-def _stored(tracker: Tracker) -> dict[str, Any]:
+def _stored(tracker: Tracker, trackers: list[Tracker]) -> dict[str, Any]:
     nodes = tracker.store.nodes()
     now = time.time()
+    try:
+        sessions: dict[str, int] | None = session_counts(tracker.store)
+    except DatabaseUnavailable:
+        sessions = None
+    return {
+        "models": [_model(t, nodes) for t in trackers],
+        "nodes": [_node(n, now, tracker.metrics.scrape_targets.port(n.node_id)) for n in nodes],
+        "sessions": sessions,
+    }
+
+
+def _model(tracker: Tracker, nodes: list[NodeRecord]) -> dict[str, Any]:
+    """One served model: its layers' replicas and its route now (or why none)."""
     try:
         route: list[dict[str, Any]] | None = route_json(tracker.route())
         reason = None
     except MeshnetError as e:
         route, reason = None, e.message
     model = tracker.model
-    try:
-        sessions: dict[str, int] | None = session_counts(tracker.store)
-    except DatabaseUnavailable:
-        sessions = None
     return {
-        "models": [
-            {
-                "name": model.name,
-                "fingerprint": model.fingerprint,
-                "n_layers": model.spec.n_layers,
-                "replicas": layer_replicas(model.fingerprint, model.spec.n_layers, nodes),
-                "route": route,
-                "reason": reason,
-            }
-        ],
-        "nodes": [_node(n, now, tracker.metrics.scrape_targets.port(n.node_id)) for n in nodes],
-        "sessions": sessions,
+        "name": model.name,
+        "fingerprint": model.fingerprint,
+        "n_layers": model.spec.n_layers,
+        "replicas": layer_replicas(model.fingerprint, model.spec.n_layers, nodes),
+        "route": route,
+        "reason": reason,
     }
 
 

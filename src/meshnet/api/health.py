@@ -1,5 +1,5 @@
-"""``/healthz``: whether the tracker serves and a route is complete (no credential needed;
-it says nothing about who uses the mesh)."""
+"""``/healthz``: whether the tracker serves and a route of its first model is complete, and
+the models it serves (no credential needed; it says nothing about who uses the mesh)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from meshnet.api.state import tracker_of
+from meshnet.api.state import models_of, tracker_of
 from meshnet.errors import MeshnetError
 from meshnet.tracker.registry import NodeState
 from meshnet.tracker.routes import route_json
@@ -31,4 +31,6 @@ async def healthz(request: Request) -> dict[str, Any]:
         "reason": reason,
         "nodes_up": sum(n.state is NodeState.UP for n in nodes),
         "nodes_routable": sum(n.routable for n in nodes),
+        # Every model served (the first is "model"): what a node's doctor compares with.
+        "models": [{"name": m.name, "fingerprint": m.info.fingerprint} for m in models_of(request)],
     }

@@ -1,4 +1,7 @@
-"""OpenAI-compatible endpoints: models, chat completions, completions (SSE when streamed).
+"""OpenAI-compatible endpoints: chat completions, completions (SSE when streamed).
+
+A request runs on the model its ``model`` names (``api/models.py`` lists them;
+one not served is 404 ``model-not-found``).
 
 Every response carries an extra ``meshnet`` object (route, epoch, generated
 ids; recoveries on the final one); OpenAI clients ignore it. A request may send
@@ -17,21 +20,15 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from meshnet.api.auth import require_tenant
 from meshnet.api.caller import AnyCaller, Caller, Meter
 from meshnet.api.errors import error_body
 from meshnet.api.logprobs import LogprobShape
-from meshnet.api.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    _Sampling,
-    require_model,
-)
-from meshnet.api.state import tracker_of
+from meshnet.api.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
+from meshnet.api.state import models_of
 from meshnet.errors import MeshnetError, RequestError
 from meshnet.model.chat import ChatMessage
 from meshnet.model.info import ModelInfo
@@ -45,21 +42,11 @@ router = APIRouter()
 log = logging.getLogger(__name__)
 
 
-@router.get("/v1/models", dependencies=[Depends(require_tenant)])
-async def list_models(request: Request) -> dict[str, Any]:
-    model = tracker_of(request).model
-    return {
-        "object": "list",
-        "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "meshnet"}],
-    }
-
-
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, caller: AnyCaller
 ) -> JSONResponse | StreamingResponse:
-    tracker = tracker_of(request)
-    require_model(body.model, tracker.model.name)
+    tracker = models_of(request).for_request(body.model).tracker  # 404 when not served
     named = _named_route(tracker, body, caller)
     messages = [ChatMessage(m.role, m.content) for m in body.messages]
     prompt_ids = await run_in_threadpool(_chat_ids, tracker.model, messages)  # not on the loop
@@ -75,8 +62,7 @@ def _chat_ids(model: ModelInfo, messages: list[ChatMessage]) -> list[int]:
 async def completions(
     body: CompletionRequest, request: Request, caller: AnyCaller
 ) -> JSONResponse | StreamingResponse:
-    tracker = tracker_of(request)
-    require_model(body.model, tracker.model.name)
+    tracker = models_of(request).for_request(body.model).tracker  # 404 when not served
     named = _named_route(tracker, body, caller)
     if isinstance(body.prompt, str):
         prompt_ids = await run_in_threadpool(tracker.model.tokenizer.encode, body.prompt)

@@ -11,7 +11,6 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from meshnet.errors import ModelNotFound
 from meshnet.model.logprobs import MAX_TOP_LOGPROBS
 from meshnet.model.sampling import MAX_STOP_STRINGS, SamplingParams
 
@@ -149,8 +148,3 @@ class PinRouteRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     node_ids: list[str] = Field(min_length=1, max_length=MAX_ROUTE_HOPS)
-
-
-def require_model(requested: str, served: str) -> None:
-    if requested != served:
-        raise ModelNotFound(f"model {requested!r} is not served here (serving {served!r})")

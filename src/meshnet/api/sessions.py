@@ -4,6 +4,11 @@
 user turn and answers the reply (``Idempotency-Key`` makes a retried request
 return the first turn's result); ``park`` and ``evict`` move its KV down the
 ladder; ``GET`` describes it; ``DELETE`` ends it, after which turns get 410.
+
+A session is on the model it was opened on (``model``; default the tracker's
+first model). A turn may name its model too: another model than the session's
+is a 400. When the session's model is replaced, its next turn runs on the
+replacement, re-prefilled from the conversation (``tracker/model_turns.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from meshnet.api.auth import CallingTenant, auth_of, require_owner
 from meshnet.api.errors import error_body
 from meshnet.api.schemas import DEFAULT_MAX_TOKENS, MAX_PROMPT_CHARS
-from meshnet.api.state import outbox_of, sessions_of, tracker_of
+from meshnet.api.state import models_of, outbox_of, session_models_of, sessions_of, tracker_of
 from meshnet.auth.quotas import Slot, check_kv, check_sessions
 from meshnet.auth.tenants import Tenant
 from meshnet.errors import MeshnetError, NotFound, RequestError, SessionGone, error_for_kind
@@ -40,8 +45,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+_ModelName = Field(default=None, min_length=1, max_length=256)
+
+
 class NewSession(_Strict):
     system: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    model: str | None = _ModelName  # None: the tracker's first model
 
 
 class TurnRequest(_Strict):
@@ -54,6 +63,7 @@ class TurnRequest(_Strict):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     stream: bool = False
+    model: str | None = _ModelName  # when given: the session's model (or a name of it)
 
 
 def _usage(request: Request, tenant: Tenant) -> tuple[int, int]:
@@ -72,17 +82,39 @@ async def create_session(
 ) -> dict[str, Any]:
     if tenant.quotas.max_sessions:
         check_sessions(tenant, _usage(request, tenant)[0])
+    models = models_of(request)
+    model = models.for_request(body.model) if body and body.model else models.first
     auth_of(request).quotas.admit(tenant, stream=False)
     session = sessions_of(request).create(body.system if body else None)
+    bound = session_models_of(request)
+    if bound is not None:
+        bound.bind(session.id, model.name)
     auth_of(request).tenants.own(session.id, tenant.id)
-    return {"id": session.id, "state": session.state.value}
+    return {"id": session.id, "state": session.state.value, "model": model.name}
+
+
+def _model_of(request: Request, session_id: str) -> str:
+    """The model the session is on (as recorded)."""
+    bound = session_models_of(request)
+    recorded = bound.model_of(session_id) if bound is not None else None
+    return recorded or models_of(request).first_name
+
+
+def _check_model(request: Request, session_id: str, named: str | None) -> None:
+    """``RequestError`` when a turn names a model other than its session's."""
+    if named is None:
+        return
+    models, on = models_of(request), _model_of(request, session_id)
+    if models.for_request(named).name != models.for_request(on).name:
+        raise RequestError(f"session {session_id} is on model {on!r}, not {named!r}")
 
 
 @router.get("/v1/sessions/{session_id}")
 async def get_session(session_id: str, request: Request, tenant: CallingTenant) -> dict[str, Any]:
     require_owner(request, tenant, session_id)
     sessions = sessions_of(request)
-    return sessions.describe(sessions.store.get(session_id))
+    described = sessions.describe(sessions.store.get(session_id))
+    return {**described, "model": _model_of(request, session_id)}
 
 
 @router.delete("/v1/sessions/{session_id}")
@@ -128,13 +160,14 @@ async def add_turn(
     idempotency_key: str | None = Header(default=None, max_length=_MAX_KEY),
 ) -> JSONResponse | StreamingResponse:
     require_owner(request, tenant, session_id)
+    _check_model(request, session_id, body.model)
     if tenant.quotas.max_kv_bytes:
         check_kv(tenant, _usage(request, tenant)[1])
     # Counted as a request (and its tokens as they come); the turn, once accepted, runs
     # to its end whatever the client does, so it holds no stream of the tenant's.
     slot = auth_of(request).quotas.admit(tenant, stream=False)
     outbox = outbox_of(request)
-    fields = body.model_dump(exclude={"stream"})
+    fields = body.model_dump(exclude={"stream", "model"})
     turn = outbox.accept(session_id, idempotency_key, fields)
     billing.attribute(tracker_of(request).store.db, turn.id, tenant.id)  # its generation id
     if turn.status.final:  # a repeated Idempotency-Key: the first turn's outcome

@@ -6,8 +6,13 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from meshnet.errors import ModelNotFound
+from meshnet.tracker.model_admin import ModelAdmin
+from meshnet.tracker.model_turns import ModelTurns
 from meshnet.tracker.outbox import Outbox
+from meshnet.tracker.served import ServedModels
 from meshnet.tracker.service import Tracker
+from meshnet.tracker.session_models import SessionModels
 from meshnet.tracker.sessions import Sessions
 
 
@@ -18,7 +23,20 @@ class SessionServices:
 
 
 def tracker_of(request: Request) -> Tracker:
-    return request.app.state.tracker  # type: ignore[no-any-return]
+    """The first served model's tracker (or what replaced it): the registry, channels
+    and whole-tracker views are shared by every model's."""
+    try:
+        return models_of(request).first.tracker
+    except ModelNotFound:
+        return request.app.state.tracker  # type: ignore[no-any-return]
+
+
+def models_of(request: Request) -> ServedModels:
+    return request.app.state.models  # type: ignore[no-any-return]
+
+
+def model_admin_of(request: Request) -> ModelAdmin:
+    return request.app.state.model_admin  # type: ignore[no-any-return]
 
 
 def sessions_of(request: Request) -> Sessions:
@@ -27,3 +45,9 @@ def sessions_of(request: Request) -> Sessions:
 
 def outbox_of(request: Request) -> Outbox:
     return request.app.state.sessions.outbox  # type: ignore[no-any-return]
+
+
+def session_models_of(request: Request) -> SessionModels | None:
+    """Where sessions' models are recorded; None when the outbox runs turns on one model."""
+    runner = outbox_of(request).runner
+    return runner.bound if isinstance(runner, ModelTurns) else None

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from meshnet.auth.credentials import CREDENTIALS_FILE, read_user_credentials
+from meshnet.cli import model_actions
 from meshnet.cli.table import age, render, size
 from meshnet.client import AdminClient
 from meshnet.errors import MeshnetError, Unauthenticated
@@ -39,16 +40,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         if show is show_ledger:
             _add_ledger_flags(p)
         p.set_defaults(run=_runner(show))
+        if show is show_models:
+            model_actions.add_parsers(p, _add_common, _runner)
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the tracker's API address")
+def _add_common(p: argparse.ArgumentParser, inner: bool = False) -> None:
+    """The flags every command takes; ``inner``: a subcommand's copy, which leaves the
+    value given before the subcommand as it was when not given again."""
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if inner else value
+
+    url = default("http://127.0.0.1:8000")
+    p.add_argument("--url", default=url, help="the tracker's API address")
     p.add_argument(
         "--admin-token",
+        default=default(None),
         help=f"the admin token (default: ${ADMIN_TOKEN_ENV}, else DATA_DIR/credentials.json)",
     )
-    p.add_argument("--data-dir", type=Path, default=Path("meshnet-data"), help="the tracker's")
-    p.add_argument("--json", action="store_true", help="print the tracker's JSON answer")
+    data_dir = default(Path("meshnet-data"))
+    p.add_argument("--data-dir", type=Path, default=data_dir, help="the tracker's")
+    answer = default(False)
+    p.add_argument(
+        "--json", action="store_true", default=answer, help="print the tracker's JSON answer"
+    )
 
 
 def _add_ledger_flags(p: argparse.ArgumentParser) -> None:
@@ -168,6 +183,7 @@ def _record(r: Mapping[str, Any]) -> list[object]:
 
 def show_models(admin: AdminClient, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     models = admin.get("/admin/dashboard").get("models") or []
+    states = {m["name"]: m["state"] for m in admin.get("/admin/models").get("models", [])}
     rows = [
         [
             m["name"],
@@ -175,10 +191,11 @@ def show_models(admin: AdminClient, args: argparse.Namespace) -> tuple[dict[str,
             min(m["replicas"], default=0),
             "complete" if m.get("route") else f"none: {m.get('reason')}",
             m["fingerprint"][:12],
+            states.get(m["name"], "serving"),
         ]
         for m in models
     ]
-    headers = ["MODEL", "LAYERS", "MIN REPLICAS", "ROUTE", "SHA256"]
+    headers = ["MODEL", "LAYERS", "MIN REPLICAS", "ROUTE", "SHA256", "STATE"]
     return {"models": models}, render(headers, rows)
 
 

@@ -20,7 +20,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--data-dir", type=Path, default=Path("meshnet-data"), help="snapshots here")
-    p.add_argument("--model", help="GGUF file (default: the bundled model)")
+    p.add_argument(
+        "--model",
+        action="append",
+        help="a GGUF file to serve (repeatable: each is served, routed by the requests' "
+        "model; the first is the sessions' default; default: the bundled model)",
+    )
     p.add_argument(
         "--mesh-secret-file",
         type=Path,
@@ -39,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             data_dir=args.data_dir,
             database=args.database,
-            model_path=args.model,
+            model_path=args.model[0] if args.model else None,
+            more_models=tuple(args.model[1:]) if args.model else (),
             mesh_secret_file=args.mesh_secret_file,
             verify_rate=args.verify_rate,
             tracker=TrackerConfig(

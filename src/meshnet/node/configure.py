@@ -11,6 +11,9 @@
   half-run prompts finish, queued steps miss), drops its sessions' KV, which is
   no use to other layers or another model (the same model and layers again
   park it instead), and serves the new layers; its heartbeat carries them.
+  ``LoadShard`` with no model path and layers ``[0, 0)`` unloads instead
+  (``Unload``): the node drains, drops every session's KV and is empty, ready
+  for its next load (the tracker frees a released model's nodes so).
 
 Every value is checked here, in pure functions, before the engine is asked to
 change; a refused change raises ``RequestError`` with the reason and changes
@@ -76,7 +79,12 @@ class ShardLoad:
     layers: LayerRange
 
 
-Change = Limits | Batching | ShardLoad
+@dataclass(frozen=True)
+class Unload:
+    """Tier 3 to empty: drop the shard and every session's KV; the node waits for a load."""
+
+
+Change = Limits | Batching | ShardLoad | Unload
 
 
 def parse(request: pb.ConfigureRequest, start_model: str | None) -> Change:
@@ -98,7 +106,10 @@ def parse(request: pb.ConfigureRequest, start_model: str | None) -> Change:
             kv_budget_bytes=b.kv_budget_bytes if b.HasField("kv_budget_bytes") else None,
         )
     if kind == "load":
-        path = request.load.model_path or start_model
+        m = request.load
+        if not m.model_path and m.layer_start == 0 and m.layer_end == 0:
+            return Unload()
+        path = m.model_path or start_model
         if not path:
             raise RequestError("no model path given and none configured at start")
         return ShardLoad(path, LayerRange(request.load.layer_start, request.load.layer_end))
@@ -107,7 +118,7 @@ def parse(request: pb.ConfigureRequest, start_model: str | None) -> Change:
 
 def tier(change: Change) -> str:
     """``t1``, ``t2`` or ``t3``: what a response and a log line call the change."""
-    return {Limits: "t1", Batching: "t2", ShardLoad: "t3"}[type(change)]
+    return {Limits: "t1", Batching: "t2", ShardLoad: "t3", Unload: "t3"}[type(change)]
 
 
 def check_limits(limits: Limits, stream_ceiling: int) -> None:
@@ -224,7 +235,17 @@ class Configurator:
                 return self._answer(change, False, "checked: the batching can be applied")
             _drained(self._engine.configure_batching(change))
             return self._answer(change, True, "batching applied at a step boundary")
+        if isinstance(change, Unload):
+            return self._unload(change, check)
         return self._load(change, check)
+
+    def _unload(self, change: Unload, check: bool) -> pb.ConfigureResponse:
+        if check:
+            return self._answer(change, False, "checked: the node can be emptied")
+        ended = _drained(self._engine.swap(None))
+        reply = self._answer(change, True, f"unloaded: empty; {ended} sessions' KV dropped")
+        reply.sessions_ended = ended
+        return reply
 
     def _load(self, change: ShardLoad, check: bool) -> pb.ConfigureResponse:
         path = self._dirs.resolve(change.model_path)

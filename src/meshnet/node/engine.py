@@ -83,7 +83,7 @@ class _Control:
 class _Staged:
     """A tier-2 or tier-3 change waiting for the loop to drain; ``future`` answers it."""
 
-    change: Batching | Shard
+    change: Batching | Shard | None  # None: unload (the node becomes empty)
     future: Future[Any]
 
 
@@ -202,9 +202,10 @@ class NodeEngine:
         self._control(lambda: self._stage(staged))
         return staged.future
 
-    def swap(self, shard: Shard) -> Future[int]:
+    def swap(self, shard: Shard | None) -> Future[int]:
         """Tier 3: drain (opens and imports are refused ``overloaded``, half-run prompts
-        finish, no other step starts), then serve ``shard`` instead; the steps still
+        finish, no other step starts), then serve ``shard`` instead (None: nothing, the
+        node is empty until its next load); the steps still
         queued fail ``cache-miss``. The same model and layers again keep the sessions'
         KV, parked on local disk (a resuming open reads it back); any other shard drops
         it. The sessions whose KV was dropped. Cancelling the future before it is
@@ -421,7 +422,7 @@ class NodeEngine:
         log.info("loaded layers %s of %s on %s", layers, f.path.name, shard.backend.name)
         return shard
 
-    def _swap_in(self, shard: Shard, park: bool = False) -> int:
+    def _swap_in(self, shard: Shard | None, park: bool = False) -> int:
         """Serve ``shard``: queued steps fail, every session's KV is dropped, or with
         ``park`` (``shard`` has the same model and layers) parked first and kept; the
         sessions whose KV was dropped."""
@@ -464,7 +465,7 @@ class NodeEngine:
         self._staged = staged
 
     def _swapping(self) -> bool:
-        return self._staged is not None and isinstance(self._staged.change, Shard)
+        return self._staged is not None and not isinstance(self._staged.change, Batching)
 
     def _apply_staged(self) -> None:
         """Apply the staged change once drained (no prompt half-run). Withdrawn (its
@@ -491,7 +492,11 @@ class NodeEngine:
         log.info("tier 2 applied: %s", batching)
         return self.config
 
-    def _apply_swap(self, shard: Shard) -> int:
+    def _apply_swap(self, shard: Shard | None) -> int:
+        if shard is None:
+            ended = self._swap_in(None)
+            log.info("tier 3 applied: unloaded, the node is empty; %d sessions' KV dropped", ended)
+            return ended
         ended = self._swap_in(shard, park=_same_shard(self._shard, shard))
         log.info(
             "tier 3 applied: layers %s of %s on %s; %d sessions' KV dropped",

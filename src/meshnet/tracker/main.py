@@ -21,14 +21,19 @@ from meshnet.model.info import load_model_info
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.database import Database, open_database
 from meshnet.tracker.driver import DriverLimits, RouteDriver
+from meshnet.tracker.model_admin import ModelAdmin
+from meshnet.tracker.model_turns import ModelTurns
 from meshnet.tracker.outbox import Outbox, OutboxConfig
+from meshnet.tracker.placement import Placement
 from meshnet.tracker.retention import Retention, RetentionPolicy
+from meshnet.tracker.served import ServedModel, ServedModels, model_tracker
+from meshnet.tracker.served_store import ServedStore
 from meshnet.tracker.service import Tracker, TrackerConfig
+from meshnet.tracker.session_models import SessionModels
 from meshnet.tracker.session_store import SessionStore
 from meshnet.tracker.sessions import SessionPolicy, Sessions
 from meshnet.tracker.snapshots import SnapshotStore
 from meshnet.tracker.store import Store
-from meshnet.tracker.turns import TurnRunner
 from meshnet.tracker.verifier import TrustedModel
 
 log = logging.getLogger(__name__)
@@ -50,6 +55,7 @@ class TrackerProcessConfig:
     # Share of committed chunks the verifier re-runs; above 0 nodes also calibrate (and the
     # tracker loads its own engine of the model: tracker/verifier.py). 0: off.
     verify_rate: float = 0.0
+    more_models: tuple[str, ...] = ()  # served too (nodes load them from the same paths)
 
 
 def mesh_secret(cfg: TrackerProcessConfig) -> str:
@@ -82,19 +88,35 @@ def serve(cfg: TrackerProcessConfig) -> int:
     if cfg.verify_rate > 0:
         tracker.verify(TrustedModel(str(model.path)), cfg.verify_rate)
         log.info("verification on: calibration, and %.1f%% of chunks re-run", cfg.verify_rate * 100)
+    placement = Placement(tracker)
+    served = ServedModels(ServedModel(model, tracker, placement, ""))
+    for path in cfg.more_models:
+        info = load_model_info(path)
+        served.check_new(info)
+        other = model_tracker(tracker, info, path)
+        served.add(ServedModel(info, other, Placement(other), path))
     session_store = SessionStore(store.db)
     snapshots = SnapshotStore(cfg.data_dir / "snapshots")
-    runner = TurnRunner(tracker, session_store, snapshots)
+    session_models = SessionModels(store.db)
+    runner = ModelTurns(served, session_models, session_store, snapshots)
     services = SessionServices(
         Sessions(tracker, session_store, snapshots, runner, cfg.policy),
         Outbox(session_store, runner, snapshots, cfg.outbox),
     )
     auth = tracker_auth(cfg, store.db, keys)
-    retention = Retention(
-        store, session_store, snapshots, cfg.retention, auth.tenants.purge_orphans
+
+    def purge_session_rows(limit: int) -> int:
+        """The rows of sessions no longer kept: their owner and their model."""
+        return auth.tenants.purge_orphans(limit) + session_models.purge_orphans(limit)
+
+    retention = Retention(store, session_store, snapshots, cfg.retention, purge_session_rows)
+    model_admin = ModelAdmin(served, placement.config, ServedStore(store.db))
+    model_admin.restore()  # what the admin calls served before a restart
+    app = create_app(
+        tracker, services, auth, retention, placement=placement, model_admin=model_admin
     )
-    app = create_app(tracker, services, auth, retention)
-    log.info("tracker serving %s on http://%s:%d", model.name, cfg.host, cfg.port)
+    names = ", ".join(m.name for m in served)
+    log.info("tracker serving %s on http://%s:%d", names, cfg.host, cfg.port)
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
     finally:

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -200,10 +200,13 @@ class TrackerMetrics:
         )
         self.scrape_targets = NodeScrapeTargets()
         self._events: deque[MeshEvent] = deque(maxlen=recent_events)
+        # Every served model's tracker, when the tracker serves several (set by the app,
+        # tracker/served.py): their layers' coverage and generations are scraped too.
+        self.served: Callable[[], Sequence[TrackerView]] | None = None
 
     def watch(self, tracker: TrackerView) -> None:
         """Read ``tracker``'s state at every scrape (call once)."""
-        self.registry.register(TrackerCollector(tracker))
+        self.registry.register(TrackerCollector(tracker, self))
 
     def generation(self, kind: str, prompt_tokens: int, t0: float) -> GenerationMeter:
         return GenerationMeter(self, kind, prompt_tokens, t0)
@@ -225,20 +228,23 @@ class TrackerCollector(Collector):
     """The tracker's state, read when scraped. Database-backed families are left out
     of a scrape the database cannot serve (logged), the rest still answer."""
 
-    def __init__(self, tracker: TrackerView) -> None:
+    def __init__(self, tracker: TrackerView, metrics: TrackerMetrics | None = None) -> None:
         self._t = tracker
+        self._metrics = metrics
 
     def describe(self) -> list[Metric]:
         return []  # names are not checked for clashes: reading them costs a database query
 
     def collect(self) -> Iterator[Metric]:
         nodes = self._t.store.nodes()
+        served = self._metrics.served if self._metrics is not None else None
+        trackers = list(served()) if served is not None else [self._t]
         yield from node_families(nodes, self._t.admission.streams, time.time())
-        yield coverage_family(self._t.model, nodes)
+        yield coverage_family([t.model for t in trackers], nodes)
         yield GaugeMetricFamily(
             "meshnet_generations_in_flight",
             "Generations this tracker drives now",
-            value=len(self._t.generations()),
+            value=sum(len(t.generations()) for t in trackers),
         )
         try:
             yield session_family(self._t.store)
@@ -290,16 +296,17 @@ _LOAD_GAUGES = {
 }
 
 
-def coverage_family(model: ModelInfo, nodes: Sequence[NodeRecord]) -> Metric:
-    """Per layer of the served model: how many routable nodes of that model serve it."""
+def coverage_family(models: Sequence[ModelInfo], nodes: Sequence[NodeRecord]) -> Metric:
+    """Per layer of each served model: how many routable nodes of that model serve it."""
     family = GaugeMetricFamily(
         "meshnet_layer_replicas",
         "Routable nodes serving each layer of the model",
         labels=["model", "layer"],
     )
-    replicas = layer_replicas(model.fingerprint, model.spec.n_layers, nodes)
-    for layer, count in enumerate(replicas):
-        family.add_metric([model.name, str(layer)], float(count))
+    for model in models:
+        replicas = layer_replicas(model.fingerprint, model.spec.n_layers, nodes)
+        for layer, count in enumerate(replicas):
+            family.add_metric([model.name, str(layer)], float(count))
     return family
 
 

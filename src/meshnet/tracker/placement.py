@@ -144,11 +144,18 @@ def _cut(span: LayerRange, cuts: Set[int]) -> list[LayerRange]:
 
 
 async def configure_span(
-    channels: ChannelPool, node: NodeRecord, span: LayerRange, fingerprint: str, timeout_s: float
+    channels: ChannelPool,
+    node: NodeRecord,
+    span: LayerRange,
+    fingerprint: str,
+    timeout_s: float,
+    model_path: str = "",
 ) -> LoadResult:
-    """Send ``node`` a T3 ``Configure`` for ``span`` of its start model; the hop when it
-    loaded the model with ``fingerprint``. Changes nothing in the registry."""
-    request = pb.ConfigureRequest(load=pb.LoadShard(layer_start=span.start, layer_end=span.end))
+    """Send ``node`` a T3 ``Configure`` for ``span`` of ``model_path`` (as the node sees
+    it; "": its start model); the hop when it loaded the model with ``fingerprint``.
+    Changes nothing in the registry."""
+    load = pb.LoadShard(model_path=model_path, layer_start=span.start, layer_end=span.end)
+    request = pb.ConfigureRequest(load=load)
     try:
         reply = await channels.stub(node.address).Configure(
             request, timeout=timeout_s, metadata=channels.signed(node.node_id, "Configure")

@@ -133,12 +133,25 @@ class Tracker:
         self.metrics.watch(self)
         self.trust: NodeTrust | None = None  # calibration, when verification is on
         self.verifier: Verifier | None = None
+        # The file ``load`` tells nodes to load, as they see it ("": each node's start
+        # model); another served model's tracker names its file (tracker/served.py).
+        self.node_model_path = ""
+
+    def _pinned(self) -> list[str] | None:
+        """The pinned route, when it is of this model (with several models served, a pin
+        holds nodes of one of them; the others route as if none were set)."""
+        pinned = self.store.pinned()
+        if pinned is None:
+            return None
+        fingerprints = {n.fingerprint for n in self.store.nodes() if n.node_id in pinned}
+        other = bool(fingerprints) and self.model.fingerprint not in fingerprints
+        return None if other else pinned
 
     def route(self) -> Route:
         """The pinned route when one is set, else the least-loaded complete chain."""
         nodes = self.store.nodes()
         spec = self.model.spec
-        pinned = self.store.pinned()
+        pinned = self._pinned()
         if pinned is not None:
             down = [n.node_id for n in nodes if n.node_id in pinned and not n.routable]
             if down:
@@ -156,7 +169,7 @@ class Tracker:
             return route, self.admission.reserve(h.node_id for h in route)
         nodes = self.store.nodes()
         full = self.admission.full_nodes(nodes)
-        pinned = self.store.pinned()
+        pinned = self._pinned()
         if pinned is None and full:
             spec = self.model.spec
             try:
@@ -430,7 +443,12 @@ class Tracker:
         routable at once. Hold ``heal_lock``: this tracker configures one node at a time
         (failover heals and the placement controller alike)."""
         result = await configure_span(
-            self.channels, node, span, self.model.fingerprint, self.config.heal_timeout_s
+            self.channels,
+            node,
+            span,
+            self.model.fingerprint,
+            self.config.heal_timeout_s,
+            self.node_model_path,
         )
         if result.hop is None:
             log.warning("node %s did not load layers %s: %s", node.node_id, span, result.failure)

@@ -48,12 +48,14 @@ function replace(node, ...children) {
 }
 
 function drawHeader(s) {
-  const model = s.models[0];
-  $("model").textContent = `${model.name} · ${model.n_layers} layers`;
+  // Every served model; the badge is green while each has a complete route.
+  $("model").textContent = s.models.map((m) => `${m.name} · ${m.n_layers} layers`).join(" | ");
+  const complete = s.models.every((m) => m.route);
   const route = $("route");
-  route.textContent = model.route ? "route complete" : "no route";
-  route.className = "badge " + (model.route ? "ok" : "bad");
-  route.title = model.reason || model.route.map((h) => h.node_id).join(" > ");
+  route.textContent = complete ? "route complete" : "no route";
+  route.className = "badge " + (complete ? "ok" : "bad");
+  route.title = s.models.map((m) =>
+    `${m.name}: ${m.reason || m.route.map((h) => h.node_id).join(" > ")}`).join("\n");
 }
 
 function drawTotals(s) {
@@ -74,8 +76,10 @@ function drawTotals(s) {
 }
 
 function drawTopology(s) {
-  const layers = s.models[0].n_layers;
   replace($("topology"), ...s.nodes.map((n) => {
+    // A node's span is drawn against its own model's layers (the first model's if empty).
+    const model = s.models.find((m) => m.fingerprint === n.fingerprint) || s.models[0];
+    const layers = model.n_layers;
     const state = n.layers ? n.state : (n.state === "up" ? "empty" : "down");
     const [start, end] = n.layers || [0, layers];
     const span = el("div", { class: `span ${state}` },

@@ -47,6 +47,13 @@ def check_served_model(health: Mapping[str, object], facts: ModelFacts | None) -
     ours, served = facts.path.name.removesuffix(".gguf"), health.get("model")
     fingerprint = health.get("fingerprint")
     fix = "--model the same GGUF file as the tracker's"
+    models = health.get("models")
+    if isinstance(models, list) and len(models) > 1:  # a tracker of several models
+        if any(isinstance(m, dict) and m.get("fingerprint") == facts.fingerprint for m in models):
+            return ok("tracker model", f"the tracker serves {ours!r}", Scope.PEER)
+        names = ", ".join(repr(m.get("name")) for m in models if isinstance(m, dict))
+        detail = f"the tracker serves {names}, none with this file's sha256"
+        return fail("tracker model", detail, "--model a GGUF file the tracker serves", Scope.PEER)
     if fingerprint and fingerprint != facts.fingerprint:
         return fail("tracker model", f"the tracker's sha256 is {fingerprint}", fix, Scope.PEER)
     if served != ours:
