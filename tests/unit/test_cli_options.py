@@ -18,6 +18,7 @@ from meshnet.cli.main import build_parser
 from meshnet.cli.options import declare_node_options, declare_tracker_options, given_argv
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh, split_threads
+from meshnet.model.shard import DEFAULT_BACKEND
 from meshnet.node.main import available_cores
 
 
@@ -53,7 +54,8 @@ def test_every_node_option_up_is_given_reaches_the_node_unchanged() -> None:
     node_argv = given_argv(declare_node_options, given)
     node = build_parser().parse_args(["node", "--tracker", "http://t", "--empty", *node_argv])
     assert _shared(node, declare_node_options) == _shared(given, declare_node_options)
-    assert node.backend == "numpy" and node.kv_budget_mb == 1.5 and node.threads == 3
+    assert node.backend == given.backend != DEFAULT_BACKEND
+    assert node.kv_budget_mb == 1.5 and node.threads == 3
 
 
 def test_every_tracker_option_up_is_given_reaches_the_tracker_unchanged() -> None:
