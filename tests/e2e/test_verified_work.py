@@ -130,3 +130,30 @@ def test_an_honest_mesh_at_rate_one_fails_no_check(
         for r in records:  # every whole chunk it computed is committed in its record
             whole = r["token_end"] // 32 - -(-r["token_start"] // 32)
             assert len(bytes.fromhex(r["commitments"])) >= 20 * max(whole, 0) > 0, r
+
+
+def test_a_second_models_nodes_are_calibrated_and_its_cheater_kept_out(
+    mesh_factory: MeshFactory, long_tiny: Path, tiny_factory: Any
+) -> None:
+    """With several models served, verification is tracker-wide: a node of the second
+    model calibrates on that model's engine before it is routed, and one whose weights
+    differ is quarantined, though it claims that model's fingerprint."""
+    other = Path(tiny_factory("other.gguf", context_length=1024, seed=7))
+    # The tracker serves "long" first, then "other"; the mesh's nodes load "other".
+    args = ["--verify-rate", "1.0", "--model", str(long_tiny)]
+    mesh = mesh_factory("0:4", model=other, tracker_args=args, need_route=False)
+    cheat = [sys.executable, LAUNCHER, "weights", "0", "--"]
+    mesh.start_node("other-cheater", LayerRange(0, 4), prefix=cheat)
+    node = _wait_state(mesh, "other-cheater", "quarantined")
+    assert "calibration" in node["down_reason"]
+    _wait_state(mesh, "node-0", "up")
+    for _ in range(3):
+        r = httpx.post(
+            f"{mesh.url}/v1/completions",
+            json={**BODY, "model": "other", "max_tokens": 8},
+            headers=mesh.api_headers,
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        assert [h["node_id"] for h in r.json()["meshnet"]["route"]] == ["node-0"]
+    assert _ledger(mesh, "other-cheater") == []
