@@ -6,20 +6,27 @@ from meshnet.errors import NoRoute, RequestError
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import NodeLoad
 from meshnet.tracker.registry import NodeRecord, NodeState, is_stale
-from meshnet.tracker.routes import pinned_route, plan_chain, plan_route, splice
+from meshnet.tracker.routes import backend_of, pinned_route, plan_chain, plan_route, splice
 
 FP = "f" * 64
 
 
 def node(
-    node_id: str, start: int, end: int, *, sessions: int = 0, up: bool = True, fingerprint: str = FP
+    node_id: str,
+    start: int,
+    end: int,
+    *,
+    sessions: int = 0,
+    up: bool = True,
+    fingerprint: str = FP,
+    backend: str = "numpy",
 ) -> NodeRecord:
     return NodeRecord(
         node_id=node_id,
         address=f"127.0.0.1:{hash(node_id) % 60000}",
         fingerprint=fingerprint,
         layers=LayerRange(start, end) if end > start else None,
-        backend="numpy",
+        backend=backend,
         kv_budget_bytes=0,
         pid=1,
         state=NodeState.UP if up else NodeState.DOWN,
@@ -105,3 +112,32 @@ def test_a_failed_span_is_replaced_by_a_chain_covering_exactly_it() -> None:
     assert ids(splice(route, 1, chain)) == ["a", "c1", "c2"]
     with pytest.raises(NoRoute, match="layer 10"):
         plan_chain(nodes[:2], FP, LayerRange(10, 30), {}, exclude={"b"})
+
+
+def test_a_route_computes_on_one_backend() -> None:
+    """Backends differ in their numerics: a chain never mixes them, though mixed nodes
+    would cover the layers; the cheapest single-backend chain wins."""
+    mixed = [node("f1", 0, 15, backend="fast"), node("q1", 15, 30, backend="q8")]
+    with pytest.raises(NoRoute, match="on one backend"):
+        plan_route(mixed, FP, 30, {})
+    both = [*mixed, node("f2", 15, 30, backend="fast", sessions=3), node("q0", 0, 15, backend="q8")]
+    assert ids(plan_route(both, FP, 30, {})) == ["q0", "q1"]  # cost 0 against 3
+    assert ids(plan_route(both, FP, 30, {}, backend="fast")) == ["f1", "f2"]
+    assert backend_of(plan_route(both, FP, 30, {}, backend="fast"), both) == "fast"
+
+
+def test_a_failed_hops_replacement_keeps_the_routes_backend() -> None:
+    nodes = [
+        node("q-spare", 15, 30, backend="q8"),
+        node("f-spare", 15, 30, backend="fast", sessions=9),
+    ]
+    span = LayerRange(15, 30)
+    assert ids(plan_chain(nodes, FP, span, {}, backend="fast")) == ["f-spare"]
+    with pytest.raises(NoRoute):
+        plan_chain(nodes, FP, span, {}, exclude={"f-spare"}, backend="fast")
+
+
+def test_a_pinned_route_on_two_backends_is_refused() -> None:
+    nodes = [node("a", 0, 15, backend="fast"), node("b", 15, 30, backend="q8")]
+    with pytest.raises(RequestError, match="different backends: fast, q8"):
+        pinned_route(["a", "b"], nodes, FP, 30)

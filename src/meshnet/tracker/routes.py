@@ -1,9 +1,12 @@
 """The route planner: pure functions from the registry's view to a chain of nodes.
 
 A route is a chain of live nodes of the right model whose layer ranges cover
-``[0, n_layers)`` exactly once, in order. Among all such chains the planner
-picks the one with the least total load (in-flight generations plus the
-sessions a node reports), ties broken by node id so plans are reproducible.
+``[0, n_layers)`` exactly once, in order, all on one backend: backends differ in
+their numerics (``fast`` float32 activations, ``q8`` 8-bit ones, the ``numpy``
+reference), and a generation is exact across a failover only when every hop it
+ever runs on computes alike. Among all such chains the planner picks the one
+with the least total load (in-flight generations plus the sessions a node
+reports), ties broken by backend and node id so plans are reproducible.
 """
 
 from __future__ import annotations
@@ -34,10 +37,14 @@ def route_json(route: Route) -> list[dict[str, Any]]:
 
 
 def plan_route(
-    nodes: Sequence[NodeRecord], fingerprint: str, n_layers: int, in_flight: Mapping[NodeId, int]
+    nodes: Sequence[NodeRecord],
+    fingerprint: str,
+    n_layers: int,
+    in_flight: Mapping[NodeId, int],
+    backend: str | None = None,
 ) -> Route:
     """The least-loaded complete chain; ``NoRoute`` naming the first uncovered layer."""
-    return plan_chain(nodes, fingerprint, LayerRange(0, n_layers), in_flight)
+    return plan_chain(nodes, fingerprint, LayerRange(0, n_layers), in_flight, backend=backend)
 
 
 def plan_chain(
@@ -46,16 +53,54 @@ def plan_chain(
     span: LayerRange,
     in_flight: Mapping[NodeId, int],
     exclude: Set[NodeId] = frozenset(),
+    backend: str | None = None,
 ) -> Route:
-    """The least-loaded chain covering exactly ``span`` (a whole route, or a failed hop's)."""
+    """The least-loaded chain covering exactly ``span`` (a whole route, or a failed hop's)
+    on one backend: ``backend`` (a failed route's), or whichever gives the cheapest."""
     usable = [
         n for n in nodes if n.routable and n.fingerprint == fingerprint and n.node_id not in exclude
     ]
+    backends = sorted({n.backend for n in usable}) if backend is None else [backend]
+    plans: list[tuple[int, str, Route]] = []
+    refusals: list[tuple[str, NoRoute]] = []
+    for b in backends:
+        try:
+            cost, chain = _cheapest([n for n in usable if n.backend == b], span, in_flight)
+        except NoRoute as e:
+            refusals.append((b, e))
+            continue
+        plans.append((cost, b, chain))
+    if plans:
+        return min(plans, key=lambda p: (p[0], p[1]))[2]
+    if len(refusals) == 1:
+        raise refusals[0][1]
+    if not refusals:
+        raise NoRoute(f"no complete route: {_gap(_starts(usable, span), span)}")
+    each = "; ".join(f"{b}: {e.message}" for b, e in refusals)
+    raise NoRoute(f"no complete route on one backend ({each})")
+
+
+def backend_of(route: Route, nodes: Sequence[NodeRecord]) -> str | None:
+    """The backend a route's nodes compute with (its first known hop's); None if none is
+    known any more."""
+    index = {n.node_id: n.backend for n in nodes}
+    return next((index[h.node_id] for h in route if h.node_id in index), None)
+
+
+def _starts(usable: Sequence[NodeRecord], span: LayerRange) -> dict[int, list[NodeRecord]]:
     by_start: dict[int, list[NodeRecord]] = {}
     for n in usable:
         assert n.layers is not None  # routable
         if n.layers.start >= span.start and n.layers.end <= span.end:
             by_start.setdefault(n.layers.start, []).append(n)
+    return by_start
+
+
+def _cheapest(
+    usable: Sequence[NodeRecord], span: LayerRange, in_flight: Mapping[NodeId, int]
+) -> tuple[int, Route]:
+    """The cost and hops of the least-loaded chain of ``usable`` nodes covering ``span``."""
+    by_start = _starts(usable, span)
     # best[p]: (cost, node ids) of the cheapest chain covering [p, span.end)
     best: dict[int, tuple[int, tuple[NodeId, ...]]] = {span.end: (0, ())}
     for p in range(span.end - 1, span.start - 1, -1):
@@ -69,7 +114,8 @@ def plan_chain(
     if span.start not in best:
         raise NoRoute(f"no complete route: {_gap(by_start, span)}")
     index = {n.node_id: n for n in usable}
-    return tuple(_hop(index[i]) for i in best[span.start][1])
+    cost, ids = best[span.start]
+    return cost, tuple(_hop(index[i]) for i in ids)
 
 
 def pinned_route(
@@ -86,6 +132,9 @@ def pinned_route(
             raise RequestError(f"node {n.node_id} has no layers loaded")
         if n.fingerprint != fingerprint:
             raise RequestError(f"node {n.node_id} serves another model")
+    backends = sorted({n.backend for n in chain})
+    if len(backends) > 1:
+        raise RequestError(f"the nodes compute with different backends: {', '.join(backends)}")
     ranges = [n.layers for n in chain if n.layers is not None]
     if not covers_exactly(ranges, n_layers):
         shown = ", ".join(str(r) for r in ranges)

@@ -55,6 +55,7 @@ from meshnet.tracker.registry import NodeRecord, NodeState
 from meshnet.tracker.routes import (
     Hop,
     Route,
+    backend_of,
     pinned_route,
     plan_chain,
     plan_route,
@@ -147,8 +148,9 @@ class Tracker:
         other = bool(fingerprints) and self.model.fingerprint not in fingerprints
         return None if other else pinned
 
-    def route(self) -> Route:
-        """The pinned route when one is set, else the least-loaded complete chain."""
+    def route(self, backend: str | None = None) -> Route:
+        """The pinned route when one is set, else the least-loaded complete chain (on
+        ``backend``, when a failover must keep its generation's numerics)."""
         nodes = self.store.nodes()
         spec = self.model.spec
         pinned = self._pinned()
@@ -160,7 +162,9 @@ class Tracker:
                 return pinned_route(pinned, nodes, self.model.fingerprint, spec.n_layers)
             except RequestError as e:
                 raise NoRoute(f"pinned route is unusable: {e.message}") from None
-        return plan_route(nodes, self.model.fingerprint, spec.n_layers, self.admission.streams)
+        return plan_route(
+            nodes, self.model.fingerprint, spec.n_layers, self.admission.streams, backend
+        )
 
     def reserve(self, route: Route | None = None) -> tuple[Route, Reservation]:
         """A route (planned among nodes with a free stream, unless given) and its
@@ -373,8 +377,10 @@ class Tracker:
         self.metrics.failover(failed.node_id if failed else "", error.kind, detail)
 
     async def _reroute(self, route: Route, failed: Hop | None, error: MeshnetError) -> Reroute:
+        # Every replacement computes as the route did: the generation stays exact.
+        backend = backend_of(route, self.store.nodes())
         if failed is None:
-            return Reroute(self.route())
+            return Reroute(self.route(backend))
         index = route.index(failed)
         exclude: frozenset[str] = frozenset()
         span = failed.layers
@@ -382,23 +388,25 @@ class Tracker:
             exclude = frozenset({failed.node_id})
             if not await self._node_failed(failed.node_id, error.kind):
                 # Slow, not gone: a replica takes the span if there is one, else it does.
-                chain = self._replicas(span, exclude) or self._replicas(span, frozenset())
+                chain = self._replicas(span, exclude, backend) or self._replicas(
+                    span, frozenset(), backend
+                )
                 if chain is not None:
                     return Reroute(splice(route, index, chain))
-                return Reroute(self.route())
+                return Reroute(self.route(backend))
         # A live node (stream reset, lost KV) keeps its channel: other generations use it,
         # and gRPC reconnects a broken one by itself.
-        chain = self._replicas(span, exclude)
+        chain = self._replicas(span, exclude, backend)
         if chain is not None:
             return Reroute(splice(route, index, chain))
         async with self.heal_lock:  # two failovers must not configure one empty node twice
-            chain = self._replicas(span, exclude)
+            chain = self._replicas(span, exclude, backend)
             if chain is not None:
                 return Reroute(splice(route, index, chain))
-            healed = await self._heal(span, exclude)
+            healed = await self._heal(span, exclude, backend)
         if healed is not None:
             return Reroute(splice(route, index, (healed,)), healed.node_id)
-        return Reroute(self.route())
+        return Reroute(self.route(backend))
 
     def record(self, records: Iterable[LedgerRecord]) -> None:
         self.ledger.submit(records)
@@ -418,19 +426,28 @@ class Tracker:
         self._note_failover(failed, error, "same named route, next epoch")
         return Reroute(route)
 
-    def _replicas(self, span: LayerRange, exclude: frozenset[str]) -> Route | None:
+    def _replicas(
+        self, span: LayerRange, exclude: frozenset[str], backend: str | None = None
+    ) -> Route | None:
         nodes = self.store.nodes()
+        streams = self.admission.streams
         try:
-            return plan_chain(nodes, self.model.fingerprint, span, self.admission.streams, exclude)
+            return plan_chain(nodes, self.model.fingerprint, span, streams, exclude, backend)
         except NoRoute:
             return None
 
-    async def _heal(self, span: LayerRange, exclude: frozenset[str]) -> Hop | None:
-        """Tell an empty node to load ``span``; the hop it now serves, or None."""
+    async def _heal(
+        self, span: LayerRange, exclude: frozenset[str], backend: str | None = None
+    ) -> Hop | None:
+        """Tell an empty node (of ``backend``, if given) to load ``span``; the hop it
+        now serves, or None."""
         empty = [
             n
             for n in self.store.nodes()
-            if n.state is NodeState.UP and n.layers is None and n.node_id not in exclude
+            if n.state is NodeState.UP
+            and n.layers is None
+            and n.node_id not in exclude
+            and backend in (None, n.backend)
         ]
         for node in empty:
             loaded = await self.load(node, span)
