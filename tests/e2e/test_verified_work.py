@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import MeshFactory
+from gguf import GGMLQuantizationType as QT
 
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
@@ -76,10 +77,28 @@ def _mesh_with_cheater(mesh_factory: MeshFactory, model: Path, cheat: str, after
     return mesh
 
 
-@pytest.mark.parametrize("cheat", ["weights", "skip-layer", "ulp", "cached"])
+@pytest.fixture(scope="module")
+def lookalikes(tiny_factory: Any) -> dict[str, Path]:
+    """Files a cheater may compute with instead of the honest one: the same random
+    weights quantized otherwise, and another model of the same shape."""
+    requant = tiny_factory("long-q4.gguf", context_length=1024, matrix_type=QT.Q4_0)
+    other = tiny_factory("long-other.gguf", context_length=1024, seed=11)
+    return {"requantized": Path(requant), "other-model": Path(other)}
+
+
+@pytest.mark.parametrize(
+    "cheat",
+    ["weights", "skip-layer", "ulp", "cached", "requantized", "other-model"],
+)
 def test_calibration_keeps_a_cheater_out(
-    mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int], cheat: str
+    mesh_factory: MeshFactory,
+    long_tiny: Path,
+    honest_ids: list[int],
+    lookalikes: dict[str, Path],
+    cheat: str,
 ) -> None:
+    if cheat in lookalikes:
+        cheat = f"file:{lookalikes[cheat]}"
     mesh = _mesh_with_cheater(mesh_factory, long_tiny, cheat, after=0)
     node = _wait_state(mesh, "cheater", "quarantined")
     assert "calibration" in node["down_reason"]
