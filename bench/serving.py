@@ -33,6 +33,7 @@ from meshnet.benchmark.llamacpp import find_llamacpp
 from meshnet.benchmark.quiet import Quiet
 from meshnet.benchmark.serving import ServingSetup, api_vs_llama_server, mesh_vs_single
 from meshnet.model.bundled import bundled_model_path
+from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 
 
 def main() -> None:
@@ -45,6 +46,7 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=8, help="concurrent streams; llama-server -np")
     p.add_argument("--mesh-threads", type=int, default=1, help="kernel threads per mesh node")
     p.add_argument("--layout", default="0:10,10:20,20:30")
+    p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS, help="our nodes'")
     p.add_argument("--quiet-wait", type=float, default=20.0, help="seconds to wait for idle CPUs")
     p.add_argument("--retries", type=int, default=2, help="tries again of a disturbed measurement")
     p.add_argument("--only", choices=["api", "mesh"], help="run one comparison")
@@ -61,6 +63,7 @@ def main() -> None:
             streams=args.streams,
             mesh_threads=args.mesh_threads,
             layout=args.layout,
+            backend=args.backend,
             quiet=Quiet(max_wait_s=args.quiet_wait, retries=args.retries),
         )
         if setup.bin_dir is None:

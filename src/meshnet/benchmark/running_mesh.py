@@ -10,6 +10,7 @@ from pathlib import Path
 from meshnet import client
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
+from meshnet.model.shard import DEFAULT_BACKEND
 
 
 def mesh_for(
@@ -18,8 +19,10 @@ def mesh_for(
     threads: int,
     relay: bool = True,
     host: str = "127.0.0.1",
+    backend: str = DEFAULT_BACKEND,
 ) -> LocalMesh:
-    """A mesh (not started) whose nodes run ``threads`` kernel threads each.
+    """A mesh (not started) whose nodes run ``threads`` kernel threads each, on
+    ``backend``.
 
     ``NUMBA_NUM_THREADS`` caps the pool ``--threads`` sizes (``LocalMesh`` sets it
     to 1); BLAS stays at one thread, as ``LocalMesh`` sets it: the node's decode
@@ -32,7 +35,7 @@ def mesh_for(
         model=str(model),
         extra_env={"NUMBA_NUM_THREADS": str(threads)},
         tracker_args=[] if relay else ["--no-relay"],
-        node_args=["--threads", str(threads)],
+        node_args=["--threads", str(threads), "--backend", backend],
     )
 
 
@@ -43,10 +46,11 @@ def running_mesh(
     layout: Sequence[LayerRange | None],
     threads: int,
     relay: bool = True,
+    backend: str = DEFAULT_BACKEND,
 ) -> Iterator[LocalMesh]:
     """A started loopback mesh for the block's duration; every process is stopped
     however the block ends."""
-    mesh = mesh_for(data_dir, model, threads, relay)
+    mesh = mesh_for(data_dir, model, threads, relay, backend=backend)
     try:
         mesh.start(layout)
         yield mesh

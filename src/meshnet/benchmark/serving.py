@@ -48,6 +48,7 @@ from meshnet.benchmark.streams import (
 )
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import parse_layout
+from meshnet.model.shard import DEFAULT_BACKEND
 
 # Prompts whose greedy continuations on the bundled model run past 128 tokens.
 PROMPTS = (
@@ -73,6 +74,7 @@ class ServingSetup:
     streams: int = 8  # concurrent streams, llama-server's -np
     mesh_threads: int = 1  # kernel threads of each node in the mesh comparison
     layout: str = "0:10,10:20,20:30"
+    backend: str = DEFAULT_BACKEND  # our nodes'
     quiet: Quiet = field(default_factory=Quiet)  # how neighbours' load is kept out
 
 
@@ -135,7 +137,9 @@ def api_vs_llama_server(setup: ServingSetup) -> tuple[list[Comparison], list[str
     whole = [LayerRange(0, _n_layers(setup.layout))]
     with contextlib.ExitStack() as stack:
         mesh = stack.enter_context(
-            running_mesh(setup.data_dir / "node", setup.model, whole, setup.threads)
+            running_mesh(
+                setup.data_dir / "node", setup.model, whole, setup.threads, backend=setup.backend
+            )
         )
         sides = [_Side("meshnet", mesh.url, served_model(mesh), setup, mesh.api_headers)]
         if setup.bin_dir is not None:
@@ -176,9 +180,11 @@ def mesh_vs_single(setup: ServingSetup) -> tuple[list[Comparison], list[str]]:
         run_rpc = partial(llamacpp_rpc_tok_s, setup.bin_dir, setup.model, 2, setup.tokens, 1)
     with contextlib.ExitStack() as stack:
         meshes = {
-            "1 node": running_mesh(data / "one", setup.model, whole, t),
-            "relay": running_mesh(data / "relay", setup.model, layout, t),
-            "--no-relay": running_mesh(data / "star", setup.model, layout, t, relay=False),
+            "1 node": running_mesh(data / "one", setup.model, whole, t, backend=setup.backend),
+            "relay": running_mesh(data / "relay", setup.model, layout, t, backend=setup.backend),
+            "--no-relay": running_mesh(
+                data / "star", setup.model, layout, t, relay=False, backend=setup.backend
+            ),
         }
         sides = []
         for name, cm in meshes.items():
