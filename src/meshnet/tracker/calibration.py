@@ -196,7 +196,8 @@ class NodeTrust:
         try:
             for _ in range(CALIBRATION_INPUTS):
                 seed = int.from_bytes(uuid.uuid4().bytes[:8], "little")
-                cal = await asyncio.to_thread(prepare, self.model, node.layers, seed)
+                model = self.model.on(node.backend)  # exact against what it claims to run
+                cal = await asyncio.to_thread(prepare, model, node.layers, seed)
                 reason = await run_calibration(self.channels, node, self.fingerprint, cal)
                 if reason:
                     break

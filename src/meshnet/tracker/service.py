@@ -63,7 +63,7 @@ from meshnet.tracker.routes import (
     splice,
 )
 from meshnet.tracker.store import Store
-from meshnet.tracker.verifier import TrustedModel, Verdict, Verifier
+from meshnet.tracker.verifier import TRUSTED_BACKEND, TrustedModel, Verdict, Verifier
 from meshnet.tracker.work_checks import SpanCheck
 
 log = logging.getLogger(__name__)
@@ -486,9 +486,14 @@ class Tracker:
         self.trust = NodeTrust(
             self.store, self.channels, self.model.fingerprint, model, self._quarantined
         )
-        self.verifier = Verifier(model, rate, self._checked)
+        self.verifier = Verifier(model, rate, self._checked, backend_of=self._backend_of)
         self.driver.claims = self.verifier.offer
         self.ledger.verifying = True  # completed work waits for its checks (ledger.py)
+
+    def _backend_of(self, node_id: str) -> str:
+        """The backend a node registered with (the verifier checks its work on it)."""
+        node = next((n for n in self.store.nodes() if n.node_id == node_id), None)
+        return node.backend if node is not None else TRUSTED_BACKEND
 
     def register(self, a: NodeAnnouncement) -> None:
         """A node registered (again): up, or with verification on, calibrating."""

@@ -46,6 +46,9 @@ from meshnet.protocol.commitments import CHUNK_TOKENS, chunk_digests_of
 log = logging.getLogger(__name__)
 
 TRUSTED_BACKEND = "fast"  # the nodes' backend: the one whose bits a check compares
+# Backends whose rows are the same bits alone, batched, chunked and split (docs/kernels.md):
+# a node on one of them is checked on the same backend here.
+EXACT_BACKENDS = frozenset({"fast", "q8"})
 _MAX_SHARDS = 4  # boundaries whose shard [0, end) is held at once
 _MAX_PREFIXES = 8  # generations' checked prefixes (their KV) held at once
 
@@ -75,6 +78,20 @@ class TrustedModel:
         self._shards: OrderedDict[int, Shard] = OrderedDict()
         self._prefixes: OrderedDict[tuple[str, int], _Prefix] = OrderedDict()  # (key, end)
         self._lock = threading.Lock()
+        self._others: dict[str, TrustedModel] = {}  # the same model on other backends
+        self._others_lock = threading.Lock()  # not _lock: that one is held while computing
+
+    def on(self, backend: str) -> TrustedModel:
+        """The same model computed on ``backend``: a node is checked against the
+        numerics it claims to run (``q8`` nodes are exact against a ``q8`` engine, not a
+        ``fast`` one). Made on first use; the process holds each backend's weights."""
+        if backend == self.backend or backend not in EXACT_BACKENDS:
+            return self  # a backend whose bits vary with batching cannot be checked exactly
+        with self._others_lock:
+            other = self._others.get(backend)
+            if other is None:
+                other = self._others[backend] = TrustedModel(self.model_path, backend)
+            return other
 
     def boundary_rows(self, tokens: np.ndarray, end: int) -> np.ndarray:
         """Rows [T, d] after layer ``end - 1`` for ``tokens`` [T] fed from position 0
@@ -225,10 +242,14 @@ class Verifier:
         on_verdict: Callable[[Verdict], None],
         queue_size: int = 64,
         seed: int | None = None,
+        backend_of: Callable[[str], str] | None = None,
     ) -> None:
+        """``backend_of(node_id)``: the backend a node computes on (default: ``model``'s);
+        a claim is checked on it (a route's hops share one: routes.py)."""
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"verify rate must be in [0, 1], not {rate}")
         self.model = model
+        self.backend_of = backend_of or (lambda node_id: model.backend)
         self.rate = rate
         self.on_verdict = on_verdict
         self.stats = VerifierStats()
@@ -260,7 +281,8 @@ class Verifier:
         while True:
             claim = await self._queue.get()
             try:
-                verdicts = await asyncio.to_thread(check_claim, self.model, claim)
+                model = self.model.on(self.backend_of(claim.node_id))
+                verdicts = await asyncio.to_thread(check_claim, model, claim)
             except Exception:  # a bug in the check is not the node's fault: no verdict
                 log.exception("checking %s of %s failed", claim.layers, claim.node_id)
             else:
