@@ -86,30 +86,37 @@ def lookalikes(tiny_factory: Any) -> dict[str, Path]:
     return {"requantized": Path(requant), "other-model": Path(other)}
 
 
-@pytest.mark.parametrize(
-    "cheat",
-    ["weights", "skip-layer", "ulp", "cached", "requantized", "other-model"],
-)
-def test_calibration_keeps_a_cheater_out(
+CHEATS = ("weights", "skip-layer", "ulp", "cached", "requantized", "other-model")
+
+
+def test_calibration_keeps_every_kind_of_cheater_out(
     mesh_factory: MeshFactory,
     long_tiny: Path,
     honest_ids: list[int],
     lookalikes: dict[str, Path],
-    cheat: str,
 ) -> None:
-    if cheat in lookalikes:
-        cheat = f"file:{lookalikes[cheat]}"
-    mesh = _mesh_with_cheater(mesh_factory, long_tiny, cheat, after=0)
-    node = _wait_state(mesh, "cheater", "quarantined")
-    assert "calibration" in node["down_reason"]
+    """One cheater of each kind registers for layers 0:2 beside an honest 2:4: every
+    one is quarantined by calibration, none is ever routed, and an empty node that
+    placement gives 0:2 serves the honest answer."""
+    args = ["--verify-rate", "1.0"]
+    mesh = mesh_factory("2:4", model=long_tiny, tracker_args=args, need_route=False)
+    for cheat in CHEATS:
+        how = f"file:{lookalikes[cheat]}" if cheat in lookalikes else cheat
+        prefix = [sys.executable, LAUNCHER, how, "0", "--"]
+        mesh.start_node(f"cheater-{cheat}", LayerRange(0, 2), prefix=prefix)
+    for cheat in CHEATS:
+        node = _wait_state(mesh, f"cheater-{cheat}", "quarantined")
+        assert "calibration" in node["down_reason"], node
     mesh.start_node("spare", None)
     mesh.wait_ready(expected_nodes=2, timeout_s=180)  # the empty node took 0:2, calibrated
     out = _complete(mesh)
     assert out["meshnet"]["ids"] == honest_ids
-    assert all(h["node_id"] != "cheater" for h in out["meshnet"]["route"])
-    assert _ledger(mesh, "cheater") == []  # never routed: no work at all
-    time.sleep(1.0)  # heartbeats and registrations keep it out
-    assert _nodes(mesh)["cheater"]["state"] == "quarantined"
+    assert [h["node_id"] for h in out["meshnet"]["route"]] == ["spare", "node-0"]
+    time.sleep(1.0)  # heartbeats and registrations keep them out
+    nodes = _nodes(mesh)
+    for cheat in CHEATS:
+        assert _ledger(mesh, f"cheater-{cheat}") == [], cheat  # never routed: no work
+        assert nodes[f"cheater-{cheat}"]["state"] == "quarantined", cheat
 
 
 @pytest.mark.parametrize("cheat", ["ulp", "sometimes"])

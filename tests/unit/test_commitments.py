@@ -192,6 +192,15 @@ def test_the_verifier_reuses_a_generations_prefix_exactly(tiny_path: Path) -> No
     )
 
 
+class _Model:
+    """Stands in for the trusted model where ``check_claim`` is faked."""
+
+    backend = "fast"
+
+    def on(self, backend: str) -> "_Model":
+        return self
+
+
 def test_the_verifier_goes_on_when_a_verdict_cannot_be_kept(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -212,7 +221,7 @@ def test_the_verifier_goes_on_when_a_verdict_cannot_be_kept(
         kept.append(v)
 
     async def scenario() -> None:
-        v = Verifier(None, 1.0, keep)  # type: ignore[arg-type]
+        v = Verifier(_Model(), 1.0, keep)  # type: ignore[arg-type]
         for i in range(3):
             v.offer(_claim(32 * i))
         await asyncio.wait_for(v.drain(), 5)

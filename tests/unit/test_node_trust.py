@@ -36,6 +36,18 @@ def _announce(start: int, end: int, fingerprint: str = FP) -> NodeAnnouncement:
     )
 
 
+class _Model:
+    """Stands in for the trusted model where ``prepare`` is faked: it only names a backend."""
+
+    backend = "fast"
+
+    def on(self, backend: str) -> _Model:
+        return self
+
+
+ANY_BACKEND = _Model()
+
+
 @pytest.fixture
 def answers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """What the faked calibration inputs answer, in order ("" passes; a calibration
@@ -58,7 +70,7 @@ def _state(store: Store) -> tuple[NodeState, str]:
 def test_calibration_decides_a_nodes_state(tmp_path: Path, answers: list[str]) -> None:
     store = Store(SQLiteDatabase(tmp_path / "t.db"))
     quarantined: list[str] = []
-    trust = NodeTrust(store, None, FP, None, lambda n, r: quarantined.append(n))  # type: ignore[arg-type]
+    trust = NodeTrust(store, None, FP, ANY_BACKEND, lambda n, r: quarantined.append(n))  # type: ignore[arg-type]
 
     async def register(a: NodeAnnouncement) -> tuple[NodeState, str]:
         store.register(a, 0.0)
@@ -99,7 +111,7 @@ def test_a_restarted_tracker_keeps_a_quarantined_node_out(
     store.set_state("n", NodeState.QUARANTINED, "verification failed: x")
 
     async def scenario() -> None:
-        trust = NodeTrust(store, None, FP, None, lambda n, r: None)  # type: ignore[arg-type]
+        trust = NodeTrust(store, None, FP, ANY_BACKEND, lambda n, r: None)  # type: ignore[arg-type]
         [before] = store.nodes()
         store.register(_announce(0, 2), 1.0)  # it registers again (Tracker.register)
         trust.decide("n", before)
