@@ -111,39 +111,24 @@ def test_the_engines_commitments_match_the_verifiers(tiny_path: Path) -> None:
     first = {(c[0].end, c[1]): c[2] for c in claims}
     bent = {0: first[(2, 0)], 32: bytes(16)}
     tokens = tuple(int(t) for t in ids[:64])
-    after_cheat = SpanClaim(
-        "late",
-        "g",
-        LayerRange(2, 4),
-        32,
-        bytes(16),
-        tokens,
-        (Upstream("early", LayerRange(0, 2), tuple(bent.items())),),
-    )
+    after_cheat = _after("early", tokens, tuple(bent.items()))
     [verdict] = check_claim(trusted, after_cheat)
     assert not verdict.passed and verdict.claim.node_id == "early"
     assert verdict.claim.token_start == 32
-    unvouched = SpanClaim(
-        "late",
-        "g",
-        LayerRange(2, 4),
-        32,
-        bytes(16),
-        tokens,
-        (Upstream("early", LayerRange(0, 2), ((0, first[(2, 0)]),)),),
-    )
+    unvouched = _after("early", tokens, ((0, first[(2, 0)]),))
     assert check_claim(trusted, unvouched) == []
-    honest_before = SpanClaim(
-        "late",
-        "g",
-        LayerRange(2, 4),
-        32,
-        bytes(16),
-        tokens,
-        (Upstream("early", LayerRange(0, 2), ((0, first[(2, 0)]), (32, first[(2, 32)]))),),
-    )
+    honest_before = _after("early", tokens, ((0, first[(2, 0)]), (32, first[(2, 32)])))
     [verdict] = check_claim(trusted, honest_before)
     assert not verdict.passed and verdict.claim.node_id == "late"
+
+
+def _after(
+    upstream: str, tokens: tuple[int, ...], chunks: tuple[tuple[int, bytes], ...]
+) -> SpanClaim:
+    """A forged claim of node "late" on layers 2:4, chunk 32, whose inputs came from
+    ``upstream`` on 0:2 with these commitments."""
+    early = Upstream(upstream, LayerRange(0, 2), chunks)
+    return SpanClaim("late", "g", LayerRange(2, 4), 32, bytes(16), tokens, (early,))
 
 
 def _claim(start: int = 0) -> SpanClaim:
