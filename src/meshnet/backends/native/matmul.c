@@ -72,15 +72,6 @@ static inline void transpose8(const float *src, Py_ssize_t src_stride, float *ds
 }
 
 /* AVX2: eight rows per vector, 16 registers: tiles of two row vectors x 4 tokens. */
-static inline void store8(float *p, __m256 v, int n) {
-    if (n == 8) {
-        _mm256_storeu_ps(p, v);
-        return;
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, v);
-    memcpy(p, lanes, n * sizeof(float));
-}
 #define LANES 8
 #define VEC __m256
 #define IVEC __m256i
@@ -98,7 +89,7 @@ static inline void store8(float *p, __m256 v, int n) {
 #define FMA _mm256_fmadd_ps
 #define SET1 _mm256_set1_ps
 #define ZERO _mm256_setzero_ps
-#define STORE store8
+#define STORE store_rows8
 #define SRL(z, n) _mm256_srl_epi32(z, _mm_cvtsi32_si128(n))
 #define SLL(z, n) _mm256_sll_epi32(z, _mm_cvtsi32_si128(n))
 #define ANDI(z, k) _mm256_and_si256(z, _mm256_set1_epi32(k))
@@ -113,9 +104,6 @@ static inline void store8(float *p, __m256 v, int n) {
 
 /* AVX-512: sixteen rows per vector (a whole group), 32 registers: batches take tiles
  * of one row vector x up to 12 tokens (fewer unpacked columns per FMA than 2 x 6). */
-static inline WIDE void store16(float *p, __m512 v, int n) {
-    _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v);
-}
 #define LANES 16
 #define VEC __m512
 #define IVEC __m512i
@@ -133,7 +121,7 @@ static inline WIDE void store16(float *p, __m512 v, int n) {
 #define FMA _mm512_fmadd_ps
 #define SET1 _mm512_set1_ps
 #define ZERO _mm512_setzero_ps
-#define STORE store16
+#define STORE store_rows16
 #define SRL(z, n) _mm512_srl_epi32(z, _mm_cvtsi32_si128(n))
 #define SLL(z, n) _mm512_sll_epi32(z, _mm_cvtsi32_si128(n))
 #define ANDI(z, k) _mm512_and_si512(z, _mm512_set1_epi32(k))

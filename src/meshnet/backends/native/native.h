@@ -11,6 +11,7 @@
 #include <Python.h>
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #define QK 32 /* weights per block: a matrix's width is nb * QK in every type */
 #define QK_K 256 /* weights per super-block of the K-quants */
@@ -234,6 +235,22 @@ static inline float hsum256(__m256 v) {
     sh = _mm_movehl_ps(sh, s);
     s = _mm_add_ss(s, sh);
     return _mm_cvtss_f32(s);
+}
+
+/* The first ``n`` lanes of a vector of row results (fewer than a vector at a matrix's last
+ * row group), for the tiles of every kernel family. */
+static inline void store_rows8(float *p, __m256 v, int n) {
+    if (n == 8) {
+        _mm256_storeu_ps(p, v);
+        return;
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    memcpy(p, lanes, n * sizeof(float));
+}
+
+static inline __attribute__((target("avx512f"))) void store_rows16(float *p, __m512 v, int n) {
+    _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v);
 }
 
 #endif

@@ -101,15 +101,6 @@ static void quantize_q8_k(const float *x, Py_ssize_t supers, int width, int8_t *
 
 /* AVX2: eight rows per vector; the 8-bit products go through maddubs (pairs into int16,
  * kept below 2^15 by how many are summed) and madd (int16 pairs into int32). */
-static inline void q8store8(float *p, __m256 v, int n) {
-    if (n == 8) {
-        _mm256_storeu_ps(p, v);
-        return;
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, v);
-    memcpy(p, lanes, n * sizeof(float));
-}
 #define LANES 8
 #define VEC __m256
 #define IVEC __m256i
@@ -148,14 +139,11 @@ static inline void q8store8(float *p, __m256 v, int n) {
 #define FNMA _mm256_fnmadd_ps
 #define SET1 _mm256_set1_ps
 #define ZERO _mm256_setzero_ps
-#define STORE q8store8
+#define STORE store_rows8
 #include "q8_tile.h"
 
 /* AVX-512 with VNNI: sixteen rows per vector, vpdpbusd sums four 8-bit products into each
  * int32 lane exactly. */
-static inline WIDE_Q8 void q8store16(float *p, __m512 v, int n) {
-    _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v);
-}
 #define LANES 16
 #define VEC __m512
 #define IVEC __m512i
@@ -192,7 +180,7 @@ static inline WIDE_Q8 void q8store16(float *p, __m512 v, int n) {
 #define FNMA _mm512_fnmadd_ps
 #define SET1 _mm512_set1_ps
 #define ZERO _mm512_setzero_ps
-#define STORE q8store16
+#define STORE store_rows16
 #include "q8_tile.h"
 
 static int cpu_has_vnni(void) { return __builtin_cpu_supports("avx512vnni"); }
