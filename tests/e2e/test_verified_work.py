@@ -20,6 +20,7 @@ from meshnet.local_mesh import LocalMesh
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 6  # > 32 positions by itself
 BODY = {"model": "long", "prompt": PROMPT, "max_tokens": 60, "temperature": 0}
+SEEDED = {**BODY, "temperature": 0.9, "top_p": 0.9, "repetition_penalty": 1.2, "seed": 3}
 LAUNCHER = str(Path(__file__).parent / "dishonest_node.py")
 
 
@@ -34,8 +35,8 @@ def honest_ids(mesh_factory: MeshFactory, long_tiny: Path) -> list[int]:
     return _complete(mesh_factory("0:2,2:4", model=long_tiny))["meshnet"]["ids"]
 
 
-def _complete(mesh: LocalMesh) -> dict[str, Any]:
-    r = httpx.post(f"{mesh.url}/v1/completions", json=BODY, headers=mesh.api_headers, timeout=120)
+def _complete(mesh: LocalMesh, body: dict[str, Any] = BODY) -> dict[str, Any]:
+    r = httpx.post(f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers, timeout=120)
     assert r.status_code == 200, r.text
     return dict(r.json())
 
@@ -139,6 +140,32 @@ def test_the_verifier_catches_a_node_that_cheats_after_calibrating(
     assert all(h["node_id"] != "cheater" for h in again["meshnet"]["route"])
 
 
+def test_a_last_hop_that_picks_other_ids_is_caught(
+    mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int]
+) -> None:
+    """A last hop that computes its rows honestly (so its commitments pass) but picks
+    other ids than the sampler's: calibration samples nothing, the verifier's check of
+    its picks against its own logits catches it; its work is not billed and the next
+    request is answered exactly, without it."""
+    args = ["--verify-rate", "1.0"]
+    mesh = mesh_factory("0:2", model=long_tiny, tracker_args=args, need_route=False)
+    prefix = [sys.executable, LAUNCHER, "sample", "0", "--"]
+    mesh.start_node("cheater", LayerRange(2, 4), prefix=prefix)
+    _wait_state(mesh, "cheater", "up")
+    mesh.start_node("spare", None)
+    mesh.wait_ready(expected_nodes=3, timeout_s=180)
+    _complete(mesh)  # ids it picked before it was caught reached the client
+    node = _wait_state(mesh, "cheater", "quarantined")
+    assert "sampled other ids" in node["down_reason"], node
+    records = _ledger(mesh, "cheater")
+    assert records and not any(r["billable"] for r in records)
+    again = _complete(mesh)
+    assert again["meshnet"]["ids"] == honest_ids
+    assert all(h["node_id"] != "cheater" for h in again["meshnet"]["route"])
+    for node_id in ("node-0", "spare"):  # the honest hops, after it too, were not blamed
+        assert _nodes(mesh)[node_id]["state"] == "up"
+
+
 @pytest.mark.parametrize(
     ("layout", "backend"),
     [("0:4", "fast"), ("0:1,1:3,3:4", "fast"), ("0:1,1:3,3:4", "q8")],
@@ -158,6 +185,8 @@ def test_an_honest_mesh_at_rate_one_fails_no_check(
     )
     outputs = [_complete(mesh)["meshnet"]["ids"] for _ in range(3)]
     assert outputs == [outputs[0]] * 3
+    seeded = _complete(mesh, SEEDED)["meshnet"]["ids"]  # the last hop's picks are checked too
+    assert seeded == _complete(mesh, SEEDED)["meshnet"]["ids"]
     if backend == "fast":  # q8's 8-bit activations may part from float32's greedy ids
         assert outputs[0] == honest_ids
     time.sleep(2.0)  # the verifier's queue drains
