@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+import meshnet.node.configure as configure
 import meshnet.node.engine as engine
 import meshnet.node.service as service
 from meshnet.cli.main import main
@@ -87,6 +88,7 @@ def patch(cheat: str, after: int) -> None:
         return
     engine.forward_committed = forward
     engine.load_shard = load_shard
+    configure.load_shard = load_shard  # a T3 configure loads its layers there
 
 
 if __name__ == "__main__":

@@ -120,6 +120,32 @@ def test_calibration_keeps_every_kind_of_cheater_out(
         assert nodes[f"cheater-{cheat}"]["state"] == "quarantined", cheat
 
 
+def test_a_node_given_new_layers_by_an_admin_is_calibrated_before_it_is_routed(
+    mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int]
+) -> None:
+    """A node that skips a layer is honest on one layer (0:1, which alone is no route),
+    so it calibrates up; an admin's T3 gives it 0:2: from the moment the configure is
+    answered it is not routable, and it is quarantined, not routed on the new layers
+    until a heartbeat noticed them."""
+    args = ["--verify-rate", "1.0"]
+    mesh = mesh_factory("0:2,2:4", model=long_tiny, tracker_args=args)
+    prefix = [sys.executable, LAUNCHER, "skip-layer", "0", "--"]
+    mesh.start_node("cheater", LayerRange(0, 1), prefix=prefix)
+    _wait_state(mesh, "cheater", "up")
+    r = httpx.post(
+        f"{mesh.url}/admin/nodes/cheater/configure",
+        json={"t3": {"layer_start": 0, "layer_end": 2}},
+        headers=mesh.admin_headers,
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.json()["applied"], r.text
+    assert _nodes(mesh)["cheater"]["state"] in ("calibrating", "quarantined")
+    node = _wait_state(mesh, "cheater", "quarantined")
+    assert "calibration" in node["down_reason"]
+    assert _complete(mesh)["meshnet"]["ids"] == honest_ids
+    assert _ledger(mesh, "cheater") == []
+
+
 @pytest.mark.parametrize("cheat", ["ulp", "sometimes"])
 def test_the_verifier_catches_a_node_that_cheats_after_calibrating(
     mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int], cheat: str
