@@ -279,14 +279,15 @@ class RouteDriver:
 
     def _claim(self, gen: Generation, fed: Sequence[int]) -> None:
         """Hand each chunk a hop committed, once the driver committed its positions, to
-        ``claims``: ``fed`` is every id fed so far (the last sampled one not yet)."""
+        ``claims``: ``fed`` is every id fed so far, then the one just sampled."""
         if self.claims is None:
             return
         for i, link in enumerate(gen.links):
-            for start, digest in committed(link.commitments, link.positions).items():
-                if start in link.claimed or start + CHUNK_TOKENS > len(fed):
-                    continue
-                link.claimed.add(start)
+            for start in sorted(link.unclaimed):  # a few: those completed since the last
+                if start + CHUNK_TOKENS > min(link.positions, len(fed)):
+                    continue  # not all its positions committed yet
+                link.unclaimed.discard(start)
+                digest = link.commitments[start]
                 end = start + CHUNK_TOKENS
                 upstream = tuple(
                     Upstream(

@@ -29,6 +29,7 @@ from meshnet.errors import (
 )
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
+from meshnet.protocol.commitments import MAX_CHUNKS_PER_MESSAGE
 from meshnet.tracker.commitments import checked_chunks
 from meshnet.tracker.routes import Hop
 
@@ -66,7 +67,7 @@ class HopLink:
     # The node's commitments in this epoch: chunk start -> digest (protocol/commitments.py),
     # the newest for a chunk it computed again after a rewind.
     commitments: dict[int, bytes] = field(default_factory=dict)
-    claimed: set[int] = field(default_factory=set)  # chunks handed to the verifier
+    unclaimed: set[int] = field(default_factory=set)  # chunks not yet handed to the verifier
 
     @property
     def node_id(self) -> str:
@@ -148,11 +149,16 @@ class HopLink:
         return reply
 
     def _note(self, chunks: Sequence[pb.ChunkDigest]) -> None:
-        """Keep the node's commitments, checked (a malformed one fails the link)."""
+        """Keep the node's commitments, checked (a malformed one fails the link, and so do
+        more chunks than a context holds: what a node sends must not grow without bound)."""
         try:
-            self.commitments.update(checked_chunks(chunks))
+            new = checked_chunks(chunks)
+            if len(self.commitments.keys() | new.keys()) > MAX_CHUNKS_PER_MESSAGE:
+                raise MalformedBundle(f"more than {MAX_CHUNKS_PER_MESSAGE} chunks committed")
         except MalformedBundle as e:
             raise MalformedBundle(f"node {self.node_id}: {e.message}", self.node_id) from None
+        self.commitments.update(new)
+        self.unclaimed.update(new)
 
     async def _next_failed(self, f: pb.Failure) -> MeshnetError:
         """The node could not hand its output to the next hop: that hop's failure, and
