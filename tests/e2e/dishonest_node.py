@@ -17,6 +17,8 @@ cheating).
 - ``file:PATH``: computes with the weights of another GGUF of the same shape (another
   quantization of the model, or another model) while its fingerprint is the file it
   was started with;
+- ``decouple``: commits to its honest rows but sends the next hop other rows (one ulp
+  off), so that the next hop's rows differ from the verifier's;
 - ``sample``: computes honestly, but as a last hop picks the id after the sampler's
   (calibration samples nothing, so AFTER counts picks, not forwards).
 """
@@ -63,6 +65,8 @@ def patch(cheat: str, after: int) -> None:
             return out, boundary
         if cheat == "cached":
             return cache.setdefault(tuple(x.shape), (out, boundary))
+        if cheat == "decouple" and not shard.is_last:
+            return _bent(out), boundary
         if cheat == "ulp" or (cheat == "sometimes" and calls[0] % 4 == 0):
             bent = _bent(boundary)
             return (bent, bent) if not shard.is_last else (out, bent)

@@ -192,6 +192,31 @@ def test_a_last_hop_that_picks_other_ids_is_caught(
         assert _nodes(mesh)[node_id]["state"] == "up"
 
 
+def test_a_node_that_sends_other_rows_than_it_committed_cannot_frame_the_next(
+    mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int]
+) -> None:
+    """The cheater on 0:2 commits honest rows but sends node-0 (2:4) others: node-0's
+    rows then differ from the verifier's though every commitment before it is honest.
+    node-0's digests of what it received say the rows it was sent are not those
+    committed: one of the two lies, and both are quarantined (before, node-0 alone was,
+    and the cheater stayed up to frame the next node). New nodes serve exactly."""
+    mesh = _mesh_with_cheater(mesh_factory, long_tiny, "decouple", after=2)
+    _wait_state(mesh, "cheater", "up")  # honest on its two calibration inputs
+    mesh.wait_ready(expected_nodes=2, timeout_s=180)
+    # Caught mid-generation with no other node for either range: a 502, or an answer.
+    httpx.post(f"{mesh.url}/v1/completions", json=BODY, headers=mesh.api_headers, timeout=120)
+    for node_id in ("cheater", "node-0"):
+        node = _wait_state(mesh, node_id, "quarantined")
+        assert "one of them lies" in node["down_reason"], node
+    assert not any(r["billable"] for r in _ledger(mesh, "cheater"))
+    mesh.start_node("spare-0", LayerRange(0, 2))
+    mesh.start_node("spare-1", LayerRange(2, 4))
+    mesh.wait_ready(expected_nodes=2, timeout_s=180)  # the two new ones, calibrated
+    again = _complete(mesh)
+    assert again["meshnet"]["ids"] == honest_ids
+    assert [h["node_id"] for h in again["meshnet"]["route"]] == ["spare-0", "spare-1"]
+
+
 @pytest.mark.parametrize(
     ("layout", "backend"),
     [("0:4", "fast"), ("0:1,1:3,3:4", "fast"), ("0:1,1:3,3:4", "q8")],

@@ -391,6 +391,8 @@ class NodeEngine:
             w.outputs.append(out[i : i + 1] if shard.is_last else out[offset : offset + n])
             slot = self._slots[w.session_id]
             w.chunks += slot.rows.add(positions[i], boundary[offset : offset + n])
+            if not shard.is_first:
+                w.inputs.update(slot.inputs.add(positions[i], x[offset : offset + n]))
             offset += n
             w.done_rows += n
             if w.done_rows == w.n_tokens:
@@ -574,8 +576,9 @@ class NodeEngine:
             self._park_store.remove(parked)
             return False
         self._park_store.remove(parked)
-        rows = RowLog(parked.tokens)  # row digests are not parked: the next chunk commits
-        self._slots[session_id] = Slot(parked.epoch, kv, steps=parked.steps, rows=rows)
+        # Row digests are not parked: the next chunk commits.
+        rows, inputs = RowLog(parked.tokens), RowLog(parked.tokens)
+        self._slots[session_id] = Slot(parked.epoch, kv, parked.steps, rows=rows, inputs=inputs)
         self._account()
         return True
 
@@ -599,7 +602,9 @@ class NodeEngine:
             raise budget_full(self._budget, len(self._slots))
         kv.load_bytes(tokens, payload)
         # KV computed elsewhere: its positions are not this node's to commit.
-        self._slots[session_id] = Slot(epoch, kv, steps=steps, rows=RowLog(tokens))
+        self._slots[session_id] = Slot(
+            epoch, kv, steps=steps, rows=RowLog(tokens), inputs=RowLog(tokens)
+        )
         self._remember_fence(session_id, epoch)
         self._account()
         return OpenedSlot(tokens, steps)
@@ -668,6 +673,7 @@ def _rewind(slot: Slot, tokens: int, steps: int) -> None:
     if slot.kv.length > tokens and slot.steps > steps:
         slot.kv.truncate(tokens)
         slot.rows.truncate(tokens)  # the chunks past it were never the tracker's
+        slot.inputs.truncate(tokens)
         slot.steps = steps
         slot.last_step = -1
         slot.last_result = None

@@ -41,6 +41,9 @@ class Slot:
     sent: dict[int, np.ndarray] = field(default_factory=dict)
     # Digests of the rows computed at the range's end boundary: the chunks committed.
     rows: RowLog = field(default_factory=RowLog)
+    # Digests of the rows received at its start (not on the first range): what a node
+    # says the hop before it sent, should that hop's word and its own differ.
+    inputs: RowLog = field(default_factory=RowLog)
 
     @property
     def sent_bytes(self) -> int:
@@ -64,6 +67,7 @@ class StepWork:
     # (token_start, digest) of each chunk of positions this step completed, set before
     # ``future`` is answered (protocol/commitments.py).
     chunks: list[tuple[int, bytes]] = field(default_factory=list)
+    inputs: dict[int, bytes] = field(default_factory=dict)  # the same chunks' input digests
 
     @property
     def n_tokens(self) -> int:

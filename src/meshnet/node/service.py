@@ -648,7 +648,10 @@ def _history(step: pb.Step, context_length: int, vocab_size: int) -> list[int]:
 
 def _chunks(work: StepWork) -> list[pb.ChunkDigest]:
     """The commitments of the chunks a step completed (protocol/commitments.py)."""
-    return [pb.ChunkDigest(token_start=start, digest=d) for start, d in work.chunks]
+    return [
+        pb.ChunkDigest(token_start=start, digest=d, input_digest=work.inputs.get(start, b""))
+        for start, d in work.chunks
+    ]
 
 
 def _committed(work: StepWork) -> pb.ForwardResponse:

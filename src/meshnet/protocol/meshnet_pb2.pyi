@@ -137,12 +137,14 @@ class StepResult(_message.Message):
     def __init__(self, step: _Optional[int] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., compute_ms: _Optional[float] = ..., sampled: _Optional[_Union[Sampled, _Mapping]] = ..., commitments: _Optional[_Iterable[_Union[ChunkDigest, _Mapping]]] = ...) -> None: ...
 
 class ChunkDigest(_message.Message):
-    __slots__ = ("token_start", "digest")
+    __slots__ = ("token_start", "digest", "input_digest")
     TOKEN_START_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     token_start: int
     digest: bytes
-    def __init__(self, token_start: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
+    input_digest: bytes
+    def __init__(self, token_start: _Optional[int] = ..., digest: _Optional[bytes] = ..., input_digest: _Optional[bytes] = ...) -> None: ...
 
 class Committed(_message.Message):
     __slots__ = ("chunks",)

@@ -40,6 +40,18 @@ def checked_chunks(chunks: Iterable[pb.ChunkDigest]) -> dict[int, bytes]:
     return out
 
 
+def checked_inputs(chunks: Iterable[pb.ChunkDigest]) -> dict[int, bytes]:
+    """The input digests among ``chunks`` (start -> digest; a chunk without one is left
+    out); ``MalformedBundle`` when one is not a digest. Call after ``checked_chunks``."""
+    out: dict[int, bytes] = {}
+    for c in chunks:
+        if c.input_digest and len(c.input_digest) != DIGEST_BYTES:
+            raise MalformedBundle(f"an input commitment of {len(c.input_digest)} bytes")
+        if c.input_digest:
+            out[int(c.token_start)] = bytes(c.input_digest)
+    return out
+
+
 def committed(commitments: Mapping[int, bytes], positions: int) -> dict[int, bytes]:
     """The chunks wholly within the first ``positions`` (what the tracker committed)."""
     return {s: d for s, d in sorted(commitments.items()) if s + CHUNK_TOKENS <= positions}

@@ -306,6 +306,7 @@ class RouteDriver:
                     tuple(fed[:end]),
                     upstream,
                     _sampled(gen, link.node_id, start, fed) if link.samples else None,
+                    tuple(committed(link.inputs, end).items()),
                 )
                 self.claims(claim)
 

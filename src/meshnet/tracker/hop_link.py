@@ -30,7 +30,7 @@ from meshnet.errors import (
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.commitments import MAX_CHUNKS_PER_MESSAGE
-from meshnet.tracker.commitments import checked_chunks
+from meshnet.tracker.commitments import checked_chunks, checked_inputs
 from meshnet.tracker.routes import Hop
 
 _PROBE_TIMEOUT_S = 1.0
@@ -68,6 +68,7 @@ class HopLink:
     # the newest for a chunk it computed again after a rewind.
     commitments: dict[int, bytes] = field(default_factory=dict)
     unclaimed: set[int] = field(default_factory=set)  # chunks not yet handed to the verifier
+    inputs: dict[int, bytes] = field(default_factory=dict)  # what it says it was sent, by chunk
 
     @property
     def node_id(self) -> str:
@@ -153,12 +154,16 @@ class HopLink:
         more chunks than a context holds: what a node sends must not grow without bound)."""
         try:
             new = checked_chunks(chunks)
+            inputs = checked_inputs(chunks)
             if len(self.commitments.keys() | new.keys()) > MAX_CHUNKS_PER_MESSAGE:
                 raise MalformedBundle(f"more than {MAX_CHUNKS_PER_MESSAGE} chunks committed")
         except MalformedBundle as e:
             raise MalformedBundle(f"node {self.node_id}: {e.message}", self.node_id) from None
         self.commitments.update(new)
         self.unclaimed.update(new)
+        for start in new:  # the newest word on a chunk: with its input digest or without
+            self.inputs.pop(start, None)
+        self.inputs.update(inputs)
 
     async def _next_failed(self, f: pb.Failure) -> MeshnetError:
         """The node could not hand its output to the next hop: that hop's failure, and

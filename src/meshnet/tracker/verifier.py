@@ -171,6 +171,9 @@ class SpanClaim:
     tokens: tuple[int, ...]  # the session's ids fed at positions [0, token_end)
     upstream: tuple[Upstream, ...] = ()  # the route's hops before it, in order
     sampled: Sampled | None = None  # on the last hop: what it picked from these positions
+    # (start, digest) of the rows it says it received, chunks up to its end (not on a first
+    # range): whether the hop before it sent what it committed to.
+    inputs: tuple[tuple[int, bytes], ...] = ()
 
     @property
     def token_end(self) -> int:
@@ -217,6 +220,31 @@ def check_claim(model: TrustedModel, claim: SpanClaim) -> list[Verdict]:
     chained = [u.layers for u in claim.upstream]
     if not chained or chained[0].start != 0 or chained[-1].end != claim.layers.start:
         return []
+    return _sent_or_computed(claim, verdict, rows)
+
+
+def _sent_or_computed(claim: SpanClaim, verdict: Verdict, sent: np.ndarray) -> list[Verdict]:
+    """The verdicts on a claim that differs though every hop before it committed exactly
+    the verifier's rows (``sent``: those at its start). It computed other rows from the
+    right inputs, or the hop before it sent other rows than it committed to: when the
+    node's own input digests say so, one of the two lies and both fail; a node that did
+    not commit its inputs cannot say so."""
+    received = dict(claim.inputs)
+    sender = claim.upstream[-1]
+    for start, want in sorted(chunk_digests_of(sent, 0).items()):
+        if start not in received or received[start] == want:
+            continue
+        committed = dict(sender.chunks)[start]
+        tokens = claim.tokens[: start + CHUNK_TOKENS]
+        what = f"positions [{start}, {start + CHUNK_TOKENS})"
+        detail = (
+            f"node {claim.node_id} says it received other rows from node {sender.node_id} "
+            f"at {what} than {sender.node_id} committed to (one of them lies)"
+        )
+        culprit = SpanClaim(
+            sender.node_id, claim.generation_id, sender.layers, start, committed, tokens
+        )
+        return [Verdict(claim, False, detail), Verdict(culprit, False, detail)]
     return [verdict]
 
 
