@@ -1,9 +1,10 @@
 """Trusted nodes on real processes (``meshnet tracker --trusted-node``): one tracker at
-rate 1.0 trusting ``t-node`` (layers 0:2) beside untrusted nodes. The trusted node is up
-without a calibration, its work is billable at once and never checked; an untrusted
-0:2 node's chunks are checked on it (the checks say so); a cheater on 0:2 is caught by a
-check run there; and with the trusted node killed, checks fall back to the tracker's own
-engine and still pass. Every client output equals an honest mesh's without verification.
+rate 1.0 trusting ``t-node`` (layers 0:2) and ``t-whole`` (0:4) beside untrusted nodes.
+A trusted node is up without a calibration, its work is billable at once and never
+checked; an untrusted 0:2 node's chunks are checked on ``t-node``, a 2:4 node's on
+``t-whole`` (a last range: its commitments, not its logits); a cheater on 0:2 is caught
+by a check run on ``t-node``; and with ``t-node`` killed, checks of 0:2 fall back to the
+tracker's own engine and still pass. Every client output equals an honest mesh's.
 
 The tests share one mesh and run in order (the last kills the trusted node)."""
 
@@ -28,6 +29,7 @@ PROMPT = "the quick brown fox jumps over the lazy dog " * 6  # > 32 positions by
 BODY = {"model": "long", "prompt": PROMPT, "max_tokens": 60, "temperature": 0}
 LAUNCHER = str(Path(__file__).parent / "dishonest_node.py")
 TRUSTED = "t-node"
+WHOLE = "t-whole"  # trusted too; serves every layer: checks what ends at the last one
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +45,15 @@ def honest_ids(mesh_factory: MeshFactory, long_tiny: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def mesh(mesh_factory: MeshFactory, long_tiny: Path) -> LocalMesh:
-    """node-0 serves 2:4 (untrusted; no trusted chain ends at 4: checked on the engine);
-    ``honest`` (untrusted) and the trusted node serve 0:2."""
-    args = ["--verify-rate", "1.0", "--trusted-node", TRUSTED]
+    """node-0 serves 2:4 and ``honest`` 0:2 (both untrusted); the trusted ``t-node`` 0:2
+    and ``t-whole`` 0:4. An idle mesh routes the smallest ids: neither trusted node
+    unless a request names it."""
+    args = ["--verify-rate", "1.0", "--trusted-node", TRUSTED, "--trusted-node", WHOLE]
     mesh = mesh_factory("2:4", model=long_tiny, tracker_args=args, need_route=False)
     mesh.start_node(TRUSTED, LayerRange(0, 2))
+    mesh.start_node(WHOLE, LayerRange(0, 4))
     mesh.start_node("honest", LayerRange(0, 2))
-    mesh.wait_ready(expected_nodes=3, timeout_s=180)
+    mesh.wait_ready(expected_nodes=4, timeout_s=180)
     return mesh
 
 
@@ -108,8 +112,9 @@ def test_a_trusted_node_is_not_calibrated_and_checks_the_others(
     mesh: LocalMesh, honest_ids: list[int]
 ) -> None:
     nodes = _nodes(mesh)
-    trusted = nodes[TRUSTED]
-    assert (trusted["state"], trusted["trusted"], trusted["calibrations"]) == ("up", True, 0)
+    for node_id in (TRUSTED, WHOLE):
+        trusted = nodes[node_id]
+        assert (trusted["state"], trusted["trusted"], trusted["calibrations"]) == ("up", True, 0)
     for other in ("honest", "node-0"):  # the others calibrated before they were routed
         assert not nodes[other]["trusted"] and nodes[other]["calibrations"] >= 1, other
 
@@ -123,13 +128,17 @@ def test_a_trusted_node_is_not_calibrated_and_checks_the_others(
     honest_checks = [c for c in _checks(mesh, "honest") if c.generation_id == gen]
     assert len(honest_checks) >= 3  # every whole chunk of ~110 positions, at rate 1.0
     assert all(c.passed and c.detail == f"exact on trusted {TRUSTED}" for c in honest_checks)
-    engine_checks = [c for c in _checks(mesh, "node-0") if c.generation_id == gen]
-    assert engine_checks and all(c.passed and c.detail == "exact" for c in engine_checks)
-    assert _nodes(mesh)[TRUSTED]["trusted_checks"] >= len(honest_checks)
+    last_checks = [c for c in _checks(mesh, "node-0") if c.generation_id == gen]
+    assert last_checks and all(
+        c.passed and c.detail == f"exact on trusted {WHOLE}" for c in last_checks
+    )
+    nodes = _nodes(mesh)
+    assert nodes[TRUSTED]["trusted_checks"] >= len(honest_checks)
+    assert nodes[WHOLE]["trusted_checks"] >= len(last_checks)
 
     records = _ledger(mesh, generation_id=on_trusted["meshnet"]["generation_id"], node_id=TRUSTED)
     assert records and all(r["status"] == "completed" and r["billable"] for r in records)
-    assert _checks(mesh, TRUSTED) == []  # its work is what checks are made against
+    assert _checks(mesh, TRUSTED) == _checks(mesh, WHOLE) == []  # checks are made against them
     assert all(n["state"] == "up" for n in _nodes(mesh).values())
 
 
@@ -147,14 +156,16 @@ def test_a_cheater_is_caught_by_a_check_on_the_trusted_node(
     node = _wait_state(mesh, "a-cheater", "quarantined")
     assert f"trusted {TRUSTED}" in node["down_reason"], node
     # Every check of its work failed: its own chunks, on the trusted node (the first, which
-    # quarantined it), and as the hop before node-0, whose checks on the tracker's engine
-    # blame it (its inputs came from the cheater).
+    # quarantined it), and as the hop before node-0, whose chunks differ on t-whole too and
+    # are checked again on the tracker's engine, which blames the hop before it.
     cheats = _checks(mesh, "a-cheater")
     assert cheats and not any(c.passed for c in cheats)
     assert f"trusted {TRUSTED}" in cheats[0].detail
     records = _ledger(mesh, node_id="a-cheater")
     assert records and not any(r["billable"] for r in records), records
-    assert _nodes(mesh)[TRUSTED]["state"] == "up"
+    nodes = _nodes(mesh)
+    assert nodes[TRUSTED]["state"] == nodes["node-0"]["state"] == "up"  # not blamed
+    assert not any(not c.passed for c in _checks(mesh, "node-0"))
 
 
 def test_without_the_trusted_node_checks_fall_back_to_the_trackers_engine(
