@@ -16,7 +16,9 @@ cheating).
 - ``sometimes``: ``ulp``, on one forward in four;
 - ``file:PATH``: computes with the weights of another GGUF of the same shape (another
   quantization of the model, or another model) while its fingerprint is the file it
-  was started with.
+  was started with;
+- ``sample``: computes honestly, but as a last hop picks the id after the sampler's
+  (calibration samples nothing, so AFTER counts picks, not forwards).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from typing import Any
 
 import numpy as np
 
+import meshnet.node.configure as configure
 import meshnet.node.engine as engine
+import meshnet.node.service as service
 from meshnet.cli.main import main
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
@@ -73,8 +77,18 @@ def patch(cheat: str, after: int) -> None:
         shard = _honest_load(f, spec, LayerRange(layers.start, layers.end - 1), backend)
         return dataclasses.replace(shard, layers=layers)  # claims the whole range
 
+    class Sampler(service.Sampler):
+        def sample(self, logits: np.ndarray, history: Any) -> int:
+            honest = super().sample(logits, history)
+            calls[0] += 1
+            return honest if calls[0] <= after else (honest + 1) % len(logits)
+
+    if cheat == "sample":
+        service.Sampler = Sampler  # type: ignore[misc]
+        return
     engine.forward_committed = forward
     engine.load_shard = load_shard
+    configure.load_shard = load_shard  # a T3 configure loads its layers there
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from meshnet.local_mesh import LocalMesh
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 6  # > 32 positions by itself
 BODY = {"model": "long", "prompt": PROMPT, "max_tokens": 60, "temperature": 0}
+SEEDED = {**BODY, "temperature": 0.9, "top_p": 0.9, "repetition_penalty": 1.2, "seed": 3}
 LAUNCHER = str(Path(__file__).parent / "dishonest_node.py")
 
 
@@ -34,8 +35,8 @@ def honest_ids(mesh_factory: MeshFactory, long_tiny: Path) -> list[int]:
     return _complete(mesh_factory("0:2,2:4", model=long_tiny))["meshnet"]["ids"]
 
 
-def _complete(mesh: LocalMesh) -> dict[str, Any]:
-    r = httpx.post(f"{mesh.url}/v1/completions", json=BODY, headers=mesh.api_headers, timeout=120)
+def _complete(mesh: LocalMesh, body: dict[str, Any] = BODY) -> dict[str, Any]:
+    r = httpx.post(f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers, timeout=120)
     assert r.status_code == 200, r.text
     return dict(r.json())
 
@@ -119,6 +120,32 @@ def test_calibration_keeps_every_kind_of_cheater_out(
         assert nodes[f"cheater-{cheat}"]["state"] == "quarantined", cheat
 
 
+def test_a_node_given_new_layers_by_an_admin_is_calibrated_before_it_is_routed(
+    mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int]
+) -> None:
+    """A node that skips a layer is honest on one layer (0:1, which alone is no route),
+    so it calibrates up; an admin's T3 gives it 0:2: from the moment the configure is
+    answered it is not routable, and it is quarantined, not routed on the new layers
+    until a heartbeat noticed them."""
+    args = ["--verify-rate", "1.0"]
+    mesh = mesh_factory("0:2,2:4", model=long_tiny, tracker_args=args)
+    prefix = [sys.executable, LAUNCHER, "skip-layer", "0", "--"]
+    mesh.start_node("cheater", LayerRange(0, 1), prefix=prefix)
+    _wait_state(mesh, "cheater", "up")
+    r = httpx.post(
+        f"{mesh.url}/admin/nodes/cheater/configure",
+        json={"t3": {"layer_start": 0, "layer_end": 2}},
+        headers=mesh.admin_headers,
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.json()["applied"], r.text
+    assert _nodes(mesh)["cheater"]["state"] in ("calibrating", "quarantined")
+    node = _wait_state(mesh, "cheater", "quarantined")
+    assert "calibration" in node["down_reason"]
+    assert _complete(mesh)["meshnet"]["ids"] == honest_ids
+    assert _ledger(mesh, "cheater") == []
+
+
 @pytest.mark.parametrize("cheat", ["ulp", "sometimes"])
 def test_the_verifier_catches_a_node_that_cheats_after_calibrating(
     mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int], cheat: str
@@ -137,6 +164,32 @@ def test_the_verifier_catches_a_node_that_cheats_after_calibrating(
     again = _complete(mesh)
     assert again["meshnet"]["ids"] == honest_ids
     assert all(h["node_id"] != "cheater" for h in again["meshnet"]["route"])
+
+
+def test_a_last_hop_that_picks_other_ids_is_caught(
+    mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int]
+) -> None:
+    """A last hop that computes its rows honestly (so its commitments pass) but picks
+    other ids than the sampler's: calibration samples nothing, the verifier's check of
+    its picks against its own logits catches it; its work is not billed and the next
+    request is answered exactly, without it."""
+    args = ["--verify-rate", "1.0"]
+    mesh = mesh_factory("0:2", model=long_tiny, tracker_args=args, need_route=False)
+    prefix = [sys.executable, LAUNCHER, "sample", "0", "--"]
+    mesh.start_node("cheater", LayerRange(2, 4), prefix=prefix)
+    _wait_state(mesh, "cheater", "up")
+    mesh.start_node("spare", None)
+    mesh.wait_ready(expected_nodes=3, timeout_s=180)
+    _complete(mesh)  # ids it picked before it was caught reached the client
+    node = _wait_state(mesh, "cheater", "quarantined")
+    assert "sampled other ids" in node["down_reason"], node
+    records = _ledger(mesh, "cheater")
+    assert records and not any(r["billable"] for r in records)
+    again = _complete(mesh)
+    assert again["meshnet"]["ids"] == honest_ids
+    assert all(h["node_id"] != "cheater" for h in again["meshnet"]["route"])
+    for node_id in ("node-0", "spare"):  # the honest hops, after it too, were not blamed
+        assert _nodes(mesh)[node_id]["state"] == "up"
 
 
 @pytest.mark.parametrize(
@@ -158,6 +211,8 @@ def test_an_honest_mesh_at_rate_one_fails_no_check(
     )
     outputs = [_complete(mesh)["meshnet"]["ids"] for _ in range(3)]
     assert outputs == [outputs[0]] * 3
+    seeded = _complete(mesh, SEEDED)["meshnet"]["ids"]  # the last hop's picks are checked too
+    assert seeded == _complete(mesh, SEEDED)["meshnet"]["ids"]
     if backend == "fast":  # q8's 8-bit activations may part from float32's greedy ids
         assert outputs[0] == honest_ids
     time.sleep(2.0)  # the verifier's queue drains

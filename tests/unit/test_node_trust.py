@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from meshnet.errors import MeshnetError, NodeFailure
 from meshnet.mesh_messages import NodeAnnouncement, NodeLoad
 from meshnet.tracker import calibration
 from meshnet.tracker.calibration import NodeTrust
@@ -49,13 +50,17 @@ ANY_BACKEND = _Model()
 
 
 @pytest.fixture
-def answers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """What the faked calibration inputs answer, in order ("" passes; a calibration
-    sends ``CALIBRATION_INPUTS`` of them, and stops at the first that fails)."""
-    queue: list[str] = []
+def answers(monkeypatch: pytest.MonkeyPatch) -> list[str | MeshnetError]:
+    """What the faked calibration inputs answer, in order ("" passes, an error is
+    raised; a calibration sends ``CALIBRATION_INPUTS`` of them, and stops at the first
+    that fails)."""
+    queue: list[str | MeshnetError] = []
 
     async def run(channels: Any, node: Any, fingerprint: str, cal: Any) -> str:
-        return queue.pop(0)
+        answer = queue.pop(0)
+        if isinstance(answer, MeshnetError):
+            raise answer
+        return answer
 
     monkeypatch.setattr(calibration, "prepare", lambda model, layers, seed: None)
     monkeypatch.setattr(calibration, "run_calibration", run)
@@ -67,7 +72,9 @@ def _state(store: Store) -> tuple[NodeState, str]:
     return node.state, node.down_reason
 
 
-def test_calibration_decides_a_nodes_state(tmp_path: Path, answers: list[str]) -> None:
+def test_calibration_decides_a_nodes_state(
+    tmp_path: Path, answers: list[str | MeshnetError]
+) -> None:
     store = Store(SQLiteDatabase(tmp_path / "t.db"))
     quarantined: list[str] = []
     trust = NodeTrust(store, None, FP, ANY_BACKEND, lambda n, r: quarantined.append(n))  # type: ignore[arg-type]
@@ -104,7 +111,7 @@ def test_calibration_decides_a_nodes_state(tmp_path: Path, answers: list[str]) -
 
 
 def test_a_restarted_tracker_keeps_a_quarantined_node_out(
-    tmp_path: Path, answers: list[str]
+    tmp_path: Path, answers: list[str | MeshnetError]
 ) -> None:
     store = Store(SQLiteDatabase(tmp_path / "t.db"))
     store.register(_announce(0, 2), 0.0)
@@ -121,5 +128,38 @@ def test_a_restarted_tracker_keeps_a_quarantined_node_out(
         trust.decide("n", before)
         await trust.calibrated("n", 5.0)
         assert _state(store) == (NodeState.UP, "")
+
+    asyncio.run(scenario())
+
+
+def test_a_node_not_reached_is_tried_again_later_and_one_that_errs_is_quarantined(
+    tmp_path: Path, answers: list[str | MeshnetError], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not reached (or busy) says nothing of a node: it stays calibrating and is tried
+    again, backing off (each try costs the tracker a trusted computation); an error it
+    answers to a calibration input is a failed calibration."""
+    monkeypatch.setattr(calibration, "_RETRY_S", 0.2)
+    store = Store(SQLiteDatabase(tmp_path / "t.db"))
+    trust = NodeTrust(store, None, FP, ANY_BACKEND, lambda n, r: None)  # type: ignore[arg-type]
+    store.register(_announce(0, 2), 0.0)
+
+    async def scenario() -> None:
+        answers.append(NodeFailure("unreachable", "n"))
+        trust.decide("n")
+        await trust.calibrated("n", 5.0)
+        assert _state(store)[0] is NodeState.CALIBRATING
+        answers.append("")  # not asked for until the back-off is over
+        trust.decide("n")
+        await trust.calibrated("n", 5.0)
+        assert answers == [""] and _state(store)[0] is NodeState.CALIBRATING
+        await asyncio.sleep(0.25)
+        answers.append(MeshnetError("shard [0, 1) has no output head", "n"))
+        trust.decide("n")
+        await trust.calibrated("n", 5.0)
+        assert answers == []
+        assert _state(store) == (
+            NodeState.QUARANTINED,
+            "calibration: the node answered internal: shard [0, 1) has no output head",
+        )
 
     asyncio.run(scenario())

@@ -29,7 +29,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from meshnet.api.auth import require_admin
-from meshnet.api.state import sessions_of, tracker_of
+from meshnet.api.state import sessions_of, tracker_of, tracker_serving
 from meshnet.errors import MeshnetError, NodeFailure, NotFound, RequestError, error_for_kind
 from meshnet.layer_range import LayerRange
 from meshnet.protocol import meshnet_pb2 as pb
@@ -123,6 +123,9 @@ async def configure_node(node_id: str, body: ConfigureBody, request: Request) ->
     if reply.applied and body.t3 is not None and reply.fingerprint:  # not an unload
         layers = LayerRange(reply.layer_start, reply.layer_end)
         tracker.store.set_layers(node.node_id, layers, reply.fingerprint)
+        serving = tracker_serving(request, reply.fingerprint)
+        if serving.trust is not None:  # routed on its new layers only once it calibrated
+            serving.trust.decide(node.node_id)
     return _result(node_id, body, reply, handed, failures)
 
 

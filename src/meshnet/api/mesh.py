@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Path, Request
 
 from meshnet.api.auth import CallingNode, require_same_node
-from meshnet.api.state import models_of, tracker_of
+from meshnet.api.state import tracker_serving
 from meshnet.mesh_messages import MAX_ID, Heartbeat, HeartbeatReply, NodeAnnouncement
 from meshnet.tracker.service import Tracker
 
@@ -25,7 +25,7 @@ router = APIRouter()
 @router.post("/mesh/nodes")
 async def register(body: NodeAnnouncement, request: Request, caller: CallingNode) -> dict[str, Any]:
     require_same_node(caller, body.node_id)
-    tracker = _tracker_serving(request, body.fingerprint)
+    tracker = tracker_serving(request, body.fingerprint)
     tracker.register(body)
     _note_metrics_port(tracker, body.node_id, body.metrics_port)
     return {"registered": body.node_id}
@@ -39,20 +39,10 @@ async def heartbeat(
     node_id: str = Path(max_length=MAX_ID),
 ) -> dict[str, Any]:
     require_same_node(caller, node_id)
-    tracker = _tracker_serving(request, body.fingerprint)
+    tracker = tracker_serving(request, body.fingerprint)
     known = tracker.heartbeat(node_id, body)
     _note_metrics_port(tracker, node_id, body.metrics_port)
     return HeartbeatReply(known=known).model_dump()
-
-
-def _tracker_serving(request: Request, fingerprint: str) -> Tracker:
-    """The tracker of the served model a node's fingerprint names (its calibration and
-    trust are that model's); the first model's for an empty node or one of no model
-    served (routed for none)."""
-    for served in models_of(request):
-        if served.tracker.model.fingerprint == fingerprint:
-            return served.tracker
-    return tracker_of(request)
 
 
 def _note_metrics_port(tracker: Tracker, node_id: str, port: int | None) -> None:

@@ -31,6 +31,16 @@ def tracker_of(request: Request) -> Tracker:
         return request.app.state.tracker  # type: ignore[no-any-return]
 
 
+def tracker_serving(request: Request, fingerprint: str) -> Tracker:
+    """The tracker of the served model a node's fingerprint names (its calibration and
+    trust are that model's); the first model's for an empty node or one of no model
+    served (routed for none)."""
+    for served in models_of(request):
+        if served.tracker.model.fingerprint == fingerprint:
+            return served.tracker
+    return tracker_of(request)
+
+
 def models_of(request: Request) -> ServedModels:
     return request.app.state.models  # type: ignore[no-any-return]
 

@@ -110,7 +110,6 @@ class BenchStore:
         )
         return parse_rows(reversed(rows), _figures, "route benchmark")
 
-
     def purge(self, before: float, limit: int) -> int:
         """Delete up to ``limit`` rows recorded before ``before``, oldest first; how many
         (a run's rows are recorded at one time, so a run goes whole, but for one cut by

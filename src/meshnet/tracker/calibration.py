@@ -8,9 +8,10 @@ input as an ordinary one-off step (a throwaway session id, released when the
 stream ends), and compares the node's commitments and its output exactly;
 then a second fresh input of the same shape (a node that answers from a cache
 of earlier inputs fails it). A
-match makes the node ``up`` (routable); a mismatch ``quarantined``, with the
-reason. A node that cannot be reached is left ``calibrating`` and tried again
-at its next heartbeat.
+match makes the node ``up`` (routable); a mismatch, or an error answered to
+an input, ``quarantined``, with the reason. A node that cannot be reached (or
+is busy) is left ``calibrating`` and tried again at a heartbeat, backing off:
+each try costs the tracker a trusted computation.
 
 A quarantined node stays out (its registrations and heartbeats keep it
 quarantined) until it serves another range or model, which is calibrated
@@ -30,7 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from meshnet.errors import MalformedBundle, MeshnetError
+from meshnet.errors import (
+    Cancelled,
+    KVBudgetExhausted,
+    MalformedBundle,
+    MeshnetError,
+    NodeFailure,
+    Overloaded,
+)
 from meshnet.layer_range import LayerRange
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
@@ -50,6 +58,12 @@ CALIBRATION_TOKENS = 2 * CHUNK_TOKENS  # positions of a calibration input
 # input with what it cached for an earlier one fails the second.
 CALIBRATION_INPUTS = 2
 _TIMEOUT_S = 60.0
+# Failures that say nothing of a node's honesty (not reached, busy): its calibration is
+# tried again, first after _RETRY_S and then twice as long each time, up to _RETRY_MAX_S.
+# Any other error answered to a calibration input is a failed calibration.
+_NOT_A_VERDICT = (NodeFailure, Overloaded, KVBudgetExhausted, Cancelled)
+_RETRY_S = 1.0
+_RETRY_MAX_S = 60.0
 
 Served = tuple[str, LayerRange]  # (fingerprint, layers): what a verdict is about
 
@@ -146,6 +160,8 @@ class NodeTrust:
         self.on_quarantine = on_quarantine
         self._verdicts: dict[str, _Verdict] = {}
         self._running: dict[str, tuple[Served, asyncio.Task[Any]]] = {}
+        # Nodes not reached: node -> (what it serves, not to try before, the next delay).
+        self._retry: dict[str, tuple[Served, float, float]] = {}
         self.calibrations = 0  # run to an answer, in all
         self.runs: Counter[str] = Counter()  # the same, per node
         self.trusted = trusted  # up without a calibration (tracker/trusted_capacity.py)
@@ -179,9 +195,15 @@ class NodeTrust:
         if running is not None:
             running[1].cancel()
         self.store.set_state(node_id, NodeState.CALIBRATING, "")
+        if running is None and self._backing_off(node_id, served):
+            return  # its last try did not reach it: not yet again
         task = asyncio.get_running_loop().create_task(self._calibrate(node, served))
         self._running[node_id] = (served, task)
         task.add_done_callback(lambda _: self._ran(node_id, task))
+
+    def _backing_off(self, node_id: str, served: Served) -> bool:
+        retry = self._retry.get(node_id)
+        return retry is not None and retry[0] == served and time.monotonic() < retry[1]
 
     def _ran(self, node_id: str, task: asyncio.Task[Any]) -> None:
         running = self._running.get(node_id)
@@ -199,17 +221,24 @@ class NodeTrust:
     async def _calibrate(self, node: NodeRecord, served: Served) -> None:
         assert node.layers is not None
         reason = ""
-        try:
-            for _ in range(CALIBRATION_INPUTS):
-                seed = int.from_bytes(uuid.uuid4().bytes[:8], "little")
-                model = self.model.on(node.backend)  # exact against what it claims to run
-                cal = await asyncio.to_thread(prepare, model, node.layers, seed)
+        for _ in range(CALIBRATION_INPUTS):
+            seed = int.from_bytes(uuid.uuid4().bytes[:8], "little")
+            model = self.model.on(node.backend)  # exact against what it claims to run
+            cal = await asyncio.to_thread(prepare, model, node.layers, seed)
+            try:
                 reason = await run_calibration(self.channels, node, self.fingerprint, cal)
-                if reason:
-                    break
-        except MeshnetError as e:  # not reached: tried again at its next heartbeat
-            log.warning("node %s: calibration did not run: %s", node.node_id, e)
-            return
+            except _NOT_A_VERDICT as e:  # tried again at a later heartbeat
+                retry = self._retry.get(node.node_id)
+                delay = retry[2] if retry is not None and retry[0] == served else _RETRY_S
+                again = time.monotonic() + delay
+                self._retry[node.node_id] = (served, again, min(2 * delay, _RETRY_MAX_S))
+                log.warning("node %s: calibration did not run (%.0f s): %s", node.node_id, delay, e)
+                return
+            except MeshnetError as e:  # reached: it refused or failed to compute the input
+                reason = f"calibration: the node answered {e.kind}: {e.message}"
+            if reason:
+                break
+        self._retry.pop(node.node_id, None)
         self.calibrations += 1
         self.runs[node.node_id] += 1
         if not reason:

@@ -77,6 +77,7 @@ from meshnet.tracker.hop_link import HopLink, RelayBroken
 from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
 from meshnet.tracker.ring import Ring
 from meshnet.tracker.routes import Hop, Route
+from meshnet.tracker.sampled_check import Sampled
 from meshnet.tracker.verifier import SpanClaim, Upstream
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,17 @@ def recoverable(e: MeshnetError) -> bool:
     if isinstance(e, NodeFailure | CacheMiss):
         return bool(e.node_id)
     return isinstance(e, MalformedBundle | ShardMismatch) and bool(e.node_id)
+
+
+def _sampled(gen: Generation, node_id: str, start: int, fed: Sequence[int]) -> Sampled:
+    """The ids ``node_id``, a last hop, picked from the positions of the chunk at
+    ``start`` (each id is fed one position after the one it was picked from)."""
+    picked = tuple(
+        (q, fed[q])
+        for q in range(start + 1, min(start + CHUNK_TOKENS + 1, len(fed)))
+        if gen.sampled_by.get(q) == node_id
+    )
+    return Sampled(gen.params, gen.first_sampled, picked)
 
 
 class RouteDriver:
@@ -206,6 +218,7 @@ class RouteDriver:
         """
         state = RequestState([*history, *prompt_ids], params, self.tokenizer)
         gen.record_input(0, gen.first_step, np.asarray(prompt_ids, dtype=np.int64))
+        gen.first_sampled = len(state.prompt_ids)
         recorded = False
         logprobs: list[TokenLogprobs] = []
         try:
@@ -225,6 +238,8 @@ class RouteDriver:
                     gen.pending = None
                 if not gen.params.greedy:
                     gen.draws += 1  # the sampler drew one uniform for this token
+                if self.claims is not None:  # the verifier checks only the node's own picks
+                    gen.sampled_by[len(state.history)] = gen.links[-1].node_id
                 text = state.push(sampled.token)
                 self._claim(gen, state.history)
                 if gen.top_logprobs >= 0:
@@ -282,7 +297,14 @@ class RouteDriver:
                     for u in gen.links[:i]
                 )
                 claim = SpanClaim(
-                    link.node_id, gen.id, link.hop.layers, start, digest, tuple(fed[:end]), upstream
+                    link.node_id,
+                    gen.id,
+                    link.hop.layers,
+                    start,
+                    digest,
+                    tuple(fed[:end]),
+                    upstream,
+                    _sampled(gen, link.node_id, start, fed) if link.samples else None,
                 )
                 self.claims(claim)
 

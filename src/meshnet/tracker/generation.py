@@ -102,6 +102,8 @@ class Generation:
     ready_at: float | None = None  # time.monotonic() when every hop held the history
     draws: int = 0  # uniforms the request's generator has drawn: its position
     history: list[int] = field(default_factory=list)  # ids a repetition penalty sees
+    first_sampled: int = 0  # position of the first id this generation sampled
+    sampled_by: dict[int, str] = field(default_factory=dict)  # position -> node that picked it
 
     @property
     def kv_key(self) -> str:

@@ -42,6 +42,7 @@ from meshnet.model.gguf_file import open_gguf
 from meshnet.model.shard import Shard, load_shard
 from meshnet.model.spec import read_spec
 from meshnet.protocol.commitments import CHUNK_TOKENS, chunk_digests_of
+from meshnet.tracker.sampled_check import Sampled, check_sampled
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +130,13 @@ class TrustedModel:
 
     def logits_of(self, row: np.ndarray) -> np.ndarray:
         """The head's logits [vocab] of one last-layer row [d] (what a last hop samples)."""
+        return self.logits(row.reshape(1, -1))[0]
+
+    def logits(self, rows: np.ndarray) -> np.ndarray:
+        """The head's logits [T, vocab] of last-layer rows [T, d] (the same bits as one
+        row at a time: the kernels do not depend on the batch)."""
         with self._lock:
-            shard = self._shard(self.spec.n_layers)
-            return shard.backend.head(row.reshape(1, -1))[0]
+            return self._shard(self.spec.n_layers).backend.head(rows)
 
     def _shard(self, end: int) -> Shard:
         shard = self._shards.get(end)
@@ -165,6 +170,7 @@ class SpanClaim:
     digest: bytes
     tokens: tuple[int, ...]  # the session's ids fed at positions [0, token_end)
     upstream: tuple[Upstream, ...] = ()  # the route's hops before it, in order
+    sampled: Sampled | None = None  # on the last hop: what it picked from these positions
 
     @property
     def token_end(self) -> int:
@@ -215,15 +221,21 @@ def check_claim(model: TrustedModel, claim: SpanClaim) -> list[Verdict]:
 
 
 def check_span(model: TrustedModel, claim: SpanClaim) -> Verdict:
-    """The exact check of ``claim``'s own chunk, whatever its inputs were."""
+    """The exact check of ``claim``'s own chunk, whatever its inputs were, and on the
+    last hop of the ids it sampled from the chunk's rows (sampled_check.py)."""
     tokens = np.asarray(claim.tokens, np.int64)
     rows = model.rows_from(tokens, claim.layers.end, claim.token_start, claim.generation_id)
     want = chunk_digests_of(rows, claim.token_start).get(claim.token_start)
     if want is None:
         return Verdict(claim, False, "the claim's tokens do not cover its chunk")
-    if want == claim.digest:
-        return Verdict(claim, True, "exact")
-    return _mismatch(claim, want)
+    if want != claim.digest:
+        return _mismatch(claim, want)
+    if claim.sampled is not None and claim.sampled.tokens:
+        chunk = rows[:CHUNK_TOKENS]
+        why = check_sampled(model.logits(chunk), claim.token_start, claim.tokens, claim.sampled)
+        if why:
+            return Verdict(claim, False, f"layers {claim.layers} sampled other ids: {why}")
+    return Verdict(claim, True, "exact")
 
 
 def _mismatch(claim: SpanClaim, want: bytes) -> Verdict:
