@@ -4,7 +4,9 @@ A trusted node is up without a calibration, its work is billable at once and nev
 checked; an untrusted 0:2 node's chunks are checked on ``t-node``, a 2:4 node's on
 ``t-whole`` (a last range: its commitments, not its logits); a cheater on 0:2 is caught
 by a check run on ``t-node``; and with ``t-node`` killed, checks of 0:2 fall back to the
-tracker's own engine and still pass. Every client output equals an honest mesh's.
+tracker's own engine and still pass. A last hop that picks other ids than the sampler's
+is caught on ``t-whole`` too (it answers the logits of each of the chunk's positions).
+Every client output equals an honest mesh's, but for the picks the caught last hop made.
 
 The tests share one mesh and run in order (the last kills the trusted node)."""
 
@@ -166,6 +168,27 @@ def test_a_cheater_is_caught_by_a_check_on_the_trusted_node(
     nodes = _nodes(mesh)
     assert nodes[TRUSTED]["state"] == nodes["node-0"]["state"] == "up"  # not blamed
     assert not any(not c.passed for c in _checks(mesh, "node-0"))
+
+
+def test_a_last_hop_that_picks_other_ids_is_caught_on_the_trusted_node(
+    mesh: LocalMesh, honest_ids: list[int]
+) -> None:
+    """A 2:4 node that computes honestly but picks the id after the sampler's: its rows
+    pass on t-whole, the ids it picked do not (t-whole answered the logits of each of
+    the chunk's positions). Ids it picked before it was caught reached the client (see
+    docs/verification.md); the next request is exact, without it."""
+    prefix = [sys.executable, LAUNCHER, "sample", "0", "--"]
+    mesh.start_node("a-picker", LayerRange(2, 4), prefix=prefix)
+    _wait_state(mesh, "a-picker", "up")
+    _complete(mesh)  # an idle mesh routes honest > a-picker (the smallest ids)
+    node = _wait_state(mesh, "a-picker", "quarantined")
+    assert "sampled other ids" in node["down_reason"], node
+    assert node["down_reason"].endswith(f"(trusted {WHOLE})"), node
+    records = _ledger(mesh, node_id="a-picker")
+    assert records and not any(r["billable"] for r in records), records
+    again = _complete(mesh)
+    assert again["meshnet"]["ids"] == honest_ids
+    assert "a-picker" not in [h["node_id"] for h in again["meshnet"]["route"]]
 
 
 def test_without_the_trusted_node_checks_fall_back_to_the_trackers_engine(

@@ -6,6 +6,7 @@ network run is faked here; tests/e2e/test_trusted_nodes.py runs it on real nodes
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +18,18 @@ from meshnet.cli.options import declare_tracker_options, given_argv
 from meshnet.errors import DeadlineExceeded, WorkerDeath
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import MAX_ID, NodeAnnouncement, NodeLoad
+from meshnet.model.sampling import SamplingParams
 from meshnet.tracker import calibration
 from meshnet.tracker.calibration import NodeTrust
 from meshnet.tracker.database import SQLiteDatabase
 from meshnet.tracker.ledger import AttemptStatus, LedgerRecord, LedgerSpool
 from meshnet.tracker.registry import NodeRecord, NodeState
 from meshnet.tracker.routes import Route
+from meshnet.tracker.sampled_check import Sampled
 from meshnet.tracker.store import Store
 from meshnet.tracker.trusted_capacity import (
     MAX_TRUSTED,
+    ChainAnswer,
     TrustedCapacity,
     trusted_chain,
     trusted_ids,
@@ -105,18 +109,27 @@ def _claim(start: int = 0, layers: LayerRange = FIRST) -> SpanClaim:
 
 
 class _Chain:
-    """A faked chain run: answers ``digests`` or raises ``error``; records what it ran."""
+    """A faked chain run: answers ``digests`` (and ``logits`` when asked) or raises
+    ``error``; records what it ran."""
 
-    def __init__(self, digests: dict[int, bytes], error: Exception | None = None) -> None:
+    def __init__(
+        self,
+        digests: dict[int, bytes],
+        error: Exception | None = None,
+        logits: np.ndarray | None = None,
+    ) -> None:
         self.digests = digests
         self.error = error
-        self.ran: list[tuple[list[str], int]] = []
+        self.logits = logits
+        self.ran: list[tuple[list[str], int, int | None]] = []
 
-    async def __call__(self, chain: Route, tokens: np.ndarray) -> dict[int, bytes]:
-        self.ran.append(([h.node_id for h in chain], len(tokens)))
+    async def __call__(
+        self, chain: Route, tokens: np.ndarray, logits_from: int | None
+    ) -> ChainAnswer:
+        self.ran.append(([h.node_id for h in chain], len(tokens), logits_from))
         if self.error is not None:
             raise self.error
-        return self.digests
+        return ChainAnswer(self.digests, self.logits if logits_from is not None else None)
 
 
 def _capacity(run: _Chain, nodes: list[NodeRecord] | None = None) -> TrustedCapacity:
@@ -129,7 +142,7 @@ def test_a_trusted_chain_passes_or_fails_a_claim_of_a_first_range() -> None:
     capacity = _capacity(honest)
     [v] = asyncio.run(capacity.check(_claim(), "fast")) or []
     assert v.passed and v.detail == "exact on trusted t"
-    assert honest.ran == [(["t"], 32)]  # the claim's tokens [0, chunk end)
+    assert honest.ran == [(["t"], 32, None)]  # the claim's tokens [0, chunk end)
     other = _capacity(_Chain({0: b"\x02" * 16, 32: b"\x01" * 16}))
     [v] = asyncio.run(other.check(_claim(), "fast")) or []
     assert not v.passed and "trusted t 0202" in v.detail
@@ -162,6 +175,41 @@ def test_a_chain_that_does_not_commit_the_chunk_or_fits_nothing_is_no_verdict() 
     unfit = _capacity(_Chain({0: b"\x01" * 16}), nodes=[_node("t", 0, 2, backend="q8")])
     assert asyncio.run(unfit.check(_claim(), "fast")) is None
     assert unfit.stats.unfit == 1
+
+
+def _picks(start: int, wrong_at: int = -1) -> Sampled:
+    """Greedy picks from the logits of ``_logits``: the id at q is (q - 1) % 10."""
+    picked = tuple(
+        (q, ((q - 1) % 10 + (q == wrong_at)) % 10) for q in range(start + 1, start + 32 + 1)
+    )
+    return Sampled(SamplingParams(temperature=0.0), start + 1, picked)
+
+
+def _logits(start: int) -> np.ndarray:
+    """[32, 10]: position p's likeliest id is p % 10."""
+    positions = np.arange(start, start + 32)
+    return np.eye(10, dtype=np.float32)[positions % 10]
+
+
+@pytest.mark.parametrize(("wrong_at", "passed"), [(-1, True), (50, False)])
+def test_a_last_hops_picks_are_checked_on_the_trusted_chains_logits(
+    wrong_at: int, passed: bool
+) -> None:
+    """The chain's last hop answers the logits of the chunk's positions (one step each);
+    a last hop whose rows are honest and whose picks are not fails, though it follows
+    other hops (honest rows mean honest inputs)."""
+    start, last = 32, LayerRange(2, 4)
+    run = _Chain({start: b"\x01" * 16}, logits=_logits(start))
+    capacity = _capacity(run)  # t2 serves 0:4
+    claim = dataclasses.replace(_claim(start, last), sampled=_picks(start, wrong_at))
+    [v] = asyncio.run(capacity.check(claim, "fast")) or []
+    assert run.ran == [(["t2"], 64, start)]
+    assert v.passed is passed, v.detail
+    if not passed:
+        assert (
+            "position 50: sampled 0, the verifier's sampler picks 9" in v.detail
+            and "(trusted t2)" in v.detail
+        )
 
 
 class _Engine:

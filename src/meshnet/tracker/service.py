@@ -502,8 +502,9 @@ class Tracker:
         )
         self.verifier = Verifier(model, rate, self._checked, backend_of=self._backend_of)
         if trusted:
-            fingerprint, width = self.model.fingerprint, self.model.spec.d_model
-            run = functools.partial(run_chain, self.channels, fingerprint, width)
+            fingerprint, spec = self.model.fingerprint, self.model.spec
+            shape = (spec.d_model, spec.vocab_size)
+            run = functools.partial(run_chain, self.channels, fingerprint, shape)
             self.capacity = TrustedCapacity(trusted, fingerprint, self.store.nodes, run)
             self.verifier.elsewhere = self.capacity.check
         self.driver.claims = self._offer

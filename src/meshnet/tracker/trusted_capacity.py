@@ -13,9 +13,14 @@ chain from layer 0 and whose last ends at ``end`` exactly (a node commits only
 at its range's end). The chain runs the token ids ``[0, chunk_end)`` on a
 throwaway session (a fresh uuid on every hop, as a calibration does), hop by hop
 through the tracker: the first hop takes the ids, each later one the rows the
-one before answered. The last hop's commitment for the chunk is the check:
+one before answered. The last hop's commitment for the chunk is the check, and
+for a last hop's claim the ids it picked (``SpanClaim.sampled``) too: the chain's
+last hop is then fed the chunk's positions one step each, each step answering
+the logits of its row, and the sampler must pick the same ids from them
+(sampled_check.py), as on the tracker's engine:
 
-- equal: the claim passed (its detail names the chain);
+- equal (and the same picks): the claim passed (its detail names the chain);
+- equal rows, other picks: the claim failed;
 - different, on a claim of a first range: the claim failed;
 - different, on a claim whose inputs came from hops before it: no verdict here;
   the tracker's engine checks it again, where the upstream blame lives
@@ -48,6 +53,7 @@ from meshnet.tracker.commitments import checked_chunks
 from meshnet.tracker.hop_link import open_link
 from meshnet.tracker.registry import NodeRecord
 from meshnet.tracker.routes import Hop, Route
+from meshnet.tracker.sampled_check import check_sampled
 from meshnet.tracker.verifier import SpanClaim, Verdict
 
 log = logging.getLogger(__name__)
@@ -58,9 +64,19 @@ REST_S = 10.0  # a trusted node that did not answer a check is not asked again t
 _TIMEOUT_S = 15.0  # one hop of a check: open and answer ...
 _ROW_TIMEOUT_S = 0.02  # ... and this much more per position it computes
 
-# Runs ``tokens`` [T] through a chain; the last hop's commitments (chunk start -> digest).
-# ``MeshnetError`` (naming the node where known) when a hop did not answer.
-RunChain = Callable[[Route, np.ndarray], Awaitable[dict[int, bytes]]]
+
+@dataclass(frozen=True)
+class ChainAnswer:
+    """What a chain of trusted nodes computed for some tokens."""
+
+    digests: dict[int, bytes]  # its last hop's commitments: chunk start -> digest
+    logits: np.ndarray | None = None  # [T - logits_from, vocab], when asked for
+
+
+# Runs ``tokens`` [T] through a chain; with ``logits_from`` (an int) the last hop's logits
+# of every position from it on too. ``MeshnetError`` (naming the node where known) when a
+# hop did not answer.
+RunChain = Callable[[Route, np.ndarray, int | None], Awaitable[ChainAnswer]]
 
 
 def trusted_ids(values: Iterable[str]) -> frozenset[str]:
@@ -161,17 +177,29 @@ class TrustedCapacity:
             self.stats.unfit += 1
             return None
         names = " > ".join(h.node_id for h in chain)
+        picks = claim.sampled if claim.sampled is not None and claim.sampled.tokens else None
+        logits_from = claim.token_start if picks is not None else None
         try:
-            digests = await self.run(chain, np.asarray(claim.tokens, np.int64))
+            answer = await self.run(chain, np.asarray(claim.tokens, np.int64), logits_from)
         except MeshnetError as e:
             return self._unanswered(chain, e.node_id, f"did not answer: {e}")
-        want = digests.get(claim.token_start)
+        want = answer.digests.get(claim.token_start)
         if want is None:
             return self._unanswered(chain, chain[-1].node_id, "did not commit the chunk")
         self.stats.ran += 1
         self.checks.update(h.node_id for h in chain)
-        if want == claim.digest:
-            return [Verdict(claim, True, f"exact on trusted {names}")]
+        if want != claim.digest:
+            return self._differs(claim, names, want)
+        if picks is not None and answer.logits is not None:
+            why = check_sampled(answer.logits, claim.token_start, claim.tokens, picks)
+            if why:  # its rows were honest, so its inputs were: the picks are its own
+                detail = f"layers {claim.layers} sampled other ids: {why} (trusted {names})"
+                return [Verdict(claim, False, detail)]
+        return [Verdict(claim, True, f"exact on trusted {names}")]
+
+    def _differs(self, claim: SpanClaim, names: str, want: bytes) -> list[Verdict] | None:
+        """A claim whose chunk the chain computed otherwise: failed on a first range; after
+        other hops, left to the engine (was it this node, or a hop before it?)."""
         if claim.layers.start > 0:
             self.stats.upstream += 1
             return None
@@ -192,28 +220,44 @@ class TrustedCapacity:
 
 
 async def run_chain(
-    channels: ChannelPool, fingerprint: str, width: int, chain: Route, tokens: np.ndarray
-) -> dict[int, bytes]:
-    """Feed ``tokens`` [T] through ``chain`` hop by hop, each hop one step of a throwaway
-    session (released when its stream ends); the last hop's commitments. ``width``: the
-    model's hidden size (what a hop before the last answers, [T, width])."""
+    channels: ChannelPool,
+    fingerprint: str,
+    shape: tuple[int, int],
+    chain: Route,
+    tokens: np.ndarray,
+    logits_from: int | None = None,
+) -> ChainAnswer:
+    """Feed ``tokens`` [T] through ``chain`` hop by hop, each hop a throwaway session
+    (released when its stream ends) of one step, or with ``logits_from`` the last hop one
+    step up to that position and one step per position after it, each answering its
+    row's logits. ``shape``: the model's (hidden size, vocabulary size)."""
+    width, vocab = shape
     x = tokens
+    for hop in chain[:-1]:
+        [result] = await _run_hop(channels, fingerprint, hop, [x])
+        x = codec.decode(result.output, codec.TensorLimits("f32", 2, len(tokens), width))
+        if x.shape[0] != len(tokens):
+            raise MalformedBundle(f"{len(x)} rows for {len(tokens)} tokens", hop.node_id)
+    last = chain[-1]
+    if logits_from is None or not 0 <= logits_from < len(tokens):
+        [result] = await _run_hop(channels, fingerprint, last, [x])
+        return ChainAnswer(checked_chunks(result.commitments))
+    steps = [x[: logits_from + 1], *(x[p : p + 1] for p in range(logits_from + 1, len(x)))]
+    results = await _run_hop(channels, fingerprint, last, steps)
     digests: dict[int, bytes] = {}
-    for i, hop in enumerate(chain):
-        result = await _one_step(channels, fingerprint, hop, x)
-        digests = checked_chunks(result.commitments)
-        if i < len(chain) - 1:
-            limits = codec.TensorLimits("f32", 2, len(tokens), width)
-            x = codec.decode(result.output, limits)
-            if x.shape[0] != len(tokens):
-                raise MalformedBundle(f"{len(x)} rows for {len(tokens)} tokens", hop.node_id)
-    return digests
+    for result in results:
+        digests.update(checked_chunks(result.commitments))
+    one = codec.TensorLimits("f32", 2, 1, vocab)
+    logits = np.concatenate([codec.decode(r.output, one) for r in results])
+    return ChainAnswer(digests, logits)
 
 
-async def _one_step(
-    channels: ChannelPool, fingerprint: str, hop: Hop, x: np.ndarray
-) -> pb.StepResult:
-    timeout_s = _TIMEOUT_S + _ROW_TIMEOUT_S * len(x)
+async def _run_hop(
+    channels: ChannelPool, fingerprint: str, hop: Hop, steps: Sequence[np.ndarray]
+) -> list[pb.StepResult]:
+    """Run ``steps`` (inputs, in order) on ``hop`` as one throwaway session; their results."""
+    rows = sum(len(x) for x in steps)
+    timeout_s = _TIMEOUT_S + _ROW_TIMEOUT_S * rows
     message = pb.Open(
         session_id=uuid.uuid4().hex,  # like any generation's: the node cannot tell
         epoch=1,
@@ -223,11 +267,14 @@ async def _one_step(
     )
     stub = channels.stub(hop.address)
     link, _ = await open_link(stub, channels.keys, hop, message, timeout_s, timeout_s)
+    results = []
     try:
-        step = pb.Step(step=0, input=codec.encode(x), timeout_ms=int(timeout_s * 1000))
-        reply = await link.exchange(pb.ForwardRequest(step=step), timeout_s)
+        for i, x in enumerate(steps):
+            step = pb.Step(step=i, input=codec.encode(x), timeout_ms=int(timeout_s * 1000))
+            reply = await link.exchange(pb.ForwardRequest(step=step), timeout_s)
+            if reply.WhichOneof("kind") != "result":
+                raise MalformedBundle(f"node {hop.node_id} answered no result", hop.node_id)
+            results.append(reply.result)
     finally:
         link.close()  # the node releases the session's KV as the stream ends
-    if reply.WhichOneof("kind") != "result":
-        raise MalformedBundle(f"node {hop.node_id} answered no result", hop.node_id)
-    return reply.result
+    return results
