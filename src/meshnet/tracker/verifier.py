@@ -2,7 +2,8 @@
 
 Trusted capacity is the tracker's own engine: shards ``[0, end)`` of the
 served model on the ``fast`` backend (the nodes' backend), loaded on first
-use per boundary ``end``. Because those kernels are bit-exact whatever the
+use per boundary ``end``; where trusted nodes fit a claim, they check it first
+(``Verifier.elsewhere``: trusted_capacity.py). Because those kernels are bit-exact whatever the
 batch, chunking or split (docs/kernels.md), a check is exact: the rows of a
 chunk's positions at the node's end boundary, re-computed from the session's
 token ids ``[0, chunk_end)`` (the prefix is needed for attention), must hash
