@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from meshnet.api.auth import auth_of, require_admin
 from meshnet.api.schemas import PinRouteRequest
-from meshnet.api.state import tracker_of
+from meshnet.api.state import models_of, tracker_of
 from meshnet.auth.tenants import Quotas
 from meshnet.errors import MeshnetError, NotFound
 from meshnet.tracker import billing
@@ -23,7 +23,19 @@ router = APIRouter(dependencies=[Depends(require_admin)])
 
 @router.get("/admin/nodes")
 async def list_nodes(request: Request) -> dict[str, Any]:
-    return {"nodes": [node_json(n) for n in tracker_of(request).store.nodes()]}
+    """Every node's record, and what verification knows of it (every served model's):
+    ``trusted`` by configuration (--trusted-node), ``calibrations`` this tracker ran on it
+    to an answer, ``trusted_checks``: checks of other nodes' work it took part in."""
+    first = tracker_of(request)
+    trackers = [m.tracker for m in models_of(request)] or [first]
+    nodes = []
+    for n in first.store.nodes():
+        calibrations = sum(t.trust.runs[n.node_id] for t in trackers if t.trust is not None)
+        checks = sum(t.capacity.checks[n.node_id] for t in trackers if t.capacity is not None)
+        trusted = n.node_id in first.trusted_nodes
+        more = {"trusted": trusted, "calibrations": calibrations, "trusted_checks": checks}
+        nodes.append({**node_json(n), **more})
+    return {"nodes": nodes}
 
 
 @router.get("/admin/routes")

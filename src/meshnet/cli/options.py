@@ -17,6 +17,7 @@ from collections.abc import Callable, Collection
 from meshnet.auth.credentials import MESH_SECRET_ENV, NODE_KEY_ENV
 from meshnet.layer_range import LayerRange
 from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
+from meshnet.tracker.trusted_capacity import trusted_ids
 
 # Anything argparse can add arguments to: a parser or one of its groups.
 ArgumentTarget = argparse.ArgumentParser | argparse._ArgumentGroup
@@ -61,6 +62,15 @@ def duration(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite duration of at least 0: {text!r}")
     return value
+
+
+def node_id(text: str) -> str:
+    """An argparse type: a node id, as nodes name themselves."""
+    try:
+        trusted_ids([text])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def positive_duration(text: str) -> float:
@@ -190,6 +200,16 @@ def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
             "routed, and a mismatch quarantines the node (docs/verification.md)",
         ),
         p.add_argument(
+            "--trusted-node",
+            action="append",
+            type=node_id,
+            metavar="NODE_ID",
+            help="a node the tracker trusts (repeatable): it is not calibrated, its work is "
+            "never checked and is billable at once, and with --verify-rate above 0 checks of "
+            "other nodes run on chains of trusted nodes whose ranges fit, before the "
+            'tracker\'s own engine (docs/verification.md, "Trusted nodes")',
+        ),
+        p.add_argument(
             "--no-relay",
             dest="relay",
             action="store_false",
@@ -300,6 +320,9 @@ def given_argv(declare: Declare, args: argparse.Namespace, skip: Collection[str]
         flag = action.option_strings[0]
         if action.nargs == 0:  # store_true / store_false: the flag itself is the value
             argv.append(flag)
+        elif isinstance(given[action.dest], list):  # a repeatable flag: once per value
+            for value in given[action.dest]:
+                argv += [flag, str(value)]
         else:
             argv += [flag, str(given[action.dest])]
     return argv

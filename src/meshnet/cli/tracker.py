@@ -13,6 +13,7 @@ from meshnet.tracker.outbox import OutboxConfig
 from meshnet.tracker.retention import RetentionPolicy
 from meshnet.tracker.service import TrackerConfig
 from meshnet.tracker.sessions import SessionPolicy
+from meshnet.tracker.trusted_capacity import trusted_ids
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -38,6 +39,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.verify_rate <= 1.0:
         raise SystemExit(f"--verify-rate is a share of chunks, 0 to 1, not {args.verify_rate}")
+    try:
+        trusted = trusted_ids(args.trusted_node or ())
+    except ValueError as e:
+        raise SystemExit(f"--trusted-node: {e}") from None
     return serve(
         TrackerProcessConfig(
             host=args.host,
@@ -48,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
             more_models=tuple(args.model[1:]) if args.model else (),
             mesh_secret_file=args.mesh_secret_file,
             verify_rate=args.verify_rate,
+            trusted_nodes=trusted,
             tracker=TrackerConfig(
                 heartbeat_timeout_s=args.heartbeat_timeout,
                 replicas=args.replicas,

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -150,6 +151,7 @@ class NodeTrust:
         fingerprint: str,
         model: TrustedModel,
         on_quarantine: Callable[[str, str], None],
+        trusted: frozenset[str] = frozenset(),
     ) -> None:
         self.store = store
         self.channels = channels
@@ -161,6 +163,8 @@ class NodeTrust:
         # Nodes not reached: node -> (what it serves, not to try before, the next delay).
         self._retry: dict[str, tuple[Served, float, float]] = {}
         self.calibrations = 0  # run to an answer, in all
+        self.runs: Counter[str] = Counter()  # the same, per node
+        self.trusted = trusted  # up without a calibration (tracker/trusted_capacity.py)
         self.quarantines = 0
 
     def decide(self, node_id: str, before: NodeRecord | None = None) -> None:
@@ -173,6 +177,8 @@ class NodeTrust:
         if node.fingerprint != self.fingerprint:
             return  # another model's node: never routed for this one
         served = (node.fingerprint, node.layers)
+        if node_id in self.trusted:  # configuration, not a calibration, vouches for it
+            self._verdicts[node_id] = _Verdict(served, True)
         verdict = self._verdicts.get(node_id)
         was = before if before is not None and before.state is NodeState.QUARANTINED else node
         if verdict is None and was.state is NodeState.QUARANTINED:  # a tracker restarted
@@ -234,6 +240,7 @@ class NodeTrust:
                 break
         self._retry.pop(node.node_id, None)
         self.calibrations += 1
+        self.runs[node.node_id] += 1
         if not reason:
             log.info("node %s calibrated on layers %s: up", node.node_id, node.layers)
             self._verdicts[node.node_id] = _Verdict(served, True)

@@ -10,7 +10,8 @@ it computed in that epoch and how it ended:
 - ``cancelled``: the work was abandoned (client gone, explicit cancel, the
   generation failed elsewhere, the KV was lost and recomputed, or a session
   turn's delivery that another tracker took over: ``superseded``);
-- ``unverified``: completed while the verifier is on, and not yet settled
+- ``unverified``: completed while the verifier is on (by a node that is not
+  trusted: a trusted node's work is ``completed``), and not yet settled
   (``settlement.py``): it becomes ``verified`` when a check of its span passed,
   ``completed`` when its node's verification window closed with every sampled
   check of that node passing, and ``rejected`` when a check of its node failed
@@ -101,7 +102,9 @@ class LedgerSpool:
     ``DatabaseUnavailable`` (a bug, which no retry would mend) is not kept.
 
     While ``verifying`` (the verifier samples this mesh's work), completed work is
-    written ``unverified``, for settlement to bill or reject. The records of a
+    written ``unverified``, for settlement to bill or reject, except the work of
+    ``trusted`` nodes (tracker/trusted_capacity.py: checks are made against it), which
+    is ``completed``, billable at once. The records of a
     generation that is ``hold``-ing wait here until ``release`` says whether the
     work was delivered: a session turn's attempt is billed only when its turn was
     completed by it, so a turn delivered again elsewhere (its lease lapsed) is
@@ -117,6 +120,7 @@ class LedgerSpool:
     ) -> None:
         self._write = write
         self.verifying = verifying
+        self.trusted: frozenset[str] = frozenset()  # node ids whose work is never checked
         self._held: dict[str, list[LedgerRecord]] = {}  # generation id -> its records
         self._max_pending = max_pending
         self._retry_s = retry_s
@@ -129,7 +133,8 @@ class LedgerSpool:
         """Record the attempts that ended at ``now`` (default: the wall clock)."""
         batch = []
         for r in records:
-            if self.verifying and r.status is AttemptStatus.COMPLETED:
+            unchecked = r.node_id in self.trusted
+            if self.verifying and r.status is AttemptStatus.COMPLETED and not unchecked:
                 r = replace(r, status=AttemptStatus.UNVERIFIED)
             held = self._held.get(r.generation_id)
             if held is not None:

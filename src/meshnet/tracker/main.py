@@ -56,6 +56,9 @@ class TrackerProcessConfig:
     # tracker loads its own engine of the model: tracker/verifier.py). 0: off.
     verify_rate: float = 0.0
     more_models: tuple[str, ...] = ()  # served too (nodes load them from the same paths)
+    # Node ids trusted by configuration: not calibrated, not checked, billed at once, and
+    # the verifier's capacity where their ranges fit (tracker/trusted_capacity.py).
+    trusted_nodes: frozenset[str] = frozenset()
 
 
 def mesh_secret(cfg: TrackerProcessConfig) -> str:
@@ -85,9 +88,12 @@ def serve(cfg: TrackerProcessConfig) -> int:
     channels = ChannelPool(keys)
     driver = RouteDriver(channels, model.fingerprint, model.spec, model.tokenizer, cfg.driver)
     tracker = Tracker(store, model, channels, driver, cfg.tracker)
+    tracker.trusted_nodes = cfg.trusted_nodes
     if cfg.verify_rate > 0:
-        tracker.verify(TrustedModel(str(model.path)), cfg.verify_rate)
+        tracker.verify(TrustedModel(str(model.path)), cfg.verify_rate, cfg.trusted_nodes)
         log.info("verification on: calibration, and %.1f%% of chunks re-run", cfg.verify_rate * 100)
+    elif cfg.trusted_nodes:
+        log.warning("--trusted-node changes nothing while --verify-rate is 0: nothing is checked")
     placement = Placement(tracker)
     served = ServedModels(ServedModel(model, tracker, placement, ""))
     for path in cfg.more_models:

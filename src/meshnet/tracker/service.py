@@ -63,7 +63,14 @@ from meshnet.tracker.routes import (
     splice,
 )
 from meshnet.tracker.store import Store
-from meshnet.tracker.verifier import TRUSTED_BACKEND, TrustedModel, Verdict, Verifier
+from meshnet.tracker.trusted_capacity import TrustedCapacity, run_chain
+from meshnet.tracker.verifier import (
+    TRUSTED_BACKEND,
+    SpanClaim,
+    TrustedModel,
+    Verdict,
+    Verifier,
+)
 from meshnet.tracker.work_checks import SpanCheck
 
 log = logging.getLogger(__name__)
@@ -134,6 +141,8 @@ class Tracker:
         self.metrics.watch(self)
         self.trust: NodeTrust | None = None  # calibration, when verification is on
         self.verifier: Verifier | None = None
+        self.trusted_nodes: frozenset[str] = frozenset()  # by configuration (--trusted-node)
+        self.capacity: TrustedCapacity | None = None  # checks on trusted nodes, when any
         # The file ``load`` tells nodes to load, as they see it ("": each node's start
         # model); another served model's tracker names its file (tracker/served.py).
         self.node_model_path = ""
@@ -480,15 +489,32 @@ class Tracker:
 
     # --- verification (tracker/calibration.py, tracker/verifier.py) --------------
 
-    def verify(self, model: TrustedModel, rate: float) -> None:
+    def verify(
+        self, model: TrustedModel, rate: float, trusted: frozenset[str] = frozenset()
+    ) -> None:
         """Turn verification on: nodes calibrate before they are routed, and a fraction
-        ``rate`` of every node's committed chunks is re-run on ``model``."""
+        ``rate`` of every node's committed chunks is re-run on chains of ``trusted`` nodes
+        where one fits (tracker/trusted_capacity.py), else on ``model``. Trusted nodes are
+        neither calibrated nor checked, and their work is billable at once."""
+        self.trusted_nodes = trusted
         self.trust = NodeTrust(
-            self.store, self.channels, self.model.fingerprint, model, self._quarantined
+            self.store, self.channels, self.model.fingerprint, model, self._quarantined, trusted
         )
         self.verifier = Verifier(model, rate, self._checked, backend_of=self._backend_of)
-        self.driver.claims = self.verifier.offer
+        if trusted:
+            fingerprint, spec = self.model.fingerprint, self.model.spec
+            shape = (spec.d_model, spec.vocab_size)
+            run = functools.partial(run_chain, self.channels, fingerprint, shape)
+            self.capacity = TrustedCapacity(trusted, fingerprint, self.store.nodes, run)
+            self.verifier.elsewhere = self.capacity.check
+        self.driver.claims = self._offer
         self.ledger.verifying = True  # completed work waits for its checks (ledger.py)
+        self.ledger.trusted |= trusted  # one spool for every model's tracker (served.py)
+
+    def _offer(self, claim: SpanClaim) -> None:
+        """Hand a committed chunk to the verifier, unless a trusted node committed it."""
+        if self.verifier is not None and claim.node_id not in self.trusted_nodes:
+            self.verifier.offer(claim)
 
     def _backend_of(self, node_id: str) -> str:
         """The backend a node registered with (the verifier checks its work on it)."""
@@ -513,7 +539,13 @@ class Tracker:
         """Record the verifier's verdict on a span; a failed one quarantines the node
         (first: it must not wait on the database)."""
         c = verdict.claim
-        if not verdict.passed and self.trust is not None:
+        if not verdict.passed and c.node_id in self.trusted_nodes:
+            # Blamed as a hop before a checked node (the engine's upstream check): trust is
+            # configuration, so it stays up; the failed check is kept for the operator.
+            log.error(
+                "trusted node %s differs from the tracker's engine: %s", c.node_id, verdict.detail
+            )
+        elif not verdict.passed and self.trust is not None:
             self.trust.quarantine(c.node_id, f"verification failed: {verdict.detail}")
         self.store.record_check(
             SpanCheck(

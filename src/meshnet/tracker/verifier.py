@@ -2,7 +2,8 @@
 
 Trusted capacity is the tracker's own engine: shards ``[0, end)`` of the
 served model on the ``fast`` backend (the nodes' backend), loaded on first
-use per boundary ``end``. Because those kernels are bit-exact whatever the
+use per boundary ``end``; where trusted nodes fit a claim, they check it first
+(``Verifier.elsewhere``: trusted_capacity.py). Because those kernels are bit-exact whatever the
 batch, chunking or split (docs/kernels.md), a check is exact: the rows of a
 chunk's positions at the node's end boundary, re-computed from the session's
 token ids ``[0, chunk_end)`` (the prefix is needed for attention), must hash
@@ -30,7 +31,7 @@ import logging
 import random
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -296,6 +297,9 @@ class Verifier:
         self._queue: asyncio.Queue[SpanClaim] = asyncio.Queue(queue_size)
         self._random = random.Random(seed)
         self._worker: asyncio.Task[None] | None = None  # started by the first claim drawn
+        # Checks a claim elsewhere first (trusted nodes: tracker/trusted_capacity.py), given
+        # its node's backend; None from it, or no hook, and the tracker's engine checks it.
+        self.elsewhere: Callable[[SpanClaim, str], Awaitable[list[Verdict] | None]] | None = None
 
     def offer(self, claim: SpanClaim) -> bool:
         """Draw ``claim`` for a check with probability ``rate``; True when queued."""
@@ -321,8 +325,11 @@ class Verifier:
         while True:
             claim = await self._queue.get()
             try:
-                model = self.model.on(self.backend_of(claim.node_id))
-                verdicts = await asyncio.to_thread(check_claim, model, claim)
+                backend = self.backend_of(claim.node_id)
+                verdicts = await self.elsewhere(claim, backend) if self.elsewhere else None
+                if verdicts is None:
+                    model = self.model.on(backend)
+                    verdicts = await asyncio.to_thread(check_claim, model, claim)
             except Exception:  # a bug in the check is not the node's fault: no verdict
                 log.exception("checking %s of %s failed", claim.layers, claim.node_id)
             else:
