@@ -1,13 +1,13 @@
 """The verifier: re-runs a sample of nodes' committed spans on trusted capacity.
 
 Trusted capacity is the tracker's own engine: shards ``[0, end)`` of the
-served model on the ``fast`` backend (the nodes' backend), loaded on first
-use per boundary ``end``; where trusted nodes fit a claim, they check it first
-(``Verifier.elsewhere``: trusted_capacity.py). Because those kernels are bit-exact whatever the
-batch, chunking or split (docs/kernels.md), a check is exact: the rows of a
-chunk's positions at the node's end boundary, re-computed from the session's
-token ids ``[0, chunk_end)`` (the prefix is needed for attention), must hash
-to the node's commitment (protocol/commitments.py).
+served model on the node's backend, loaded on first use per boundary ``end``;
+where trusted nodes fit a claim, they check it first (``Verifier.elsewhere``:
+trusted_capacity.py). Because the kernels are bit-exact whatever the batch,
+chunking or split (docs/kernels.md), a check is exact: the rows of a chunk's
+positions at the node's end boundary, re-computed from the session's token ids
+``[0, chunk_end)`` (the prefix is needed for attention), must hash to the
+node's commitment (protocol/commitments.py).
 
 Each completed chunk is checked with probability ``rate``, off the request
 path: a bounded queue and one worker whose compute runs in a thread. A full
