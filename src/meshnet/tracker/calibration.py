@@ -45,10 +45,10 @@ from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol.commitments import CHUNK_TOKENS, chunk_digests_of
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.commitments import checked_chunks
-from meshnet.tracker.hop_link import open_link
 from meshnet.tracker.registry import NodeRecord, NodeState
 from meshnet.tracker.routes import Hop
 from meshnet.tracker.store import Store
+from meshnet.tracker.throwaway import run_steps
 from meshnet.tracker.verifier import TrustedModel
 
 log = logging.getLogger(__name__)
@@ -112,23 +112,8 @@ async def run_calibration(
     answer is exact, else the reason. ``MeshnetError`` when the node was not reached."""
     assert node.layers is not None
     hop = Hop(node.node_id, node.address, node.layers)
-    message = pb.Open(
-        session_id=uuid.uuid4().hex,  # like any generation's: the node cannot tell
-        epoch=1,
-        fingerprint=fingerprint,
-        layer_start=node.layers.start,
-        layer_end=node.layers.end,
-    )
-    stub = channels.stub(node.address)
-    link, _ = await open_link(stub, channels.keys, hop, message, _TIMEOUT_S, _TIMEOUT_S)
-    try:
-        step = pb.Step(step=0, input=codec.encode(cal.x), timeout_ms=int(_TIMEOUT_S * 1000))
-        reply = await link.exchange(pb.ForwardRequest(step=step), _TIMEOUT_S)
-    finally:
-        link.close()  # the node releases the session's KV as the stream ends
-    if reply.WhichOneof("kind") != "result":
-        raise MalformedBundle(f"node {node.node_id} answered no result", node.node_id)
-    return compare(cal, reply.result)
+    [result] = await run_steps(channels, fingerprint, hop, [cal.x], _TIMEOUT_S)
+    return compare(cal, result)
 
 
 @dataclass

@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import re
 import time
-import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -50,10 +49,10 @@ from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.commitments import checked_chunks
-from meshnet.tracker.hop_link import open_link
 from meshnet.tracker.registry import NodeRecord
 from meshnet.tracker.routes import Hop, Route
 from meshnet.tracker.sampled_check import check_sampled
+from meshnet.tracker.throwaway import run_steps
 from meshnet.tracker.verifier import SpanClaim, Verdict
 
 log = logging.getLogger(__name__)
@@ -255,26 +254,6 @@ async def run_chain(
 async def _run_hop(
     channels: ChannelPool, fingerprint: str, hop: Hop, steps: Sequence[np.ndarray]
 ) -> list[pb.StepResult]:
-    """Run ``steps`` (inputs, in order) on ``hop`` as one throwaway session; their results."""
-    rows = sum(len(x) for x in steps)
-    timeout_s = _TIMEOUT_S + _ROW_TIMEOUT_S * rows
-    message = pb.Open(
-        session_id=uuid.uuid4().hex,  # like any generation's: the node cannot tell
-        epoch=1,
-        fingerprint=fingerprint,
-        layer_start=hop.layers.start,
-        layer_end=hop.layers.end,
-    )
-    stub = channels.stub(hop.address)
-    link, _ = await open_link(stub, channels.keys, hop, message, timeout_s, timeout_s)
-    results = []
-    try:
-        for i, x in enumerate(steps):
-            step = pb.Step(step=i, input=codec.encode(x), timeout_ms=int(timeout_s * 1000))
-            reply = await link.exchange(pb.ForwardRequest(step=step), timeout_s)
-            if reply.WhichOneof("kind") != "result":
-                raise MalformedBundle(f"node {hop.node_id} answered no result", hop.node_id)
-            results.append(reply.result)
-    finally:
-        link.close()  # the node releases the session's KV as the stream ends
-    return results
+    """Run ``steps`` on ``hop`` as one throwaway session, given time by their rows."""
+    timeout_s = _TIMEOUT_S + _ROW_TIMEOUT_S * sum(len(x) for x in steps)
+    return await run_steps(channels, fingerprint, hop, steps, timeout_s)
