@@ -21,6 +21,11 @@ route committed, for every position up to the chunk's end, exactly what the
 verifier computes at that hop's boundary; the first hop that did not is the
 one blamed, and when a hop before it committed too little to tell, there is
 no verdict (``inconclusive``).
+
+A node on a backend that is not bit-exact (``numpy``) commits top-k sketches
+(protocol/sketches.py) instead of hashes; its claims are re-run on the trusted
+backend and compared with the sketch's tolerance, hops before it too (a route's
+hops share one backend: routes.py). A commitment of the other kind fails.
 """
 
 from __future__ import annotations
@@ -41,14 +46,21 @@ from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.shard import Shard, load_shard
 from meshnet.model.spec import read_spec
-from meshnet.protocol.commitments import CHUNK_TOKENS, chunk_digests_of
+from meshnet.protocol.commitments import (
+    CHUNK_TOKENS,
+    DIGEST_BYTES,
+    EXACT_BACKENDS,
+    SKETCH_BYTES,
+    chunk_digest,
+    row_digests,
+)
+from meshnet.protocol.sketches import sketch_mismatch
 
 log = logging.getLogger(__name__)
 
 TRUSTED_BACKEND = "fast"  # the nodes' backend: the one whose bits a check compares
-# Backends whose rows are the same bits alone, batched, chunked and split (docs/kernels.md):
-# a node on one of them is checked on the same backend here.
-EXACT_BACKENDS = frozenset({"fast", "q8"})
+# EXACT_BACKENDS (protocol/commitments.py): a node on one of them is checked on the same
+# backend here, by hash; on another, on this one, by sketch.
 _MAX_SHARDS = 4  # boundaries whose shard [0, end) is held at once
 _MAX_PREFIXES = 8  # generations' checked prefixes (their KV) held at once
 
@@ -188,47 +200,63 @@ class VerifierStats:
     inconclusive: int = 0  # differed, but its inputs could not be vouched for
 
 
-def check_claim(model: TrustedModel, claim: SpanClaim) -> list[Verdict]:
+def check_claim(model: TrustedModel, claim: SpanClaim, exact: bool = True) -> list[Verdict]:
     """Re-run ``claim``'s span on ``model`` and compare with its commitment: its verdict,
     or when it differs and its inputs came from hops before it, the verdict on the first
     of those that committed other bytes (its rows were computed from theirs); no verdict
-    when the hops before it did not commit all they sent it (inconclusive)."""
-    verdict = check_span(model, claim)
+    when the hops before it did not commit all they sent it (inconclusive). ``exact``:
+    the route's nodes commit hashes (else sketches, compared with a tolerance)."""
+    verdict = check_span(model, claim, exact)
     if verdict.passed or claim.layers.start == 0:
         return [verdict]
     for up in claim.upstream:
         have = dict(up.chunks)
         rows = model.boundary_rows(np.asarray(claim.tokens, np.int64), up.layers.end)
-        for start, want in sorted(chunk_digests_of(rows, 0).items()):
+        for start in range(0, rows.shape[0] - CHUNK_TOKENS + 1, CHUNK_TOKENS):
             if start not in have:
                 return []  # its inputs cannot be vouched for: no verdict either way
-            if have[start] != want:
-                tokens = claim.tokens[: start + CHUNK_TOKENS]
-                culprit = SpanClaim(
-                    up.node_id, claim.generation_id, up.layers, start, have[start], tokens
-                )
-                return [_mismatch(culprit, want)]
+            tokens = claim.tokens[: start + CHUNK_TOKENS]
+            culprit = SpanClaim(
+                up.node_id, claim.generation_id, up.layers, start, have[start], tokens
+            )
+            why = compare_chunk(culprit.digest, rows[start : start + CHUNK_TOKENS], exact)
+            if why:
+                return [_mismatch(culprit, why)]
     chained = [u.layers for u in claim.upstream]
     if not chained or chained[0].start != 0 or chained[-1].end != claim.layers.start:
         return []
     return [verdict]
 
 
-def check_span(model: TrustedModel, claim: SpanClaim) -> Verdict:
-    """The exact check of ``claim``'s own chunk, whatever its inputs were."""
+def check_span(model: TrustedModel, claim: SpanClaim, exact: bool = True) -> Verdict:
+    """The check of ``claim``'s own chunk, whatever its inputs were: exact for a hash,
+    within the tolerance for a sketch (``exact`` False)."""
     tokens = np.asarray(claim.tokens, np.int64)
-    rows = model.rows_from(tokens, claim.layers.end, claim.token_start, claim.generation_id)
-    want = chunk_digests_of(rows, claim.token_start).get(claim.token_start)
-    if want is None:
+    if len(tokens) < claim.token_end or claim.token_start < 0:
         return Verdict(claim, False, "the claim's tokens do not cover its chunk")
-    if want == claim.digest:
-        return Verdict(claim, True, "exact")
-    return _mismatch(claim, want)
+    rows = model.rows_from(tokens, claim.layers.end, claim.token_start, claim.generation_id)
+    why = compare_chunk(claim.digest, rows[:CHUNK_TOKENS], exact)
+    if not why:
+        return Verdict(claim, True, "exact" if exact else "within tolerance")
+    return _mismatch(claim, why)
 
 
-def _mismatch(claim: SpanClaim, want: bytes) -> Verdict:
+def compare_chunk(commitment: bytes, rows: np.ndarray, exact: bool) -> str:
+    """Why ``commitment`` is not one of the chunk whose rows [32, d] the verifier
+    computed; "" when it is. ``exact``: a hash, equal to the rows' bit for bit;
+    else a sketch, within its tolerance (protocol/sketches.py)."""
+    if len(commitment) != (DIGEST_BYTES if exact else SKETCH_BYTES):
+        kind = "a hash" if exact else "a sketch"
+        return f"commitment of the wrong kind ({len(commitment)} bytes, expected {kind})"
+    if not exact:
+        return sketch_mismatch(commitment, rows)
+    want = chunk_digest(row_digests(rows))
+    return "" if want == commitment else f"committed {commitment.hex()}, verifier {want.hex()}"
+
+
+def _mismatch(claim: SpanClaim, why: str) -> Verdict:
     what = f"layers {claim.layers} positions [{claim.token_start}, {claim.token_end})"
-    return Verdict(claim, False, f"{what}: committed {claim.digest.hex()}, verifier {want.hex()}")
+    return Verdict(claim, False, f"{what}: {why}")
 
 
 class Verifier:
@@ -281,8 +309,10 @@ class Verifier:
         while True:
             claim = await self._queue.get()
             try:
-                model = self.model.on(self.backend_of(claim.node_id))
-                verdicts = await asyncio.to_thread(check_claim, model, claim)
+                backend = self.backend_of(claim.node_id)
+                model = self.model.on(backend)
+                exact = backend in EXACT_BACKENDS
+                verdicts = await asyncio.to_thread(check_claim, model, claim, exact)
             except Exception:  # a bug in the check is not the node's fault: no verdict
                 log.exception("checking %s of %s failed", claim.layers, claim.node_id)
             else:
