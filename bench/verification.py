@@ -46,6 +46,7 @@ from meshnet.protocol.commitments import (
     SKETCH_BYTES,
     commits_exactly,
 )
+from meshnet.protocol.sketches import MEAN_RTOL, VALUE_RTOL, sketch_errors
 from meshnet.tracker.verifier import SpanClaim, TrustedModel, Verifier, check_span
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
@@ -125,9 +126,11 @@ def measured_detection(rate: float, chunks: int, runs: int) -> float:
     return caught / runs
 
 
-def honest_checks(n_chunks: int, backend: str) -> tuple[int, int]:
-    """(checked, failed) over ``n_chunks`` honest chunks of two nodes' spans on
-    ``backend``, each checked as the verifier checks a node on it."""
+def honest_checks(n_chunks: int, backend: str) -> tuple[int, int, tuple[float, float]]:
+    """(checked, failed, worst) over ``n_chunks`` honest chunks of two nodes' spans on
+    ``backend``, each checked as the verifier checks a node on it; ``worst``: the largest
+    relative error of one value and of a chunk's mean, of the sketches
+    (``sketch_errors``; zeros for hashes)."""
     path = str(bundled_model_path())
     exact = commits_exactly(backend)
     trusted = TrustedModel(path).on(backend)
@@ -138,6 +141,7 @@ def honest_checks(n_chunks: int, backend: str) -> tuple[int, int]:
         e.load(path, span).result(120)
     rng = np.random.default_rng(0)
     checked = failed = 0
+    worst = (0.0, 0.0)
     session = 0
     try:
         while checked < n_chunks:
@@ -156,6 +160,9 @@ def honest_checks(n_chunks: int, backend: str) -> tuple[int, int]:
                     claims += [(span, s, dg) for s, dg in w.chunks]
             for e in engines:
                 e.release(sid, 1).result(10)
+            if not exact:
+                value, mean = _worst_errors(trusted, ids, claims)
+                worst = (max(worst[0], value), max(worst[1], mean))
             for span, start, digest in claims:
                 tokens = tuple(int(t) for t in ids[: start + CHUNK_TOKENS])
                 claim = SpanClaim("n", "g", span, start, digest, tokens)
@@ -165,7 +172,22 @@ def honest_checks(n_chunks: int, backend: str) -> tuple[int, int]:
     finally:
         for e in engines:
             e.stop()
-    return checked, failed
+    return checked, failed, worst
+
+
+def _worst_errors(
+    trusted: TrustedModel, ids: np.ndarray, claims: list[tuple[LayerRange, int, bytes]]
+) -> tuple[float, float]:
+    """The largest relative error of one value, and of a chunk's mean, of these
+    sketches against the verifier's rows."""
+    rows = {end: trusted.boundary_rows(ids, end) for end in {span.end for span, _, _ in claims}}
+    errors = [
+        sketch_errors(sketch, rows[span.end][start : start + CHUNK_TOKENS])
+        for span, start, sketch in claims
+    ]
+    return max((float(e.max()) for e in errors), default=0.0), max(
+        (float(e.mean()) for e in errors), default=0.0
+    )
 
 
 def main() -> None:
@@ -198,9 +220,14 @@ def main() -> None:
             "of the verifier's sampling: "
             f"{sim:.4f})"
         )
-    checked, failed = honest_checks(args.honest_chunks, args.backend)
+    checked, failed, worst = honest_checks(args.honest_chunks, args.backend)
     how = "exactly" if commits_exactly(args.backend) else "within the tolerance"
     print(f"honest chunks checked {how}: {checked}, failed: {failed} (false positives)")
+    if not commits_exactly(args.backend):
+        print(
+            f"worst honest sketch error: one value {worst[0]:.3g} (tolerance {VALUE_RTOL:g}), "
+            f"a chunk's mean {worst[1]:.3g} (tolerance {MEAN_RTOL:g})"
+        )
     if failed:
         raise SystemExit("an honest chunk failed its check")
 
