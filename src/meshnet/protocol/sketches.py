@@ -15,7 +15,7 @@ u16s:
 - ``mantissa``: the top 16 of the value's 23 float32 mantissa bits. Sign and
   exponent are not sent: the verifier takes them from its own value at that
   channel (trying the neighbouring powers of two, for a value that crossed one),
-  so 16 bits carry 2^-17 relative precision where a float16 carries 2^-12, too
+  so 16 bits carry 2^-17 relative precision where a float16 carries 2^-11, too
   coarse to tell a perturbed weight from rounding (docs/verification.md).
 
 A chunk's sketch is its 32 positions' in order (commitments.SKETCH_BYTES): 256
