@@ -46,7 +46,7 @@ from meshnet.protocol.commitments import (
     SKETCH_BYTES,
     commits_exactly,
 )
-from meshnet.protocol.sketches import MEAN_RTOL, VALUE_RTOL, sketch_errors
+from meshnet.protocol.sketches import QUARTILE_RTOL, VALUE_RTOL, sketch_errors, upper_quartile
 from meshnet.tracker.verifier import SpanClaim, TrustedModel, Verifier, check_span
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
@@ -129,7 +129,7 @@ def measured_detection(rate: float, chunks: int, runs: int) -> float:
 def honest_checks(n_chunks: int, backend: str) -> tuple[int, int, tuple[float, float]]:
     """(checked, failed, worst) over ``n_chunks`` honest chunks of two nodes' spans on
     ``backend``, each checked as the verifier checks a node on it; ``worst``: the largest
-    relative error of one value and of a chunk's mean, of the sketches
+    relative error of one value and of a chunk's upper quartile, of the sketches
     (``sketch_errors``; zeros for hashes)."""
     path = str(bundled_model_path())
     exact = commits_exactly(backend)
@@ -178,15 +178,15 @@ def honest_checks(n_chunks: int, backend: str) -> tuple[int, int, tuple[float, f
 def _worst_errors(
     trusted: TrustedModel, ids: np.ndarray, claims: list[tuple[LayerRange, int, bytes]]
 ) -> tuple[float, float]:
-    """The largest relative error of one value, and of a chunk's mean, of these
-    sketches against the verifier's rows."""
+    """The largest relative error of one value, and of a chunk's upper quartile, of
+    these sketches against the verifier's rows."""
     rows = {end: trusted.boundary_rows(ids, end) for end in {span.end for span, _, _ in claims}}
     errors = [
         sketch_errors(sketch, rows[span.end][start : start + CHUNK_TOKENS])
         for span, start, sketch in claims
     ]
     return max((float(e.max()) for e in errors), default=0.0), max(
-        (float(e.mean()) for e in errors), default=0.0
+        (upper_quartile(e) for e in errors), default=0.0
     )
 
 
@@ -226,7 +226,7 @@ def main() -> None:
     if not commits_exactly(args.backend):
         print(
             f"worst honest sketch error: one value {worst[0]:.3g} (tolerance {VALUE_RTOL:g}), "
-            f"a chunk's mean {worst[1]:.3g} (tolerance {MEAN_RTOL:g})"
+            f"a chunk's upper quartile {worst[1]:.3g} (tolerance {QUARTILE_RTOL:g})"
         )
     if failed:
         raise SystemExit("an honest chunk failed its check")
