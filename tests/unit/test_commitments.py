@@ -195,7 +195,7 @@ def test_the_verifier_goes_on_when_a_verdict_cannot_be_kept(
     from meshnet.tracker.verifier import Verdict, Verifier
 
     monkeypatch.setattr(
-        verifier, "check_claim", lambda model, c: [Verdict(c, c.token_start == 0, "")]
+        verifier, "check_claim", lambda model, c, exact: [Verdict(c, c.token_start == 0, "")]
     )
     kept: list[Verdict] = []
 

@@ -228,7 +228,7 @@ def test_the_verifier_checks_on_the_engine_what_trusted_nodes_did_not(
 
     engine: list[int] = []
 
-    def on_engine(model: Any, c: SpanClaim) -> list[Verdict]:
+    def on_engine(model: Any, c: SpanClaim, exact: bool = True) -> list[Verdict]:
         engine.append(c.token_start)
         return [Verdict(c, True, "exact")]
 

@@ -53,7 +53,8 @@ from meshnet.node.configure import (
 )
 from meshnet.node.parking import ParkedKV, ParkStore
 from meshnet.node.scheduler import Slot, StepWork, budget_full, check_step_number, plan_batch
-from meshnet.protocol.commitments import RowLog
+from meshnet.protocol.commitments import RowLog, commits_exactly
+from meshnet.protocol.sketches import check_width
 
 log = logging.getLogger(__name__)
 
@@ -533,15 +534,24 @@ class NodeEngine:
             self._fail_steps(session_id, StaleEpoch(f"epoch {slot.epoch} was fenced by {epoch}"))
             slot.epoch = epoch
         elif slot is None or slot.epoch < epoch:  # the same epoch keeps its KV
-            kv = shard.backend.new_kv()
+            kv, rows = shard.backend.new_kv(), self._row_log(shard, 0)
             if not self._budget.fits(kv.growth_bytes(1)):
                 raise budget_full(self._budget, len(self._slots))
             self._drop(session_id)
-            slot = self._slots[session_id] = Slot(epoch, kv)
+            slot = self._slots[session_id] = Slot(epoch, kv, rows=rows)
         if resume and rewind is not None:
             _rewind(slot, *rewind)
         self._remember_fence(session_id, epoch)
         return OpenedSlot(slot.kv.length, slot.steps, unparked)
+
+    def _row_log(self, shard: Shard, base: int) -> RowLog:
+        """A session's commitments log from position ``base``: hashes on an exact
+        backend, top-k sketches on another (protocol/commitments.py); ``SketchTooWide``
+        when the rows are too wide to sketch."""
+        exact = commits_exactly(self.config.backend)
+        if not exact:
+            check_width(shard.spec.d_model)
+        return RowLog(base, exact)
 
     def _apply_park(self, session_id: str, epoch: int | None) -> int:
         slot = self._slots.get(session_id)
@@ -577,7 +587,7 @@ class NodeEngine:
             return False
         self._park_store.remove(parked)
         # Row digests are not parked: the next chunk commits.
-        rows, inputs = RowLog(parked.tokens), RowLog(parked.tokens)
+        rows, inputs = self._row_log(shard, parked.tokens), RowLog(parked.tokens)
         self._slots[session_id] = Slot(parked.epoch, kv, parked.steps, rows=rows, inputs=inputs)
         self._account()
         return True
@@ -602,9 +612,8 @@ class NodeEngine:
             raise budget_full(self._budget, len(self._slots))
         kv.load_bytes(tokens, payload)
         # KV computed elsewhere: its positions are not this node's to commit.
-        self._slots[session_id] = Slot(
-            epoch, kv, steps=steps, rows=RowLog(tokens), inputs=RowLog(tokens)
-        )
+        rows, inputs = self._row_log(shard, tokens), RowLog(tokens)
+        self._slots[session_id] = Slot(epoch, kv, steps=steps, rows=rows, inputs=inputs)
         self._remember_fence(session_id, epoch)
         self._account()
         return OpenedSlot(tokens, steps)

@@ -15,6 +15,11 @@ tokens through the same layers on trusted hardware gives the same bytes.
 On the wire a chunk is ``(token_start, digest)``: 16 + 8 bytes per 32 tokens,
 0.75 bytes per token (TOPLOC: ~8). Nodes and the tracker's verifier share this
 module: only the same function on both sides makes an exact check.
+
+A node on a backend that is not bit-exact (``EXACT_BACKENDS``) commits instead,
+per chunk, the top-k sketch of its rows (protocol/sketches.py): its positions'
+sketches in order, ``SKETCH_BYTES`` in the same ``digest`` field, checked with
+a tolerance.
 """
 
 from __future__ import annotations
@@ -24,8 +29,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from meshnet.protocol.sketches import POSITION_BYTES, position_sketches
+
 CHUNK_TOKENS = 32  # positions per committed chunk
 DIGEST_BYTES = 16  # of a chunk's SHA-256
+SKETCH_BYTES = CHUNK_TOKENS * POSITION_BYTES  # of a chunk's top-k sketch (256)
+# Backends whose rows are the same bits alone, batched, chunked and split
+# (docs/kernels.md): their nodes commit hashes, checked exactly on the same backend;
+# any other commits sketches, checked with a tolerance on the verifier's backend.
+EXACT_BACKENDS = frozenset({"fast", "q8"})
 MAX_CHUNKS_PER_MESSAGE = 4096  # a message naming more is malformed (a context of 128k)
 
 
@@ -58,16 +70,24 @@ def chunk_digests_of(rows: np.ndarray, first_position: int) -> dict[int, bytes]:
     return out
 
 
+def commits_exactly(backend: str) -> bool:
+    """Whether a node on ``backend`` commits hashes (else top-k sketches)."""
+    return backend in EXACT_BACKENDS
+
+
 class RowLog:
     """A session's row digests on one node, to commit chunks as they complete.
 
     ``base`` is the position of the first digest held: KV imported from elsewhere
     (a snapshot, a migration) was not computed here, so its positions are not
-    committed, nor is a chunk that begins before ``base``.
+    committed, nor is a chunk that begins before ``base``. ``exact``: keep each
+    position's SHA-256 (32 bytes) and commit chunk hashes; else keep its top-k sketch
+    (8 bytes) and commit the chunk's sketches joined.
     """
 
-    def __init__(self, base: int = 0) -> None:
+    def __init__(self, base: int = 0, exact: bool = True) -> None:
         self.base = base
+        self.exact = exact
         self.digests: list[bytes] = []
 
     @property
@@ -82,13 +102,14 @@ class RowLog:
         if position != self.end:
             self.base, self.digests = position, []
         completed: list[tuple[int, bytes]] = []
-        for d in row_digests(rows):
+        for d in row_digests(rows) if self.exact else position_sketches(rows):
             self.digests.append(d)
             end = self.end
             start = end - CHUNK_TOKENS
             if end % CHUNK_TOKENS == 0 and start >= self.base:
                 lo = start - self.base
-                completed.append((start, chunk_digest(self.digests[lo:])))
+                last = self.digests[lo:]
+                completed.append((start, chunk_digest(last) if self.exact else b"".join(last)))
         return completed
 
     def truncate(self, positions: int) -> None:

@@ -22,6 +22,11 @@ route committed, for every position up to the chunk's end, exactly what the
 verifier computes at that hop's boundary; the first hop that did not is the
 one blamed, and when a hop before it committed too little to tell, there is
 no verdict (``inconclusive``).
+
+A node on a backend that is not bit-exact (``numpy``) commits top-k sketches
+(protocol/sketches.py) instead of hashes; its claims are re-run on the trusted
+backend and compared with the sketch's tolerance, hops before it too (a route's
+hops share one backend: routes.py). A commitment of the other kind fails.
 """
 
 from __future__ import annotations
@@ -42,15 +47,23 @@ from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.shard import Shard, load_shard
 from meshnet.model.spec import read_spec
-from meshnet.protocol.commitments import CHUNK_TOKENS, chunk_digests_of
+from meshnet.protocol.commitments import (
+    CHUNK_TOKENS,
+    DIGEST_BYTES,
+    EXACT_BACKENDS,
+    SKETCH_BYTES,
+    chunk_digest,
+    chunk_digests_of,
+    row_digests,
+)
+from meshnet.protocol.sketches import sketch_mismatch
 from meshnet.tracker.sampled_check import Sampled, check_sampled
 
 log = logging.getLogger(__name__)
 
 TRUSTED_BACKEND = "fast"  # the nodes' backend: the one whose bits a check compares
-# Backends whose rows are the same bits alone, batched, chunked and split (docs/kernels.md):
-# a node on one of them is checked on the same backend here.
-EXACT_BACKENDS = frozenset({"fast", "q8"})
+# EXACT_BACKENDS (protocol/commitments.py): a node on one of them is checked on the same
+# backend here, by hash; on another, on this one, by sketch.
 _MAX_SHARDS = 4  # boundaries whose shard [0, end) is held at once
 _MAX_PREFIXES = 8  # generations' checked prefixes (their KV) held at once
 
@@ -198,29 +211,33 @@ class VerifierStats:
     inconclusive: int = 0  # differed, but its inputs could not be vouched for
 
 
-def check_claim(model: TrustedModel, claim: SpanClaim) -> list[Verdict]:
+def check_claim(model: TrustedModel, claim: SpanClaim, exact: bool = True) -> list[Verdict]:
     """Re-run ``claim``'s span on ``model`` and compare with its commitment: its verdict,
     or when it differs and its inputs came from hops before it, the verdict on the first
     of those that committed other bytes (its rows were computed from theirs); no verdict
-    when the hops before it did not commit all they sent it (inconclusive)."""
-    verdict = check_span(model, claim)
+    when the hops before it did not commit all they sent it (inconclusive). ``exact``:
+    the route's nodes commit hashes (else sketches, compared with a tolerance)."""
+    verdict = check_span(model, claim, exact)
     if verdict.passed or claim.layers.start == 0:
         return [verdict]
     for up in claim.upstream:
         have = dict(up.chunks)
         rows = model.boundary_rows(np.asarray(claim.tokens, np.int64), up.layers.end)
-        for start, want in sorted(chunk_digests_of(rows, 0).items()):
+        for start in range(0, rows.shape[0] - CHUNK_TOKENS + 1, CHUNK_TOKENS):
             if start not in have:
                 return []  # its inputs cannot be vouched for: no verdict either way
-            if have[start] != want:
-                tokens = claim.tokens[: start + CHUNK_TOKENS]
-                culprit = SpanClaim(
-                    up.node_id, claim.generation_id, up.layers, start, have[start], tokens
-                )
-                return [_mismatch(culprit, want)]
+            tokens = claim.tokens[: start + CHUNK_TOKENS]
+            culprit = SpanClaim(
+                up.node_id, claim.generation_id, up.layers, start, have[start], tokens
+            )
+            why = compare_chunk(culprit.digest, rows[start : start + CHUNK_TOKENS], exact)
+            if why:
+                return [_mismatch(culprit, why)]
     chained = [u.layers for u in claim.upstream]
     if not chained or chained[0].start != 0 or chained[-1].end != claim.layers.start:
         return []
+    if not exact:  # the rows a hop received are no bits to compare with a sketch
+        return [verdict]
     return _sent_or_computed(claim, verdict, rows)
 
 
@@ -249,27 +266,42 @@ def _sent_or_computed(claim: SpanClaim, verdict: Verdict, sent: np.ndarray) -> l
     return [verdict]
 
 
-def check_span(model: TrustedModel, claim: SpanClaim) -> Verdict:
-    """The exact check of ``claim``'s own chunk, whatever its inputs were, and on the
-    last hop of the ids it sampled from the chunk's rows (sampled_check.py)."""
+def check_span(model: TrustedModel, claim: SpanClaim, exact: bool = True) -> Verdict:
+    """The check of ``claim``'s own chunk, whatever its inputs were: exact for a hash,
+    within the tolerance for a sketch (``exact`` False); and on the last hop of the ids
+    it sampled from the chunk's rows (sampled_check.py)."""
     tokens = np.asarray(claim.tokens, np.int64)
-    rows = model.rows_from(tokens, claim.layers.end, claim.token_start, claim.generation_id)
-    want = chunk_digests_of(rows, claim.token_start).get(claim.token_start)
-    if want is None:
+    if len(tokens) < claim.token_end or claim.token_start < 0:
         return Verdict(claim, False, "the claim's tokens do not cover its chunk")
-    if want != claim.digest:
-        return _mismatch(claim, want)
+    rows = model.rows_from(tokens, claim.layers.end, claim.token_start, claim.generation_id)
+    chunk = rows[:CHUNK_TOKENS]
+    why = compare_chunk(claim.digest, chunk, exact)
+    if why:
+        return _mismatch(claim, why)
     if claim.sampled is not None and claim.sampled.tokens:
-        chunk = rows[:CHUNK_TOKENS]
-        why = check_sampled(model.logits(chunk), claim.token_start, claim.tokens, claim.sampled)
+        logits = model.logits(chunk)
+        why = check_sampled(logits, claim.token_start, claim.tokens, claim.sampled, exact)
         if why:
             return Verdict(claim, False, f"layers {claim.layers} sampled other ids: {why}")
-    return Verdict(claim, True, "exact")
+    return Verdict(claim, True, "exact" if exact else "within tolerance")
 
 
-def _mismatch(claim: SpanClaim, want: bytes) -> Verdict:
+def compare_chunk(commitment: bytes, rows: np.ndarray, exact: bool) -> str:
+    """Why ``commitment`` is not one of the chunk whose rows [32, d] the verifier
+    computed; "" when it is. ``exact``: a hash, equal to the rows' bit for bit;
+    else a sketch, within its tolerance (protocol/sketches.py)."""
+    if len(commitment) != (DIGEST_BYTES if exact else SKETCH_BYTES):
+        kind = "a hash" if exact else "a sketch"
+        return f"commitment of the wrong kind ({len(commitment)} bytes, expected {kind})"
+    if not exact:
+        return sketch_mismatch(commitment, rows)
+    want = chunk_digest(row_digests(rows))
+    return "" if want == commitment else f"committed {commitment.hex()}, verifier {want.hex()}"
+
+
+def _mismatch(claim: SpanClaim, why: str) -> Verdict:
     what = f"layers {claim.layers} positions [{claim.token_start}, {claim.token_end})"
-    return Verdict(claim, False, f"{what}: committed {claim.digest.hex()}, verifier {want.hex()}")
+    return Verdict(claim, False, f"{what}: {why}")
 
 
 class Verifier:
@@ -326,10 +358,13 @@ class Verifier:
             claim = await self._queue.get()
             try:
                 backend = self.backend_of(claim.node_id)
-                verdicts = await self.elsewhere(claim, backend) if self.elsewhere else None
+                exact = backend in EXACT_BACKENDS
+                verdicts = None
+                if self.elsewhere is not None and exact:  # a sketch is no bits to compare
+                    verdicts = await self.elsewhere(claim, backend)
                 if verdicts is None:
                     model = self.model.on(backend)
-                    verdicts = await asyncio.to_thread(check_claim, model, claim)
+                    verdicts = await asyncio.to_thread(check_claim, model, claim, exact)
             except Exception:  # a bug in the check is not the node's fault: no verdict
                 log.exception("checking %s of %s failed", claim.layers, claim.node_id)
             else:
