@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import pytest
 from conftest import MeshFactory
+from faults import nodes
+from verification_views import ledger, wait_state
 
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
@@ -67,27 +69,6 @@ def _complete(mesh: LocalMesh, route: list[str] | None = None) -> dict[str, Any]
     return dict(r.json())
 
 
-def _nodes(mesh: LocalMesh) -> dict[str, dict[str, Any]]:
-    r = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers, timeout=10)
-    return {n["node_id"]: n for n in r.json()["nodes"]}
-
-
-def _wait_state(mesh: LocalMesh, node_id: str, state: str, within_s: float = 180) -> dict[str, Any]:
-    deadline = time.monotonic() + within_s
-    while True:
-        node = _nodes(mesh).get(node_id, {})
-        if node.get("state") == state or time.monotonic() > deadline:
-            assert node.get("state") == state, node
-            return node
-        time.sleep(0.2)
-
-
-def _ledger(mesh: LocalMesh, **params: str) -> list[dict[str, Any]]:
-    r = httpx.get(f"{mesh.url}/admin/ledger", params=params, headers=mesh.admin_headers, timeout=10)
-    assert r.status_code == 200, r.text
-    return list(r.json()["records"])
-
-
 def _checks(mesh: LocalMesh, node_id: str) -> list[SpanCheck]:
     """The tracker's recorded checks of a node's work (its own database, read here)."""
     db = open_database(mesh.data_dir / "tracker.db")
@@ -102,7 +83,7 @@ def _settled(mesh: LocalMesh, generation_id: str, node_id: str) -> list[dict[str
     the background, and settlement passes every few seconds)."""
     deadline = time.monotonic() + 60
     while True:
-        records = _ledger(mesh, generation_id=generation_id, node_id=node_id)
+        records = ledger(mesh, generation_id=generation_id, node_id=node_id)
         if (records and all(r["status"] != "unverified" for r in records)) or (
             time.monotonic() > deadline
         ):
@@ -113,12 +94,12 @@ def _settled(mesh: LocalMesh, generation_id: str, node_id: str) -> list[dict[str
 def test_a_trusted_node_is_not_calibrated_and_checks_the_others(
     mesh: LocalMesh, honest_ids: list[int]
 ) -> None:
-    nodes = _nodes(mesh)
+    states = nodes(mesh)
     for node_id in (TRUSTED, WHOLE):
-        trusted = nodes[node_id]
+        trusted = states[node_id]
         assert (trusted["state"], trusted["trusted"], trusted["calibrations"]) == ("up", True, 0)
     for other in ("honest", "node-0"):  # the others calibrated before they were routed
-        assert not nodes[other]["trusted"] and nodes[other]["calibrations"] >= 1, other
+        assert not states[other]["trusted"] and states[other]["calibrations"] >= 1, other
 
     checked = _complete(mesh, ["honest", "node-0"])  # the untrusted 0:2 node's work
     on_trusted = _complete(mesh, [TRUSTED, "node-0"])  # the trusted node's
@@ -134,14 +115,14 @@ def test_a_trusted_node_is_not_calibrated_and_checks_the_others(
     assert last_checks and all(
         c.passed and c.detail == f"exact on trusted {WHOLE}" for c in last_checks
     )
-    nodes = _nodes(mesh)
-    assert nodes[TRUSTED]["trusted_checks"] >= len(honest_checks)
-    assert nodes[WHOLE]["trusted_checks"] >= len(last_checks)
+    states = nodes(mesh)
+    assert states[TRUSTED]["trusted_checks"] >= len(honest_checks)
+    assert states[WHOLE]["trusted_checks"] >= len(last_checks)
 
-    records = _ledger(mesh, generation_id=on_trusted["meshnet"]["generation_id"], node_id=TRUSTED)
+    records = ledger(mesh, generation_id=on_trusted["meshnet"]["generation_id"], node_id=TRUSTED)
     assert records and all(r["status"] == "completed" and r["billable"] for r in records)
     assert _checks(mesh, TRUSTED) == _checks(mesh, WHOLE) == []  # checks are made against them
-    assert all(n["state"] == "up" for n in _nodes(mesh).values())
+    assert all(n["state"] == "up" for n in nodes(mesh).values())
 
 
 def test_a_cheater_is_caught_by_a_check_on_the_trusted_node(
@@ -152,10 +133,10 @@ def test_a_cheater_is_caught_by_a_check_on_the_trusted_node(
     an idle mesh routes through it; the failover goes on on an honest 0:2 node.)"""
     prefix = [sys.executable, LAUNCHER, "ulp", "2", "--"]
     mesh.start_node("a-cheater", LayerRange(0, 2), prefix=prefix)
-    _wait_state(mesh, "a-cheater", "up")
+    wait_state(mesh, "a-cheater", "up")
     out = _complete(mesh)
     assert out["meshnet"]["ids"] == honest_ids
-    node = _wait_state(mesh, "a-cheater", "quarantined")
+    node = wait_state(mesh, "a-cheater", "quarantined")
     assert f"trusted {TRUSTED}" in node["down_reason"], node
     # Every check of its work failed: its own chunks, on the trusted node (the first, which
     # quarantined it), and as the hop before node-0, whose chunks differ on t-whole too and
@@ -163,10 +144,10 @@ def test_a_cheater_is_caught_by_a_check_on_the_trusted_node(
     cheats = _checks(mesh, "a-cheater")
     assert cheats and not any(c.passed for c in cheats)
     assert f"trusted {TRUSTED}" in cheats[0].detail
-    records = _ledger(mesh, node_id="a-cheater")
+    records = ledger(mesh, node_id="a-cheater")
     assert records and not any(r["billable"] for r in records), records
-    nodes = _nodes(mesh)
-    assert nodes[TRUSTED]["state"] == nodes["node-0"]["state"] == "up"  # not blamed
+    states = nodes(mesh)
+    assert states[TRUSTED]["state"] == states["node-0"]["state"] == "up"  # not blamed
     assert not any(not c.passed for c in _checks(mesh, "node-0"))
 
 
@@ -179,12 +160,12 @@ def test_a_last_hop_that_picks_other_ids_is_caught_on_the_trusted_node(
     docs/verification.md); the next request is exact, without it."""
     prefix = [sys.executable, LAUNCHER, "sample", "0", "--"]
     mesh.start_node("a-picker", LayerRange(2, 4), prefix=prefix)
-    _wait_state(mesh, "a-picker", "up")
+    wait_state(mesh, "a-picker", "up")
     _complete(mesh)  # an idle mesh routes honest > a-picker (the smallest ids)
-    node = _wait_state(mesh, "a-picker", "quarantined")
+    node = wait_state(mesh, "a-picker", "quarantined")
     assert "sampled other ids" in node["down_reason"], node
     assert node["down_reason"].endswith(f"(trusted {WHOLE})"), node
-    records = _ledger(mesh, node_id="a-picker")
+    records = ledger(mesh, node_id="a-picker")
     assert records and not any(r["billable"] for r in records), records
     again = _complete(mesh)
     assert again["meshnet"]["ids"] == honest_ids
@@ -202,4 +183,4 @@ def test_without_the_trusted_node_checks_fall_back_to_the_trackers_engine(
     assert records and all(r["status"] == "verified" for r in records), records
     fallback = [c for c in _checks(mesh, "honest") if c.generation_id == gen]
     assert len(fallback) >= 3 and all(c.passed and c.detail == "exact" for c in fallback)
-    assert _nodes(mesh)["honest"]["state"] == "up"
+    assert nodes(mesh)["honest"]["state"] == "up"

@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 from conftest import MeshFactory
+from faults import nodes
+from verification_views import ledger, wait_state
 
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
@@ -46,32 +48,6 @@ def _complete(mesh: LocalMesh) -> dict[str, Any]:
     return dict(r.json())
 
 
-def _nodes(mesh: LocalMesh) -> dict[str, dict[str, Any]]:
-    r = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers, timeout=10)
-    return {n["node_id"]: n for n in r.json()["nodes"]}
-
-
-def _wait_state(mesh: LocalMesh, node_id: str, state: str, within_s: float = 180) -> dict[str, Any]:
-    deadline = time.monotonic() + within_s
-    while True:
-        node = _nodes(mesh).get(node_id, {})
-        if node.get("state") == state or time.monotonic() > deadline:
-            assert node.get("state") == state, node
-            return node
-        time.sleep(0.2)
-
-
-def _ledger(mesh: LocalMesh, node_id: str) -> list[dict[str, Any]]:
-    r = httpx.get(
-        f"{mesh.url}/admin/ledger",
-        params={"node_id": node_id},
-        headers=mesh.admin_headers,
-        timeout=10,
-    )
-    assert r.status_code == 200, r.text
-    return list(r.json()["records"])
-
-
 def _span_checks(mesh: LocalMesh) -> list[tuple[str, bool, str]]:
     """The verifier's verdicts the tracker recorded: (node, passed, detail)."""
     with sqlite3.connect(f"file:{mesh.data_dir / 'tracker.db'}?mode=ro", uri=True) as db:
@@ -90,7 +66,7 @@ def test_an_honest_numpy_mesh_at_rate_one_calibrates_and_fails_no_check(
     assert outputs == [numpy_ids, numpy_ids]
     committed: dict[str, int] = {}
     for node_id in ("node-0", "node-1", "node-2"):
-        records = _ledger(mesh, node_id)
+        records = ledger(mesh, node_id)
         assert records and all(r["status"] != "rejected" for r in records)
         committed[node_id] = 0
         for r in records:
@@ -107,8 +83,8 @@ def test_an_honest_numpy_mesh_at_rate_one_calibrates_and_fails_no_check(
         time.sleep(0.5)
         checks = _span_checks(mesh)
     assert all(passed for _, passed, _ in checks), checks
-    nodes = _nodes(mesh)
-    assert all(nodes[n]["state"] == "up" for n in committed), nodes
+    states = nodes(mesh)
+    assert all(states[n]["state"] == "up" for n in committed), states
 
 
 def test_calibration_keeps_numpy_cheaters_out(
@@ -125,7 +101,7 @@ def test_calibration_keeps_numpy_cheaters_out(
         prefix = [sys.executable, LAUNCHER, cheat, "0", "--"]
         mesh.start_node(f"cheater-{cheat}", LayerRange(0, 2), prefix=prefix)
     for cheat in cheats:
-        node = _wait_state(mesh, f"cheater-{cheat}", "quarantined")
+        node = wait_state(mesh, f"cheater-{cheat}", "quarantined")
         assert "calibration" in node["down_reason"], node
     mesh.start_node("spare", None)
     mesh.wait_ready(expected_nodes=2, timeout_s=180)
@@ -133,7 +109,7 @@ def test_calibration_keeps_numpy_cheaters_out(
     assert out["meshnet"]["ids"] == numpy_ids
     assert [h["node_id"] for h in out["meshnet"]["route"]] == ["spare", "node-0"]
     for cheat in cheats:
-        assert _ledger(mesh, f"cheater-{cheat}") == [], cheat  # never routed: no work
+        assert ledger(mesh, f"cheater-{cheat}") == [], cheat  # never routed: no work
 
 
 def test_the_verifier_catches_a_numpy_node_that_cheats_after_calibrating(
@@ -146,14 +122,14 @@ def test_the_verifier_catches_a_numpy_node_that_cheats_after_calibrating(
     )
     prefix = [sys.executable, LAUNCHER, "weights", "2", "--"]
     mesh.start_node("cheater", LayerRange(0, 2), prefix=prefix)
-    _wait_state(mesh, "cheater", "up")
+    wait_state(mesh, "cheater", "up")
     mesh.start_node("spare", None)
     mesh.wait_ready(expected_nodes=3, timeout_s=180)
     out = _complete(mesh)  # the cheater is caught mid-generation and failed over
     assert out["meshnet"]["ids"] == numpy_ids
-    node = _wait_state(mesh, "cheater", "quarantined")
+    node = wait_state(mesh, "cheater", "quarantined")
     assert "verification failed" in node["down_reason"], node
-    records = _ledger(mesh, "cheater")
+    records = ledger(mesh, "cheater")
     assert records and not any(r["billable"] for r in records)
     assert all(r["status"] in ("failed", "rejected", "cancelled") for r in records), records
     failed = [c for c in _span_checks(mesh) if not c[1]]

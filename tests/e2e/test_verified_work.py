@@ -13,7 +13,9 @@ from typing import Any
 import httpx
 import pytest
 from conftest import MeshFactory
+from faults import nodes
 from gguf import GGMLQuantizationType as QT
+from verification_views import ledger, wait_state
 
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
@@ -39,32 +41,6 @@ def _complete(mesh: LocalMesh, body: dict[str, Any] = BODY) -> dict[str, Any]:
     r = httpx.post(f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers, timeout=120)
     assert r.status_code == 200, r.text
     return dict(r.json())
-
-
-def _nodes(mesh: LocalMesh) -> dict[str, dict[str, Any]]:
-    r = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers, timeout=10)
-    return {n["node_id"]: n for n in r.json()["nodes"]}
-
-
-def _wait_state(mesh: LocalMesh, node_id: str, state: str, within_s: float = 180) -> dict[str, Any]:
-    deadline = time.monotonic() + within_s
-    while True:
-        node = _nodes(mesh).get(node_id, {})
-        if node.get("state") == state or time.monotonic() > deadline:
-            assert node.get("state") == state, node
-            return node
-        time.sleep(0.2)
-
-
-def _ledger(mesh: LocalMesh, node_id: str) -> list[dict[str, Any]]:
-    r = httpx.get(
-        f"{mesh.url}/admin/ledger",
-        params={"node_id": node_id},
-        headers=mesh.admin_headers,
-        timeout=10,
-    )
-    assert r.status_code == 200, r.text
-    return list(r.json()["records"])
 
 
 def _mesh_with_cheater(mesh_factory: MeshFactory, model: Path, cheat: str, after: int) -> LocalMesh:
@@ -106,7 +82,7 @@ def test_calibration_keeps_every_kind_of_cheater_out(
         prefix = [sys.executable, LAUNCHER, how, "0", "--"]
         mesh.start_node(f"cheater-{cheat}", LayerRange(0, 2), prefix=prefix)
     for cheat in CHEATS:
-        node = _wait_state(mesh, f"cheater-{cheat}", "quarantined")
+        node = wait_state(mesh, f"cheater-{cheat}", "quarantined")
         assert "calibration" in node["down_reason"], node
     mesh.start_node("spare", None)
     mesh.wait_ready(expected_nodes=2, timeout_s=180)  # the empty node took 0:2, calibrated
@@ -114,10 +90,10 @@ def test_calibration_keeps_every_kind_of_cheater_out(
     assert out["meshnet"]["ids"] == honest_ids
     assert [h["node_id"] for h in out["meshnet"]["route"]] == ["spare", "node-0"]
     time.sleep(1.0)  # heartbeats and registrations keep them out
-    nodes = _nodes(mesh)
+    states = nodes(mesh)
     for cheat in CHEATS:
-        assert _ledger(mesh, f"cheater-{cheat}") == [], cheat  # never routed: no work
-        assert nodes[f"cheater-{cheat}"]["state"] == "quarantined", cheat
+        assert ledger(mesh, f"cheater-{cheat}") == [], cheat  # never routed: no work
+        assert states[f"cheater-{cheat}"]["state"] == "quarantined", cheat
 
 
 def test_a_node_given_new_layers_by_an_admin_is_calibrated_before_it_is_routed(
@@ -131,7 +107,7 @@ def test_a_node_given_new_layers_by_an_admin_is_calibrated_before_it_is_routed(
     mesh = mesh_factory("0:2,2:4", model=long_tiny, tracker_args=args)
     prefix = [sys.executable, LAUNCHER, "skip-layer", "0", "--"]
     mesh.start_node("cheater", LayerRange(0, 1), prefix=prefix)
-    _wait_state(mesh, "cheater", "up")
+    wait_state(mesh, "cheater", "up")
     r = httpx.post(
         f"{mesh.url}/admin/nodes/cheater/configure",
         json={"t3": {"layer_start": 0, "layer_end": 2}},
@@ -139,11 +115,11 @@ def test_a_node_given_new_layers_by_an_admin_is_calibrated_before_it_is_routed(
         timeout=120,
     )
     assert r.status_code == 200 and r.json()["applied"], r.text
-    assert _nodes(mesh)["cheater"]["state"] in ("calibrating", "quarantined")
-    node = _wait_state(mesh, "cheater", "quarantined")
+    assert nodes(mesh)["cheater"]["state"] in ("calibrating", "quarantined")
+    node = wait_state(mesh, "cheater", "quarantined")
     assert "calibration" in node["down_reason"]
     assert _complete(mesh)["meshnet"]["ids"] == honest_ids
-    assert _ledger(mesh, "cheater") == []
+    assert ledger(mesh, "cheater") == []
 
 
 @pytest.mark.parametrize("cheat", ["ulp", "sometimes"])
@@ -151,14 +127,14 @@ def test_the_verifier_catches_a_node_that_cheats_after_calibrating(
     mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int], cheat: str
 ) -> None:
     mesh = _mesh_with_cheater(mesh_factory, long_tiny, cheat, after=2)
-    _wait_state(mesh, "cheater", "up")  # honest on its two calibration inputs
+    wait_state(mesh, "cheater", "up")  # honest on its two calibration inputs
     mesh.start_node("spare", None)
     mesh.wait_ready(expected_nodes=3, timeout_s=180)
     out = _complete(mesh)  # the cheater is caught mid-generation and failed over
     assert out["meshnet"]["ids"] == honest_ids
-    node = _wait_state(mesh, "cheater", "quarantined")
+    node = wait_state(mesh, "cheater", "quarantined")
     assert "verification failed" in node["down_reason"]
-    records = _ledger(mesh, "cheater")
+    records = ledger(mesh, "cheater")
     assert records and not any(r["billable"] for r in records)
     assert all(r["status"] in ("failed", "rejected", "cancelled") for r in records), records
     again = _complete(mesh)
@@ -177,19 +153,19 @@ def test_a_last_hop_that_picks_other_ids_is_caught(
     mesh = mesh_factory("0:2", model=long_tiny, tracker_args=args, need_route=False)
     prefix = [sys.executable, LAUNCHER, "sample", "0", "--"]
     mesh.start_node("cheater", LayerRange(2, 4), prefix=prefix)
-    _wait_state(mesh, "cheater", "up")
+    wait_state(mesh, "cheater", "up")
     mesh.start_node("spare", None)
     mesh.wait_ready(expected_nodes=3, timeout_s=180)
     _complete(mesh)  # ids it picked before it was caught reached the client
-    node = _wait_state(mesh, "cheater", "quarantined")
+    node = wait_state(mesh, "cheater", "quarantined")
     assert "sampled other ids" in node["down_reason"], node
-    records = _ledger(mesh, "cheater")
+    records = ledger(mesh, "cheater")
     assert records and not any(r["billable"] for r in records)
     again = _complete(mesh)
     assert again["meshnet"]["ids"] == honest_ids
     assert all(h["node_id"] != "cheater" for h in again["meshnet"]["route"])
     for node_id in ("node-0", "spare"):  # the honest hops, after it too, were not blamed
-        assert _nodes(mesh)[node_id]["state"] == "up"
+        assert nodes(mesh)[node_id]["state"] == "up"
 
 
 def test_a_node_that_sends_other_rows_than_it_committed_cannot_frame_the_next(
@@ -201,14 +177,14 @@ def test_a_node_that_sends_other_rows_than_it_committed_cannot_frame_the_next(
     committed: one of the two lies, and both are quarantined (before, node-0 alone was,
     and the cheater stayed up to frame the next node). New nodes serve exactly."""
     mesh = _mesh_with_cheater(mesh_factory, long_tiny, "decouple", after=2)
-    _wait_state(mesh, "cheater", "up")  # honest on its two calibration inputs
+    wait_state(mesh, "cheater", "up")  # honest on its two calibration inputs
     mesh.wait_ready(expected_nodes=2, timeout_s=180)
     # Caught mid-generation with no other node for either range: a 502, or an answer.
     httpx.post(f"{mesh.url}/v1/completions", json=BODY, headers=mesh.api_headers, timeout=120)
     for node_id in ("cheater", "node-0"):
-        node = _wait_state(mesh, node_id, "quarantined")
+        node = wait_state(mesh, node_id, "quarantined")
         assert "one of them lies" in node["down_reason"], node
-    assert not any(r["billable"] for r in _ledger(mesh, "cheater"))
+    assert not any(r["billable"] for r in ledger(mesh, "cheater"))
     mesh.start_node("spare-0", LayerRange(0, 2))
     mesh.start_node("spare-1", LayerRange(2, 4))
     mesh.wait_ready(expected_nodes=2, timeout_s=180)  # the two new ones, calibrated
@@ -242,8 +218,8 @@ def test_an_honest_mesh_at_rate_one_fails_no_check(
         assert outputs[0] == honest_ids
     time.sleep(2.0)  # the verifier's queue drains
     for node_id in [f"node-{i}" for i in range(layout.count(",") + 1)]:
-        assert _nodes(mesh)[node_id]["state"] == "up"
-        records = _ledger(mesh, node_id)
+        assert nodes(mesh)[node_id]["state"] == "up"
+        records = ledger(mesh, node_id)
         assert records and all(r["status"] != "rejected" for r in records)
         for r in records:  # every whole chunk it computed is committed in its record
             whole = r["token_end"] // 32 - -(-r["token_start"] // 32)
@@ -262,9 +238,9 @@ def test_a_second_models_nodes_are_calibrated_and_its_cheater_kept_out(
     mesh = mesh_factory("0:4", model=other, tracker_args=args, need_route=False)
     cheat = [sys.executable, LAUNCHER, "weights", "0", "--"]
     mesh.start_node("other-cheater", LayerRange(0, 4), prefix=cheat)
-    node = _wait_state(mesh, "other-cheater", "quarantined")
+    node = wait_state(mesh, "other-cheater", "quarantined")
     assert "calibration" in node["down_reason"]
-    _wait_state(mesh, "node-0", "up")
+    wait_state(mesh, "node-0", "up")
     for _ in range(3):
         r = httpx.post(
             f"{mesh.url}/v1/completions",
@@ -274,4 +250,4 @@ def test_a_second_models_nodes_are_calibrated_and_its_cheater_kept_out(
         )
         assert r.status_code == 200, r.text
         assert [h["node_id"] for h in r.json()["meshnet"]["route"]] == ["node-0"]
-    assert _ledger(mesh, "other-cheater") == []
+    assert ledger(mesh, "other-cheater") == []
