@@ -13,6 +13,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from node_records import node_record
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -20,7 +21,6 @@ from meshnet.api.metrics import CountRequests
 from meshnet.auth.keys import node_key
 from meshnet.auth.signing import METADATA_KEY, sign_tracker_call
 from meshnet.layer_range import LayerRange
-from meshnet.mesh_messages import NodeLoad
 from meshnet.node.engine import EngineStats
 from meshnet.node.metrics import NodeMetrics
 from meshnet.node.metrics_http import MAX_CLIENTS, METRICS_METHOD, MetricsServer
@@ -30,7 +30,7 @@ from meshnet.tracker.metrics import (
     counter_total,
     layer_replicas,
 )
-from meshnet.tracker.registry import NodeRecord, NodeState
+from meshnet.tracker.registry import NodeRecord
 
 FP = "f" * 64
 KEY = node_key("00" * 32, "node-a")
@@ -46,18 +46,8 @@ def samples(registry: object) -> dict[tuple[str, frozenset[tuple[str, str]]], fl
 
 
 def record(node_id: str, start: int, end: int, up: bool = True, fp: str = FP) -> NodeRecord:
-    return NodeRecord(
-        node_id=node_id,
-        address="127.0.0.1:1",
-        fingerprint=fp,
-        layers=LayerRange(start, end) if end > start else None,
-        backend="numpy",
-        kv_budget_bytes=0,
-        pid=1,
-        state=NodeState.UP if up else NodeState.DOWN,
-        last_seen=0.0,
-        load=NodeLoad(sessions=0, kv_bytes=0, queue_depth=0, steps=0),
-    )
+    layers = f"{start}:{end}" if end > start else None
+    return node_record(node_id, layers, up=up, fingerprint=fp, address="127.0.0.1:1")
 
 
 def stats(**changes: object) -> EngineStats:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+from node_records import node_record
+
 from meshnet.layer_range import LayerRange
-from meshnet.mesh_messages import NodeLoad
 from meshnet.tracker.placement import (
     Load,
     LoadResult,
@@ -15,25 +16,14 @@ from meshnet.tracker.placement import (
     PlacementConfig,
     plan_placement,
 )
-from meshnet.tracker.registry import NodeRecord, NodeState
+from meshnet.tracker.registry import NodeRecord
 from meshnet.tracker.routes import Hop
 
 FP = "f" * 64
 
 
 def node(node_id: str, layers: str | None = None, *, up: bool = True, fp: str = FP) -> NodeRecord:
-    return NodeRecord(
-        node_id=node_id,
-        address=f"{node_id}:1",
-        fingerprint=fp if layers else "",
-        layers=LayerRange.parse(layers) if layers else None,
-        backend="numpy",
-        kv_budget_bytes=0,
-        pid=1,
-        state=NodeState.UP if up else NodeState.DOWN,
-        last_seen=0.0,
-        load=NodeLoad(sessions=0, kv_bytes=0, queue_depth=0, steps=0),
-    )
+    return node_record(node_id, layers, up=up, fingerprint=fp if layers else "")
 
 
 def plan(nodes: list[NodeRecord], replicas: int = 1, **kw: object) -> list[tuple[str, str]]:

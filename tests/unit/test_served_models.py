@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from node_records import node_record as node
 
 from meshnet.errors import (
     LayerRangeError,
@@ -19,32 +20,14 @@ from meshnet.errors import (
     ShardMismatch,
 )
 from meshnet.layer_range import LayerRange
-from meshnet.mesh_messages import NodeLoad
 from meshnet.node.configure import Unload, parse
 from meshnet.node.service import NodeService
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.database import open_database
 from meshnet.tracker.model_admin import Assignment, check_assignments, choose_assignments
-from meshnet.tracker.registry import NodeRecord, NodeState
 from meshnet.tracker.served import MAX_MODELS, ModelState, ServedModel, ServedModels
 from meshnet.tracker.served_store import ServedRow, ServedStore
 from meshnet.tracker.session_models import SessionModels
-
-
-def node(node_id: str, layers: str | None = None, *, up: bool = True) -> NodeRecord:
-    return NodeRecord(
-        node_id=node_id,
-        address=f"{node_id}:1",
-        fingerprint="f" * 64 if layers else "",
-        layers=LayerRange.parse(layers) if layers else None,
-        backend="numpy",
-        kv_budget_bytes=0,
-        pid=1,
-        state=NodeState.UP if up else NodeState.DOWN,
-        last_seen=0.0,
-        load=NodeLoad(sessions=0, kv_bytes=0, queue_depth=0, steps=0),
-    )
-
 
 # --- the served set ----------------------------------------------------------------------
 
