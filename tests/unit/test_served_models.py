@@ -24,7 +24,8 @@ from meshnet.node.configure import Unload, parse
 from meshnet.node.service import NodeService
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.database import open_database
-from meshnet.tracker.model_admin import Assignment, check_assignments, choose_assignments
+from meshnet.tracker.model_admin import check_assignments, choose_assignments
+from meshnet.tracker.placement import Load
 from meshnet.tracker.served import MAX_MODELS, ModelState, ServedModel, ServedModels
 from meshnet.tracker.served_store import ServedRow, ServedStore
 from meshnet.tracker.session_models import SessionModels
@@ -149,8 +150,8 @@ def test_the_first_model_released_leaves_the_oldest_one_left() -> None:
 NODES = [node("n1"), node("n2"), node("busy", "0:4"), node("dead", up=False), node("n0")]
 
 
-def assign(*pairs: tuple[str, str]) -> list[Assignment]:
-    return [Assignment(n, LayerRange.parse(r)) for n, r in pairs]
+def assign(*pairs: tuple[str, str]) -> list[Load]:
+    return [Load(n, LayerRange.parse(r)) for n, r in pairs]
 
 
 def test_an_assignment_covering_the_layers_once_on_empty_nodes_passes() -> None:

@@ -30,7 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from meshnet.api.auth import require_admin, require_tenant
 from meshnet.api.state import model_admin_of, models_of, tracker_of
 from meshnet.layer_range import LayerRange
-from meshnet.tracker.model_admin import MAX_DRAIN_S, Assignment, ServeRequest, model_json
+from meshnet.tracker.model_admin import MAX_DRAIN_S, ServeRequest, model_json
+from meshnet.tracker.placement import Load
 
 router = APIRouter()
 admin = APIRouter(dependencies=[Depends(require_admin)])
@@ -70,8 +71,7 @@ class ServeBody(_Body):
     def request(self) -> ServeRequest:
         """The typed request; ``LayerRangeError`` (400) for an empty or negative range."""
         assignments = tuple(
-            Assignment(p.node_id, LayerRange(p.layers[0], p.layers[1]))
-            for p in self.placement or ()
+            Load(p.node_id, LayerRange(p.layers[0], p.layers[1])) for p in self.placement or ()
         )
         return ServeRequest(self.path, self.node_path or "", assignments, self.nodes or 1)
 

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import grpc
 
 from meshnet.errors import MeshnetError, RequestError
-from meshnet.layer_range import LayerRange, split_evenly
+from meshnet.layer_range import split_evenly
 from meshnet.model.info import ModelInfo, load_model_info
 from meshnet.protocol import meshnet_pb2 as pb
-from meshnet.tracker.placement import Placement, PlacementConfig, configure_span
+from meshnet.tracker.placement import Load, Placement, PlacementConfig, configure_span
 from meshnet.tracker.registry import NodeRecord, NodeState
 from meshnet.tracker.served import ModelState, ServedModel, ServedModels, model_tracker
 from meshnet.tracker.served_store import ServedRow, ServedStore
@@ -50,21 +50,13 @@ _CANCEL_WAIT_S = 10.0  # cancelled generations given this long to end before the
 
 
 @dataclass(frozen=True)
-class Assignment:
-    """Node ``node_id`` serves ``layers`` of the model."""
-
-    node_id: str
-    layers: LayerRange
-
-
-@dataclass(frozen=True)
 class ServeRequest:
     """What to serve and where. ``node_path``: the file as the nodes see it ("": the
     same path as the tracker's). ``assignments`` empty: ``nodes`` empty nodes chosen."""
 
     path: str
     node_path: str = ""
-    assignments: tuple[Assignment, ...] = ()
+    assignments: tuple[Load, ...] = ()
     nodes: int = 1
 
 
@@ -76,7 +68,7 @@ def empty_nodes(nodes: Sequence[NodeRecord]) -> list[NodeRecord]:
     )
 
 
-def choose_assignments(nodes: Sequence[NodeRecord], n_layers: int, count: int) -> list[Assignment]:
+def choose_assignments(nodes: Sequence[NodeRecord], n_layers: int, count: int) -> list[Load]:
     """``count`` empty nodes, the layers split evenly among them; ``RequestError`` when
     there are fewer empty nodes (or more nodes than layers)."""
     if not 1 <= count <= n_layers:
@@ -85,11 +77,11 @@ def choose_assignments(nodes: Sequence[NodeRecord], n_layers: int, count: int) -
     if len(free) < count:
         raise RequestError(f"{count} empty nodes are needed and {len(free)} are up")
     ranges = split_evenly(n_layers, count)
-    return [Assignment(n.node_id, r) for n, r in zip(free, ranges, strict=False)]
+    return [Load(n.node_id, r) for n, r in zip(free, ranges, strict=False)]
 
 
 def check_assignments(
-    assignments: Sequence[Assignment], nodes: Sequence[NodeRecord], n_layers: int
+    assignments: Sequence[Load], nodes: Sequence[NodeRecord], n_layers: int
 ) -> None:
     """``RequestError`` unless every node is known, up and empty, none is named twice,
     and the ranges cover ``[0, n_layers)`` exactly once (a complete route)."""
@@ -108,10 +100,10 @@ def check_assignments(
         if node.layers is not None:
             raise RequestError(f"node {a.node_id} serves layers {node.layers}: it is not empty")
     end = 0
-    for a in sorted(assignments, key=lambda a: a.layers):
-        if a.layers.start != end:
+    for a in sorted(assignments, key=lambda a: a.span):
+        if a.span.start != end:
             raise RequestError(f"the ranges do not cover layer {end} exactly once")
-        end = a.layers.end
+        end = a.span.end
     if end != n_layers:
         raise RequestError(f"the ranges end at layer {end}, not at the model's {n_layers}")
 
@@ -203,14 +195,14 @@ class ModelAdmin:
         return model
 
     async def _load_all(
-        self, plan: Sequence[Assignment], nodes: Sequence[NodeRecord], info: ModelInfo, path: str
+        self, plan: Sequence[Load], nodes: Sequence[NodeRecord], info: ModelInfo, path: str
     ) -> None:
         by_id = {n.node_id: n for n in nodes}
         timeout = self._base.config.heal_timeout_s
         results = await asyncio.gather(
             *(
                 configure_span(
-                    self._base.channels, by_id[a.node_id], a.layers, info.fingerprint, timeout, path
+                    self._base.channels, by_id[a.node_id], a.span, info.fingerprint, timeout, path
                 )
                 for a in plan
             )
@@ -225,7 +217,7 @@ class ModelAdmin:
             await asyncio.gather(*(self._unload(n) for n in loaded))
             raise RequestError(f"{info.name} was not served ({'; '.join(failed)}); nothing changed")
         for a in plan:
-            self._base.store.set_layers(a.node_id, a.layers, info.fingerprint)
+            self._base.store.set_layers(a.node_id, a.span, info.fingerprint)
 
     async def release(self, name: str, drain_s: float) -> ServedModel:
         """Stop routing new requests to ``name``; its generations finish (``drain_s`` at
