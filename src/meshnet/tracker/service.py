@@ -590,8 +590,8 @@ class Tracker:
             log.info("node %s was %s but answers a probe: kept up", node_id, kind)
             return False
         log.warning("node %s failed (%s): marked down", node_id, kind)
+        self.metrics.node_down(node_id, kind)  # first: a scrape that sees it down counts it
         self.store.mark_down(node_id, kind)
-        self.metrics.node_down(node_id, kind)
         if address:
             self.channels.retire(address)
         return True
@@ -605,8 +605,8 @@ class Tracker:
         )
         lost = [n.node_id for n, up in zip(silent, alive, strict=True) if not up]
         for node_id in lost:
+            self.metrics.node_down(node_id, HeartbeatLost.kind)  # before: as above
             self.store.mark_down(node_id, HeartbeatLost.kind)
-            self.metrics.node_down(node_id, HeartbeatLost.kind)
             verdict = HeartbeatLost(f"node {node_id} stopped heartbeating", node_id)
             for gen in self.generations():
                 gen.node_lost(node_id, verdict)
