@@ -73,11 +73,10 @@ class Sampler:
     def __init__(self, params: SamplingParams, draws: int = 0) -> None:
         """``draws``: uniforms the request's generator has already drawn (its position)."""
         self.params = params.seeded()
-        bits = np.random.PCG64(self.params.seed)
-        if draws:
-            bits.advance(draws)  # one 64-bit output per uniform
         self.draws = draws
-        self._rng = np.random.Generator(bits)
+        # Made at the first draw: seeding PCG64 costs more than a greedy pick, which
+        # a node makes for every stream's every token.
+        self._rng: np.random.Generator | None = None
 
     def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
         """The next token from logits [vocab]; ``history`` is prompt + generated ids."""
@@ -90,9 +89,19 @@ class Sampler:
             scores = apply_repetition_penalty(scores, history, p.repetition_penalty)
         if p.greedy:
             return int(np.argmax(scores))  # first of equal maxima: lowest id
-        u = self._rng.random()
+        u = self._generator().random()
         self.draws += 1
         return pick(scores / p.temperature, p.top_k, p.top_p, u)
+
+    def _generator(self) -> np.random.Generator:
+        """The request's generator, advanced past the uniforms already drawn."""
+        if self._rng is None:
+            assert self.params.seed is not None  # seeded() fixed it
+            bits = np.random.PCG64(self.params.seed)
+            if self.draws:
+                bits.advance(self.draws)  # one 64-bit output per uniform
+            self._rng = np.random.Generator(bits)
+        return self._rng
 
 
 def apply_repetition_penalty(
