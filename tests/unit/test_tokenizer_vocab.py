@@ -30,6 +30,7 @@ from vocab_gguf import (
 )
 
 from meshnet.engine.request import RequestState
+from meshnet.engine.text import TextStream
 from meshnet.errors import TokenizerError
 from meshnet.model.gguf_file import GGUFFile, open_gguf
 from meshnet.model.sampling import SamplingParams
@@ -123,6 +124,28 @@ def test_decode_gives_the_text_back(family: str, family_tokenizer) -> None:  # t
             # llama.cpp and transformers do; that space is not given back.
             continue
         assert tok.decode(ids) == text
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_streamed_text_is_the_whole_decode_at_every_token(family: str, family_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """A stream decodes a short window per token; its text must still be the decode of
+    every id so far: real text of every kind, then random ids (byte pieces that split
+    characters, special tokens mid-text)."""
+    tok = family_tokenizer(family)
+    texts = [tok.encode(t, add_special=False) for t in llamacpp()["texts"]]
+    rng = np.random.default_rng(7)
+    specials = sorted(tok.special_ids)
+    noise = [
+        [int(i) if rng.random() > 0.05 else specials[int(i) % len(specials)] for i in row]
+        for row in rng.integers(0, tok.hf.get_vocab_size(), size=(20, 60))
+    ]
+    for ids in [*texts, *noise]:
+        stream = TextStream(tok)
+        released = []
+        for k, i in enumerate(ids):
+            released.append(stream.push(i))
+            assert stream.text == tok.decode(ids[: k + 1]), (family, ids[: k + 1])
+        assert "".join(released) + stream.finish() == tok.decode(ids)
 
 
 def test_special_tokens_are_single_ids_and_spelled_out(family_tokenizer) -> None:  # type: ignore[no-untyped-def]

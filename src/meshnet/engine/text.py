@@ -3,6 +3,12 @@
 Text is released only when it is final: an incomplete UTF-8 sequence at the
 end (decoded as U+FFFD) and any tail that could still grow into a stop string
 are held back until the next token settles them.
+
+Each token decodes only a short window of ids, not the whole generation (that
+made every token cost time in proportion to the text so far): the text of ids
+``[prefix:]`` less the text of ids ``[prefix:read]``, both decoded from the same
+start, so what a tokenizer does at a text's start (SentencePiece's leading
+space) cancels out, as in Hugging Face's text-generation-inference.
 """
 
 from __future__ import annotations
@@ -22,13 +28,19 @@ class TextStream:
         self._emitted = 0  # characters of the text already released
         self.text = ""  # the text so far, cut before a stop string once one appears
         self.stopped = False  # a stop string has appeared
+        # The window: ids before ``_read`` are settled, their text in ``_settled``;
+        # ``_head`` is the text of ids [_prefix:_read] decoded on its own.
+        self._prefix = 0
+        self._read = 0
+        self._settled = ""
+        self._head = ""
 
     def push(self, token_id: int) -> str:
         """Add one generated id; return the newly final text (may be empty)."""
         if self.stopped:
             return ""
         self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids)
+        text = self._decoded()
         cut = _first_stop(text, self._stop)
         if cut is not None:
             self.stopped = True
@@ -38,6 +50,17 @@ class TextStream:
         if text.endswith(_INCOMPLETE):
             return ""
         return self._release(len(text) - _stop_prefix_len(text, self._stop))
+
+    def _decoded(self) -> str:
+        """The text of every id so far; the window moves on when its end is final."""
+        window = self._tokenizer.decode(self._ids[self._prefix :])
+        if not window.startswith(self._head):  # not a tokenizer that decodes piecewise
+            return self._tokenizer.decode(self._ids)
+        text = self._settled + window[len(self._head) :]
+        if not text.endswith(_INCOMPLETE):
+            self._prefix, self._read, self._settled = self._read, len(self._ids), text
+            self._head = self._tokenizer.decode(self._ids[self._prefix :])
+        return text
 
     def finish(self) -> str:
         """Release whatever was held back; call once when generation ends."""
