@@ -13,10 +13,24 @@
 # whose options match that record and whose binaries exist is a no-op; any
 # difference (another host, an old build without the record) rebuilds.
 # `meshnet bench` reads the record to say which extensions its peer has.
+#
+# LLAMACPP_ISA=avx2 builds the peer an AVX2-only CPU would get (the host's
+# AVX-512, AVX-VNNI and AMX flags ignored) into ~/.cache/meshnet/llama.cpp-avx2:
+# the benchmarks race it when run with MESHNET_ISA=avx2 (our AVX2 kernels), so an
+# AVX-512 host can measure both kinds of CPU.
 set -euo pipefail
 
 version="${LLAMACPP_PY_VERSION:-0.3.36}"
-home="${LLAMACPP_HOME:-$HOME/.cache/meshnet/llama.cpp}"
+isa="${LLAMACPP_ISA:-host}"
+case "$isa" in
+  host) default_home="$HOME/.cache/meshnet/llama.cpp" ;;
+  avx2) default_home="$HOME/.cache/meshnet/llama.cpp-avx2" ;;
+  *)
+    echo "LLAMACPP_ISA=$isa: expected host or avx2" >&2
+    exit 2
+    ;;
+esac
+home="${LLAMACPP_HOME:-$default_home}"
 python="${PYTHON:-python3}"
 cpuinfo="${CPUINFO:-/proc/cpuinfo}"
 # llama-quantize makes the K-quant bench model; llama-tokenize and llama-server are the
@@ -25,6 +39,9 @@ targets=(llama-bench llama-batched-bench llama-server ggml-rpc-server llama-cli 
 
 # The host's CPU flags, one per line (the first "flags" line: all cores are alike).
 host_flags="$(grep -m1 '^flags' "$cpuinfo" | cut -d: -f2 | tr ' ' '\n' | grep -v '^$' || true)"
+if [ "$isa" = avx2 ]; then # what an AVX2-only CPU lacks
+  host_flags="$(grep -v -E '^(avx512|avx_vnni|amx)' <<<"$host_flags" || true)"
+fi
 has() {
   local f
   for f in "$@"; do grep -qx "$f" <<<"$host_flags" || return 1; done

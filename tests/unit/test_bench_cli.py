@@ -45,3 +45,58 @@ def test_the_peers_extensions_are_read_from_its_build_record(tmp_path: Path) -> 
     record += "-DGGML_AVX512_VNNI=ON -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF\n"
     (tmp_path / "build-flags").write_text(record)
     assert peer_isa(tmp_path / "bin") == ["AVX2", "AVX512", "AVX512_VNNI"]
+
+
+def _fake_build(home: Path, record: str) -> None:
+    (home / "bin").mkdir(parents=True)
+    for name in ("llama-bench", "llama-batched-bench"):
+        (home / "bin" / name).write_text("")
+    (home / "build-flags").write_text(record)
+
+
+def test_avx2_kernels_race_the_avx2_only_peer(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from meshnet.benchmark import llamacpp
+
+    _fake_build(tmp_path / "host", "host")
+    _fake_build(tmp_path / "avx2", "avx2")
+    monkeypatch.setattr(llamacpp, "DEFAULT_HOME", tmp_path / "host")
+    monkeypatch.setattr(llamacpp, "AVX2_HOME", tmp_path / "avx2")
+    monkeypatch.delenv("LLAMACPP_HOME", raising=False)
+    monkeypatch.delenv("MESHNET_ISA", raising=False)
+    assert llamacpp.find_llamacpp() == tmp_path / "host" / "bin"
+    monkeypatch.setenv("MESHNET_ISA", "avx2")
+    assert llamacpp.find_llamacpp() == tmp_path / "avx2" / "bin"
+    assert llamacpp.find_llamacpp(str(tmp_path / "host" / "bin")) == tmp_path / "host" / "bin"
+
+
+def test_the_avx2_peer_is_built_without_the_hosts_avx512(tmp_path: Path) -> None:
+    """On an AVX-512 + VNNI host, LLAMACPP_ISA=avx2 chooses the options of an AVX2-only
+    CPU: the script finds a build with exactly those and builds nothing."""
+    import subprocess
+
+    cpuinfo = tmp_path / "cpuinfo"
+    flags = "sse4_2 avx avx2 fma f16c bmi2 avx_vnni avx512f avx512cd avx512vl avx512dq "
+    cpuinfo.write_text(f"flags\t\t: {flags}avx512bw avx512vbmi avx512_vnni avx512_bf16\n")
+    avx2 = "-DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+    avx2 += "-DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF "
+    avx2 += "-DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF"
+    amx = "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    record = f"llama-cpp-python 0.3.36 -DGGML_NATIVE=OFF {avx2} {amx}\n"
+    home = tmp_path / "peer"
+    _fake_build(home, record)
+    tools = ["llama-server", "ggml-rpc-server", "llama-cli", "llama-quantize", "llama-tokenize"]
+    for name in tools:
+        (home / "bin" / name).write_text("")
+    for name in [*tools, "llama-bench", "llama-batched-bench"]:
+        (home / "bin" / name).chmod(0o755)
+    script = Path(__file__).parents[2] / "bench" / "build_llamacpp.sh"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "CPUINFO": str(cpuinfo)}
+    env |= {"LLAMACPP_HOME": str(home), "PYTHON": "false"}  # a rebuild would fail at once
+    done = subprocess.run(
+        ["bash", str(script)], env={**env, "LLAMACPP_ISA": "avx2"}, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "already built" in done.stdout
+    host = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert host.returncode != 0  # the host's options differ: it would rebuild
+    assert "-DGGML_AVX512=ON" in host.stdout

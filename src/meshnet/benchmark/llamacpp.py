@@ -20,14 +20,22 @@ from pathlib import Path
 from meshnet.benchmark.figures import Throughput
 
 DEFAULT_HOME = Path.home() / ".cache" / "meshnet" / "llama.cpp"
+# The peer an AVX2-only CPU gets (``LLAMACPP_ISA=avx2 bench/build_llamacpp.sh``).
+AVX2_HOME = Path.home() / ".cache" / "meshnet" / "llama.cpp-avx2"
 _TIMEOUT_S = 900
 
 
 def find_llamacpp(bin_dir: str | None = None) -> Path | None:
-    """The directory holding llama-bench and llama-batched-bench, if built."""
+    """The directory holding llama-bench and llama-batched-bench, if built.
+
+    With ``MESHNET_ISA=avx2`` (our kernels kept to AVX2 on an AVX-512 host) the
+    AVX2-only build comes first, so both sides run what an AVX2-only CPU has.
+    """
     candidates = [Path(bin_dir)] if bin_dir else []
     if env := os.environ.get("LLAMACPP_HOME"):
         candidates.append(Path(env) / "bin")
+    if os.environ.get("MESHNET_ISA") == "avx2":
+        candidates.append(AVX2_HOME / "bin")
     candidates.append(DEFAULT_HOME / "bin")
     for d in candidates:
         if (d / "llama-bench").is_file() and (d / "llama-batched-bench").is_file():
