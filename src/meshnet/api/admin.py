@@ -30,8 +30,9 @@ async def list_nodes(request: Request) -> dict[str, Any]:
     trackers = [m.tracker for m in models_of(request)] or [first]
     nodes = []
     for n in first.store.nodes():
-        calibrations = sum(t.trust.runs[n.node_id] for t in trackers if t.trust is not None)
-        checks = sum(t.capacity.checks[n.node_id] for t in trackers if t.capacity is not None)
+        checking = [t.verification for t in trackers if t.verification is not None]
+        calibrations = sum(v.trust.runs[n.node_id] for v in checking)
+        checks = sum(v.capacity.checks[n.node_id] for v in checking if v.capacity is not None)
         trusted = n.node_id in first.trusted_nodes
         more = {"trusted": trusted, "calibrations": calibrations, "trusted_checks": checks}
         nodes.append({**node_json(n), **more})

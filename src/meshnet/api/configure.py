@@ -124,8 +124,8 @@ async def configure_node(node_id: str, body: ConfigureBody, request: Request) ->
         layers = LayerRange(reply.layer_start, reply.layer_end)
         tracker.store.set_layers(node.node_id, layers, reply.fingerprint)
         serving = tracker_serving(request, reply.fingerprint)
-        if serving.trust is not None:  # routed on its new layers only once it calibrated
-            serving.trust.decide(node.node_id)
+        if serving.verification is not None:  # routed on its new layers once it calibrated
+            serving.verification.reconsider(node.node_id)
     return _result(node_id, body, reply, handed, failures)
 
 

@@ -77,8 +77,9 @@ def model_tracker(first: Tracker, info: ModelInfo, node_path: str) -> Tracker:
     tracker.heal_lock = first.heal_lock
     tracker.node_model_path = node_path
     tracker.trusted_nodes = first.trusted_nodes  # trust is tracker-wide too
-    if first.verifier is not None:  # verification is tracker-wide: this model's nodes too
-        tracker.verify(TrustedModel(str(info.path)), first.verifier.rate, first.trusted_nodes)
+    if first.verification is not None:  # verification is tracker-wide: this model's too
+        rate = first.verification.rate
+        tracker.verify(TrustedModel(str(info.path)), rate, first.trusted_nodes)
     return tracker
 
 

@@ -43,7 +43,6 @@ from meshnet.mesh_messages import Heartbeat, NodeAnnouncement
 from meshnet.model.info import ModelInfo
 from meshnet.model.sampling import SamplingParams
 from meshnet.tracker.admission import Admission, AdmissionConfig, Reservation
-from meshnet.tracker.calibration import NodeTrust
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.driver import DoneEvent, Fabric, Reroute, RouteDriver, TokenEvent
 from meshnet.tracker.generation import Generation
@@ -63,15 +62,8 @@ from meshnet.tracker.routes import (
     splice,
 )
 from meshnet.tracker.store import Store
-from meshnet.tracker.trusted_capacity import TrustedCapacity, run_chain
-from meshnet.tracker.verifier import (
-    TRUSTED_BACKEND,
-    SpanClaim,
-    TrustedModel,
-    Verdict,
-    Verifier,
-)
-from meshnet.tracker.work_checks import SpanCheck
+from meshnet.tracker.verification import Verification
+from meshnet.tracker.verifier import TrustedModel
 
 log = logging.getLogger(__name__)
 
@@ -139,10 +131,8 @@ class Tracker:
         self.heal_lock = asyncio.Lock()
         self.metrics = metrics or TrackerMetrics()  # what /metrics and the dashboard read
         self.metrics.watch(self)
-        self.trust: NodeTrust | None = None  # calibration, when verification is on
-        self.verifier: Verifier | None = None
+        self.verification: Verification | None = None  # when on (--verify-rate)
         self.trusted_nodes: frozenset[str] = frozenset()  # by configuration (--trusted-node)
-        self.capacity: TrustedCapacity | None = None  # checks on trusted nodes, when any
         # The file ``load`` tells nodes to load, as they see it ("": each node's start
         # model); another served model's tracker names its file (tracker/served.py).
         self.node_model_path = ""
@@ -480,14 +470,14 @@ class Tracker:
             log.warning("node %s did not load layers %s: %s", node.node_id, span, result.failure)
             return result
         self.store.set_layers(node.node_id, span, self.model.fingerprint)
-        if self.trust is not None:  # routed only once it calibrated on the span
-            self.trust.decide(node.node_id)
-            if not await self.trust.calibrated(node.node_id):
+        if self.verification is not None:  # routed only once it calibrated on the span
+            self.verification.reconsider(node.node_id)
+            if not await self.verification.calibrated(node.node_id):
                 return LoadResult(None, f"node {node.node_id} did not calibrate on {span}")
         log.info("healed: node %s now serves layers %s", node.node_id, span)
         return result
 
-    # --- verification (tracker/calibration.py, tracker/verifier.py) --------------
+    # --- verification (tracker/verification.py) -----------------------------------
 
     def verify(
         self, model: TrustedModel, rate: float, trusted: frozenset[str] = frozenset()
@@ -497,68 +487,26 @@ class Tracker:
         where one fits (tracker/trusted_capacity.py), else on ``model``. Trusted nodes are
         neither calibrated nor checked, and their work is billable at once."""
         self.trusted_nodes = trusted
-        self.trust = NodeTrust(
-            self.store, self.channels, self.model.fingerprint, model, self._quarantined, trusted
+        self.verification = Verification(
+            self.store, self.channels, self.model, model, rate, trusted, self._quarantined
         )
-        self.verifier = Verifier(model, rate, self._checked, backend_of=self._backend_of)
-        if trusted:
-            fingerprint, spec = self.model.fingerprint, self.model.spec
-            shape = (spec.d_model, spec.vocab_size)
-            run = functools.partial(run_chain, self.channels, fingerprint, shape)
-            self.capacity = TrustedCapacity(trusted, fingerprint, self.store.nodes, run)
-            self.verifier.elsewhere = self.capacity.check
-        self.driver.claims = self._offer
+        self.driver.claims = self.verification.offer
         self.ledger.verifying = True  # completed work waits for its checks (ledger.py)
         self.ledger.trusted |= trusted  # one spool for every model's tracker (served.py)
-
-    def _offer(self, claim: SpanClaim) -> None:
-        """Hand a committed chunk to the verifier, unless a trusted node committed it."""
-        if self.verifier is not None and claim.node_id not in self.trusted_nodes:
-            self.verifier.offer(claim)
-
-    def _backend_of(self, node_id: str) -> str:
-        """The backend a node registered with (the verifier checks its work on it)."""
-        node = next((n for n in self.store.nodes() if n.node_id == node_id), None)
-        return node.backend if node is not None else TRUSTED_BACKEND
 
     def register(self, a: NodeAnnouncement) -> None:
         """A node registered (again): up, or with verification on, calibrating."""
         before = next((n for n in self.store.nodes() if n.node_id == a.node_id), None)
         self.store.register(a, time.time())
-        if self.trust is not None:
-            self.trust.decide(a.node_id, before)
+        if self.verification is not None:
+            self.verification.registered(a.node_id, before)
 
     def heartbeat(self, node_id: str, hb: Heartbeat) -> bool:
         """A node's heartbeat; False when it is unknown or down (it registers again)."""
         known = self.store.heartbeat(node_id, hb, time.time())
-        if known and self.trust is not None:
-            self.trust.decide(node_id)  # it may serve other layers now (a T3 configure)
+        if known and self.verification is not None:
+            self.verification.reconsider(node_id)  # it may serve other layers (a T3 configure)
         return known
-
-    def _checked(self, verdict: Verdict) -> None:
-        """Record the verifier's verdict on a span; a failed one quarantines the node
-        (first: it must not wait on the database)."""
-        c = verdict.claim
-        if not verdict.passed and c.node_id in self.trusted_nodes:
-            # Blamed as a hop before a checked node (the engine's upstream check): trust is
-            # configuration, so it stays up; the failed check is kept for the operator.
-            log.error(
-                "trusted node %s differs from the tracker's engine: %s", c.node_id, verdict.detail
-            )
-        elif not verdict.passed and self.trust is not None:
-            self.trust.quarantine(c.node_id, f"verification failed: {verdict.detail}")
-        self.store.record_check(
-            SpanCheck(
-                c.node_id,
-                c.generation_id,
-                c.layers.start,
-                c.layers.end,
-                c.token_start,
-                c.token_end,
-                verdict.passed,
-                verdict.detail,
-            )
-        )
 
     def _quarantined(self, node_id: str, reason: str) -> None:
         """Fail over every generation running on a quarantined node, at once."""
