@@ -1,6 +1,6 @@
 """meshnet on a model of the size people run, against llama.cpp on the same file, in one run.
 
-    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/realistic.py
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/realistic.py [--backend q8]
 
 The model is a Llama-3.2-1B-shaped GGUF with seeded random weights and the real
 Llama-3 tokenizer, quantized to Q4_K_M by llama.cpp's llama-quantize; it is made
@@ -37,6 +37,7 @@ from meshnet.benchmark.realistic_model import ensure_models
 from meshnet.benchmark.split import SplitResult, SplitSetup, measure_split
 from meshnet.benchmark.synthetic_model import LlamaShape
 from meshnet.engine.local import load_local_model
+from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 
 GOAL_DECODE = 1.0  # meshnet / llama.cpp, single process
 GOAL_SPLIT = 1.5  # meshnet mesh / llama.cpp RPC split
@@ -54,15 +55,16 @@ def main() -> None:
     p.add_argument("--nodes", default="2,3", help="split sizes, comma-separated")
     p.add_argument("--rounds", type=int, default=3, help="rounds per side, taken in turns")
     p.add_argument("--llamacpp", help="folder with llama-bench and ggml-rpc-server")
+    p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS, help="ours, everywhere")
     args = p.parse_args()
     bin_dir = find_llamacpp(args.llamacpp)
     model_path = args.model or _default_model(bin_dir)
-    print(f"model {model_path} ({model_path.stat().st_size / 1e9:.2f} GB)")
+    print(f"model {model_path} ({model_path.stat().st_size / 1e9:.2f} GB), backend {args.backend}")
     if bin_dir is None:
         print("llama.cpp not found (bench/build_llamacpp.sh): meshnet's figures alone")
 
     set_threads(args.threads)
-    local = load_local_model(model_path)
+    local = load_local_model(model_path, backend=args.backend)
     print(f"loaded in {local.load_s:.1f} s: {local.spec.n_layers} layers, d={local.spec.d_model}")
     warm_up(local)
     ours: list[Throughput] = []
@@ -83,6 +85,7 @@ def main() -> None:
         tensor_bytes={name: int(t.n_bytes) for name, t in local.file.tensors.items()},
         prompt_tokens=len(local.tokenizer.encode(PROMPT)),
         llamacpp=bin_dir,
+        backend=args.backend,
     )
     del local  # the nodes load their own shards; this process's copy would crowd them
     gc.collect()

@@ -22,6 +22,7 @@ from meshnet.benchmark.node_memory import Rss, session_kv_bytes, shard_file_byte
 from meshnet.benchmark.running_mesh import served_model
 from meshnet.layer_range import LayerRange, split_evenly
 from meshnet.local_mesh import LocalMesh
+from meshnet.model.shard import DEFAULT_BACKEND
 from meshnet.model.spec import ModelSpec
 
 _START_TIMEOUT_S = 900.0  # every node loads its shard of a 1B model on a shared 2-core VM
@@ -70,6 +71,7 @@ class SplitSetup:
     tensor_bytes: Mapping[str, int]  # every tensor of the file: name -> stored bytes
     prompt_tokens: int  # ids of mesh.PROMPT, for the KV a sequence takes
     llamacpp: Path | None  # folder with llama-bench and ggml-rpc-server
+    backend: str = DEFAULT_BACKEND  # the nodes'
 
 
 def measure_split(
@@ -84,7 +86,7 @@ def measure_split(
             data_dir=Path(tmp),
             model=str(setup.model),
             extra_env={"NUMBA_NUM_THREADS": str(threads)},
-            node_args=["--threads", str(threads)],
+            node_args=["--threads", str(threads), "--backend", setup.backend],
         )
         try:
             mesh.start(list(layout), timeout_s=_START_TIMEOUT_S)
