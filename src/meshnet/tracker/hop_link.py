@@ -152,10 +152,13 @@ class HopLink:
     def _note(self, chunks: Sequence[pb.ChunkDigest]) -> None:
         """Keep the node's commitments, checked (a malformed one fails the link, and so do
         more chunks than a context holds: what a node sends must not grow without bound)."""
+        if not chunks:  # most steps: a chunk is committed every CHUNK_TOKENS positions
+            return
         try:
             new = checked_chunks(chunks)
             inputs = checked_inputs(chunks)
-            if len(self.commitments.keys() | new.keys()) > MAX_CHUNKS_PER_MESSAGE:
+            added = sum(1 for start in new if start not in self.commitments)
+            if len(self.commitments) + added > MAX_CHUNKS_PER_MESSAGE:
                 raise MalformedBundle(f"more than {MAX_CHUNKS_PER_MESSAGE} chunks committed")
         except MalformedBundle as e:
             raise MalformedBundle(f"node {self.node_id}: {e.message}", self.node_id) from None
