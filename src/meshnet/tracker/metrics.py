@@ -113,17 +113,21 @@ class GenerationMeter:
         self._tokens = 0
         metrics.generations.labels(kind).inc()
         metrics.prompt_tokens.labels(kind).inc(prompt_tokens)
+        # Looked up once: a label lookup per token is most of what counting it costs.
+        self._ttft = metrics.ttft.labels(kind)
+        self._inter_token = metrics.inter_token.labels(kind)
+        self._generated = metrics.generated_tokens.labels(kind)
 
     def token(self) -> None:
         now = time.monotonic()
         seconds = now - self._last
         if self._tokens == 0:
-            self._m.ttft.labels(self._kind).observe(seconds)
+            self._ttft.observe(seconds)
         else:
-            self._m.inter_token.labels(self._kind).observe(seconds)
+            self._inter_token.observe(seconds)
         self._last = now
         self._tokens += 1
-        self._m.generated_tokens.labels(self._kind).inc()
+        self._generated.inc()
 
     def ended(self, outcome: str, recoveries: Sequence[tuple[str, float]] = ()) -> None:
         """``outcome``: "completed", a failure kind, or "abandoned" (the caller left);
