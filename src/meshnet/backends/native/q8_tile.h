@@ -289,21 +289,15 @@ Q8_INLINE void FN(token_tiles)(const q8job_t *j, const int type, const Py_ssize_
     }
 }
 
-/* Row vectors [v0, v1) for every token: a lone token four row vectors at once (four
- * chains of its own; all but Q6_K one group's), batches one row vector x tiles of tokens. */
+/* Row vectors [v0, v1) for every token: a lone token one row group at a time (one stream
+ * from memory: four groups at once, four streams, ran the Q4_K and Q6_K matrices out of
+ * cache up to half as fast), batches one row vector x tiles of tokens. */
 Q8_INLINE void FN(q8rows_typed)(const q8job_t *j, const int type, Py_ssize_t v0,
                                 Py_ssize_t v1) {
     Py_ssize_t v = v0;
     if (j->T == 1) {
-        if (type != Q6_K) { /* one group at a time: one stream from memory (four groups
-                             * at once ran up to half as fast on a matrix out of cache;
-                             * Q6_K gained nothing) */
-            const int RVG = GROUP_ROWS / LANES;
-            for (; v + RVG <= v1; v += RVG) FN(any_tile)(j, type, v, RVG, 0, 1);
-            for (; v < v1; v++) FN(any_tile)(j, type, v, 1, 0, 1);
-            return;
-        }
-        for (; v + 4 <= v1; v += 4) FN(any_tile)(j, type, v, 4, 0, 1);
+        const int RVG = GROUP_ROWS / LANES;
+        for (; v + RVG <= v1; v += RVG) FN(any_tile)(j, type, v, RVG, 0, 1);
         for (; v < v1; v++) FN(any_tile)(j, type, v, 1, 0, 1);
         return;
     }
