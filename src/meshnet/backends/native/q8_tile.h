@@ -162,12 +162,18 @@ Q8_INLINE void FN(q4k_super)(const int type, const uint8_t *p, const int lane,
     }
 }
 
-/* Q6_K: super-blocks of 16 sub-blocks of 16; its quants are 0 .. 63, less 32. */
+/* Q6_K: super-blocks of 16 sub-blocks of 16; its quants are 0 .. 63, less 32. A lone
+ * token fetches its group's bytes ahead into L2: the hardware's prefetch alone left the
+ * AVX2 tiles waiting on memory (the 128256x2048 head out of cache, one thread, ~16 -> ~20
+ * GB/s; AVX-512 unchanged at ~32); into L1 it slowed AVX-512 by a third. */
 Q8_INLINE void FN(q6k_super)(const uint8_t *p, const int lane, const int8_t *xs,
                              const Py_ssize_t cols, IVEC sumi[KTILE_MAX], const int TT) {
     for (int t = 0; t < TT; t++) sumi[t] = IZERO();
     for (int k = 0; k < QK_K / 16; k++) {
         const uint8_t *sub = p + K6_SUB + k * K6_SUB_BYTES + 4 * lane;
+        if (TT == 1 && lane == 0) /* a lone token's stream, Q6K1_AHEAD bytes on, into L2 */
+            for (int line = 0; line < K6_SUB_BYTES; line += 64)
+                _mm_prefetch((const char *)sub + Q6K1_AHEAD + line, _MM_HINT_T1);
         const IVEC ql0 = LDQ(sub), ql1 = LDQ(sub + 64), qh = LDQ(sub + 128);
         const IVEC q0 = ORI(BYTES15(ql0), BMASK(SLLI32(qh, 4), 0x30));
         const IVEC q1 = ORI(BYTES15(ql1), BMASK(SLLI32(qh, 2), 0x30));
@@ -180,8 +186,9 @@ Q8_INLINE void FN(q6k_super)(const uint8_t *p, const int lane, const int8_t *xs,
             IVEC c = DOTU(DOTU(PZERO(), q2, BX(xk + 8)), q3, BX(xk + 12));
 #if DOTS_BIAS /* int32 partials: add, then one multiply */
             sumi[t] = ADDI(sumi[t], PSCALE(ADDI(a, c), sc));
-#else /* int16 partials: two of them would overflow */
-            sumi[t] = ADDI(sumi[t], ADDI(PSCALE(a, sc), PSCALE(c, sc)));
+#else /* int16 partials: two of them would overflow; widened, then one multiply (two
+       * madd by scale pairs cost more) */
+            sumi[t] = ADDI(sumi[t], MULLO(ADDI(PFLUSH(a), PFLUSH(c)), sc));
 #endif
         }
     }
