@@ -97,7 +97,6 @@ static void quantize_q8_k(const float *x, Py_ssize_t supers, int width, int8_t *
 
 
 #define Q8_AHEAD 4 /* blocks a tile fetches ahead (see matmul.c's PREFETCH_BLOCKS) */
-#define Q6K1_AHEAD 1024 /* bytes a lone token's Q6_K tile fetches ahead (q6k_super) */
 #define WIDE_Q8 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq,avx512bw,avx512vnni")))
 
 /* AVX2: eight rows per vector; the 8-bit products go through maddubs (pairs into int16,

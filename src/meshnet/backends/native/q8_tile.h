@@ -162,18 +162,12 @@ Q8_INLINE void FN(q4k_super)(const int type, const uint8_t *p, const int lane,
     }
 }
 
-/* Q6_K: super-blocks of 16 sub-blocks of 16; its quants are 0 .. 63, less 32. A lone
- * token fetches its group's bytes ahead into L2: the hardware's prefetch alone left the
- * AVX2 tiles waiting on memory (the 128256x2048 head out of cache, one thread, ~16 -> ~20
- * GB/s; AVX-512 unchanged at ~32); into L1 it slowed AVX-512 by a third. */
+/* Q6_K: super-blocks of 16 sub-blocks of 16; its quants are 0 .. 63, less 32. */
 Q8_INLINE void FN(q6k_super)(const uint8_t *p, const int lane, const int8_t *xs,
                              const Py_ssize_t cols, IVEC sumi[KTILE_MAX], const int TT) {
     for (int t = 0; t < TT; t++) sumi[t] = IZERO();
     for (int k = 0; k < QK_K / 16; k++) {
         const uint8_t *sub = p + K6_SUB + k * K6_SUB_BYTES + 4 * lane;
-        if (TT == 1 && lane == 0) /* a lone token's stream, Q6K1_AHEAD bytes on, into L2 */
-            for (int line = 0; line < K6_SUB_BYTES; line += 64)
-                _mm_prefetch((const char *)sub + Q6K1_AHEAD + line, _MM_HINT_T1);
         const IVEC ql0 = LDQ(sub), ql1 = LDQ(sub + 64), qh = LDQ(sub + 128);
         const IVEC q0 = ORI(BYTES15(ql0), BMASK(SLLI32(qh, 4), 0x30));
         const IVEC q1 = ORI(BYTES15(ql1), BMASK(SLLI32(qh, 2), 0x30));
@@ -229,7 +223,10 @@ Q8_INLINE void FN(ktile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
         const int8_t *xs = j->xq + t0 * cols + sb * QK_K;
         for (int v = 0; v < RV; v++) {
             const uint8_t *p = group[v] + sb * gb;
-            if (TT >= 2 || (LANES == 8 && lane[v] == 0))
+            /* a lone token's one stream is left to the hardware's prefetch: fetching each
+             * next super-block ahead held AVX2's 128256x2048 Q6_K head out of cache, one
+             * thread, to ~20 GB/s where it runs ~29 without (AVX-512 never fetched) */
+            if (TT >= 2)
                 for (Py_ssize_t line = 0; line < gb; line += 64)
                     _mm_prefetch((const char *)p + gb + line, _MM_HINT_T0);
             IVEC sumi[KTILE_MAX], fp[8];
