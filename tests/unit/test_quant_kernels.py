@@ -16,7 +16,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from kquants import quantize as k_quantize
 
-from meshnet.backends import quant
+from meshnet.backends import quant, quant_layouts
 from meshnet.errors import UnsupportedTensorType
 from meshnet.model.gguf_file import open_gguf
 
@@ -139,6 +139,19 @@ def test_a_native_matrix_holds_about_its_gguf_bytes(grouped: QT) -> None:
     w = quant.from_blocks(raw, grouped, (64, COLS))
     assert raw.nbytes <= w.data.nbytes <= 1.03 * raw.nbytes
     assert not np.shares_memory(w.data, raw)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages: Linux")
+def test_a_large_native_matrix_lies_on_whole_huge_pages() -> None:
+    """A matrix of 2 MB and more is copied to memory starting on a 2 MB boundary (where the
+    kernel may map it with huge pages), bytes and shape unchanged; a smaller one stays."""
+    big = np.random.default_rng(8).integers(0, 256, (3 << 20) + 5, dtype=np.uint8)
+    placed = quant_layouts.on_huge_pages(big)
+    assert placed.ctypes.data % quant_layouts.HUGE_PAGE == 0
+    assert placed.dtype == big.dtype and placed.shape == big.shape
+    assert np.array_equal(placed, big) and not np.shares_memory(placed, big)
+    small = big[:4096]
+    assert quant_layouts.on_huge_pages(small) is small
 
 
 @pytest.mark.parametrize("native", [False, True] if NATIVE_BUILT else [False])

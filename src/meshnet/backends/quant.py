@@ -147,8 +147,8 @@ def from_blocks(
         packed = layouts.pack(raw, qtype, rows, cols)
         interleaved = layouts.q8_layout(packed, qtype) if q8 else None
         if interleaved is not None:
-            return QuantMatrix(qtype, rows, cols, interleaved, True, q8=True)
-        return QuantMatrix(qtype, rows, cols, packed, True)
+            return QuantMatrix(qtype, rows, cols, layouts.on_huge_pages(interleaved), True, q8=True)
+        return QuantMatrix(qtype, rows, cols, layouts.on_huge_pages(packed), True)
     return QuantMatrix(qtype, rows, cols, raw.reshape(rows, -1), False)
 
 
@@ -164,11 +164,12 @@ def stack_rows(parts: list[QuantMatrix]) -> QuantMatrix:
     grouped = first.native and first.qtype in layouts.LEGACY | layouts.KQUANTS
     if grouped and any(p.rows % layouts.GROUP_ROWS for p in parts[:-1]):
         raise ValueError("row groups of 16 can be fused only after whole groups")
+    data = np.concatenate([p.data for p in parts])
     return QuantMatrix(
         first.qtype,
         sum(p.rows for p in parts),
         first.cols,
-        np.concatenate([p.data for p in parts]),
+        layouts.on_huge_pages(data) if first.native else data,
         first.native,
         first.q8,
     )

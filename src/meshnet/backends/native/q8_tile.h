@@ -180,8 +180,9 @@ Q8_INLINE void FN(q6k_super)(const uint8_t *p, const int lane, const int8_t *xs,
             IVEC c = DOTU(DOTU(PZERO(), q2, BX(xk + 8)), q3, BX(xk + 12));
 #if DOTS_BIAS /* int32 partials: add, then one multiply */
             sumi[t] = ADDI(sumi[t], PSCALE(ADDI(a, c), sc));
-#else /* int16 partials: two of them would overflow */
-            sumi[t] = ADDI(sumi[t], ADDI(PSCALE(a, sc), PSCALE(c, sc)));
+#else /* int16 partials: two of them would overflow; widened, then one multiply (two
+       * madd by scale pairs cost more) */
+            sumi[t] = ADDI(sumi[t], MULLO(ADDI(PFLUSH(a), PFLUSH(c)), sc));
 #endif
         }
     }
@@ -222,7 +223,10 @@ Q8_INLINE void FN(ktile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
         const int8_t *xs = j->xq + t0 * cols + sb * QK_K;
         for (int v = 0; v < RV; v++) {
             const uint8_t *p = group[v] + sb * gb;
-            if (TT >= 2 || (LANES == 8 && lane[v] == 0))
+            /* a lone token's one stream is left to the hardware's prefetch: fetching each
+             * next super-block ahead held AVX2's 128256x2048 Q6_K head out of cache, one
+             * thread, to ~20 GB/s where it runs ~29 without (AVX-512 never fetched) */
+            if (TT >= 2)
                 for (Py_ssize_t line = 0; line < gb; line += 64)
                     _mm_prefetch((const char *)p + gb + line, _MM_HINT_T0);
             IVEC sumi[KTILE_MAX], fp[8];
@@ -289,21 +293,15 @@ Q8_INLINE void FN(token_tiles)(const q8job_t *j, const int type, const Py_ssize_
     }
 }
 
-/* Row vectors [v0, v1) for every token: a lone token four row vectors at once (four
- * chains of its own; all but Q6_K one group's), batches one row vector x tiles of tokens. */
+/* Row vectors [v0, v1) for every token: a lone token one row group at a time (one stream
+ * from memory: four groups at once, four streams, ran the Q4_K and Q6_K matrices out of
+ * cache up to half as fast), batches one row vector x tiles of tokens. */
 Q8_INLINE void FN(q8rows_typed)(const q8job_t *j, const int type, Py_ssize_t v0,
                                 Py_ssize_t v1) {
     Py_ssize_t v = v0;
     if (j->T == 1) {
-        if (type != Q6_K) { /* one group at a time: one stream from memory (four groups
-                             * at once ran up to half as fast on a matrix out of cache;
-                             * Q6_K gained nothing) */
-            const int RVG = GROUP_ROWS / LANES;
-            for (; v + RVG <= v1; v += RVG) FN(any_tile)(j, type, v, RVG, 0, 1);
-            for (; v < v1; v++) FN(any_tile)(j, type, v, 1, 0, 1);
-            return;
-        }
-        for (; v + 4 <= v1; v += 4) FN(any_tile)(j, type, v, 4, 0, 1);
+        const int RVG = GROUP_ROWS / LANES;
+        for (; v + RVG <= v1; v += RVG) FN(any_tile)(j, type, v, RVG, 0, 1);
         for (; v < v1; v++) FN(any_tile)(j, type, v, 1, 0, 1);
         return;
     }
