@@ -29,6 +29,7 @@ from meshnet.node.metrics import MeteredEngine, NodeMetrics
 from meshnet.node.metrics_http import MetricsServer
 from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.preflight import check_node
+from meshnet.node.relay_socket import RelayListener
 from meshnet.node.service import NodeIdentity, NodeService
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.codec import MESSAGE_OPTIONS
@@ -58,8 +59,13 @@ class NodeConfig:
     # Port of the node's /metrics (HTTP, on the listen host, the tracker's signature
     # only; docs/operating-metrics.md). 0: any free one; None: no metrics server.
     metrics_port: int | None = 0
+    # TCP port on the listen host where previous hops relay a ring's inputs
+    # (node/relay_socket.py), offered to them in the answers of their relay streams.
+    # 0: any free one; None: none (they keep to gRPC).
+    relay_port: int | None = 0
 
 
+_MAX_RELAY_CONNECTIONS = 8  # previous hops relaying over TCP at once (a thread each)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
@@ -139,6 +145,22 @@ def _serve_metrics(cfg: NodeConfig, host: str, metrics: NodeMetrics) -> MetricsS
     return server
 
 
+def _serve_relay(cfg: NodeConfig, host: str, service: NodeService) -> RelayListener | None:
+    """Start the relay port (unless off) and offer it to previous hops."""
+    if cfg.relay_port is None:
+        return None
+    listener = RelayListener(
+        host,
+        cfg.relay_port,
+        service.check_relay_token,
+        service.file_input,
+        _MAX_RELAY_CONNECTIONS,
+    )
+    service.relay_port = listener.port
+    print(f"meshnet node {cfg.node_id} takes relayed inputs on port {listener.port}", flush=True)
+    return listener
+
+
 def serve(cfg: NodeConfig) -> int:
     """Run the node until SIGTERM or SIGINT; returns the exit status (2: a check of its
     setup failed, see ``meshnet.node.preflight``)."""
@@ -175,6 +197,7 @@ def serve(cfg: NodeConfig) -> int:
     log.info("node %s serving on %s with %d kernel threads", cfg.node_id, address, threads)
     print(f"meshnet node {cfg.node_id} listening on {address}", flush=True)
     scrape = _serve_metrics(cfg, listen_host, metrics)
+    relay_port = _serve_relay(cfg, listen_host, service)
     announcer = Announcer(
         cfg.tracker_url,
         cfg.node_id,
@@ -195,6 +218,8 @@ def serve(cfg: NodeConfig) -> int:
     if scrape is not None:
         scrape.stop()
     server.stop(grace=1.0).wait()
+    if relay_port is not None:
+        relay_port.close()
     service.relay.close()
     offers.close()
     engine.stop()

@@ -25,6 +25,8 @@ import grpc
 import numpy as np
 
 from meshnet.auth.grpc_auth import NodeGate
+from meshnet.auth.mesh_keys import SERVICE
+from meshnet.auth.signing import METADATA_KEY
 from meshnet.errors import (
     DeadlineExceeded,
     MalformedBundle,
@@ -42,7 +44,7 @@ from meshnet.node.engine import EngineStats, NodeEngine, OpenedSlot
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.kv_service import KVService
 from meshnet.node.model_dirs import ModelDirs
-from meshnet.node.relay import Mailbox, RelaySender, check_ack
+from meshnet.node.relay import Mailbox, RelaySender
 from meshnet.node.scheduler import StepWork
 from meshnet.node.wire import CONTROL_TIMEOUT_S, MAX_SESSION_ID, fail, remaining_s
 from meshnet.protocol import codec
@@ -97,6 +99,8 @@ class NodeService(pb_grpc.NodeServicer):
         limit = engine.config.max_streams * _RELAYS_PER_STREAM
         self.mailbox = Mailbox(limit, _MAILBOX_BYTES)  # inputs relayed by previous hops
         self.relay = RelaySender()  # outputs to next hops
+        self.relay_port = 0  # the relay port's, offered to previous hops (0: none)
+        self.gate = gate
         self._relays = threading.BoundedSemaphore(_MAX_RELAY_STREAMS)  # from previous hops
         self.kv = KVService(engine, gate, offers)
         self.configurator = Configurator(
@@ -258,19 +262,13 @@ class NodeService(pb_grpc.NodeServicer):
 
         def relay(step: pb.Step, out: np.ndarray) -> None:
             """Hand a step's output to the next hop as the input of its step (the token to
-            the first hop is the next step's); a refusal or a broken stream is posted."""
+            the first hop is the next step's); a refusal or a broken link is posted."""
             number = step.step + (1 if sampling is not None else 0)
-            frame = pb.RelayFrame(
-                session_id=o.session_id, epoch=o.epoch, step=number, input=codec.encode(out)
-            )
-            answer = self.relay.post(o.next_address, o.next_token, frame)
-            answer.add_done_callback(lambda a: refused(step, a))
+            key = (o.session_id, o.epoch, number)
+            self.relay.relay(o.next_address, o.next_token, key, out, lambda e: refused(step, e))
 
-        def refused(step: pb.Step, answer: Future[pb.RelayAck]) -> None:
-            try:
-                check_ack(answer.result(), o.next_address)
-            except MeshnetError as e:
-                run.post(step, _failure(e, blame=o.next_node_id))
+        def refused(step: pb.Step, e: MeshnetError) -> None:
+            run.post(step, _failure(e, blame=o.next_node_id))
 
         inbox.listener = run.extend  # an Extend reaches the run at once, whatever it waits on
         launch(step)
@@ -299,6 +297,7 @@ class NodeService(pb_grpc.NodeServicer):
         finally:
             inbox.listener = None
             run.stop()
+            self.relay.forget(o.next_address, o.session_id, o.epoch)
 
     @staticmethod
     def _next_post(run: Run, step: pb.Step | None, context: grpc.ServicerContext) -> Posted | None:
@@ -489,23 +488,35 @@ class NodeService(pb_grpc.NodeServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many relay streams")
         try:
             for frame in request_iterator:
-                yield self._file(frame)
+                refused = self.file_input(frame.session_id, frame.epoch, frame.step, frame.input)
+                if refused is not None:
+                    yield pb.RelayAck(failure=fail(refused), relay_port=self.relay_port)
+                else:
+                    yield pb.RelayAck(relay_port=self.relay_port)
         finally:
             self._relays.release()
 
-    def _file(self, frame: pb.RelayFrame) -> pb.RelayAck:
-        """File one relayed input in the mailbox, checked; the answer for its sender."""
+    def file_input(
+        self, session_id: str, epoch: int, step: int, tensor: pb.Tensor
+    ) -> MeshnetError | None:
+        """File one relayed input in the mailbox, checked (a ``RelayStream`` frame's or
+        the relay port's); the refusal for its sender, or None when filed. Any thread."""
         shard = self.engine.shard
         try:
             if shard is None:
                 raise ShardMismatch("this node is empty")
-            if not frame.session_id or len(frame.session_id) > MAX_SESSION_ID:
+            if not session_id or len(session_id) > MAX_SESSION_ID:
                 raise MalformedBundle(f"session_id must have 1 to {MAX_SESSION_ID} characters")
-            x = _step_input(shard, frame.input)
-            self.mailbox.put((frame.session_id, frame.epoch, frame.step), x)
+            x = _step_input(shard, tensor)
+            self.mailbox.put((session_id, epoch, step), x)
         except MeshnetError as e:
-            return pb.RelayAck(failure=fail(e))
-        return pb.RelayAck()
+            return e
+        return None
+
+    def check_relay_token(self, token: str) -> None:
+        """Let a relay-port connection in as a ``RelayStream`` call with ``token`` would
+        be; raises the typed refusal."""
+        self.gate.check(SERVICE + "RelayStream", ((METADATA_KEY, token),))
 
     def Outputs(
         self, request: pb.OutputsRequest, context: grpc.ServicerContext
