@@ -387,6 +387,7 @@ class NodeEngine:
             self._account()
             return
         self._note_speed(x.shape[0], time.perf_counter() - t0, len(chosen))
+        _hand_over(chosen, out, shard.is_last)
         offset = 0
         for i, (w, n) in enumerate(chosen):
             w.outputs.append(out[i : i + 1] if shard.is_last else out[offset : offset + n])
@@ -670,6 +671,20 @@ def forward_committed(
         return hidden, hidden
     last_rows = np.cumsum([e.n_new for e in batch]) - 1
     return shard.backend.head(hidden[last_rows]), hidden
+
+
+def _hand_over(chosen: list[tuple[StepWork, int]], out: np.ndarray, last: bool) -> None:
+    """Give each step run whole in this forward that asks for it (``on_output``) its
+    output now, before the bookkeeping of the batch: a ring's next hop can start
+    meanwhile. A hook's error is logged; the step is committed and answered as ever."""
+    offset = 0
+    for i, (w, n) in enumerate(chosen):
+        if w.on_output is not None and w.done_rows == 0 and n == w.n_tokens:
+            try:
+                w.on_output(out[i : i + 1] if last else out[offset : offset + n])
+            except Exception:
+                log.exception("handing over the output of step %s failed", w.step)
+        offset += n
 
 
 def _same_shard(old: Shard | None, new: Shard) -> bool:

@@ -8,7 +8,7 @@ the prompt's start, so chunking never depends on what else is running.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -61,6 +61,10 @@ class StepWork:
     step: int | None = None  # the step's number in its session; None: not checked
     replay: bool = False  # each row is a decode step sent again: computed as one, counted as one
     keep_output: bool = False  # forwarded to the next hop: keep it for replays
+    # Called on the loop thread with the output of a step run in one forward, as soon
+    # as the forward ends and before the step is committed: a ring's hop passes it on
+    # while the loop does the step's bookkeeping (its future is answered after).
+    on_output: Callable[[np.ndarray], None] | None = None
     future: Future[np.ndarray] = field(default_factory=Future)
     done_rows: int = 0  # prompt rows already run (chunked prefill)
     outputs: list[np.ndarray] = field(default_factory=list)

@@ -223,28 +223,45 @@ class NodeService(pb_grpc.NodeServicer):
         def start(step: pb.Step, x: np.ndarray | None) -> None:
             if not run.proceeds(step.step):
                 return  # the stream ended while the input was on its way
+            handed = _Handed()
             try:
                 ready = self._prepare(o, step, shard, context, x)
+                if not whole:  # a ring's hop passes its output on before the bookkeeping
+                    ready.work.on_output = lambda out: hand_over(step, ready, handed, out)
                 future = self.engine.submit(ready.work)
             except MeshnetError as e:
                 run.post(step, _failure(e))
                 return
-            future.add_done_callback(lambda done: landed(step, ready, done))
+            future.add_done_callback(lambda done: landed(step, ready, handed, done))
 
-        def landed(step: pb.Step, ready: Prepared, done: Future[np.ndarray]) -> None:
-            """On the engine thread, as the step's batch ends: pass the output on, answer,
-            launch the next step."""
+        def hand_over(step: pb.Step, ready: Prepared, handed: _Handed, out: np.ndarray) -> None:
+            """On the engine thread, as the step's forward ends: relay the output (the
+            last hop: sample, and relay the token) to the next hop at once."""
+            if sampling is not None:
+                handed.token = Sampler(sampling, step.draws).sample(out[-1], ready.history)
+                out = np.asarray([handed.token], dtype=np.int64)
+            relay(step, out)
+            handed.relayed = True
+
+        def landed(
+            step: pb.Step, ready: Prepared, handed: _Handed, done: Future[np.ndarray]
+        ) -> None:
+            """On the engine thread, as the step is committed: pass the output on unless
+            ``hand_over`` did, answer, launch the next step."""
             token: int | None = None
             try:
                 out = done.result()
                 if sampling is not None:
-                    reply: pb.ForwardResponse | None = self._answer(o, sampling, step, ready, out)
+                    reply: pb.ForwardResponse | None = self._answer(
+                        o, sampling, step, ready, out, handed.token
+                    )
                     assert reply is not None
                     token = reply.result.sampled.token
-                    if not whole:  # the ring's last hop: the token is the first hop's input
+                    if not (whole or handed.relayed):  # the token is the first hop's input
                         relay(step, np.asarray([token], dtype=np.int64))
                 else:  # a ring's forwarding hop answers only a failure, and its commitments
-                    relay(step, out)
+                    if not handed.relayed:
+                        relay(step, out)
                     reply = _committed(ready.work) if ready.work.chunks else None
             except MeshnetError as e:
                 reply = _failure(e)
@@ -410,8 +427,10 @@ class NodeService(pb_grpc.NodeServicer):
         step: pb.Step,
         ready: Prepared,
         out: np.ndarray,
+        token: int | None = None,
     ) -> pb.ForwardResponse:
-        """What a computed step answers: forwarded, its hidden states, or its token."""
+        """What a computed step answers: forwarded, its hidden states, or its token
+        (``token``: sampled already, from this output)."""
         commitments = _chunks(ready.work)
         if step.forward:
             return self._forward_output(o, step, out, ready, commitments)
@@ -421,7 +440,8 @@ class NodeService(pb_grpc.NodeServicer):
             result.commitments.extend(commitments)
             return pb.ForwardResponse(result=result)
         logits = out[-1]
-        token = Sampler(sampling, step.draws).sample(logits, ready.history)
+        if token is None:
+            token = Sampler(sampling, step.draws).sample(logits, ready.history)
         if o.sampling.logprobs:  # a log-softmax over the vocabulary: only when asked
             lp = token_logprobs(logits, token, o.sampling.top_logprobs)
             sampled = pb.Sampled(
@@ -593,6 +613,15 @@ class NodeService(pb_grpc.NodeServicer):
             kv_bytes=s.kv_bytes,
             parked=s.parked,
         )
+
+
+@dataclass
+class _Handed:
+    """What a ring hop's step did as its forward ended (``on_output``), before it was
+    committed: relayed its output, and (the last hop) sampled this token."""
+
+    token: int | None = None
+    relayed: bool = False
 
 
 class _Once:
