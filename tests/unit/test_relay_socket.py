@@ -179,7 +179,7 @@ def test_an_input_its_receiver_cannot_take_is_refused_as_a_relay_frame_would_be(
 def test_a_broken_connection_is_every_watching_runs_failure_once(
     port: tuple[RelayListener, Receiver],
 ) -> None:
-    listener, receiver = port
+    listener, _ = port
     out = link(listener)
     a, b, gone = Failures(), Failures(), Failures()
     x = np.ones((1, 4), dtype=np.float32)
