@@ -155,8 +155,8 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
             type=_metrics_port,
             default=0,
             help="TCP port on the listen host where previous hops of a ring relay inputs, "
-            "offered to them in their relay streams' answers (0: any free one; off: none, "
-            "inputs come over gRPC)",
+            "offered to them in their relay streams' answers (0: any free one, none "
+            "with --advertise-port; off: none, inputs come over gRPC)",
         ),
     ]
 

@@ -61,7 +61,8 @@ class NodeConfig:
     metrics_port: int | None = 0
     # TCP port on the listen host where previous hops relay a ring's inputs
     # (node/relay_socket.py), offered to them in the answers of their relay streams.
-    # 0: any free one; None: none (they keep to gRPC).
+    # 0: any free one (none when ``advertise_port`` is set); None: none (they keep to
+    # gRPC).
     relay_port: int | None = 0
 
 
@@ -146,8 +147,11 @@ def _serve_metrics(cfg: NodeConfig, host: str, metrics: NodeMetrics) -> MetricsS
 
 
 def _serve_relay(cfg: NodeConfig, host: str, service: NodeService) -> RelayListener | None:
-    """Start the relay port (unless off) and offer it to previous hops."""
-    if cfg.relay_port is None:
+    """Start the relay port (unless off) and offer it to previous hops. A node reached
+    through a forwarder (``advertise_port``) offers one only when told which
+    (``relay_port`` not 0): only the port it advertises is known to be forwarded, and
+    a port around the forwarder would bypass what it does to the links."""
+    if cfg.relay_port is None or (cfg.relay_port == 0 and cfg.advertise_port is not None):
         return None
     listener = RelayListener(
         host,
