@@ -701,17 +701,16 @@ def _rewind(slot: Slot, tokens: int, steps: int) -> None:
         slot.steps = steps
         slot.last_step = -1
         slot.last_result = None
-        for step in [s for s in slot.sent if s >= steps]:
-            del slot.sent[step]
+        slot.cut_sent(steps)
 
 
 def _keep_sent(slot: Slot, w: StepWork, result: np.ndarray) -> None:
     """Log a forwarded output by step: a replayed run one row per decode step."""
     if w.replay:
         for row in range(result.shape[0]):
-            slot.sent[slot.steps + row] = result[row : row + 1]
+            slot.keep_sent(slot.steps + row, result[row : row + 1])
     else:
-        slot.sent[slot.steps] = result
+        slot.keep_sent(slot.steps, result)
 
 
 def _settle(future: Future[Any], apply: Callable[[], Any]) -> None:

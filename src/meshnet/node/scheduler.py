@@ -38,16 +38,27 @@ class Slot:
     last_step: int = -1  # number of the last committed step (or replay's first step)
     last_result: np.ndarray | None = None  # the last committed step's output, for duplicates
     # What this hop forwarded to the next one, by step: replayed into a replacement of it.
+    # Changed only by ``keep_sent`` and ``cut_sent``, which keep ``sent_bytes`` (summing
+    # it each step, as the KV budget is updated, cost a forwarding hop O(steps) a step).
     sent: dict[int, np.ndarray] = field(default_factory=dict)
+    sent_bytes: int = 0
     # Digests of the rows computed at the range's end boundary: the chunks committed.
     rows: RowLog = field(default_factory=RowLog)
     # Digests of the rows received at its start (not on the first range): what a node
     # says the hop before it sent, should that hop's word and its own differ.
     inputs: RowLog = field(default_factory=RowLog)
 
-    @property
-    def sent_bytes(self) -> int:
-        return sum(x.nbytes for x in self.sent.values())
+    def keep_sent(self, step: int, x: np.ndarray) -> None:
+        old = self.sent.get(step)
+        if old is not None:
+            self.sent_bytes -= old.nbytes
+        self.sent[step] = x
+        self.sent_bytes += x.nbytes
+
+    def cut_sent(self, steps: int) -> None:
+        """Forget what was forwarded for step ``steps`` and later."""
+        for step in [s for s in self.sent if s >= steps]:
+            self.sent_bytes -= self.sent.pop(step).nbytes
 
 
 @dataclass
