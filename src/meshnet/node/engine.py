@@ -17,6 +17,7 @@ refused ``overloaded``).
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -497,11 +498,10 @@ class NodeEngine:
         return self.config
 
     def _apply_swap(self, shard: Shard | None) -> int:
+        ended = self._swap_in_collected(shard)
         if shard is None:
-            ended = self._swap_in(None)
             log.info("tier 3 applied: unloaded, the node is empty; %d sessions' KV dropped", ended)
             return ended
-        ended = self._swap_in(shard, park=_same_shard(self._shard, shard))
         log.info(
             "tier 3 applied: layers %s of %s on %s; %d sessions' KV dropped",
             shard.layers,
@@ -509,6 +509,17 @@ class NodeEngine:
             shard.backend.name,
             ended,
         )
+        return ended
+
+    def _swap_in_collected(self, shard: Shard | None) -> int:
+        """``_swap_in`` with the collector told: what the node held for its life is out
+        of its reach (node/main.py freezes it), so the old shard's cycles are collected
+        once, here, and the new shard is put out of reach in turn."""
+        gc.unfreeze()
+        park = shard is not None and _same_shard(self._shard, shard)
+        ended = self._swap_in(shard, park=park)
+        gc.collect()
+        gc.freeze()
         return ended
 
     def _admissible(self, session_id: str, epoch: int) -> Shard:
