@@ -142,7 +142,9 @@ class NodeEngine:
         self._park_store = ParkStore(config.park_dir)
         self._fences: OrderedDict[str, int] = OrderedDict()  # newest epoch seen per session
         self._budget = KVBudget(config.kv_budget_bytes)
-        self._inbox: queue.Queue[StepWork | _Control | None] = queue.Queue()
+        # A SimpleQueue: a put wakes the idle loop with one handoff (a Queue's condition
+        # made it two), paid on every step a ring's previous hop relays in.
+        self._inbox: queue.SimpleQueue[StepWork | _Control | None] = queue.SimpleQueue()
         self._pending: list[StepWork] = []  # admitted, not finished (loop thread only)
         self._outstanding = 0  # submitted, not finished (guarded by _lock)
         self._lock = threading.Lock()
