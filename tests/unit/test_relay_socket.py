@@ -232,3 +232,14 @@ def test_a_truncated_refusal_or_an_unknown_answer_breaks_the_link() -> None:
     out.send("s", 1, 0, np.ones((1, 4), dtype=np.float32), failures)
     assert isinstance(failures.wait(), StreamReset)
     server.close()
+
+
+def test_a_frame_carries_little_endian_bytes_whatever_the_arrays_byte_order() -> None:
+    x = np.arange(6, dtype=">f4").reshape(2, 3)
+    frame = b"".join(wire.input_frame("s", 1, 2, x))
+    h = wire.read_input_header(frame[: wire.INPUT_HEADER.size])
+    tensor = wire.as_tensor(h, frame[wire.INPUT_HEADER.size + h.session_bytes :])
+    got = codec.decode(tensor, codec.TensorLimits("f32", 2, 8, 3))
+    np.testing.assert_array_equal(got, x)
+    with pytest.raises(MalformedBundle):
+        wire.input_frame("s", 1, 2, np.ones((2, 3), dtype=np.float16))

@@ -170,9 +170,10 @@ class SocketLink:
             if status != 0:
                 kind, _, message = reason.partition(": ")
                 raise error_for_kind(kind, f"{address} relay port: {message}")
-            sock.settimeout(None)
-            timeval = struct.pack("ll", int(SEND_TIMEOUT_S), 0)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            sock.settimeout(None)  # the reader blocks; a send gives up after SEND_TIMEOUT_S
+            with contextlib.suppress(OSError):  # a struct timeval, as Linux lays it out
+                timeval = struct.pack("ll", int(SEND_TIMEOUT_S), 0)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         except BaseException:
             sock.close()
             raise

@@ -102,10 +102,10 @@ def verdict(reason: str | None) -> bytes:
 def input_frame(session_id: str, epoch: int, step: int, x: np.ndarray) -> list[bytes | memoryview]:
     """An input's frame as parts to send in order (the array's bytes are not copied)."""
     sid = session_id.encode()
-    x = np.ascontiguousarray(x)
-    code = _CODES.get(x.dtype.newbyteorder("<") if x.dtype.byteorder == ">" else x.dtype)
+    code = _CODES.get(x.dtype.newbyteorder("<"))
     if code is None or x.ndim not in (1, 2) or len(sid) > MAX_SESSION_BYTES:
         raise MalformedBundle(f"cannot relay a {x.dtype} array of shape {x.shape}")
+    x = np.ascontiguousarray(x, dtype=_DTYPES[code][1])  # little-endian, as it is read
     width = x.shape[1] if x.ndim == 2 else 0
     head = INPUT_HEADER.pack(INPUT, code, len(sid), epoch, step, x.shape[0], width)
     return [head + sid, memoryview(x).cast("B")]
