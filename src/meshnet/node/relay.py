@@ -2,7 +2,10 @@
 
 The sender keeps one long-lived ``RelayStream`` call per next-hop address (a
 unary call per step cost the node as much as the step's compute on the small
-model); every frame is answered in order. The receiver files the input in its
+model); every frame is answered in order. A ring's inputs move on to the next
+hop's relay port (node/relay_socket.py) once the stream's answers offer one and
+a connection to it is let in: there a frame costs one write and nothing
+answers it unless it is refused. The receiver files the input in its
 ``Mailbox`` until the driver's step for it (marked ``relayed``) takes it, or
 hands it to a hop running ahead (``when``) the moment it comes; inputs can
 arrive before or after that step. The mailbox is bounded in entries
