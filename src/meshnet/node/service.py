@@ -60,6 +60,8 @@ _RELAY_TIMEOUT_S = 10.0  # the next hop only files the input: more means it is s
 _MAX_RELAY_STREAMS = 8  # previous hops relaying to this node at once (a thread each)
 _RELAYS_PER_STREAM = 4  # relayed inputs waiting per stream the node holds
 _MAILBOX_BYTES = 256 << 20
+_NO_ROWS = np.empty(0, dtype=np.int64)  # the input of a step made before its input came
+_NO_ROWS.flags.writeable = False
 
 
 @dataclass(frozen=True)
@@ -215,17 +217,29 @@ class NodeService(pb_grpc.NodeServicer):
         run = Run(step.autorun_until)
 
         def launch(step: pb.Step) -> None:
-            if step.relayed:
-                self.mailbox.when((o.session_id, o.epoch, step.step), lambda x: start(step, x))
-            else:
+            """Start ``step`` now, or (relayed) the moment its input comes, its work made
+            now: only the input is left to the thread that files it."""
+            if not step.relayed:
                 start(step, None)
+                return
+            try:
+                early = _early_work(o, step, shard)
+            except MeshnetError as e:
+                run.post(step, _failure(e))
+                return
+            key = (o.session_id, o.epoch, step.step)
+            self.mailbox.when(key, lambda x: start(step, x, early))
 
-        def start(step: pb.Step, x: np.ndarray | None) -> None:
+        def start(step: pb.Step, x: np.ndarray | None, early: Early | None = None) -> None:
             if not run.proceeds(step.step):
                 return  # the stream ended while the input was on its way
             handed = _Handed()
             try:
-                ready = self._prepare(o, step, shard, context, x)
+                if early is None:
+                    ready = self._prepare(o, step, shard, context, x)
+                else:
+                    assert x is not None  # a relayed step is started with its input
+                    ready = _completed(step, early, x, context)
                 if not whole:  # a ring's hop passes its output on before the bookkeeping
                     ready.work.on_output = lambda out: hand_over(step, ready, handed, out)
                 future = self.engine.submit(ready.work)
@@ -613,6 +627,37 @@ class NodeService(pb_grpc.NodeServicer):
             kv_bytes=s.kv_bytes,
             parked=s.parked,
         )
+
+
+Early = tuple[StepWork, list[int]]  # a relayed ring step's work and history, made ahead
+
+
+def _early_work(o: pb.Open, step: pb.Step, shard: Shard) -> Early:
+    """A relayed ring step's work, made while its input is on its way (no rows yet)."""
+    history = _history(step, shard.spec.context_length, shard.spec.vocab_size)
+    work = StepWork(
+        o.session_id,
+        o.epoch,
+        _NO_ROWS,
+        None,
+        step=step.step,
+        replay=step.replay,
+        keep_output=step.forward,
+    )
+    return work, history
+
+
+def _completed(
+    step: pb.Step, early: Early, x: np.ndarray, context: grpc.ServicerContext
+) -> Prepared:
+    """``_early_work`` given its input as it came; its deadline counts from now, as a
+    step's does from when it comes."""
+    work, history = early
+    t0 = time.perf_counter()
+    remaining = remaining_s(step.timeout_ms, context)
+    work.x = _rows_checked(step, x)
+    work.deadline = None if remaining is None else time.monotonic() + remaining
+    return Prepared(work, t0, work.deadline, history)
 
 
 @dataclass
