@@ -2,11 +2,14 @@
 its input from the previous hop, not from the tracker, the first hop is relayed each
 next token by the last (the decode steps go round a ring), and the output is
 exactly the one the tracker-carried path (``--no-relay``) and a single process
-give."""
+give, whether the ring's inputs go over the nodes' relay ports (raw TCP) or, where
+those are off, over gRPC relay streams."""
 
 from __future__ import annotations
 
+import re
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -42,11 +45,34 @@ def _relayed(mesh: LocalMesh, want: dict[str, tuple[int, int]]) -> dict[str, int
     return seen
 
 
-@pytest.mark.parametrize("relay", [True, False])
+def _linked(mesh: LocalMesh) -> list[str]:
+    """The nodes whose relay port (their log names it) holds a connection from a
+    previous hop."""
+    ports: dict[int, str] = {}
+    for name in ("node-0", "node-1", "node-2"):
+        text = (mesh.data_dir / "logs" / f"{name}.log").read_text()
+        found = re.search(r"takes relayed inputs on port (\d+)", text)
+        if found:
+            ports[int(found.group(1))] = name
+    linked = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        port = int(local.rsplit(":", 1)[1], 16)
+        if state == "01" and port in ports:  # ESTABLISHED, on the listening side
+            linked.add(ports[port])
+    return sorted(linked)
+
+
+@pytest.mark.parametrize("path", ["socket", "grpc", "tracker"])
 def test_hops_relay_to_each_other_with_the_same_output(
-    mesh_factory: MeshFactory, bundled: LocalModel, relay: bool
+    mesh_factory: MeshFactory, bundled: LocalModel, path: str
 ) -> None:
-    mesh = mesh_factory("0:10,10:20,20:30", tracker_args=[] if relay else ["--no-relay"])
+    relay = path != "tracker"
+    mesh = mesh_factory(
+        "0:10,10:20,20:30",
+        tracker_args=[] if relay else ["--no-relay"],
+        node_args=["--relay-port", "off"] if path == "grpc" else [],
+    )
     r = httpx.post(
         f"{mesh.url}/v1/chat/completions", json=BODY, headers=mesh.api_headers, timeout=120
     )
@@ -64,3 +90,5 @@ def test_hops_relay_to_each_other_with_the_same_output(
     )
     seen = _relayed(mesh, want)
     assert all(lo <= seen[k] <= hi for k, (lo, hi) in want.items()), seen
+    # Each hop's first inputs go by stream, which offers the relay port; the rest by it.
+    assert _linked(mesh) == (["node-0", "node-1", "node-2"] if path == "socket" else [])

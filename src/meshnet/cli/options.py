@@ -150,6 +150,14 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
             help="port of the node's /metrics on the listen host, the tracker's signature "
             "only (0: any free one; off: none)",
         ),
+        p.add_argument(
+            "--relay-port",
+            type=_metrics_port,
+            default=0,
+            help="TCP port on the listen host where previous hops of a ring relay inputs, "
+            "offered to them in their relay streams' answers (0: any free one, none "
+            "with --advertise-port; off: none, inputs come over gRPC)",
+        ),
     ]
 
 

@@ -17,6 +17,7 @@ refused ``overloaded``).
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -141,7 +142,9 @@ class NodeEngine:
         self._park_store = ParkStore(config.park_dir)
         self._fences: OrderedDict[str, int] = OrderedDict()  # newest epoch seen per session
         self._budget = KVBudget(config.kv_budget_bytes)
-        self._inbox: queue.Queue[StepWork | _Control | None] = queue.Queue()
+        # A SimpleQueue: a put wakes the idle loop with one handoff (a Queue's condition
+        # made it two), paid on every step a ring's previous hop relays in.
+        self._inbox: queue.SimpleQueue[StepWork | _Control | None] = queue.SimpleQueue()
         self._pending: list[StepWork] = []  # admitted, not finished (loop thread only)
         self._outstanding = 0  # submitted, not finished (guarded by _lock)
         self._lock = threading.Lock()
@@ -387,6 +390,7 @@ class NodeEngine:
             self._account()
             return
         self._note_speed(x.shape[0], time.perf_counter() - t0, len(chosen))
+        _hand_over(chosen, out, shard.is_last)
         offset = 0
         for i, (w, n) in enumerate(chosen):
             w.outputs.append(out[i : i + 1] if shard.is_last else out[offset : offset + n])
@@ -496,11 +500,10 @@ class NodeEngine:
         return self.config
 
     def _apply_swap(self, shard: Shard | None) -> int:
+        ended = self._swap_in_collected(shard)
         if shard is None:
-            ended = self._swap_in(None)
             log.info("tier 3 applied: unloaded, the node is empty; %d sessions' KV dropped", ended)
             return ended
-        ended = self._swap_in(shard, park=_same_shard(self._shard, shard))
         log.info(
             "tier 3 applied: layers %s of %s on %s; %d sessions' KV dropped",
             shard.layers,
@@ -508,6 +511,17 @@ class NodeEngine:
             shard.backend.name,
             ended,
         )
+        return ended
+
+    def _swap_in_collected(self, shard: Shard | None) -> int:
+        """``_swap_in`` with the collector told: what the node held for its life is out
+        of its reach (node/main.py freezes it), so the old shard's cycles are collected
+        once, here, and the new shard is put out of reach in turn."""
+        gc.unfreeze()
+        park = shard is not None and _same_shard(self._shard, shard)
+        ended = self._swap_in(shard, park=park)
+        gc.collect()
+        gc.freeze()
         return ended
 
     def _admissible(self, session_id: str, epoch: int) -> Shard:
@@ -672,6 +686,20 @@ def forward_committed(
     return shard.backend.head(hidden[last_rows]), hidden
 
 
+def _hand_over(chosen: list[tuple[StepWork, int]], out: np.ndarray, last: bool) -> None:
+    """Give each step run whole in this forward that asks for it (``on_output``) its
+    output now, before the bookkeeping of the batch: a ring's next hop can start
+    meanwhile. A hook's error is logged; the step is committed and answered as ever."""
+    offset = 0
+    for i, (w, n) in enumerate(chosen):
+        if w.on_output is not None and w.done_rows == 0 and n == w.n_tokens:
+            try:
+                w.on_output(out[i : i + 1] if last else out[offset : offset + n])
+            except Exception:
+                log.exception("handing over the output of step %s failed", w.step)
+        offset += n
+
+
 def _same_shard(old: Shard | None, new: Shard) -> bool:
     """Whether ``new`` is ``old`` loaded again: the same model file's layers, whose KV fits."""
     return old is not None and (old.fingerprint, old.layers) == (new.fingerprint, new.layers)
@@ -686,17 +714,16 @@ def _rewind(slot: Slot, tokens: int, steps: int) -> None:
         slot.steps = steps
         slot.last_step = -1
         slot.last_result = None
-        for step in [s for s in slot.sent if s >= steps]:
-            del slot.sent[step]
+        slot.cut_sent(steps)
 
 
 def _keep_sent(slot: Slot, w: StepWork, result: np.ndarray) -> None:
     """Log a forwarded output by step: a replayed run one row per decode step."""
     if w.replay:
         for row in range(result.shape[0]):
-            slot.sent[slot.steps + row] = result[row : row + 1]
+            slot.keep_sent(slot.steps + row, result[row : row + 1])
     else:
-        slot.sent[slot.steps] = result
+        slot.keep_sent(slot.steps, result)
 
 
 def _settle(future: Future[Any], apply: Callable[[], Any]) -> None:

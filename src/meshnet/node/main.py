@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import secrets
@@ -29,6 +30,7 @@ from meshnet.node.metrics import MeteredEngine, NodeMetrics
 from meshnet.node.metrics_http import MetricsServer
 from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.preflight import check_node
+from meshnet.node.relay_socket import RelayListener
 from meshnet.node.service import NodeIdentity, NodeService
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.codec import MESSAGE_OPTIONS
@@ -58,8 +60,14 @@ class NodeConfig:
     # Port of the node's /metrics (HTTP, on the listen host, the tracker's signature
     # only; docs/operating-metrics.md). 0: any free one; None: no metrics server.
     metrics_port: int | None = 0
+    # TCP port on the listen host where previous hops relay a ring's inputs
+    # (node/relay_socket.py), offered to them in the answers of their relay streams.
+    # 0: any free one (none when ``advertise_port`` is set); None: none (they keep to
+    # gRPC).
+    relay_port: int | None = 0
 
 
+_MAX_RELAY_CONNECTIONS = 8  # previous hops relaying over TCP at once (a thread each)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
@@ -139,6 +147,25 @@ def _serve_metrics(cfg: NodeConfig, host: str, metrics: NodeMetrics) -> MetricsS
     return server
 
 
+def _serve_relay(cfg: NodeConfig, host: str, service: NodeService) -> RelayListener | None:
+    """Start the relay port (unless off) and offer it to previous hops. A node reached
+    through a forwarder (``advertise_port``) offers one only when told which
+    (``relay_port`` not 0): only the port it advertises is known to be forwarded, and
+    a port around the forwarder would bypass what it does to the links."""
+    if cfg.relay_port is None or (cfg.relay_port == 0 and cfg.advertise_port is not None):
+        return None
+    listener = RelayListener(
+        host,
+        cfg.relay_port,
+        service.check_relay_token,
+        service.file_input,
+        _MAX_RELAY_CONNECTIONS,
+    )
+    service.relay_port = listener.port
+    print(f"meshnet node {cfg.node_id} takes relayed inputs on port {listener.port}", flush=True)
+    return listener
+
+
 def serve(cfg: NodeConfig) -> int:
     """Run the node until SIGTERM or SIGINT; returns the exit status (2: a check of its
     setup failed, see ``meshnet.node.preflight``)."""
@@ -175,6 +202,7 @@ def serve(cfg: NodeConfig) -> int:
     log.info("node %s serving on %s with %d kernel threads", cfg.node_id, address, threads)
     print(f"meshnet node {cfg.node_id} listening on {address}", flush=True)
     scrape = _serve_metrics(cfg, listen_host, metrics)
+    relay_port = _serve_relay(cfg, listen_host, service)
     announcer = Announcer(
         cfg.tracker_url,
         cfg.node_id,
@@ -187,6 +215,10 @@ def serve(cfg: NodeConfig) -> int:
         metrics_port=scrape.port if scrape is not None else None,
     )
     announcer.start()
+    # What the node holds for its life (the shard, the tokenizer's vocabulary, the
+    # server) out of the collector's reach: a full collection walked it all, a 70-80 ms
+    # stall a few times a minute, in every node of a ring, on the thread it fell on.
+    gc.freeze()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -195,6 +227,8 @@ def serve(cfg: NodeConfig) -> int:
     if scrape is not None:
         scrape.stop()
     server.stop(grace=1.0).wait()
+    if relay_port is not None:
+        relay_port.close()
     service.relay.close()
     offers.close()
     engine.stop()

@@ -2,7 +2,10 @@
 
 The sender keeps one long-lived ``RelayStream`` call per next-hop address (a
 unary call per step cost the node as much as the step's compute on the small
-model); every frame is answered in order. The receiver files the input in its
+model); every frame is answered in order. A ring's inputs move on to the next
+hop's relay port (node/relay_socket.py) once the stream's answers offer one and
+a connection to it is let in: there a frame costs one write and nothing
+answers it unless it is refused. The receiver files the input in its
 ``Mailbox`` until the driver's step for it (marked ``relayed``) takes it, or
 hands it to a hop running ahead (``when``) the moment it comes; inputs can
 arrive before or after that step. The mailbox is bounded in entries
@@ -12,6 +15,7 @@ memory it did not ask for.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -32,13 +36,19 @@ from meshnet.errors import (
     StreamReset,
     error_for_kind,
 )
+from meshnet.node.relay_socket import SocketLink
+from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.codec import MESSAGE_OPTIONS
 
 RelayKey = tuple[str, int, int]  # (session id, epoch, step)
+Offered = Callable[[str, str, int], None]  # (address, token, relay port): a port is offered
+
+log = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # how often a waiting step checks that its call is still wanted
+_NO_LINK_S = 60.0  # a next hop whose relay port failed is relayed to by stream meanwhile
 
 
 @dataclass
@@ -129,10 +139,20 @@ class Mailbox:
 
 
 class RelaySender:
-    """Sends outputs to next hops over one ``RelayStream`` per address; thread-safe."""
+    """Sends outputs to next hops; thread-safe.
+
+    A step driven by the tracker (``send``) goes over one ``RelayStream`` per
+    address and waits for its answer. A ring's inputs (``relay``) go over the next
+    hop's relay port (node/relay_socket.py) once a connection to it is let in, and
+    over the ``RelayStream`` until then, or for good where there is none (a peer
+    that offers no port, one that cannot be reached or refuses the connection).
+    """
 
     def __init__(self) -> None:
         self._streams: dict[str, _RelayStream] = {}
+        self._links: dict[str, SocketLink] = {}
+        self._no_link_until: dict[str, float] = {}  # addresses whose port failed, until
+        self._connecting: set[str] = set()
         self._lock = threading.Lock()
 
     def send(self, address: str, token: str, frame: pb.RelayFrame, timeout_s: float) -> None:
@@ -146,19 +166,90 @@ class RelaySender:
         check_ack(ack, address)
 
     def post(self, address: str, token: str, frame: pb.RelayFrame) -> Future[pb.RelayAck]:
-        """Send one step's output without waiting: the next hop's answer, to come (a
-        broken stream sets the future's exception)."""
+        """Send one step's output over the ``RelayStream`` without waiting: the next
+        hop's answer, to come (a broken stream sets the future's exception)."""
         with self._lock:
             stream = self._streams.get(address)
             if stream is None or stream.broken is not None:  # a new stream after a failure
-                stream = self._streams[address] = _RelayStream(address, token)
+                stream = self._streams[address] = _RelayStream(address, token, self._offered)
         return stream.post(frame)
+
+    def relay(
+        self,
+        address: str,
+        token: str,
+        key: RelayKey,
+        x: np.ndarray,
+        on_failure: Callable[[MeshnetError], None],
+    ) -> None:
+        """Send a ring's input without waiting for it to be taken; ``on_failure`` is
+        told if it (or a later input of its session's epoch) is refused, or the way
+        there breaks, until ``forget``."""
+        with self._lock:
+            link = self._links.get(address)
+        if link is not None and link.broken is None:
+            link.send(*key, x, on_failure)
+            return
+        session_id, epoch, step = key
+        frame = pb.RelayFrame(session_id=session_id, epoch=epoch, step=step, input=codec.encode(x))
+        answer = self.post(address, token, frame)
+        answer.add_done_callback(lambda a: _tell_refusal(a, address, on_failure))
+
+    def forget(self, address: str, session_id: str, epoch: int) -> None:
+        """The run of (session, epoch) is over: its ``on_failure`` is told nothing more."""
+        with self._lock:
+            link = self._links.get(address)
+        if link is not None:
+            link.forget(session_id, epoch)
 
     def close(self) -> None:
         with self._lock:
             for stream in self._streams.values():
                 stream.close()
+            for link in self._links.values():
+                link.close()
             self._streams.clear()
+            self._links.clear()
+
+    def _offered(self, address: str, token: str, port: int) -> None:
+        """The next hop at ``address`` offers its relay port: connect in the background
+        (inputs keep to the stream meanwhile), unless a link is up or being made, or
+        the port failed lately."""
+        with self._lock:
+            link = self._links.get(address)
+            if (link is not None and link.broken is None) or address in self._connecting:
+                return
+            if self._no_link_until.get(address, 0.0) > time.monotonic():
+                return
+            self._connecting.add(address)
+        threading.Thread(
+            target=self._connect, args=(address, token, port), name="relay-connect", daemon=True
+        ).start()
+
+    def _connect(self, address: str, token: str, port: int) -> None:
+        host = address.rsplit(":", 1)[0].strip("[]")
+        link: SocketLink | None = None
+        try:
+            link = SocketLink.connect(host, port, token, address)
+        except (OSError, MeshnetError) as e:
+            log.info("relaying to %s over its stream: its relay port: %s", address, e)
+        with self._lock:
+            self._connecting.discard(address)
+            if link is None:
+                self._no_link_until[address] = time.monotonic() + _NO_LINK_S
+            else:
+                self._links[address] = link
+        if link is not None:
+            log.info("relaying to %s over its relay port %d", address, port)
+
+
+def _tell_refusal(
+    answer: Future[pb.RelayAck], address: str, on_failure: Callable[[MeshnetError], None]
+) -> None:
+    try:
+        check_ack(answer.result(), address)
+    except MeshnetError as e:
+        on_failure(e)
 
 
 class _RelayStream:
@@ -168,8 +259,10 @@ class _RelayStream:
     whose sender gave up waiting keeps its place), so order is never lost.
     """
 
-    def __init__(self, address: str, token: str) -> None:
+    def __init__(self, address: str, token: str, offered: Offered) -> None:
         self.address = address
+        self._token = token
+        self._offered = offered
         self.broken: MeshnetError | None = None
         self._channel = grpc.insecure_channel(address, options=MESSAGE_OPTIONS)
         self._frames: queue.Queue[pb.RelayFrame | None] = queue.Queue()
@@ -200,6 +293,8 @@ class _RelayStream:
         error: MeshnetError = StreamReset(f"the relay stream to {self.address} ended")
         try:
             for ack in self._call:
+                if ack.relay_port:
+                    self._offered(self.address, self._token, ack.relay_port)
                 with self._lock:
                     answer = self._waiting.popleft() if self._waiting else None
                 if answer is not None:

@@ -8,7 +8,7 @@ the prompt's start, so chunking never depends on what else is running.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -38,16 +38,27 @@ class Slot:
     last_step: int = -1  # number of the last committed step (or replay's first step)
     last_result: np.ndarray | None = None  # the last committed step's output, for duplicates
     # What this hop forwarded to the next one, by step: replayed into a replacement of it.
+    # Changed only by ``keep_sent`` and ``cut_sent``, which keep ``sent_bytes`` (summing
+    # it each step, as the KV budget is updated, cost a forwarding hop O(steps) a step).
     sent: dict[int, np.ndarray] = field(default_factory=dict)
+    sent_bytes: int = 0
     # Digests of the rows computed at the range's end boundary: the chunks committed.
     rows: RowLog = field(default_factory=RowLog)
     # Digests of the rows received at its start (not on the first range): what a node
     # says the hop before it sent, should that hop's word and its own differ.
     inputs: RowLog = field(default_factory=RowLog)
 
-    @property
-    def sent_bytes(self) -> int:
-        return sum(x.nbytes for x in self.sent.values())
+    def keep_sent(self, step: int, x: np.ndarray) -> None:
+        old = self.sent.get(step)
+        if old is not None:
+            self.sent_bytes -= old.nbytes
+        self.sent[step] = x
+        self.sent_bytes += x.nbytes
+
+    def cut_sent(self, steps: int) -> None:
+        """Forget what was forwarded for step ``steps`` and later."""
+        for step in [s for s in self.sent if s >= steps]:
+            self.sent_bytes -= self.sent.pop(step).nbytes
 
 
 @dataclass
@@ -61,6 +72,10 @@ class StepWork:
     step: int | None = None  # the step's number in its session; None: not checked
     replay: bool = False  # each row is a decode step sent again: computed as one, counted as one
     keep_output: bool = False  # forwarded to the next hop: keep it for replays
+    # Called on the loop thread with the output of a step run in one forward, as soon
+    # as the forward ends and before the step is committed: a ring's hop passes it on
+    # while the loop does the step's bookkeeping (its future is answered after).
+    on_output: Callable[[np.ndarray], None] | None = None
     future: Future[np.ndarray] = field(default_factory=Future)
     done_rows: int = 0  # prompt rows already run (chunked prefill)
     outputs: list[np.ndarray] = field(default_factory=list)

@@ -25,6 +25,8 @@ import grpc
 import numpy as np
 
 from meshnet.auth.grpc_auth import NodeGate
+from meshnet.auth.mesh_keys import SERVICE
+from meshnet.auth.signing import METADATA_KEY
 from meshnet.errors import (
     DeadlineExceeded,
     MalformedBundle,
@@ -42,7 +44,7 @@ from meshnet.node.engine import EngineStats, NodeEngine, OpenedSlot
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.kv_service import KVService
 from meshnet.node.model_dirs import ModelDirs
-from meshnet.node.relay import Mailbox, RelaySender, check_ack
+from meshnet.node.relay import Mailbox, RelaySender
 from meshnet.node.scheduler import StepWork
 from meshnet.node.wire import CONTROL_TIMEOUT_S, MAX_SESSION_ID, fail, remaining_s
 from meshnet.protocol import codec
@@ -58,6 +60,8 @@ _RELAY_TIMEOUT_S = 10.0  # the next hop only files the input: more means it is s
 _MAX_RELAY_STREAMS = 8  # previous hops relaying to this node at once (a thread each)
 _RELAYS_PER_STREAM = 4  # relayed inputs waiting per stream the node holds
 _MAILBOX_BYTES = 256 << 20
+_NO_ROWS = np.empty(0, dtype=np.int64)  # the input of a step made before its input came
+_NO_ROWS.flags.writeable = False
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,8 @@ class NodeService(pb_grpc.NodeServicer):
         limit = engine.config.max_streams * _RELAYS_PER_STREAM
         self.mailbox = Mailbox(limit, _MAILBOX_BYTES)  # inputs relayed by previous hops
         self.relay = RelaySender()  # outputs to next hops
+        self.relay_port = 0  # the relay port's, offered to previous hops (0: none)
+        self.gate = gate
         self._relays = threading.BoundedSemaphore(_MAX_RELAY_STREAMS)  # from previous hops
         self.kv = KVService(engine, gate, offers)
         self.configurator = Configurator(
@@ -211,36 +217,65 @@ class NodeService(pb_grpc.NodeServicer):
         run = Run(step.autorun_until)
 
         def launch(step: pb.Step) -> None:
-            if step.relayed:
-                self.mailbox.when((o.session_id, o.epoch, step.step), lambda x: start(step, x))
-            else:
+            """Start ``step`` now, or (relayed) the moment its input comes, its work made
+            now: only the input is left to the thread that files it."""
+            if not step.relayed:
                 start(step, None)
+                return
+            try:
+                early = _early_work(o, step, shard)
+            except MeshnetError as e:
+                run.post(step, _failure(e))
+                return
+            key = (o.session_id, o.epoch, step.step)
+            self.mailbox.when(key, lambda x: start(step, x, early))
 
-        def start(step: pb.Step, x: np.ndarray | None) -> None:
+        def start(step: pb.Step, x: np.ndarray | None, early: Early | None = None) -> None:
             if not run.proceeds(step.step):
                 return  # the stream ended while the input was on its way
+            handed = _Handed()
             try:
-                ready = self._prepare(o, step, shard, context, x)
+                if early is None:
+                    ready = self._prepare(o, step, shard, context, x)
+                else:
+                    assert x is not None  # a relayed step is started with its input
+                    ready = _completed(step, early, x, context)
+                if not whole:  # a ring's hop passes its output on before the bookkeeping
+                    ready.work.on_output = lambda out: hand_over(step, ready, handed, out)
                 future = self.engine.submit(ready.work)
             except MeshnetError as e:
                 run.post(step, _failure(e))
                 return
-            future.add_done_callback(lambda done: landed(step, ready, done))
+            future.add_done_callback(lambda done: landed(step, ready, handed, done))
 
-        def landed(step: pb.Step, ready: Prepared, done: Future[np.ndarray]) -> None:
-            """On the engine thread, as the step's batch ends: pass the output on, answer,
-            launch the next step."""
+        def hand_over(step: pb.Step, ready: Prepared, handed: _Handed, out: np.ndarray) -> None:
+            """On the engine thread, as the step's forward ends: relay the output (the
+            last hop: sample, and relay the token) to the next hop at once."""
+            if sampling is not None:
+                handed.token = Sampler(sampling, step.draws).sample(out[-1], ready.history)
+                out = np.asarray([handed.token], dtype=np.int64)
+            relay(step, out)
+            handed.relayed = True
+
+        def landed(
+            step: pb.Step, ready: Prepared, handed: _Handed, done: Future[np.ndarray]
+        ) -> None:
+            """On the engine thread, as the step is committed: pass the output on unless
+            ``hand_over`` did, answer, launch the next step."""
             token: int | None = None
             try:
                 out = done.result()
                 if sampling is not None:
-                    reply: pb.ForwardResponse | None = self._answer(o, sampling, step, ready, out)
+                    reply: pb.ForwardResponse | None = self._answer(
+                        o, sampling, step, ready, out, handed.token
+                    )
                     assert reply is not None
                     token = reply.result.sampled.token
-                    if not whole:  # the ring's last hop: the token is the first hop's input
+                    if not (whole or handed.relayed):  # the token is the first hop's input
                         relay(step, np.asarray([token], dtype=np.int64))
                 else:  # a ring's forwarding hop answers only a failure, and its commitments
-                    relay(step, out)
+                    if not handed.relayed:
+                        relay(step, out)
                     reply = _committed(ready.work) if ready.work.chunks else None
             except MeshnetError as e:
                 reply = _failure(e)
@@ -258,19 +293,13 @@ class NodeService(pb_grpc.NodeServicer):
 
         def relay(step: pb.Step, out: np.ndarray) -> None:
             """Hand a step's output to the next hop as the input of its step (the token to
-            the first hop is the next step's); a refusal or a broken stream is posted."""
+            the first hop is the next step's); a refusal or a broken link is posted."""
             number = step.step + (1 if sampling is not None else 0)
-            frame = pb.RelayFrame(
-                session_id=o.session_id, epoch=o.epoch, step=number, input=codec.encode(out)
-            )
-            answer = self.relay.post(o.next_address, o.next_token, frame)
-            answer.add_done_callback(lambda a: refused(step, a))
+            key = (o.session_id, o.epoch, number)
+            self.relay.relay(o.next_address, o.next_token, key, out, lambda e: refused(step, e))
 
-        def refused(step: pb.Step, answer: Future[pb.RelayAck]) -> None:
-            try:
-                check_ack(answer.result(), o.next_address)
-            except MeshnetError as e:
-                run.post(step, _failure(e, blame=o.next_node_id))
+        def refused(step: pb.Step, e: MeshnetError) -> None:
+            run.post(step, _failure(e, blame=o.next_node_id))
 
         inbox.listener = run.extend  # an Extend reaches the run at once, whatever it waits on
         launch(step)
@@ -299,6 +328,7 @@ class NodeService(pb_grpc.NodeServicer):
         finally:
             inbox.listener = None
             run.stop()
+            self.relay.forget(o.next_address, o.session_id, o.epoch)
 
     @staticmethod
     def _next_post(run: Run, step: pb.Step | None, context: grpc.ServicerContext) -> Posted | None:
@@ -411,8 +441,10 @@ class NodeService(pb_grpc.NodeServicer):
         step: pb.Step,
         ready: Prepared,
         out: np.ndarray,
+        token: int | None = None,
     ) -> pb.ForwardResponse:
-        """What a computed step answers: forwarded, its hidden states, or its token."""
+        """What a computed step answers: forwarded, its hidden states, or its token
+        (``token``: sampled already, from this output)."""
         commitments = _chunks(ready.work)
         if step.forward:
             return self._forward_output(o, step, out, ready, commitments)
@@ -422,7 +454,8 @@ class NodeService(pb_grpc.NodeServicer):
             result.commitments.extend(commitments)
             return pb.ForwardResponse(result=result)
         logits = out[-1]
-        token = Sampler(sampling, step.draws).sample(logits, ready.history)
+        if token is None:
+            token = Sampler(sampling, step.draws).sample(logits, ready.history)
         if o.sampling.logprobs:  # a log-softmax over the vocabulary: only when asked
             lp = token_logprobs(logits, token, o.sampling.top_logprobs)
             sampled = pb.Sampled(
@@ -489,23 +522,35 @@ class NodeService(pb_grpc.NodeServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many relay streams")
         try:
             for frame in request_iterator:
-                yield self._file(frame)
+                refused = self.file_input(frame.session_id, frame.epoch, frame.step, frame.input)
+                if refused is not None:
+                    yield pb.RelayAck(failure=fail(refused), relay_port=self.relay_port)
+                else:
+                    yield pb.RelayAck(relay_port=self.relay_port)
         finally:
             self._relays.release()
 
-    def _file(self, frame: pb.RelayFrame) -> pb.RelayAck:
-        """File one relayed input in the mailbox, checked; the answer for its sender."""
+    def file_input(
+        self, session_id: str, epoch: int, step: int, tensor: pb.Tensor
+    ) -> MeshnetError | None:
+        """File one relayed input in the mailbox, checked (a ``RelayStream`` frame's or
+        the relay port's); the refusal for its sender, or None when filed. Any thread."""
         shard = self.engine.shard
         try:
             if shard is None:
                 raise ShardMismatch("this node is empty")
-            if not frame.session_id or len(frame.session_id) > MAX_SESSION_ID:
+            if not session_id or len(session_id) > MAX_SESSION_ID:
                 raise MalformedBundle(f"session_id must have 1 to {MAX_SESSION_ID} characters")
-            x = _step_input(shard, frame.input)
-            self.mailbox.put((frame.session_id, frame.epoch, frame.step), x)
+            x = _step_input(shard, tensor)
+            self.mailbox.put((session_id, epoch, step), x)
         except MeshnetError as e:
-            return pb.RelayAck(failure=fail(e))
-        return pb.RelayAck()
+            return e
+        return None
+
+    def check_relay_token(self, token: str) -> None:
+        """Let a relay-port connection in as a ``RelayStream`` call with ``token`` would
+        be; raises the typed refusal."""
+        self.gate.check(SERVICE + "RelayStream", ((METADATA_KEY, token),))
 
     def Outputs(
         self, request: pb.OutputsRequest, context: grpc.ServicerContext
@@ -582,6 +627,46 @@ class NodeService(pb_grpc.NodeServicer):
             kv_bytes=s.kv_bytes,
             parked=s.parked,
         )
+
+
+Early = tuple[StepWork, list[int]]  # a relayed ring step's work and history, made ahead
+
+
+def _early_work(o: pb.Open, step: pb.Step, shard: Shard) -> Early:
+    """A relayed ring step's work, made while its input is on its way (no rows yet)."""
+    history = _history(step, shard.spec.context_length, shard.spec.vocab_size)
+    work = StepWork(
+        o.session_id,
+        o.epoch,
+        _NO_ROWS,
+        None,
+        step=step.step,
+        replay=step.replay,
+        keep_output=step.forward,
+    )
+    return work, history
+
+
+def _completed(
+    step: pb.Step, early: Early, x: np.ndarray, context: grpc.ServicerContext
+) -> Prepared:
+    """``_early_work`` given its input as it came; its deadline counts from now, as a
+    step's does from when it comes."""
+    work, history = early
+    t0 = time.perf_counter()
+    remaining = remaining_s(step.timeout_ms, context)
+    work.x = _rows_checked(step, x)
+    work.deadline = None if remaining is None else time.monotonic() + remaining
+    return Prepared(work, t0, work.deadline, history)
+
+
+@dataclass
+class _Handed:
+    """What a ring hop's step did as its forward ended (``on_output``), before it was
+    committed: relayed its output, and (the last hop) sampled this token."""
+
+    token: int | None = None
+    relayed: bool = False
 
 
 class _Once:

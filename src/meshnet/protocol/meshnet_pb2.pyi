@@ -189,10 +189,12 @@ class RelayFrame(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RelayAck(_message.Message):
-    __slots__ = ("failure",)
+    __slots__ = ("failure", "relay_port")
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
     failure: Failure
-    def __init__(self, failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
+    relay_port: int
+    def __init__(self, failure: _Optional[_Union[Failure, _Mapping]] = ..., relay_port: _Optional[int] = ...) -> None: ...
 
 class OutputsRequest(_message.Message):
     __slots__ = ("session_id", "first_step", "end_step")

@@ -1,0 +1,168 @@
+"""The relay port's byte format: a hello, input frames one way, refusals the other.
+
+A hop that relays to the next over a raw TCP connection (node/relay_socket.py)
+pays one ``sendall`` a frame, where a gRPC ``RelayStream`` frame goes through
+two thread hops and an answer on each side. Everything here is pure: it lays
+out and reads bytes, checking every length against a limit before anything is
+allocated, and raises ``MalformedBundle`` on what breaks the format.
+
+- **Hello** (sender first): ``MNR1``, the token's length (u16), the token: the
+  same leave a ``RelayStream`` call carries as metadata, checked the same way.
+  Answered by one **verdict**: status (u8: 0 accepted, else refused), a reason's
+  length (u16) and the reason.
+- **Input** (sender, then any number): ``_INPUT`` — kind 1, dtype code, the
+  session id's length, epoch, step, rows, width (0: one axis) — then the session
+  id and the array's raw little-endian bytes (``rows * max(width, 1)`` items).
+  Not answered when filed.
+- **Refusal** (receiver, only when an input was not filed): ``_REFUSAL`` — kind 2,
+  the session id's, the failure kind's and the message's lengths, epoch, step —
+  then those three strings. Kind 3 is the same, said before the receiver closes
+  the connection (a frame it could not read).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshnet.errors import MalformedBundle
+from meshnet.protocol import meshnet_pb2 as pb
+
+HELLO_MAGIC = b"MNR1"
+MAX_TOKEN_BYTES = 1024
+MAX_SESSION_BYTES = 128  # as node.wire.MAX_SESSION_ID
+MAX_ROWS = 1 << 20
+MAX_WIDTH = 1 << 16
+MAX_INPUT_BYTES = 64 << 20  # one input's array
+MAX_MESSAGE_BYTES = 1000  # a refusal's message (longer ones are cut)
+MAX_KIND_BYTES = 64
+
+INPUT = 1
+REFUSAL = 2
+CLOSING = 3  # a refusal said just before the receiver closes the connection
+
+_DTYPES = {1: ("i64", np.dtype("<i8")), 2: ("f32", np.dtype("<f4"))}
+_CODES = {np.dtype("<i8"): 1, np.dtype("<f4"): 2}
+
+HELLO = struct.Struct("<4sH")  # magic, token length
+VERDICT = struct.Struct("<BH")  # status, reason length
+INPUT_HEADER = struct.Struct("<BBHQQII")  # kind, dtype, sid len, epoch, step, rows, width
+REFUSAL_HEADER = struct.Struct("<BHHHQQ")  # kind, sid len, kind len, message len, epoch, step
+
+
+@dataclass(frozen=True)
+class InputHeader:
+    """A relayed input's header, its lengths checked."""
+
+    session_bytes: int
+    epoch: int
+    step: int
+    dtype: str  # "i64" or "f32", as ``pb.Tensor.dtype``
+    shape: tuple[int, ...]
+    data_bytes: int
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The receiver's word that one input was not filed (or that it is closing)."""
+
+    closing: bool
+    session_id: str
+    epoch: int
+    step: int
+    kind: str
+    message: str
+
+
+def hello(token: str) -> bytes:
+    raw = token.encode()
+    if len(raw) > MAX_TOKEN_BYTES:
+        raise MalformedBundle("a relay token is at most 1024 bytes")
+    return HELLO.pack(HELLO_MAGIC, len(raw)) + raw
+
+
+def hello_token_bytes(head: bytes) -> int:
+    """The token's length a hello's head announces; ``MalformedBundle`` if it is no hello."""
+    magic, n = HELLO.unpack(head)
+    if magic != HELLO_MAGIC or not 0 < n <= MAX_TOKEN_BYTES:
+        raise MalformedBundle("not a relay hello")
+    return int(n)
+
+
+def verdict(reason: str | None) -> bytes:
+    """The answer to a hello: accepted (``None``) or refused for ``reason``."""
+    if reason is None:
+        return VERDICT.pack(0, 0)
+    raw = reason.encode()[:MAX_MESSAGE_BYTES]
+    return VERDICT.pack(1, len(raw)) + raw
+
+
+def input_frame(session_id: str, epoch: int, step: int, x: np.ndarray) -> list[bytes | memoryview]:
+    """An input's frame as parts to send in order (the array's bytes are not copied)."""
+    sid = session_id.encode()
+    code = _CODES.get(x.dtype.newbyteorder("<"))
+    if code is None or x.ndim not in (1, 2) or len(sid) > MAX_SESSION_BYTES:
+        raise MalformedBundle(f"cannot relay a {x.dtype} array of shape {x.shape}")
+    x = np.ascontiguousarray(x, dtype=_DTYPES[code][1])  # little-endian, as it is read
+    width = x.shape[1] if x.ndim == 2 else 0
+    head = INPUT_HEADER.pack(INPUT, code, len(sid), epoch, step, x.shape[0], width)
+    return [head + sid, memoryview(x).cast("B")]
+
+
+def read_input_header(raw: bytes) -> InputHeader:
+    """An input's header, every length checked before the rest is read."""
+    kind, code, sid_len, epoch, step, rows, width = INPUT_HEADER.unpack(raw)
+    if kind != INPUT:
+        raise MalformedBundle(f"a relay frame of kind {kind}, expected an input")
+    if code not in _DTYPES:
+        raise MalformedBundle(f"a relayed input of dtype code {code}")
+    if not 0 < sid_len <= MAX_SESSION_BYTES:
+        raise MalformedBundle(f"a session id of {sid_len} bytes")
+    if not 0 < rows <= MAX_ROWS or width > MAX_WIDTH:
+        raise MalformedBundle(f"a relayed input of {rows} rows of width {width}")
+    name, dtype = _DTYPES[code]
+    shape = (rows, width) if width else (rows,)
+    data = rows * max(width, 1) * dtype.itemsize
+    if data > MAX_INPUT_BYTES:
+        raise MalformedBundle(f"a relayed input of {data} bytes")
+    return InputHeader(sid_len, epoch, step, name, shape, data)
+
+
+def as_tensor(header: InputHeader, data: bytes) -> pb.Tensor:
+    """The input as the message a ``RelayFrame`` carries, for the same checks."""
+    return pb.Tensor(dtype=header.dtype, shape=list(header.shape), data=data)
+
+
+def refusal(closing: bool, session_id: str, epoch: int, step: int, kind: str, msg: str) -> bytes:
+    sid, k = session_id.encode()[:MAX_SESSION_BYTES], kind.encode()[:MAX_KIND_BYTES]
+    m = msg.encode()[:MAX_MESSAGE_BYTES]
+    head = REFUSAL_HEADER.pack(
+        CLOSING if closing else REFUSAL, len(sid), len(k), len(m), epoch, step
+    )
+    return head + sid + k + m
+
+
+def read_refusal_header(raw: bytes) -> tuple[bool, int, int, int, int, int]:
+    """(closing, sid length, kind length, message length, epoch, step), checked."""
+    kind, sid_len, kind_len, msg_len, epoch, step = REFUSAL_HEADER.unpack(raw)
+    if kind not in (REFUSAL, CLOSING):
+        raise MalformedBundle(f"a relay answer of kind {kind}")
+    if sid_len > MAX_SESSION_BYTES or kind_len > MAX_KIND_BYTES or msg_len > MAX_MESSAGE_BYTES:
+        raise MalformedBundle("a relay refusal longer than its limits")
+    return kind == CLOSING, sid_len, kind_len, msg_len, epoch, step
+
+
+def read_refusal(head: tuple[bool, int, int, int, int, int], rest: bytes) -> Refusal:
+    closing, sid_len, kind_len, _, epoch, step = head
+    sid, kind = rest[:sid_len], rest[sid_len : sid_len + kind_len]
+    message = rest[sid_len + kind_len :]
+    return Refusal(
+        closing,
+        sid.decode(errors="replace"),
+        epoch,
+        step,
+        kind.decode(errors="replace"),
+        message.decode(errors="replace"),
+    )
