@@ -110,3 +110,23 @@ def test_a_prompt_gives_the_same_bits_in_one_chunk_in_several_or_token_by_token(
     whole = run(len(PROMPT))
     for a, b in zip(whole, run(chunk), strict=True):
         assert np.array_equal(a, b)
+
+
+def test_a_step_looks_up_each_distinct_rope_once(tiny: LocalModel, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Every layer of the tiny model rotates alike: one table lookup a step, not one a
+    layer (each cost a step ~26 us a layer)."""
+    from meshnet.model.rope import RopeTables
+
+    calls: list[int] = []
+    real = RopeTables.at
+
+    def counted(self: RopeTables, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        calls.append(len(positions))
+        return real(self, positions)
+
+    monkeypatch.setattr(RopeTables, "at", counted)
+    shard = tiny.chain.shards[0]
+    assert shard.spec.n_layers > 1
+    kv = shard.backend.new_kv()
+    shard.forward(np.asarray(PROMPT), [BatchEntry(kv, len(PROMPT))])
+    assert calls == [len(PROMPT)]

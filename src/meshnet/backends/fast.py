@@ -74,7 +74,8 @@ class FastBackend:
     def run_layers(self, hidden: np.ndarray, batch: Sequence[BatchEntry]) -> np.ndarray:
         positions = start_step(hidden, batch, self.spec.context_length)  # [T]
         x = np.array(hidden, dtype=F32, copy=True)  # [T, d]
-        at = {id(t): t.at(positions) for t in self._tables}  # each distinct rope once
+        distinct = {id(t): t for t in self._tables}  # layers share a rope's tables
+        at = {key: t.at(positions) for key, t in distinct.items()}  # each looked up once
         tables: list[Tables] = [at[id(t)] for t in self._tables]
         if self._native is None:
             x = self._layers(x, tables, batch)

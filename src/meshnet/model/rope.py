@@ -65,6 +65,11 @@ class RopeTables:
     def at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin [len(positions), pairs] of non-negative ``positions``."""
         chunk_of = positions // self.CHUNK
+        first = int(chunk_of[0]) if len(chunk_of) else 0
+        if len(chunk_of) and (chunk_of == first).all():  # a step's rows, nearly always
+            chunk_cos, chunk_sin = self._chunk(first)
+            offsets = positions - first * self.CHUNK
+            return chunk_cos[offsets], chunk_sin[offsets]
         cos = np.empty((len(positions), self.rope.pairs), F32)
         sin = np.empty_like(cos)
         for c in np.unique(chunk_of):
