@@ -145,14 +145,14 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
         p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats"),
         p.add_argument(
             "--metrics-port",
-            type=_metrics_port,
+            type=_port_or_off,
             default=0,
             help="port of the node's /metrics on the listen host, the tracker's signature "
             "only (0: any free one; off: none)",
         ),
         p.add_argument(
             "--relay-port",
-            type=_metrics_port,
+            type=_port_or_off,
             default=0,
             help="TCP port on the listen host where previous hops of a ring relay inputs, "
             "offered to them in their relay streams' answers (0: any free one, none "
@@ -161,7 +161,8 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
     ]
 
 
-def _metrics_port(text: str) -> int | None:
+def _port_or_off(text: str) -> int | None:
+    """A TCP port (0: any free one), or None for "off"."""
     if text == "off":
         return None
     port = int(text)
