@@ -16,8 +16,9 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from kquants import quantize as k_quantize
 
-from meshnet.backends import quant, quant_layouts
+from meshnet.backends import quant
 from meshnet.errors import UnsupportedTensorType
+from meshnet.memory import HUGE_PAGE, on_huge_pages
 from meshnet.model.gguf_file import open_gguf
 
 NATIVE_BUILT = quant.NATIVE is not None
@@ -146,12 +147,12 @@ def test_a_large_native_matrix_lies_on_whole_huge_pages() -> None:
     """A matrix of 2 MB and more is copied to memory starting on a 2 MB boundary (where the
     kernel may map it with huge pages), bytes and shape unchanged; a smaller one stays."""
     big = np.random.default_rng(8).integers(0, 256, (3 << 20) + 5, dtype=np.uint8)
-    placed = quant_layouts.on_huge_pages(big)
-    assert placed.ctypes.data % quant_layouts.HUGE_PAGE == 0
+    placed = on_huge_pages(big)
+    assert placed.ctypes.data % HUGE_PAGE == 0
     assert placed.dtype == big.dtype and placed.shape == big.shape
     assert np.array_equal(placed, big) and not np.shares_memory(placed, big)
     small = big[:4096]
-    assert quant_layouts.on_huge_pages(small) is small
+    assert on_huge_pages(small) is small
 
 
 @pytest.mark.parametrize("native", [False, True] if NATIVE_BUILT else [False])

@@ -27,6 +27,7 @@ from gguf import GGMLQuantizationType as QT
 from meshnet.backends import quant_layouts as layouts
 from meshnet.backends import quant_numba as nb_kernels
 from meshnet.errors import UnsupportedTensorType
+from meshnet.memory import on_huge_pages
 from meshnet.model.gguf_file import GGUFFile
 
 F32 = np.float32
@@ -147,8 +148,8 @@ def from_blocks(
         packed = layouts.pack(raw, qtype, rows, cols)
         interleaved = layouts.q8_layout(packed, qtype) if q8 else None
         if interleaved is not None:
-            return QuantMatrix(qtype, rows, cols, layouts.on_huge_pages(interleaved), True, q8=True)
-        return QuantMatrix(qtype, rows, cols, layouts.on_huge_pages(packed), True)
+            return QuantMatrix(qtype, rows, cols, on_huge_pages(interleaved), True, q8=True)
+        return QuantMatrix(qtype, rows, cols, on_huge_pages(packed), True)
     return QuantMatrix(qtype, rows, cols, raw.reshape(rows, -1), False)
 
 
@@ -169,7 +170,7 @@ def stack_rows(parts: list[QuantMatrix]) -> QuantMatrix:
         first.qtype,
         sum(p.rows for p in parts),
         first.cols,
-        layouts.on_huge_pages(data) if first.native else data,
+        on_huge_pages(data) if first.native else data,
         first.native,
         first.q8,
     )

@@ -8,8 +8,6 @@ F16, BF16, F32) keep the GGUF's own rows: their kernel unpacks a tile at a time.
 
 from __future__ import annotations
 
-import mmap
-
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
@@ -17,7 +15,6 @@ QK = 32  # weights per block; a matrix's width is nb * QK in every type
 QK_K = 256  # weights per K-quant super-block
 GROUP_ROWS = 16  # rows per group of the row-group layouts
 _CHUNK_GROUPS = 64  # K-quant row groups repacked at a time
-HUGE_PAGE = 2 << 20  # bytes of one transparent huge page (x86-64 Linux)
 
 # The native kernels' number for each type they multiply, as in native/native.h.
 CODES = {
@@ -82,32 +79,6 @@ _GROUP_BYTES = {
     QT.Q5_K: 2880,
     QT.Q6_K: 3360,
 }
-
-
-def on_huge_pages(a: np.ndarray) -> np.ndarray:
-    """``a`` copied into memory that Linux may back with 2 MB pages, or ``a`` itself where
-    it is under one such page or the system has no transparent huge pages to ask for.
-
-    A decode step streams every weight once, far past the caches; on 4 KB pages each
-    stream takes a TLB miss every 4 KB, which held a one-thread Q6_K matmul out of cache
-    to ~23 GB/s where 2 MB pages let it reach ~33 (AVX-512; the AVX2 tiles, slower than
-    memory, gain little). Only the whole 2 MB pages inside the copy are advised, so its
-    resident size stays its bytes rounded up to 4 KB, as a plain array's.
-    """
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    private = getattr(mmap, "MAP_PRIVATE", None)
-    if a.nbytes < HUGE_PAGE or advice is None or private is None:
-        return a
-    try:
-        area = mmap.mmap(-1, a.nbytes + HUGE_PAGE, flags=private | mmap.MAP_ANONYMOUS)
-        whole = np.frombuffer(area, np.uint8)
-        start = -whole.ctypes.data % HUGE_PAGE  # the first 2 MB boundary inside the area
-        area.madvise(advice, start, a.nbytes // HUGE_PAGE * HUGE_PAGE)
-    except (OSError, ValueError):  # no such advice here: plain pages serve as well
-        return a
-    out = whole[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
-    out[...] = a
-    return out
 
 
 def q8_layout(packed: np.ndarray, qtype: QT) -> np.ndarray | None:
