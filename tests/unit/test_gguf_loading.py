@@ -211,3 +211,37 @@ def test_a_string_array_cut_short_is_refused(tmp_path: Path) -> None:
     p.write_bytes(_header(entry + (4).to_bytes(8, "little") + strings))  # says 4, holds 3
     with pytest.raises(ModelFileError, match=r"past the end|needs"):
         open_gguf(p)
+
+
+def _resident_kib(path: Path) -> int:
+    """KiB of this process's mappings of ``path`` resident now (``/proc/self/smaps``)."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's first line
+            ours = len(fields) > 5 and fields[5] == str(path)
+        elif ours and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's smaps")
+def test_a_parsed_header_leaves_none_of_its_pages_resident(tmp_path: Path) -> None:
+    """A node holds its layers, not the header it parsed: a 128k-token vocabulary's
+    header is ~8 MB of file pages that stayed resident for as long as the map was open."""
+    path = (tmp_path / "vocab.gguf").resolve()
+    words = [f"token-{i:06d}" for i in range(60_000)]  # a header of ~1 MB
+    weights = np.arange(64, dtype=np.float32)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("tokenizer.ggml.tokens", words)
+    w.add_tensor("output_norm.weight", weights)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    f = open_gguf(path)
+
+    assert _resident_kib(path) == 0
+    assert f.value("tokenizer.ggml.tokens") == words
+    assert np.array_equal(np.asarray(f.tensors["output_norm.weight"].data), weights)

@@ -79,8 +79,22 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     except (OSError, ValueError) as e:  # ValueError: an empty file cannot be mapped
         raise ModelFileError(f"{p.name}: not a readable GGUF file ({type(e).__name__}: {e})") from e
     header = parse_header(mapped, p.name)
+    _release_pages(mapped)
     # The tensors' views keep the map open for as long as they live.
     return GGUFFile(path=p, metadata=header.metadata, tensors=header.tensors)
+
+
+def _release_pages(mapped: mmap.mmap) -> None:
+    """Take the pages the header parse read out of this process's resident set.
+
+    A large vocabulary's header is megabytes (~8 MB for Llama-3's 128k tokens and
+    280k merges), parsed into Python values once; its pages would otherwise stay
+    counted in a node's resident memory for as long as any tensor view keeps the map
+    open. The file's pages stay in the page cache, and a later read faults them back.
+    """
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if advice is not None:
+        mapped.madvise(advice)
 
 
 def _expected_bytes(t: gguf.ReaderTensor) -> int:
