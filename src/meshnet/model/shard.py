@@ -20,8 +20,8 @@ from meshnet.backends.reference import ReferenceBackend
 from meshnet.errors import ModelError
 from meshnet.layer_range import LayerRange
 from meshnet.memory import settle
-from meshnet.model.gguf_file import GGUFFile
-from meshnet.model.spec import ModelSpec
+from meshnet.model.gguf_file import GGUFFile, open_gguf
+from meshnet.model.spec import ModelSpec, read_spec
 from meshnet.model.weights import load_shard_weights
 
 LogitsMode = Literal["last", "all"]
@@ -90,4 +90,16 @@ def load_shard(
     shard = Shard(spec, layers, compute, f.fingerprint())
     settle()  # the read and repacked copies of the tensors go back to the system now
     warm_up(shard)
+    return shard
+
+
+def load_shard_file(path: str, layers: LayerRange, backend: str = DEFAULT_BACKEND) -> Shard:
+    """``load_shard`` of ``layers`` of the GGUF at ``path``, as a node loads its range:
+    the header's values (a 128k-token vocabulary and its merges are tens of MB of
+    strings) go before it returns, and the memory they held is handed back, so a node
+    holds its layers and little else."""
+    f = open_gguf(path)
+    shard = load_shard(f, read_spec(f), layers, backend)
+    del f
+    settle()
     return shard

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from meshnet.errors import MalformedBundle, MeshnetError, Overloaded, RequestError
 from meshnet.layer_range import LayerRange
+from meshnet.memory import settle
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.shard import load_shard
 from meshnet.model.spec import read_spec
@@ -261,6 +262,8 @@ class Configurator:
             shard = load_shard(f, spec, change.layers, self._engine.config.backend)
         except MemoryError:
             raise RequestError(f"not enough memory to load {change.layers}") from None
+        del f  # the header's values go (a large vocabulary is tens of MB of strings)
+        settle()  # and the memory they held goes back to the system
         ended = _drained(self._engine.swap(shard))
         if keeps:
             detail = f"reloaded {change.layers}; sessions' KV parked on the node, {ended} lost"

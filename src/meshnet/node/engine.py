@@ -41,9 +41,7 @@ from meshnet.errors import (
 )
 from meshnet.kv.manager import KVBudget
 from meshnet.layer_range import LayerRange
-from meshnet.model.gguf_file import open_gguf
-from meshnet.model.shard import DEFAULT_BACKEND, Shard, load_shard
-from meshnet.model.spec import read_spec
+from meshnet.model.shard import DEFAULT_BACKEND, Shard, load_shard_file
 from meshnet.node.configure import (
     Batching,
     Limits,
@@ -423,10 +421,9 @@ class NodeEngine:
         self._budget.update(sum(s.kv.nbytes + s.sent_bytes for s in self._slots.values()))
 
     def _apply_load(self, model_path: str, layers: LayerRange) -> Shard:
-        f = open_gguf(model_path)
-        shard = load_shard(f, read_spec(f), layers, self.config.backend)
+        shard = load_shard_file(model_path, layers, self.config.backend)
         self._swap_in(shard)
-        log.info("loaded layers %s of %s on %s", layers, f.path.name, shard.backend.name)
+        log.info("loaded layers %s of %s on %s", layers, model_path, shard.backend.name)
         return shard
 
     def _swap_in(self, shard: Shard | None, park: bool = False) -> int:
