@@ -50,3 +50,24 @@ def test_malformed_tensors_are_refused(tensor: pb.Tensor, reason: str) -> None:
 def test_unsendable_dtype() -> None:
     with pytest.raises(TypeError):
         codec.encode(np.zeros(3, dtype=np.float64))
+
+
+@pytest.mark.parametrize(
+    ("array", "reason"),
+    [
+        (np.zeros((1, 8), np.float64), "dtype"),
+        (np.zeros(8, np.float32), "rank"),
+        (np.zeros((1, 9), np.float32), "width"),
+        (np.zeros((17, 8), np.float32), "rows"),
+        (np.zeros((0, 8), np.float32), "rows"),
+        (np.full((1, 8), np.inf, np.float32), "infinite"),
+    ],
+)
+def test_an_array_from_another_wire_is_held_to_the_same_limits(
+    array: np.ndarray, reason: str
+) -> None:
+    """The relay port reads arrays itself; what it files meets a decoded tensor's checks."""
+    with pytest.raises(MalformedBundle, match=reason):
+        codec.checked(array, HIDDEN)
+    fine = np.ones((2, 8), np.float32)
+    assert codec.checked(fine, HIDDEN) is fine

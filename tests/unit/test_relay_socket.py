@@ -23,7 +23,6 @@ from meshnet.errors import (
 from meshnet.node import relay_wire as wire
 from meshnet.node.relay_socket import RelayListener, SocketLink
 from meshnet.protocol import codec
-from meshnet.protocol import meshnet_pb2 as pb
 
 TOKEN = "p1.good-token"
 LIMITS = codec.TensorLimits("f32", 2, 64, 4)
@@ -41,11 +40,11 @@ class Receiver:
         if token != TOKEN:
             raise Unauthenticated("the peer token does not check out")
 
-    def file(self, sid: str, epoch: int, step: int, t: pb.Tensor) -> MeshnetError | None:
+    def file(self, sid: str, epoch: int, step: int, x: np.ndarray) -> MeshnetError | None:
         if self.refuse is not None:
             return self.refuse
         try:
-            self.filed.append((sid, epoch, step, codec.decode(t, LIMITS)))
+            self.filed.append((sid, epoch, step, codec.checked(x, LIMITS)))
         except MeshnetError as e:
             return e
         self.event.set()
@@ -238,8 +237,8 @@ def test_a_frame_carries_little_endian_bytes_whatever_the_arrays_byte_order() ->
     x = np.arange(6, dtype=">f4").reshape(2, 3)
     frame = b"".join(wire.input_frame("s", 1, 2, x))
     h = wire.read_input_header(frame[: wire.INPUT_HEADER.size])
-    tensor = wire.as_tensor(h, frame[wire.INPUT_HEADER.size + h.session_bytes :])
-    got = codec.decode(tensor, codec.TensorLimits("f32", 2, 8, 3))
+    array = wire.as_array(h, frame[wire.INPUT_HEADER.size + h.session_bytes :])
+    got = codec.checked(array, codec.TensorLimits("f32", 2, 8, 3))
     np.testing.assert_array_equal(got, x)
     with pytest.raises(MalformedBundle):
         wire.input_frame("s", 1, 2, np.ones((2, 3), dtype=np.float16))

@@ -158,7 +158,7 @@ def _serve_relay(cfg: NodeConfig, host: str, service: NodeService) -> RelayListe
         host,
         cfg.relay_port,
         service.check_relay_token,
-        service.file_input,
+        service.file_array,
         _MAX_RELAY_CONNECTIONS,
     )
     service.relay_port = listener.port

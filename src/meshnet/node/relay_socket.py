@@ -34,7 +34,6 @@ import numpy as np
 
 from meshnet.errors import MalformedBundle, MeshnetError, Overloaded, StreamReset, error_for_kind
 from meshnet.node import relay_wire as wire
-from meshnet.protocol import meshnet_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +43,8 @@ SEND_TIMEOUT_S = 5.0  # a next hop that takes no bytes for this long is broken
 
 # Checks a hello's token; raises the typed refusal.
 CheckToken = Callable[[str], None]
-# Files one input (session, epoch, step, tensor); the refusal, or None when filed.
-FileInput = Callable[[str, int, int, pb.Tensor], MeshnetError | None]
+# Files one input (session, epoch, step, array); the refusal, or None when filed.
+FileInput = Callable[[str, int, int, np.ndarray], MeshnetError | None]
 # Told of an input of its (session, epoch) that did not reach the next hop.
 OnFailure = Callable[[MeshnetError], None]
 
@@ -137,7 +136,7 @@ class RelayListener:
             error = e if isinstance(e, MalformedBundle) else MalformedBundle("a bad session id")
             conn.sendall(wire.refusal(True, "", 0, 0, error.kind, error.message))
             raise error from None
-        refused = self._file(session_id, h.epoch, h.step, wire.as_tensor(h, data))
+        refused = self._file(session_id, h.epoch, h.step, wire.as_array(h, data))
         if refused is not None:
             conn.sendall(
                 wire.refusal(False, session_id, h.epoch, h.step, refused.kind, refused.message)

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshnet.errors import MalformedBundle
-from meshnet.protocol import meshnet_pb2 as pb
 
 HELLO_MAGIC = b"MNR1"
 MAX_TOKEN_BYTES = 1024
@@ -45,6 +44,7 @@ CLOSING = 3  # a refusal said just before the receiver closes the connection
 
 _DTYPES = {1: ("i64", np.dtype("<i8")), 2: ("f32", np.dtype("<f4"))}
 _CODES = {np.dtype("<i8"): 1, np.dtype("<f4"): 2}
+_ITEMS = dict(_DTYPES.values())  # "i64" / "f32" -> item type
 
 HELLO = struct.Struct("<4sH")  # magic, token length
 VERDICT = struct.Struct("<BH")  # status, reason length
@@ -130,9 +130,9 @@ def read_input_header(raw: bytes) -> InputHeader:
     return InputHeader(sid_len, epoch, step, name, shape, data)
 
 
-def as_tensor(header: InputHeader, data: bytes) -> pb.Tensor:
-    """The input as the message a ``RelayFrame`` carries, for the same checks."""
-    return pb.Tensor(dtype=header.dtype, shape=list(header.shape), data=data)
+def as_array(header: InputHeader, data: bytes) -> np.ndarray:
+    """The input's array, a read-only view of ``data`` (``header.data_bytes`` long)."""
+    return np.frombuffer(data, _ITEMS[header.dtype]).reshape(header.shape)
 
 
 def refusal(closing: bool, session_id: str, epoch: int, step: int, kind: str, msg: str) -> bytes:

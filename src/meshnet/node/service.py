@@ -522,7 +522,7 @@ class NodeService(pb_grpc.NodeServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many relay streams")
         try:
             for frame in request_iterator:
-                refused = self.file_input(frame.session_id, frame.epoch, frame.step, frame.input)
+                refused = self.file_tensor(frame.session_id, frame.epoch, frame.step, frame.input)
                 if refused is not None:
                     yield pb.RelayAck(failure=fail(refused), relay_port=self.relay_port)
                 else:
@@ -530,19 +530,30 @@ class NodeService(pb_grpc.NodeServicer):
         finally:
             self._relays.release()
 
-    def file_input(
+    def file_tensor(
         self, session_id: str, epoch: int, step: int, tensor: pb.Tensor
     ) -> MeshnetError | None:
-        """File one relayed input in the mailbox, checked (a ``RelayStream`` frame's or
-        the relay port's); the refusal for its sender, or None when filed. Any thread."""
+        """File a ``RelayStream`` frame's input in the mailbox, checked; the refusal for
+        its sender, or None when filed. Any thread."""
+        return self._file(session_id, epoch, step, lambda shard: _step_input(shard, tensor))
+
+    def file_array(
+        self, session_id: str, epoch: int, step: int, x: np.ndarray
+    ) -> MeshnetError | None:
+        """File an input read off the relay port (its lengths bounded there) in the
+        mailbox, held to a tensor's checks; the refusal, or None when filed. Any thread."""
+        return self._file(session_id, epoch, step, lambda shard: _array_input(shard, x))
+
+    def _file(
+        self, session_id: str, epoch: int, step: int, read: Callable[[Shard], np.ndarray]
+    ) -> MeshnetError | None:
         shard = self.engine.shard
         try:
             if shard is None:
                 raise ShardMismatch("this node is empty")
             if not session_id or len(session_id) > MAX_SESSION_ID:
                 raise MalformedBundle(f"session_id must have 1 to {MAX_SESSION_ID} characters")
-            x = _step_input(shard, tensor)
-            self.mailbox.put((session_id, epoch, step), x)
+            self.mailbox.put((session_id, epoch, step), read(shard))
         except MeshnetError as e:
             return e
         return None
@@ -688,13 +699,28 @@ class _Once:
 def _step_input(shard: Shard, tensor: pb.Tensor) -> np.ndarray:
     """A step's input as sent or relayed, checked: token ids for the first layer (the
     first hop of a ring is relayed the last hop's token), hidden states for the others."""
+    return _ids_checked(shard, codec.decode(tensor, _input_limits(shard)))
+
+
+def _array_input(shard: Shard, x: np.ndarray) -> np.ndarray:
+    """``_step_input`` of an input the relay port read as an array."""
+    return _ids_checked(shard, codec.checked(x, _input_limits(shard)))
+
+
+def _input_limits(shard: Shard) -> codec.TensorLimits:
     spec = shard.spec
     if shard.is_first:
-        x = codec.decode(tensor, codec.TensorLimits("i64", 1, spec.context_length))
-        if x.min() < 0 or x.max() >= spec.vocab_size:
-            raise MalformedBundle(f"token ids must be in [0, {spec.vocab_size})")
-        return x
-    return codec.decode(tensor, codec.TensorLimits("f32", 2, spec.context_length, spec.d_model))
+        return codec.TensorLimits("i64", 1, spec.context_length)
+    return codec.TensorLimits("f32", 2, spec.context_length, spec.d_model)
+
+
+def _ids_checked(shard: Shard, x: np.ndarray) -> np.ndarray:
+    """``x``, unless it holds a token id outside the vocabulary (on the first hop)."""
+    if shard.is_first:
+        low, high = (int(x[0]), int(x[0])) if len(x) == 1 else (int(x.min()), int(x.max()))
+        if low < 0 or high >= shard.spec.vocab_size:
+            raise MalformedBundle(f"token ids must be in [0, {shard.spec.vocab_size})")
+    return x
 
 
 def _rows_checked(step: pb.Step, x: np.ndarray) -> np.ndarray:

@@ -8,6 +8,7 @@ before those checks pass; the decoded array is a read-only view of the bytes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,11 +55,24 @@ def decode(t: pb.Tensor, limits: TensorLimits) -> np.ndarray:
     shape = list(t.shape)
     _check_shape(shape, limits)
     dtype = _DTYPES[t.dtype]
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expected = math.prod(shape) * dtype.itemsize
     if len(t.data) != expected:
         raise MalformedBundle(f"tensor of shape {shape} needs {expected} bytes, got {len(t.data)}")
-    array = np.frombuffer(t.data, dtype=dtype).reshape(shape)
-    if dtype.kind == "f" and not np.isfinite(array).all():
+    return _finite(np.frombuffer(t.data, dtype=dtype).reshape(shape))
+
+
+def checked(array: np.ndarray, limits: TensorLimits) -> np.ndarray:
+    """``array``, read off another wire whose lengths were bounded, held to the same
+    ``limits`` as a decoded tensor; ``MalformedBundle`` if it breaks them."""
+    name = _NAMES.get(array.dtype)
+    if name != limits.dtype:
+        raise MalformedBundle(f"tensor dtype {name or array.dtype!s}, expected {limits.dtype!r}")
+    _check_shape(array.shape, limits)
+    return _finite(array)
+
+
+def _finite(array: np.ndarray) -> np.ndarray:
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise MalformedBundle("tensor holds NaN or infinite values")
     return array
 
