@@ -71,3 +71,20 @@ def test_an_array_from_another_wire_is_held_to_the_same_limits(
         codec.checked(array, HIDDEN)
     fine = np.ones((2, 8), np.float32)
     assert codec.checked(fine, HIDDEN) is fine
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_one_value_not_finite_anywhere_refuses_the_input(bad: float, rows: int) -> None:
+    """A single NaN or infinity is refused wherever it is, in a lone row (a ring hop's
+    decode input) as in a prompt's; nothing finite is, however large."""
+    x = np.full((rows, 8), np.finfo(np.float32).max, np.float32)
+    x[:, 0] = np.finfo(np.float32).min
+    assert codec.checked(x, HIDDEN) is x
+    for column in (0, 5, 7):
+        y = x.copy()
+        y[rows - 1, column] = bad
+        with pytest.raises(MalformedBundle, match="NaN or infinite"):
+            codec.checked(y, HIDDEN)
+        with pytest.raises(MalformedBundle, match="NaN or infinite"):
+            codec.decode(codec.encode(y), HIDDEN)
