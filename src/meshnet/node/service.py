@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from functools import cache
 
 import grpc
 import numpy as np
@@ -47,6 +46,7 @@ from meshnet.node.kv_service import KVService
 from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.relay import Mailbox, RelaySender
 from meshnet.node.scheduler import StepWork
+from meshnet.node.step_input import array_input, rows_checked, step_history, tensor_input
 from meshnet.node.wire import CONTROL_TIMEOUT_S, MAX_SESSION_ID, fail, remaining_s
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
@@ -421,9 +421,9 @@ class NodeService(pb_grpc.NodeServicer):
         if relayed is None:
             x = self._input(o, step, shard, remaining, context)
         else:
-            x = _rows_checked(step, relayed)
+            x = rows_checked(step, relayed)
         deadline = started + remaining if remaining is not None else None
-        history = _history(step, shard.spec.context_length, shard.spec.vocab_size)
+        history = step_history(step, shard.spec.context_length, shard.spec.vocab_size)
         work = StepWork(
             o.session_id,
             o.epoch,
@@ -483,11 +483,11 @@ class NodeService(pb_grpc.NodeServicer):
         """The step's input: in the message, or relayed by the previous hop."""
         spec = shard.spec
         if not step.relayed:
-            return _step_input(shard, step.input)
+            return tensor_input(shard, step.input)
         if not 0 < step.rows <= spec.context_length:
             raise MalformedBundle("a relayed step needs 1 to context rows")
         key = (o.session_id, o.epoch, step.step)
-        return _rows_checked(step, self.mailbox.take(key, timeout_s, context.is_active))
+        return rows_checked(step, self.mailbox.take(key, timeout_s, context.is_active))
 
     def _forward_output(
         self,
@@ -536,14 +536,14 @@ class NodeService(pb_grpc.NodeServicer):
     ) -> MeshnetError | None:
         """File a ``RelayStream`` frame's input in the mailbox, checked; the refusal for
         its sender, or None when filed. Any thread."""
-        return self._file(session_id, epoch, step, lambda shard: _step_input(shard, tensor))
+        return self._file(session_id, epoch, step, lambda shard: tensor_input(shard, tensor))
 
     def file_array(
         self, session_id: str, epoch: int, step: int, x: np.ndarray
     ) -> MeshnetError | None:
         """File an input read off the relay port (its lengths bounded there) in the
         mailbox, held to a tensor's checks; the refusal, or None when filed. Any thread."""
-        return self._file(session_id, epoch, step, lambda shard: _array_input(shard, x))
+        return self._file(session_id, epoch, step, lambda shard: array_input(shard, x))
 
     def _file(
         self, session_id: str, epoch: int, step: int, read: Callable[[Shard], np.ndarray]
@@ -646,7 +646,7 @@ Early = tuple[StepWork, list[int]]  # a relayed ring step's work and history, ma
 
 def _early_work(o: pb.Open, step: pb.Step, shard: Shard) -> Early:
     """A relayed ring step's work, made while its input is on its way (no rows yet)."""
-    history = _history(step, shard.spec.context_length, shard.spec.vocab_size)
+    history = step_history(step, shard.spec.context_length, shard.spec.vocab_size)
     work = StepWork(
         o.session_id,
         o.epoch,
@@ -667,7 +667,7 @@ def _completed(
     work, history = early
     t0 = time.perf_counter()
     remaining = remaining_s(step.timeout_ms, context)
-    work.x = _rows_checked(step, x)
+    work.x = rows_checked(step, x)
     work.deadline = None if remaining is None else time.monotonic() + remaining
     return Prepared(work, t0, work.deadline, history)
 
@@ -697,45 +697,6 @@ class _Once:
         self._fn()
 
 
-def _step_input(shard: Shard, tensor: pb.Tensor) -> np.ndarray:
-    """A step's input as sent or relayed, checked: token ids for the first layer (the
-    first hop of a ring is relayed the last hop's token), hidden states for the others."""
-    return _ids_checked(shard, codec.decode(tensor, _input_limits(shard)))
-
-
-def _array_input(shard: Shard, x: np.ndarray) -> np.ndarray:
-    """``_step_input`` of an input the relay port read as an array."""
-    return _ids_checked(shard, codec.checked(x, _input_limits(shard)))
-
-
-def _input_limits(shard: Shard) -> codec.TensorLimits:
-    return _limits(shard.is_first, shard.spec.context_length, shard.spec.d_model)
-
-
-@cache
-def _limits(first: bool, context_length: int, d_model: int) -> codec.TensorLimits:
-    """A hop's input limits, made once: a dataclass made afresh took ~20 us of every
-    ring hop on a cold core."""
-    if first:
-        return codec.TensorLimits("i64", 1, context_length)
-    return codec.TensorLimits("f32", 2, context_length, d_model)
-
-
-def _ids_checked(shard: Shard, x: np.ndarray) -> np.ndarray:
-    """``x``, unless it holds a token id outside the vocabulary (on the first hop)."""
-    if shard.is_first:
-        low, high = (int(x[0]), int(x[0])) if len(x) == 1 else (int(x.min()), int(x.max()))
-        if low < 0 or high >= shard.spec.vocab_size:
-            raise MalformedBundle(f"token ids must be in [0, {shard.spec.vocab_size})")
-    return x
-
-
-def _rows_checked(step: pb.Step, x: np.ndarray) -> np.ndarray:
-    if x.shape[0] != step.rows:
-        raise MalformedBundle(f"the previous hop relayed {x.shape[0]} rows, not {step.rows}")
-    return x
-
-
 def _check_autorun(
     o: pb.Open, sampling: SamplingParams | None, shard: Shard, step: pb.Step, whole: bool
 ) -> None:
@@ -752,16 +713,6 @@ def _check_autorun(
         raise MalformedBundle("a ring's hop that does not sample forwards its output")
     if not (step.relayed or shard.is_first):
         raise MalformedBundle("only a ring's first hop is sent an input: the others are relayed")
-
-
-def _history(step: pb.Step, context_length: int, vocab_size: int) -> list[int]:
-    """The ids a repetition penalty looks at, checked: at most a context, all in the vocabulary."""
-    ids = list(step.history)
-    if len(ids) > context_length:
-        raise MalformedBundle(f"a history of {len(ids)} ids is longer than the context")
-    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
-        raise MalformedBundle(f"history ids must be in [0, {vocab_size})")
-    return ids
 
 
 def _chunks(work: StepWork) -> list[pb.ChunkDigest]:
