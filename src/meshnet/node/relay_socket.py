@@ -130,8 +130,9 @@ class RelayListener:
             if len(head) != wire.INPUT_HEADER.size:
                 raise MalformedBundle("a relay frame cut short")
             h = wire.read_input_header(head)
-            session_id = _read(reader, h.session_bytes).decode()
-            data = _read(reader, h.data_bytes)
+            rest = _read(reader, h.session_bytes + h.data_bytes)  # one read: both come at once
+            session_id = rest[: h.session_bytes].decode()
+            data = memoryview(rest)[h.session_bytes :]
         except (MalformedBundle, UnicodeDecodeError) as e:
             error = e if isinstance(e, MalformedBundle) else MalformedBundle("a bad session id")
             conn.sendall(wire.refusal(True, "", 0, 0, error.kind, error.message))

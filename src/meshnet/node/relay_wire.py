@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -52,9 +53,8 @@ INPUT_HEADER = struct.Struct("<BBHQQII")  # kind, dtype, sid len, epoch, step, r
 REFUSAL_HEADER = struct.Struct("<BHHHQQ")  # kind, sid len, kind len, message len, epoch, step
 
 
-@dataclass(frozen=True)
-class InputHeader:
-    """A relayed input's header, its lengths checked."""
+class InputHeader(NamedTuple):
+    """A relayed input's header, its lengths checked (a tuple: made on every ring hop)."""
 
     session_bytes: int
     epoch: int
@@ -102,10 +102,11 @@ def verdict(reason: str | None) -> bytes:
 def input_frame(session_id: str, epoch: int, step: int, x: np.ndarray) -> list[bytes | memoryview]:
     """An input's frame as parts to send in order (the array's bytes are not copied)."""
     sid = session_id.encode()
-    code = _CODES.get(x.dtype.newbyteorder("<"))
+    code = _CODES.get(x.dtype) or _CODES.get(x.dtype.newbyteorder("<"))
     if code is None or x.ndim not in (1, 2) or len(sid) > MAX_SESSION_BYTES:
         raise MalformedBundle(f"cannot relay a {x.dtype} array of shape {x.shape}")
-    x = np.ascontiguousarray(x, dtype=_DTYPES[code][1])  # little-endian, as it is read
+    if x.dtype != _DTYPES[code][1] or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=_DTYPES[code][1])  # little-endian, as it is read
     width = x.shape[1] if x.ndim == 2 else 0
     head = INPUT_HEADER.pack(INPUT, code, len(sid), epoch, step, x.shape[0], width)
     return [head + sid, memoryview(x).cast("B")]
@@ -130,7 +131,7 @@ def read_input_header(raw: bytes) -> InputHeader:
     return InputHeader(sid_len, epoch, step, name, shape, data)
 
 
-def as_array(header: InputHeader, data: bytes) -> np.ndarray:
+def as_array(header: InputHeader, data: bytes | memoryview) -> np.ndarray:
     """The input's array, a read-only view of ``data`` (``header.data_bytes`` long)."""
     return np.frombuffer(data, _ITEMS[header.dtype]).reshape(header.shape)
 
