@@ -43,6 +43,8 @@ class TinyConfig:
     layer_types: dict[int, QT] = field(default_factory=dict)
     # tensor role ("attn_v", "ffn_down", "output", ...) -> type, as Q4_K_M files mix them
     role_types: dict[str, QT] = field(default_factory=dict)
+    # strings of metadata beside the tiny vocabulary: a header as large as a real one's
+    header_strings: int = 0
 
 
 def byte_tokens() -> list[str]:
@@ -85,6 +87,8 @@ def write_tiny_gguf(path: Path, cfg: TinyConfig = TinyConfig()) -> Path:
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
     add_tokenizer(w)
+    if cfg.header_strings:
+        w.add_array("meshnet.test.padding", [f"{i:024d}" for i in range(cfg.header_strings)])
 
     def matrix(name: str, rows: int, cols: int, qtype: QT, scale: float = 0.2) -> None:
         data = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)

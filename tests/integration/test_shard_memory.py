@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,44 @@ def test_resident_memory_is_the_served_bytes_plus_kv(q4_k_m: Path, layers: str) 
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     bound = 1.15 * served + figures["kv"] + SLACK
     assert figures["growth"] <= bound, (figures, served)
+
+
+# ~20 MB of header, as a 128k-token vocabulary and its merges take as strings
+LARGE_HEADER = replace(Q4_K_M, n_layers=4, header_strings=600_000)
+NODE_PROBE = """
+import json, sys
+from meshnet.layer_range import LayerRange
+from meshnet.model.shard import load_shard_file
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+
+before = rss()
+shard = load_shard_file(sys.argv[1], LayerRange.parse(sys.argv[2]))
+print(json.dumps({"growth": rss() - before}))
+"""
+
+
+@pytest.fixture(scope="module")
+def large_header(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("header") / "header.gguf", LARGE_HEADER)
+
+
+def test_a_node_keeps_nothing_of_a_large_header(large_header: Path) -> None:
+    """A node loads its range from a file whose header is ~20 MB (a 128k-token
+    vocabulary and its merges are ~8 MB on disk, several times that as strings): the
+    header's pages and parsed values are gone once the shard is loaded, so the growth
+    from before the file was opened is the middle layers' bytes."""
+    layers = "1:3"
+    served = _served_bytes(large_header, LayerRange.parse(layers), LARGE_HEADER.n_layers)
+    out = subprocess.run(
+        [sys.executable, "-c", NODE_PROBE, str(large_header), layers],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"OPENBLAS_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        check=True,
+    )
+    growth = json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+    assert growth <= 1.15 * served + SLACK, (growth, served)
