@@ -385,8 +385,9 @@ class NodeEngine:
                 w.future.set_exception(e)
             self._account()
             return
-        self._note_speed(x.shape[0], time.perf_counter() - t0, len(chosen))
-        _hand_over(chosen, out, shard.is_last)
+        seconds = time.perf_counter() - t0
+        _hand_over(chosen, out, shard.is_last)  # first: a ring's next hop waits on it
+        self._note_speed(x.shape[0], seconds, len(chosen))
         offset = 0
         for i, (w, n) in enumerate(chosen):
             w.outputs.append(out[i : i + 1] if shard.is_last else out[offset : offset + n])
