@@ -1,7 +1,7 @@
 """A dishonest node for the verification tests: the normal ``meshnet node``, patched in
 its own process before it starts, that claims the honest fingerprint and range while
 computing something else. No hook in production code: the patches replace functions
-of ``meshnet.node.engine`` the way a cheater editing their copy would.
+of the node's engine and loader the way a cheater editing their copy would.
 
 Run as ``python dishonest_node.py CHEAT AFTER -- python -m meshnet.cli.main node ...``
 (the ``LocalMesh.start_node`` prefix): CHEAT is one of the kinds below, AFTER the
@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+import meshnet.model.shard as shard_file
 import meshnet.node.configure as configure
 import meshnet.node.engine as engine
 import meshnet.node.service as service
@@ -39,7 +40,7 @@ from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
 
 _honest_forward = engine.forward_committed
-_honest_load = engine.load_shard
+_honest_load = shard_file.load_shard
 
 
 def _bent(rows: np.ndarray) -> np.ndarray:
@@ -91,7 +92,7 @@ def patch(cheat: str, after: int) -> None:
         service.Sampler = Sampler  # type: ignore[misc]
         return
     engine.forward_committed = forward
-    engine.load_shard = load_shard
+    shard_file.load_shard = load_shard  # what a node's start loads its layers with
     configure.load_shard = load_shard  # a T3 configure loads its layers there
 
 
