@@ -53,6 +53,18 @@ def settle() -> None:
     libc.malloc_trim(0)
 
 
+def trim() -> None:
+    """Release the heap's free pages now, wherever they lie.
+
+    A returned heap top goes back by itself (``settle``), but blocks freed below live
+    ones stay resident: an ended session's KV and a last hop's logits vectors are
+    such blocks (under the 1 MB from which blocks are mapped on their own).
+    """
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 def on_huge_pages(a: np.ndarray) -> np.ndarray:
     """``a`` copied into memory that Linux may back with 2 MB pages, or ``a`` itself where
     it is under one such page or the system has no transparent huge pages to ask for.

@@ -57,6 +57,30 @@ def test_steps_match_the_in_process_chain(engine: NodeEngine, tiny: LocalModel) 
         assert np.array_equal(g, w)
 
 
+def test_an_idle_node_hands_back_what_ended_sessions_freed(
+    engine: NodeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ended session's KV (blocks under the 1 MB glibc maps on their own) stays
+    resident until the heap is trimmed: the loop trims once, as it next waits for work,
+    and not while steps run or when nothing was freed."""
+    trims: list[float] = []
+    monkeypatch.setattr("meshnet.node.engine.trim", lambda: trims.append(time.monotonic()))
+    engine.open("s", 1).result(5)
+    _step(engine, "s", 1, [5, 6, 7])
+    _step(engine, "s", 1, [9])
+    assert trims == []
+    assert engine.release("s", 1).result(5)
+    deadline = time.monotonic() + 5
+    while not trims and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(trims) == 1
+    engine.open("t", 1).result(5)
+    _step(engine, "t", 1, [4])
+    assert not engine.release("s", 1).result(5)  # nothing left to free
+    time.sleep(0.1)
+    assert len(trims) == 1
+
+
 def test_stale_epochs_are_rejected_and_change_nothing(engine: NodeEngine) -> None:
     engine.open("s", 2).result(5)
     _step(engine, "s", 2, [1, 2])

@@ -41,6 +41,7 @@ from meshnet.errors import (
 )
 from meshnet.kv.manager import KVBudget
 from meshnet.layer_range import LayerRange
+from meshnet.memory import trim
 from meshnet.model.shard import DEFAULT_BACKEND, Shard, load_shard_file
 from meshnet.node.configure import (
     Batching,
@@ -152,6 +153,7 @@ class NodeEngine:
         self._tokens_per_s = 0.0
         self._stopping = False
         self._staged: _Staged | None = None  # a T2/T3 change waiting for a drain (loop only)
+        self._freed = False  # a session's memory was let go since the loop last idled
         self._thread = threading.Thread(target=self._run, name="node-engine", daemon=True)
 
     # --- called from any thread -------------------------------------------------
@@ -300,12 +302,20 @@ class NodeEngine:
         while not self._stopping:
             self._apply_staged()  # the last step of a drain may just have finished
             if not self._pending:
+                self._idle()
                 self._take(self._inbox.get())  # idle: wait for work
             self._drain()
             self._apply_staged()
             if not self._stopping:
                 self._iteration()
         self._fail_leftovers()
+
+    def _idle(self) -> None:
+        """About to wait for work: hand back the heap pages ended sessions freed, once,
+        where it delays nothing."""
+        if self._freed and self._inbox.empty():
+            self._freed = False
+            trim()
 
     def _fail_leftovers(self) -> None:
         """After a stop: whatever still waits is answered, so no caller hangs."""
@@ -577,6 +587,7 @@ class NodeEngine:
         payload = slot.kv.export_bytes()
         parked = self._park_store.write(session_id, slot.epoch, slot.steps, slot.kv.length, payload)
         del self._slots[session_id]
+        self._freed = True
         self._parked[session_id] = parked
         self._account()
         return parked.tokens
@@ -655,7 +666,8 @@ class NodeEngine:
 
     def _drop(self, session_id: str) -> None:
         """Forget a session's KV (hot and parked) and fail its unfinished steps."""
-        self._slots.pop(session_id, None)
+        if self._slots.pop(session_id, None) is not None:
+            self._freed = True
         parked = self._parked.pop(session_id, None)
         if parked is not None:
             self._park_store.remove(parked)
