@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "native.h"
+#include "split.h"
 
 /* One matmul's activations as 8-bit blocks. */
 typedef struct {
@@ -324,16 +325,25 @@ int q8matmul_many(const qmat_t *const *ws, int n, const float *x, Py_ssize_t T,
         vectors[i] = (ws[i]->rows + lanes - 1) / lanes;
         first[i + 1] = first[i] + (vectors[i] + unit - 1) / unit;
     }
-    /* one team for all the matrices: their units in one queue, taken as threads come free */
-#pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
-    for (Py_ssize_t u = 0; u < first[n]; u++) {
-        int i = 0;
-        while (u >= first[i + 1]) i++;
-        const Py_ssize_t v0 = (u - first[i]) * unit;
-        const Py_ssize_t v1 = v0 + unit < vectors[i] ? v0 + unit : vectors[i];
-        if (isa512) q8rows_avx512(&jobs[i], v0, v1);
-        else q8rows_avx2(&jobs[i], v0, v1);
+    /* one team for all the matrices, their units in one sequence split as split.h says */
+    split_run_t *runs = split_runs(first[n], threads);
+    if (runs == NULL) {
+        free(in.buf);
+        return -1;
     }
+#pragma omp parallel num_threads(threads)
+    {
+        const int me = omp_get_thread_num();
+        for (int64_t u; (u = split_next(runs, threads, me)) >= 0;) {
+            int i = 0;
+            while (u >= first[i + 1]) i++;
+            const Py_ssize_t v0 = (u - first[i]) * unit;
+            const Py_ssize_t v1 = v0 + unit < vectors[i] ? v0 + unit : vectors[i];
+            if (isa512) q8rows_avx512(&jobs[i], v0, v1);
+            else q8rows_avx2(&jobs[i], v0, v1);
+        }
+    }
+    free(runs);
     free(in.buf);
     return 0;
 }
