@@ -165,6 +165,7 @@ static void quantize_q8_k(const float *x, Py_ssize_t supers, int8_t *q, float *d
 /* P += w . x for unsigned w (below 64) and signed x, 4 bytes a lane (partial: int16 pairs) */
 #define DOTU(P, w, x) _mm256_add_epi16(P, _mm256_maddubs_epi16(w, x))
 #define PFLUSH(P) _mm256_madd_epi16(P, _mm256_set1_epi16(1))
+#define ADD16 _mm256_add_epi16
 #define PSCALE(P, sc) _mm256_madd_epi16(P, _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16)))
 /* I += w . x for signed w (never -128: see quant_layouts) and x, exact in int32 */
 #define DOTS(I, w, x) _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(w, x)), _mm256_set1_epi16(1)))
