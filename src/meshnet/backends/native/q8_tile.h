@@ -295,7 +295,8 @@ Q8_INLINE void FN(token_tiles)(const q8job_t *j, const int type, const Py_ssize_
 
 #if LANES == 8
 #define NIBBLE_TOKENS 16 /* tokens per pass of nibble_rows (their sums stay on the stack) */
-/* Q4_0, Q4_1 on 8-lane vectors for two tokens or more: per block the row vector's 32
+#define NIBBLE_MIN_T 4   /* fewer: token_tiles fit the registers (b=2, 3 ran 4-5% faster there) */
+/* Q4_0, Q4_1 on 8-lane vectors for NIBBLE_MIN_T tokens or more: per block the row vector's 32
  * columns unpacked once into eight registers, then each token's sum from them (8 maddubs
  * into int16, one madd). The batch tiles (token_tiles) kept unpacked quants, partial sums
  * and sums of up to 4 tokens in the 16 registers and spilled; this holds only the
@@ -359,7 +360,7 @@ Q8_INLINE void FN(q8rows_typed)(const q8job_t *j, const int type, Py_ssize_t v0,
         return;
     }
 #if LANES == 8
-    if (type == Q4_0 || type == Q4_1) {
+    if ((type == Q4_0 || type == Q4_1) && j->T >= NIBBLE_MIN_T) {
         for (; v < v1; v++)
             for (Py_ssize_t t = 0; t < j->T; t += NIBBLE_TOKENS)
                 FN(nibble_rows)(j, type, v, t, j->T - t < NIBBLE_TOKENS ? (int)(j->T - t) : NIBBLE_TOKENS);
@@ -442,5 +443,6 @@ static TARGET void FN(q8rows)(const q8job_t *j, Py_ssize_t v0, Py_ssize_t v1) {
 #undef SET1
 #undef ZERO
 #undef NIBBLE_TOKENS
+#undef NIBBLE_MIN_T
 #undef ADD16
 #undef STORE
