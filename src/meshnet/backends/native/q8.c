@@ -307,6 +307,7 @@ static q8job_t job_of(const qmat_t *w, const q8input_t *in, float *out, Py_ssize
 int q8matmul_many(const qmat_t *const *ws, int n, const float *x, Py_ssize_t T,
                   float *const *outs, int threads, int wide) {
     if (n < 1 || n > MANY_MAX) return -1;
+    if (threads < 1) threads = 1;
     int blocks = 0, k32 = 0, k16 = 0;
     for (int i = 0; i < n; i++) {
         if (ws[i]->nb != ws[0]->nb) return -1;
