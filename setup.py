@@ -18,6 +18,7 @@ setup(
                 "src/meshnet/backends/native/native.h",
                 "src/meshnet/backends/native/matmul_tile.h",
                 "src/meshnet/backends/native/q8_tile.h",
+                "src/meshnet/backends/native/split.h",
             ],
             extra_compile_args=[
                 "-O3",

@@ -157,6 +157,14 @@ static void add_into(float *x, const float *y, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) x[i] += y[i];
 }
 
+/* Whether the n matrices are all in the q8 layout (then of one width: they share an
+ * input), so q8matmul_many can take them together. */
+static int all_q8(const qmat_t *ws, int n) {
+    for (int i = 0; i < n; i++)
+        if (!ws[i].q8 || ws[i].nb != ws[0].nb) return 0;
+    return 1;
+}
+
 /* q, k, v [T, heads, hd] from the block's Q/K/V projection of h, biases added. */
 static int project_qkv(const block_t *b, const float *h, Py_ssize_t T, float *qkv, float *q,
                        float *k, float *v, int threads, int wide) {
@@ -170,6 +178,10 @@ static int project_qkv(const block_t *b, const float *h, Py_ssize_t T, float *qk
             memcpy(k + t * kw, qkv + t * width + qw, kw * sizeof(float));
             memcpy(v + t * kw, qkv + t * width + qw + kw, kw * sizeof(float));
         }
+    } else if (all_q8(b->qkv, 3)) { /* one quantization of h, one parallel region */
+        const qmat_t *ws[3] = {&b->qkv[0], &b->qkv[1], &b->qkv[2]};
+        float *outs[3] = {q, k, v};
+        if (q8matmul_many(ws, 3, h, T, outs, threads, wide) < 0) return -1;
     } else if (qmatmul(&b->qkv[0], h, T, q, threads, wide) < 0 ||
                qmatmul(&b->qkv[1], h, T, k, threads, wide) < 0 ||
                qmatmul(&b->qkv[2], h, T, v, threads, wide) < 0) {
@@ -220,8 +232,14 @@ int forward_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, co
         glu(gu, gu + b->d_ff, 2 * b->d_ff, T, b->d_ff, act, b->gelu, threads);
     } else {
         float *gate = gu, *up = gu + T * b->d_ff;
-        if (qmatmul(&b->gate_up[0], h, T, gate, threads, wide) < 0) goto done;
-        if (qmatmul(&b->gate_up[1], h, T, up, threads, wide) < 0) goto done;
+        if (all_q8(b->gate_up, 2)) {
+            const qmat_t *ws[2] = {&b->gate_up[0], &b->gate_up[1]};
+            float *outs[2] = {gate, up};
+            if (q8matmul_many(ws, 2, h, T, outs, threads, wide) < 0) goto done;
+        } else if (qmatmul(&b->gate_up[0], h, T, gate, threads, wide) < 0 ||
+                   qmatmul(&b->gate_up[1], h, T, up, threads, wide) < 0) {
+            goto done;
+        }
         glu(gate, up, b->d_ff, T, b->d_ff, act, b->gelu, threads);
     }
     if (qmatmul(&b->down, act, T, h, threads, wide) < 0) goto done;

@@ -119,6 +119,13 @@ int qmat_set_type(qmat_t *w, int code);
  * wide 0 keeps to AVX2 (the same bits). */
 int q8matmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads, int wide);
 
+/* outs[i] = the q8matmul of ws[i] and x for n (1 .. 4) matrices in the q8 layout of one
+ * width, x quantized once for all and every matrix's rows in one parallel region (Q/K/V
+ * of differing types); the same results as a q8matmul each. -1 when out of memory or
+ * the matrices do not fit. */
+int q8matmul_many(const qmat_t *const *ws, int n, const float *x, Py_ssize_t T,
+                  float *const *outs, int threads, int wide);
+
 /* Whether the matmuls may take 16-lane vectors in this process (select_isa). */
 int wide_isa_selected(void);
 

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "native.h"
+#include "split.h"
 
 /* One matmul's activations as 8-bit blocks. */
 typedef struct {
@@ -42,59 +43,102 @@ static int32_t int16_pair(int32_t lo, int32_t hi) {
     return (int32_t)(((uint32_t)(uint16_t)(int16_t)lo) | ((uint32_t)(uint16_t)(int16_t)hi << 16));
 }
 
-/* Blocks of 32 of one row: quants q, per block d (float16-rounded), s and the sum of q. */
+/* The largest of 8 lanes (max is exact: any order). */
+static float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* |v| lane by lane, and the running largest: vmaxps returns its second operand where the
+ * first is NaN, so a NaN is passed over as fmaxf and the scalar comparisons pass it. */
+static __m256 abs_max(__m256 v, __m256 amax) {
+    return _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v), amax);
+}
+
+/* 32 int32 quants (each within int8) as 32 bytes in order. */
+static void store_quants32(int8_t *q, __m256i q0, __m256i q1, __m256i q2, __m256i q3) {
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+    /* the packs work within 128-bit halves: dwords come out as 0 2 4 6 1 3 5 7 of the order */
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+/* The sums of each of four vectors' 8 int32 lanes. */
+static __m128i hsum4x8(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* Blocks of 32 of one row: quants q, per block d (float16-rounded), Q8_1's s and the sum
+ * of q; q = round-half-even(x * (127 / amax)) by the vector conversion in the default
+ * rounding mode, as nearbyintf. */
 static void quantize_q8_0(const float *x, Py_ssize_t nb, int8_t *q, float *d, float *s,
                           int32_t *sums) {
     for (Py_ssize_t b = 0; b < nb; b++) {
         const float *v = x + b * QK;
-        float amax = 0.0f;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
-        const float dd = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
-        int32_t sum = 0;
-        for (int i = 0; i < QK; i++) {
-            const int qi = (int)nearbyintf(v[i] * id);
-            q[b * QK + i] = (int8_t)qi;
-            sum += qi;
+        __m256 f[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            f[i] = _mm256_loadu_ps(v + 8 * i);
+            amax = abs_max(f[i], amax);
         }
+        const float a = hmax256(amax);
+        const float dd = a / 127.0f, id = a != 0.0f ? 127.0f / a : 0.0f;
+        __m256i qi[4];
+        for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], _mm256_set1_ps(id)));
+        store_quants32(q + b * QK, qi[0], qi[1], qi[2], qi[3]);
+        const __m128i four = hsum4x8(qi[0], qi[1], qi[2], qi[3]);
+        const int32_t sum = _mm_cvtsi128_si32(_mm_hadd_epi32(_mm_hadd_epi32(four, four), four));
         d[b] = f16_round(dd);
         if (s != NULL) s[b] = f16_round(dd * (float)sum);
         if (sums != NULL) sums[b] = sum;
     }
 }
 
-/* Super-blocks of 256 of one row (Q8_K): quants, d, and the sums of each ``width`` (16 or
- * 32) quants packed in int16 pairs (see q8job_t). */
-static void quantize_q8_k(const float *x, Py_ssize_t supers, int width, int8_t *q, float *d,
-                          int32_t *pairs) {
-    const int pieces = QK_K / width;
+/* Super-blocks of 256 of one row (Q8_K): quants, d, and the sums of each 32 quants
+ * (pairs32) and each 16 (pairs16) packed in int16 pairs (see q8job_t); either may be NULL.
+ * q = min(127, round-half-even(x * (-127 / max))) for max the first value of largest
+ * magnitude, as quantize_row_q8_K_ref. */
+static void quantize_q8_k(const float *x, Py_ssize_t supers, int8_t *q, float *d,
+                          int32_t *pairs32, int32_t *pairs16) {
     for (Py_ssize_t sb = 0; sb < supers; sb++) {
         const float *v = x + sb * QK_K;
         int8_t *qs = q + sb * QK_K;
-        float amax = 0.0f, max = 0.0f;
-        for (int i = 0; i < QK_K; i++)
-            if (fabsf(v[i]) > amax) {
-                amax = fabsf(v[i]);
-                max = v[i];
-            }
-        int32_t sums[16] = {0};
+        __m256 amax8 = _mm256_setzero_ps();
+        for (int i = 0; i < QK_K; i += 8) amax8 = abs_max(_mm256_loadu_ps(v + i), amax8);
+        const float amax = hmax256(amax8);
+        int32_t s16[16] = {0};
         if (amax == 0.0f) {
             memset(qs, 0, QK_K);
             d[sb] = 0.0f;
         } else {
-            const float iscale = -127.0f / max;
-            for (int i = 0; i < QK_K; i++) {
-                const int qi = (int)nearbyintf(iscale * v[i]);
-                qs[i] = (int8_t)(qi < 127 ? qi : 127);
-                sums[i / width] += qs[i];
+            int first = 0;
+            while (fabsf(v[first]) != amax) first++;
+            const float iscale = -127.0f / v[first];
+            const __m256 scale = _mm256_set1_ps(iscale);
+            const __m256i top = _mm256_set1_epi32(127);
+            __m256i part[16];
+            for (int k = 0; k < 8; k++) { /* 32 quants at a time */
+                __m256i qi[4];
+                for (int i = 0; i < 4; i++) {
+                    const __m256 f = _mm256_loadu_ps(v + 32 * k + 8 * i);
+                    qi[i] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(scale, f)), top);
+                }
+                store_quants32(qs + 32 * k, qi[0], qi[1], qi[2], qi[3]);
+                part[2 * k] = _mm256_add_epi32(qi[0], qi[1]);
+                part[2 * k + 1] = _mm256_add_epi32(qi[2], qi[3]);
             }
+            for (int k = 0; k < 16; k += 4)
+                _mm_storeu_si128((__m128i *)(s16 + k), hsum4x8(part[k], part[k + 1], part[k + 2], part[k + 3]));
             d[sb] = 1.0f / iscale;
         }
-        for (int k = 0; k < pieces; k += 2)
-            pairs[sb * (pieces / 2) + k / 2] = int16_pair(sums[k], sums[k + 1]);
+        if (pairs16 != NULL)
+            for (int k = 0; k < 16; k += 2) pairs16[sb * 8 + k / 2] = int16_pair(s16[k], s16[k + 1]);
+        if (pairs32 != NULL)
+            for (int k = 0; k < 16; k += 4)
+                pairs32[sb * 4 + k / 4] = int16_pair(s16[k] + s16[k + 1], s16[k + 2] + s16[k + 3]);
     }
 }
-
-
 
 #define Q8_AHEAD 4 /* blocks a tile fetches ahead (see matmul.c's PREFETCH_BLOCKS) */
 #define WIDE_Q8 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq,avx512bw,avx512vnni")))
@@ -121,6 +165,7 @@ static void quantize_q8_k(const float *x, Py_ssize_t supers, int width, int8_t *
 /* P += w . x for unsigned w (below 64) and signed x, 4 bytes a lane (partial: int16 pairs) */
 #define DOTU(P, w, x) _mm256_add_epi16(P, _mm256_maddubs_epi16(w, x))
 #define PFLUSH(P) _mm256_madd_epi16(P, _mm256_set1_epi16(1))
+#define ADD16 _mm256_add_epi16
 #define PSCALE(P, sc) _mm256_madd_epi16(P, _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16)))
 /* I += w . x for signed w (never -128: see quant_layouts) and x, exact in int32 */
 #define DOTS(I, w, x) _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(w, x)), _mm256_set1_epi16(1)))
@@ -185,47 +230,126 @@ static void quantize_q8_k(const float *x, Py_ssize_t supers, int width, int8_t *
 
 static int cpu_has_vnni(void) { return __builtin_cpu_supports("avx512vnni"); }
 
-/* The activations' arrays for one matmul, in one allocation; NULL when out of memory. */
-static void *quantize_rows(const qmat_t *w, const float *x, Py_ssize_t T, q8job_t *j) {
-    const Py_ssize_t nb = w->nb, cols = nb * QK, supers = nb / (QK_K / QK);
-    const int kq = IS_KQUANT(w->type), width = w->type == Q6_K ? 16 : 32;
-    const Py_ssize_t units = kq ? supers : nb, pairs = kq ? supers * (QK_K / width / 2) : nb;
-    const size_t bytes = T * cols + T * (units + nb) * sizeof(float) + T * pairs * 4 + 64;
+/* One input's rows quantized for every matmul that shares it: Q8_0 blocks of 32 (with
+ * Q8_1's s and the quants' sums, so Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 all take them) where
+ * ``blocks``, Q8_K super-blocks (with the sums of 32 and of 16 quants as asked) where a
+ * K-quant takes them. One allocation, ``buf``; NULL when out of memory. */
+typedef struct {
+    void *buf;
+    int8_t *bq, *kq;       /* [T, cols] the quants of the blocks of 32, of the super-blocks */
+    float *bd, *bs, *kd;   /* [T, nb] d and s of the blocks; [T, supers] d of the supers */
+    int32_t *bsum;         /* [T, nb] the blocks' sums of quants */
+    int32_t *k32, *k16;    /* [T, supers * 4], [T, supers * 8] the Q8_K sums' int16 pairs */
+} q8input_t;
+
+static void *quantize_input(const float *x, Py_ssize_t T, Py_ssize_t nb, int blocks, int k32,
+                            int k16, q8input_t *in) {
+    const Py_ssize_t cols = nb * QK, supers = nb / (QK_K / QK);
+    const int kq = k32 || k16;
+    const size_t floats = T * ((blocks ? 2 * nb : 0) + (kq ? supers : 0));
+    const size_t ints = T * ((blocks ? nb : 0) + (k32 ? 4 * supers : 0) + (k16 ? 8 * supers : 0));
+    const size_t bytes = (floats + ints) * 4 + T * cols * (blocks + kq) + 64;
     uint8_t *buf = malloc(bytes);
     if (buf == NULL) return NULL;
-    float *xd = (float *)buf, *xs = xd + T * units;
-    int32_t *xb = (int32_t *)(xs + T * nb);
-    int8_t *xq = (int8_t *)(xb + T * pairs);
-    const int q8_1 = w->type == Q4_1 || w->type == Q5_1; /* weights with an offset m */
-    for (Py_ssize_t t = 0; t < T; t++) {
-        if (kq)
-            quantize_q8_k(x + t * cols, supers, width, xq + t * cols, xd + t * units,
-                          xb + t * pairs);
-        else
-            quantize_q8_0(x + t * cols, nb, xq + t * cols, xd + t * nb,
-                          q8_1 ? xs + t * nb : NULL, q8_1 ? NULL : xb + t * nb);
+    memset(in, 0, sizeof(*in));
+    in->buf = buf;
+    float *f = (float *)buf;
+    if (blocks) {
+        in->bd = f;
+        in->bs = f + T * nb;
+        f += 2 * T * nb;
     }
-    j->xq = xq;
-    j->xd = xd;
-    j->xs = q8_1 ? xs : NULL;
-    j->xb = q8_1 ? NULL : xb;
+    if (kq) {
+        in->kd = f;
+        f += T * supers;
+    }
+    int32_t *i = (int32_t *)f;
+    if (blocks) {
+        in->bsum = i;
+        i += T * nb;
+    }
+    if (k32) {
+        in->k32 = i;
+        i += T * 4 * supers;
+    }
+    if (k16) {
+        in->k16 = i;
+        i += T * 8 * supers;
+    }
+    int8_t *q = (int8_t *)i;
+    if (blocks) {
+        in->bq = q;
+        q += T * cols;
+    }
+    if (kq) in->kq = q;
+    for (Py_ssize_t t = 0; t < T; t++) {
+        if (blocks)
+            quantize_q8_0(x + t * cols, nb, in->bq + t * cols, in->bd + t * nb, in->bs + t * nb,
+                          in->bsum + t * nb);
+        if (kq)
+            quantize_q8_k(x + t * cols, supers, in->kq + t * cols, in->kd + t * supers,
+                          k32 ? in->k32 + t * 4 * supers : NULL,
+                          k16 ? in->k16 + t * 8 * supers : NULL);
+    }
     return buf;
 }
 
-int q8matmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads, int wide) {
-    q8job_t j = {w, NULL, NULL, NULL, NULL, out, T};
-    void *buf = quantize_rows(w, x, T, &j);
-    if (buf == NULL) return -1;
+/* Matrix w's job on the quantized input. */
+static q8job_t job_of(const qmat_t *w, const q8input_t *in, float *out, Py_ssize_t T) {
+    const int q8_1 = w->type == Q4_1 || w->type == Q5_1; /* weights with an offset m */
+    if (IS_KQUANT(w->type))
+        return (q8job_t){w, in->kq, in->kd, NULL, w->type == Q6_K ? in->k16 : in->k32, out, T};
+    return (q8job_t){w, in->bq, in->bd, q8_1 ? in->bs : NULL, q8_1 ? NULL : in->bsum, out, T};
+}
+
+#define MANY_MAX 4 /* matrices one q8matmul_many takes */
+
+int q8matmul_many(const qmat_t *const *ws, int n, const float *x, Py_ssize_t T,
+                  float *const *outs, int threads, int wide) {
+    if (n < 1 || n > MANY_MAX) return -1;
+    if (threads < 1) threads = 1;
+    int blocks = 0, k32 = 0, k16 = 0;
+    for (int i = 0; i < n; i++) {
+        if (ws[i]->nb != ws[0]->nb) return -1;
+        blocks |= !IS_KQUANT(ws[i]->type);
+        k16 |= ws[i]->type == Q6_K;
+        k32 |= ws[i]->type == Q4_K || ws[i]->type == Q5_K;
+    }
+    q8input_t in;
+    if (quantize_input(x, T, ws[0]->nb, blocks, k32, k16, &in) == NULL) return -1;
     const int isa512 = wide && wide_isa_selected() && cpu_has_vnni();
     const int lanes = isa512 ? 16 : 8;
-    const Py_ssize_t vectors = (w->rows + lanes - 1) / lanes, unit = T == 1 ? 4 : 2;
-    const Py_ssize_t units = (vectors + unit - 1) / unit;
-#pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
-    for (Py_ssize_t u = 0; u < units; u++) {
-        const Py_ssize_t v0 = u * unit, v1 = v0 + unit < vectors ? v0 + unit : vectors;
-        if (isa512) q8rows_avx512(&j, v0, v1);
-        else q8rows_avx2(&j, v0, v1);
+    const Py_ssize_t unit = T == 1 ? 4 : 2;
+    q8job_t jobs[MANY_MAX];
+    Py_ssize_t vectors[MANY_MAX], first[MANY_MAX + 1] = {0}; /* each matrix's first unit */
+    for (int i = 0; i < n; i++) {
+        jobs[i] = job_of(ws[i], &in, outs[i], T);
+        vectors[i] = (ws[i]->rows + lanes - 1) / lanes;
+        first[i + 1] = first[i] + (vectors[i] + unit - 1) / unit;
     }
-    free(buf);
+    /* one team for all the matrices, their units in one sequence split as split.h says */
+    split_run_t *runs = split_runs(first[n], threads);
+    if (runs == NULL) {
+        free(in.buf);
+        return -1;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const int me = omp_get_thread_num();
+        for (int64_t u; (u = split_next(runs, threads, me)) >= 0;) {
+            int i = 0;
+            while (u >= first[i + 1]) i++;
+            const Py_ssize_t v0 = (u - first[i]) * unit;
+            const Py_ssize_t v1 = v0 + unit < vectors[i] ? v0 + unit : vectors[i];
+            if (isa512) q8rows_avx512(&jobs[i], v0, v1);
+            else q8rows_avx2(&jobs[i], v0, v1);
+        }
+    }
+    free(runs);
+    free(in.buf);
     return 0;
+}
+
+int q8matmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads, int wide) {
+    return q8matmul_many(&w, 1, x, T, &out, threads, wide);
 }
