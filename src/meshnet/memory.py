@@ -50,7 +50,7 @@ def settle() -> None:
         return
     libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
     libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
-    libc.malloc_trim(0)
+    trim()
 
 
 def trim() -> None:
