@@ -1,5 +1,6 @@
 """The node's loop on the tiny model: epochs, cache misses, batching, deadlines, load."""
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -321,3 +322,31 @@ def test_a_forwarding_hop_keeps_what_it_sent_and_a_rewind_cuts_it(
         assert e.sent("other", 0, 10).result(5) == []
     finally:
         e.stop()
+
+
+def test_what_a_step_defers_runs_once_its_whole_batch_is_answered(engine: NodeEngine) -> None:
+    """A stream's handler woken inside a batch's bookkeeping takes the GIL from the loop
+    whenever the loop lets it go: what wakes one is held until every step is answered."""
+    sids = ["a", "b", "c"]
+    for sid in sids:
+        engine.open(sid, 1).result(5)
+    gate = threading.Event()
+    engine._control(gate.wait)  # holds the loop, so the three steps meet in one batch
+    futures = [engine.submit(StepWork(sid, 1, np.asarray([3, 4], np.int64), None)) for sid in sids]
+    seen: list[list[bool]] = []
+    all_seen = threading.Event()
+
+    def deferred() -> None:
+        seen.append([f.done() for f in futures])
+        if len(seen) == len(futures):
+            all_seen.set()
+
+    for f in futures:
+        f.add_done_callback(lambda _: engine.after_batch(deferred))
+    gate.set()
+    assert all_seen.wait(10)
+    assert engine.stats().last_batch == 3
+    assert seen == [[True, True, True]] * 3
+    ran: list[int] = []
+    engine.after_batch(lambda: ran.append(1))  # not the loop's thread: at once
+    assert ran == [1]

@@ -105,6 +105,13 @@ def next_step(
 Posted = tuple[pb.Step, "pb.ForwardResponse | None"]
 
 
+Defer = Callable[[Callable[[], None]], None]
+
+
+def now(fn: Callable[[], None]) -> None:
+    fn()
+
+
 class Run:
     """One autorun's state, shared by the stream's handler and the engine thread.
 
@@ -112,16 +119,22 @@ class Run:
     is answered, so every running autorun is in the engine's next batch; the
     handler only sends the answers. ``None`` posted for a step: the run
     reached its end there (the step it would go on with).
+
+    ``defer`` is how a post reaches the handler: the engine's ``after_batch``, so
+    that a batch's handlers are woken only once the engine has answered and
+    launched every step of it (see ``NodeEngine.after_batch``).
     """
 
-    def __init__(self, until: int) -> None:
+    def __init__(self, until: int, defer: Defer = now) -> None:
         self.until = until
         self._stopped = False
         self._lock = threading.Lock()
         self._posts: queue.Queue[Posted] = queue.Queue()
+        self._defer = defer
 
     def post(self, step: pb.Step, reply: pb.ForwardResponse | None) -> None:
-        self._posts.put((step, reply))
+        """Hand the handler ``reply`` to ``step`` (posts keep their order)."""
+        self._defer(lambda: self._posts.put((step, reply)))
 
     def next_post(self, timeout_s: float) -> Posted | None:
         """The next answer (or the end), waiting at most ``timeout_s``."""

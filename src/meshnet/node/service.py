@@ -215,7 +215,7 @@ class NodeService(pb_grpc.NodeServicer):
         except MeshnetError as e:
             yield _failure(e)
             return None
-        run = Run(step.autorun_until)
+        run = Run(step.autorun_until, self.engine.after_batch)
 
         def launch(step: pb.Step) -> None:
             """Start ``step`` now, or (relayed) the moment its input comes, its work made
