@@ -14,7 +14,11 @@ the ratio:
   processes, one kernel thread each), decode as the client sees streamed
   tokens, against llama-bench over as many local ggml-rpc-server processes;
 - each node's RSS against the file bytes of the tensors it serves plus the KV
-  of one benchmark sequence.
+  of one benchmark sequence;
+- the memory ceiling of one thread's batch-1 decode, measured in the run: its
+  streaming read bandwidth over the weight bytes a decode step reads
+  (meshnet/benchmark/bandwidth.py). A split's nodes take turns on one stream,
+  so the split's figures are also set against it.
 
 Goals (issue 13): decode >= llama.cpp single-process, split >= 1.5x llama.cpp's
 RPC split, RSS within ~15% of layer bytes + KV. The two sides take turns, one
@@ -29,6 +33,7 @@ import gc
 from pathlib import Path
 
 from meshnet.backends.fast import set_threads
+from meshnet.benchmark.bandwidth import ceiling_tok_s, decode_bytes, read_gb_s
 from meshnet.benchmark.engine import bench_engine, warm_up
 from meshnet.benchmark.figures import Throughput
 from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp
@@ -79,10 +84,12 @@ def main() -> None:
             )
     _print_single(args, Throughput.best(ours), Throughput.best(theirs) if theirs else None)
 
+    tensor_bytes = {name: int(t.n_bytes) for name, t in local.file.tensors.items()}
+    ceiling = _print_ceiling(decode_bytes(tensor_bytes))
     setup = SplitSetup(
         model=model_path,
         spec=local.spec,
-        tensor_bytes={name: int(t.n_bytes) for name, t in local.file.tensors.items()},
+        tensor_bytes=tensor_bytes,
         prompt_tokens=len(local.tokenizer.encode(PROMPT)),
         llamacpp=bin_dir,
         backend=args.backend,
@@ -90,7 +97,7 @@ def main() -> None:
     del local  # the nodes load their own shards; this process's copy would crowd them
     gc.collect()
     for nodes in (int(n) for n in args.nodes.split(",") if n):
-        _print_split(measure_split(setup, nodes, args.decode_tokens, args.rounds))
+        _print_split(measure_split(setup, nodes, args.decode_tokens, args.rounds), ceiling)
 
 
 def _default_model(bin_dir: Path | None) -> Path:
@@ -113,13 +120,29 @@ def _print_single(args: argparse.Namespace, ours: Throughput, peer: Throughput |
     _row("decode b=1 tok/s", ours.decode_tok_s[1], decode, GOAL_DECODE)
 
 
-def _print_split(r: SplitResult) -> None:
+def _print_ceiling(step_bytes: int) -> float:
+    """Measure and print one thread's decode ceiling; tok/s."""
+    gb_s = read_gb_s()
+    ceiling = ceiling_tok_s(gb_s, step_bytes)
+    print(
+        f"\nmemory ceiling: one thread reads {gb_s:.1f} GB/s, a decode step reads "
+        f"{step_bytes / 1e6:.0f} MB of weights: at most {ceiling:.1f} tok/s on one thread"
+    )
+    return ceiling
+
+
+def _print_split(r: SplitResult, ceiling: float) -> None:
     print(
         f"\n{r.nodes}-node split, 1 thread per process, decode of {r.tokens} tokens, "
         "best alternating round"
     )
     print(f"{'figure':<26}{'meshnet':>10}{'llama.cpp':>11}{'ratio':>8}{'goal':>8}")
     _row("decode tok/s (RPC peer)", r.mesh_tok_s, r.rpc_tok_s, GOAL_SPLIT)
+    shares = f"of the one-thread ceiling: meshnet {r.mesh_tok_s / ceiling:.0%}"
+    if r.rpc_tok_s:
+        goal = GOAL_SPLIT * r.rpc_tok_s / ceiling
+        shares += f", llama.cpp {r.rpc_tok_s / ceiling:.0%}; the goal needs {goal:.0%}"
+    print(shares)
     print(
         f"{'node':<8}{'layers':<10}{'RSS MB':>8}{'anon':>6}{'file':>6}{'tensors MB':>12}"
         f"{'KV MB':>7}{'ratio':>7}{'-empty':>8}{'goal':>8}"
