@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +45,10 @@ class ParkStore:
                 self._configured.mkdir(parents=True, exist_ok=True)
                 self._directory = self._configured
             else:
+                # Gone with this store, or when the process exits: what is parked here is
+                # found only through the node's memory of it, which ends with it.
                 self._directory = Path(tempfile.mkdtemp(prefix="meshnet-parked-"))
+                weakref.finalize(self, shutil.rmtree, self._directory, ignore_errors=True)
         return self._directory
 
     def write(
