@@ -79,12 +79,13 @@ def test_hops_relay_to_each_other_with_the_same_output(
     assert r.status_code == 200, r.text
     ids = r.json()["meshnet"]["ids"]
     assert ids == solo_chat_ids(bundled, BODY)
+    assert r.json()["choices"][0]["finish_reason"] == "length"
     steps = len(ids)  # the prefill, then one step per token after the first
-    # The first hop is relayed the token of every decode step; every hop maybe one step
-    # more (the ring runs on past the last token while the tracker ends the streams;
-    # that step is cut back, unseen).
+    # Every hop after the first is relayed each step's input; the first, the token of
+    # every decode step but the ring's first (the tracker starts the ring with it). A
+    # run ends at the generation's last step: no hop runs past it.
     want = (
-        {"node-0": (steps - 1, steps), "node-1": (steps, steps + 1), "node-2": (steps, steps + 1)}
+        {"node-0": (steps - 2, steps - 2), "node-1": (steps, steps), "node-2": (steps, steps)}
         if relay
         else dict.fromkeys(("node-0", "node-1", "node-2"), (0, 0))
     )
