@@ -109,6 +109,7 @@ Defer = Callable[[Callable[[], None]], None]
 
 
 def now(fn: Callable[[], None]) -> None:
+    """The ``Defer`` of a run outside any engine's batches: at once."""
     fn()
 
 
