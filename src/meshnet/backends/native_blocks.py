@@ -53,15 +53,18 @@ class NativeBlocks:
         native = quant.NATIVE
         assert native is not None  # handles exist only where it is built
         threads = numba.get_num_threads()
-        for layer, handle in enumerate(self._handles):
-            entries = []
-            row = 0
-            for e in batch:
-                keys, values = e.kv.buffers(layer)
-                entries.append((keys, values, e.kv.length, e.n_new, row))
-                row += e.n_new
-            cos, sin = tables[layer]
-            native.run_block(handle, x, cos, sin, entries, threads)
+        try:
+            for layer, handle in enumerate(self._handles):
+                entries = []
+                row = 0
+                for e in batch:
+                    keys, values = e.kv.buffers(layer)
+                    entries.append((keys, values, e.kv.length, e.n_new, row))
+                    row += e.n_new
+                cos, sin = tables[layer]
+                native.run_block(handle, x, cos, sin, entries, threads, True, True)
+        finally:  # a long chunk's scratch is faulted in once a forward, not once a block
+            native.release_scratch()
 
 
 def _handle(spec: ModelSpec, layer: int, w: LayerWeights[QuantMatrix]) -> Handle:

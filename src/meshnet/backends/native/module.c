@@ -315,12 +315,17 @@ fail:
     return NULL;
 }
 
+static PyObject *py_release_scratch(PyObject *self, PyObject *unused) {
+    release_scratch();
+    Py_RETURN_NONE;
+}
+
 static PyObject *run_block(PyObject *self, PyObject *args) {
     PyObject *capsule, *entries;
     Py_buffer x, cos, sin;
-    int threads, wide = 1;
-    if (!PyArg_ParseTuple(args, "Ow*y*y*Oi|p", &capsule, &x, &cos, &sin, &entries, &threads,
-                          &wide))
+    int threads, wide = 1, keep = 0;
+    if (!PyArg_ParseTuple(args, "Ow*y*y*Oi|pp", &capsule, &x, &cos, &sin, &entries, &threads,
+                          &wide, &keep))
         return NULL;
     PyObject *result = NULL;
     entries_t es = {NULL, NULL, 0};
@@ -337,7 +342,7 @@ static PyObject *run_block(PyObject *self, PyObject *args) {
     if (read_entries(entries, T, &b->heads, &es) < 0) goto done;
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = forward_block(b, x.buf, T, cos.buf, sin.buf, es.seqs, es.n, threads, wide);
+    status = forward_block(b, x.buf, T, cos.buf, sin.buf, es.seqs, es.n, threads, wide, keep);
     Py_END_ALLOW_THREADS
     result = kernel_result(status);
 done:
@@ -422,9 +427,13 @@ static PyMethodDef methods[] = {
      "each matrix (packed, rows, nb, type), qkv and gate_up tuples of one fused matrix or\n"
      "their parts, the vectors after ffn_norm None where the family has none"},
     {"run_block", run_block, METH_VARARGS,
-     "run_block(block, x, cos, sin, entries, threads, wide=True): x [T, d] += the block's\n"
-     "output for T rows, prompt or decode (entries as for attend); wide=False keeps its\n"
-     "matmuls to AVX2 vectors (the same bits)"},
+     "run_block(block, x, cos, sin, entries, threads, wide=True, keep=False): x [T, d] +=\n"
+     "the block's output for T rows, prompt or decode (entries as for attend); wide=False\n"
+     "keeps its matmuls to AVX2 vectors (the same bits); keep=True holds this thread's\n"
+     "scratch, however large, for the next block (release_scratch gives it back)"},
+    {"release_scratch", py_release_scratch, METH_NOARGS,
+     "release_scratch(): give back this thread's block scratch past what a decode step\n"
+     "keeps (after run_block(..., keep=True) of a forward's last block)"},
     {"rope", py_rope, METH_VARARGS,
      "rope(x, cos, sin, T, heads, head_dim, pairs, halves=False): rotary embedding of\n"
      "x [T, heads, head_dim] in place, cos/sin [T, pairs]; pairs (2i, 2i+1) or (i, i+pairs)"},

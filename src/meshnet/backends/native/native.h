@@ -200,9 +200,13 @@ typedef struct {
 /* x [T, d] += the block's attention and feed-forward output for T rows at the
  * positions whose rotary tables are cos, sin [T, rope_pairs]; each sequence's new keys
  * and values are stored in its cache. -1 when out of memory: the step is then void
- * (x half updated, keys and values written past the committed positions only). */
+ * (x half updated, keys and values written past the committed positions only). ``keep``
+ * holds the calling thread's scratch, however large, for the next block. */
 int forward_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, const float *sin,
-                  const seq_t *seqs, Py_ssize_t n, int threads, int wide);
+                  const seq_t *seqs, Py_ssize_t n, int threads, int wide, int keep);
+
+/* Give back the calling thread's block scratch past what a decode step keeps. */
+void release_scratch(void);
 
 /* Rotary embedding, in place, of x [T, heads, hd]: ``pairs`` pairs of each head turned by
  * cos, sin [T, pairs]; the pairs are (2i, 2i + 1), or (i, i + pairs) with ``halves``. */
