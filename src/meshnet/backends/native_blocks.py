@@ -62,7 +62,7 @@ class NativeBlocks:
                     entries.append((keys, values, e.kv.length, e.n_new, row))
                     row += e.n_new
                 cos, sin = tables[layer]
-                native.run_block(handle, x, cos, sin, entries, threads, True, True)
+                native.run_block(handle, x, cos, sin, entries, threads, True, True)  # wide, keep
         finally:  # a long chunk's scratch is faulted in once a forward, not once a block
             native.release_scratch()
 
