@@ -32,7 +32,7 @@ import argparse
 import gc
 from pathlib import Path
 
-from meshnet.backends.fast import set_threads
+from meshnet.backends.kernel_threads import set_threads
 from meshnet.benchmark.bandwidth import ceiling_tok_s, decode_bytes, read_gb_s
 from meshnet.benchmark.engine import bench_engine, warm_up
 from meshnet.benchmark.figures import Throughput

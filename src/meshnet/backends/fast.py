@@ -22,6 +22,7 @@ import numpy as np
 
 from meshnet.backends import quant
 from meshnet.backends.base import BatchEntry, attend_each, finish_step, start_step
+from meshnet.backends.kernel_threads import kernel_threads
 from meshnet.backends.native_blocks import NativeBlocks, Tables
 from meshnet.backends.quant import QuantMatrix
 from meshnet.errors import MeshnetError
@@ -101,11 +102,6 @@ def load_fast_weights(
     return load_shard_weights(f, spec, layers, quant.from_gguf)
 
 
-def set_threads(n: int) -> None:
-    """Threads the kernels use in this process (one pool per process)."""
-    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
-
-
 def _fuse(w: LayerWeights[QuantMatrix]) -> LayerWeights[QuantMatrix]:
     """The block with Q/K/V and gate/up each one matrix where their block types agree (one
     multiplication instead of several); the parts are then dropped."""
@@ -154,7 +150,7 @@ def _attend_batch(
         keys, values = e.kv.buffers(layer)
         entries.append((keys, values, e.kv.length, e.n_new, row))
         row += e.n_new
-    threads = numba.get_num_threads()
+    threads = kernel_threads()
     native.attend(q, k, v, out, entries, t, n_heads, k.shape[1], hd, threads, scale, cap, window)
     return out
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numba
 import numpy as np
 
 from meshnet.backends import quant
 from meshnet.backends.base import BatchEntry
+from meshnet.backends.kernel_threads import kernel_threads
 from meshnet.backends.quant import QuantMatrix
 from meshnet.model.spec import ModelSpec
 from meshnet.model.weights import LayerWeights
@@ -52,7 +52,7 @@ class NativeBlocks:
         """Every block over x [T, d] (in place); ``tables[i]`` are block i's rotary tables."""
         native = quant.NATIVE
         assert native is not None  # handles exist only where it is built
-        threads = numba.get_num_threads()
+        threads = kernel_threads()
         try:
             for layer, handle in enumerate(self._handles):
                 entries = []

@@ -20,12 +20,12 @@ from functools import cached_property
 from typing import NamedTuple
 
 import gguf
-import numba
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from meshnet.backends import quant_layouts as layouts
 from meshnet.backends import quant_numba as nb_kernels
+from meshnet.backends.kernel_threads import kernel_threads
 from meshnet.errors import UnsupportedTensorType
 from meshnet.memory import on_huge_pages
 from meshnet.model.gguf_file import GGUFFile
@@ -202,11 +202,12 @@ def matmul(x: np.ndarray, w: QuantMatrix, native: bool = True, wide: bool = True
     """
     x = np.ascontiguousarray(x, dtype=F32)
     out = np.empty((x.shape[0], w.rows), F32)
+    threads = kernel_threads()  # the numba kernels' count follows it on this thread too
     if w.native:
         if not native:
             raise ValueError("a matrix in the native layout has no numba kernel")
         packed, rows, nb, code = native_args(w)
-        NATIVE.matmul(packed, x, out, rows, nb, x.shape[0], code, numba.get_num_threads(), wide)
+        NATIVE.matmul(packed, x, out, rows, nb, x.shape[0], code, threads, wide)
         return out
     if w.qtype in (QT.Q4_0, QT.Q4_1):
         qs, d, m = w.split

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from meshnet.backends.fast import set_threads
+from meshnet.backends.kernel_threads import set_threads
 from meshnet.benchmark.running_mesh import served_model
 from meshnet.engine.generate import generate
 from meshnet.engine.local import load_local_model

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from meshnet.backends.fast import set_threads
+from meshnet.backends.kernel_threads import set_threads
 from meshnet.backends.quant import kernel_name
 from meshnet.benchmark.engine import bench_engine, warm_up
 from meshnet.benchmark.figures import Throughput

@@ -19,7 +19,7 @@ import grpc
 import numba
 
 from meshnet.auth.grpc_auth import NodeGate
-from meshnet.backends.fast import set_threads
+from meshnet.backends.kernel_threads import set_threads
 from meshnet.errors import MeshnetError
 from meshnet.layer_range import LayerRange
 from meshnet.model.bundled import bundled_model_path
