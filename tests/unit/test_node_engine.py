@@ -3,6 +3,7 @@
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -350,3 +351,57 @@ def test_what_a_step_defers_runs_once_its_whole_batch_is_answered(engine: NodeEn
     ran: list[int] = []
     engine.after_batch(lambda: ran.append(1))  # not the loop's thread: at once
     assert ran == [1]
+
+
+def _brought(engine: NodeEngine, work: StepWork) -> tuple[str, list[str], Future[np.ndarray]]:
+    """Bring ``work`` with ``run_here`` from a thread of its own: that thread's name, the
+    threads its forward and its ``then`` ran on, and its future."""
+    ran_on: list[str] = []
+    work.on_output = lambda _: ran_on.append(threading.current_thread().name)
+    bringer = threading.Thread(
+        target=engine.run_here,
+        args=(work, lambda _: ran_on.append(threading.current_thread().name)),
+        name="bringer",
+    )
+    bringer.start()
+    bringer.join(10)
+    return bringer.name, ran_on, work.future
+
+
+def test_a_step_brought_to_an_idle_loop_runs_on_the_thread_that_brings_it(
+    engine: NodeEngine, tiny: LocalModel
+) -> None:
+    """A ring's hop that idles starts a relayed step without waking its loop's thread."""
+    engine.open("s", 1).result(5)
+    name, ran_on, future = _brought(engine, StepWork("s", 1, np.asarray([5], np.int64), None))
+    assert future.done()  # answered before run_here returned
+    assert ran_on == [name, name]  # the forward, then the step's ``then``
+    kv = tiny.chain.new_sequence()
+    assert np.array_equal(future.result(), tiny.chain.forward(np.asarray([5]), [kv], [1]))
+    assert _step(engine, "s", 1, [6]).shape == future.result().shape  # the loop goes on
+
+
+def test_a_step_brought_to_a_busy_loop_waits_for_the_loops_thread(engine: NodeEngine) -> None:
+    engine.open("s", 1).result(5)
+    gate = threading.Event()
+    engine._control(gate.wait)  # the loop's thread is busy
+    _, ran_on, future = _brought(engine, StepWork("s", 1, np.asarray([5], np.int64), None))
+    assert not future.done()
+    gate.set()
+    future.result(10)
+    assert ran_on == ["node-engine", "node-engine"]
+
+
+def test_a_prompt_brought_to_an_idle_loop_finishes_every_chunk(
+    tiny_path: Path, tiny: LocalModel
+) -> None:
+    """The thread that brings a long prompt runs its first chunk; the loop's thread runs
+    the rest, as it would have."""
+    with running(tiny_path, EngineConfig(prefill_chunk=2)) as e:
+        e.open("s", 1).result(5)
+        ids = [5, 6, 7, 8, 9]
+        _, ran_on, future = _brought(e, StepWork("s", 1, np.asarray(ids, np.int64), None))
+        got = future.result(10)
+        assert ran_on == ["node-engine"]  # run whole in no one forward: no hand-over; then
+    kv = tiny.chain.new_sequence()
+    assert np.array_equal(got, tiny.chain.forward(np.asarray(ids), [kv], [len(ids)]))

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from functools import partial
 
 import grpc
 import numpy as np
@@ -105,6 +106,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.relay_port = 0  # the relay port's, offered to previous hops (0: none)
         self.gate = gate
         self._relays = threading.BoundedSemaphore(_MAX_RELAY_STREAMS)  # from previous hops
+        self._rings = _Tally()  # ring runs under way on this hop
         self.kv = KVService(engine, gate, offers)
         self.configurator = Configurator(
             engine, identity.model_dirs, identity.model_path, engine.config.max_streams
@@ -243,14 +245,20 @@ class NodeService(pb_grpc.NodeServicer):
                     ready = _completed(step, early, x, context)
                 if not whole:  # a ring's hop passes its output on before the bookkeeping
                     ready.work.on_output = lambda out: hand_over(step, ready, handed, out)
+                then = partial(landed, step, ready, handed)
+                if early is not None and self._rings.count == 1:
+                    # a lone stream's relayed step starts on this thread when the loop
+                    # idles; several streams' wait for the loop, to meet in its batches
+                    self.engine.run_here(ready.work, then)
+                    return
                 future = self.engine.submit(ready.work)
             except MeshnetError as e:
                 run.post(step, _failure(e))
                 return
-            future.add_done_callback(lambda done: landed(step, ready, handed, done))
+            future.add_done_callback(then)
 
         def hand_over(step: pb.Step, ready: Prepared, handed: _Handed, out: np.ndarray) -> None:
-            """On the engine thread, as the step's forward ends: relay the output (the
+            """On the loop, as the step's forward ends: relay the output (the
             last hop: sample, and relay the token) to the next hop at once."""
             if sampling is not None:
                 handed.token = Sampler(sampling, step.draws).sample(out[-1], ready.history)
@@ -261,7 +269,7 @@ class NodeService(pb_grpc.NodeServicer):
         def landed(
             step: pb.Step, ready: Prepared, handed: _Handed, done: Future[np.ndarray]
         ) -> None:
-            """On the engine thread, as the step is committed: pass the output on unless
+            """On the loop, as the step is committed: pass the output on unless
             ``hand_over`` did, answer, launch the next step."""
             token: int | None = None
             try:
@@ -303,6 +311,9 @@ class NodeService(pb_grpc.NodeServicer):
             run.post(step, _failure(e, blame=o.next_node_id))
 
         inbox.listener = run.extend  # an Extend reaches the run at once, whatever it waits on
+        leave_ring = None if whole else self._rings.enter()
+        if leave_ring is not None:  # over when its call is: this handler may be closed
+            context.add_callback(leave_ring)  # only by a later garbage collection
         launch(step)
         try:
             while True:
@@ -327,6 +338,8 @@ class NodeService(pb_grpc.NodeServicer):
                         yield _failure(MalformedBundle("a running autorun takes only Extend"))
                         return None
         finally:
+            if leave_ring is not None:
+                leave_ring()
             inbox.listener = None
             run.stop()
             self.relay.forget(o.next_address, o.session_id, o.epoch)
@@ -679,6 +692,25 @@ class _Handed:
 
     token: int | None = None
     relayed: bool = False
+
+
+class _Tally:
+    """How many of something are under way; thread-safe."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def enter(self) -> _Once:
+        """Count one more in; calling what it returns (any thread, any times) counts it
+        out once."""
+        with self._lock:
+            self.count += 1
+        return _Once(self._leave)
+
+    def _leave(self) -> None:
+        with self._lock:
+            self.count -= 1
 
 
 class _Once:
