@@ -11,6 +11,7 @@ model for comparison.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -120,16 +121,23 @@ def stream_decode_tok_s(mesh: LocalMesh, model: str, max_tokens: int) -> float:
 
 
 def llamacpp_rpc_tok_s(
-    bin_dir: Path, model: Path, servers: int, tokens: int, repetitions: int = 3
+    bin_dir: Path,
+    model: Path,
+    servers: int,
+    tokens: int,
+    repetitions: int = 3,
+    threads: int = 1,
+    env: dict[str, str] | None = None,
 ) -> float:
     """Decode tok/s of llama.cpp with its layers split over ``servers`` local RPC servers
-    (one thread each), the mean of ``repetitions`` runs of llama-bench."""
+    of ``threads`` threads each, the mean of ``repetitions`` runs of llama-bench."""
     ports = [free_port() for _ in range(servers)]
     procs = [
         subprocess.Popen(
-            [str(bin_dir / "ggml-rpc-server"), "-p", str(p), "-t", "1"],
+            [str(bin_dir / "ggml-rpc-server"), "-p", str(p), "-t", str(threads)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
         )
         for p in ports
     ]
@@ -158,6 +166,7 @@ def llamacpp_rpc_tok_s(
             text=True,
             timeout=600,
             check=True,
+            env={**os.environ, **(env or {})},
         ).stdout
         return float(json.loads(out)[0]["avg_ts"])
     finally:

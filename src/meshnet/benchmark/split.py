@@ -1,10 +1,17 @@
 """A model split over N node processes: meshnet's loopback mesh against llama.cpp's RPC split.
 
 meshnet's side is the real mesh (tracker + N ``meshnet node`` processes on
-loopback, one kernel thread each, layers split evenly), timed as a client sees
-streamed tokens arrive. llama.cpp's side is ``llama-bench`` with its layers
-offloaded to N local ``ggml-rpc-server`` processes of one thread each. The two
-take turns, one round each, and each figure is its best round. After the rounds
+loopback, ``threads`` kernel threads each, layers split evenly), timed as a
+client sees streamed tokens arrive. llama.cpp's side is ``llama-bench`` with its
+layers offloaded to N local ``ggml-rpc-server`` processes of as many threads.
+The two take turns, one round each, and each figure is its best round.
+
+With more than one thread a process the processes hold more threads than this
+machine has cores, as hops on hosts of their own would not; an OpenMP thread that
+spins after its hop's forward then takes a core from the next hop. llama.cpp's
+processes, at libgomp's default spin, lost a third of their speed so; so each of
+its rounds is run twice, also with a short spin (``GOMP_SPINCOUNT``), and its
+figure is the better. After the rounds
 each node's resident memory is read and set against the file bytes of the
 tensors it serves plus the KV of one benchmark sequence, whole and less the
 RSS of a node started empty in the same mesh (the interpreter and libraries).
@@ -26,6 +33,7 @@ from meshnet.model.shard import DEFAULT_BACKEND
 from meshnet.model.spec import ModelSpec
 
 _START_TIMEOUT_S = 900.0  # every node loads its shard of a 1B model on a shared 2-core VM
+_SHORT_SPIN = {"GOMP_SPINCOUNT": "3000"}  # rounds an idle OpenMP thread spins, not ~300k
 
 
 @dataclass(frozen=True)
@@ -96,7 +104,12 @@ def measure_split(
                 # tokens + 1 streamed: the first carries the prefill, then ``tokens`` decodes
                 ours.append(stream_decode_tok_s(mesh, name, tokens + 1))
                 if setup.llamacpp is not None:
-                    theirs.append(llamacpp_rpc_tok_s(setup.llamacpp, setup.model, nodes, tokens, 1))
+                    for env in [{}] if threads == 1 else [{}, _SHORT_SPIN]:
+                        theirs.append(
+                            llamacpp_rpc_tok_s(
+                                setup.llamacpp, setup.model, nodes, tokens, 1, threads, env
+                            )
+                        )
             memory = [
                 _node_memory(setup, node_id, proc.pid, layers, tokens)
                 for (node_id, proc), layers in zip(mesh.nodes.items(), layout, strict=True)
