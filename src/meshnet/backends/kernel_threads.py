@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import numba
 
-_count = [0]  # the process's count; 0 until set_threads: numba's cap
+# The process's count, as process-wide as numba's own setting; 0 until set_threads:
+# numba's cap.
+_count = 0
 
 
 def set_threads(n: int) -> None:
     """Threads every thread of this process runs kernels on, within numba's cap."""
-    _count[0] = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(_count[0])
+    global _count
+    _count = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(_count)
 
 
 def kernel_threads() -> int:
     """The count for a kernel called on this thread (numba's kept in step with it)."""
-    n = _count[0] or numba.config.NUMBA_NUM_THREADS
+    n = _count or numba.config.NUMBA_NUM_THREADS
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
     return n

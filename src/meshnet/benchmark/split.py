@@ -6,12 +6,13 @@ client sees streamed tokens arrive. llama.cpp's side is ``llama-bench`` with its
 layers offloaded to N local ``ggml-rpc-server`` processes of as many threads.
 The two take turns, one round each, and each figure is its best round.
 
-With more than one thread a process the processes hold more threads than this
-machine has cores, as hops on hosts of their own would not; an OpenMP thread that
-spins after its hop's forward then takes a core from the next hop. llama.cpp's
-processes, at libgomp's default spin, lost a third of their speed so; so each of
-its rounds is run twice, also with a short spin (``GOMP_SPINCOUNT``), and its
-figure is the better. After the rounds
+With more than one thread a process, the processes hold more threads than this
+machine has cores, as hops on hosts of their own would not, and an OpenMP thread
+that spins after its hop's forward takes a core from the next hop: llama.cpp's
+lost about a third of their speed to libgomp's default spin. So each llama.cpp
+round is run twice, the second with a short spin (``GOMP_SPINCOUNT``), and its
+figure is the better; meshnet's nodes keep the default (a short spin measured
+slower for them). After the rounds
 each node's resident memory is read and set against the file bytes of the
 tensors it serves plus the KV of one benchmark sequence, whole and less the
 RSS of a node started empty in the same mesh (the interpreter and libraries).
