@@ -145,16 +145,21 @@ def test_a_thousand_cancel_cycles_leave_kv_and_memory_flat(
 def test_a_cancelled_unstreamed_request_gets_499(mesh: LocalMesh, client: httpx.Client) -> None:
     answer: list[httpx.Response] = []
     url, body, headers = f"{mesh.url}/v1/completions", _body(3), mesh.api_headers
+
+    def listed() -> set[str]:
+        r = client.get(f"{mesh.url}/admin/generations", headers=mesh.admin_headers)
+        return {g["id"] for g in r.json()["generations"]}
+
+    earlier = listed()  # an earlier test's generation may still be winding down
     worker = threading.Thread(
         target=lambda: answer.append(client.post(url, json=body, headers=headers))
     )
     worker.start()
     deadline = time.monotonic() + 10
-    running: list[dict[str, Any]] = []
-    while not running and time.monotonic() < deadline:
-        r = client.get(f"{mesh.url}/admin/generations", headers=mesh.admin_headers)
-        running = r.json()["generations"]
-    assert _cancel(mesh, running[0]["id"], client).status_code == 200
+    mine: set[str] = set()
+    while not mine and time.monotonic() < deadline:
+        mine = listed() - earlier
+    assert _cancel(mesh, mine.pop(), client).status_code == 200
     worker.join(timeout=30)
     assert answer[0].status_code == 499
     assert answer[0].json()["error"]["code"] == "cancelled"
