@@ -108,11 +108,6 @@ Posted = tuple[pb.Step, "pb.ForwardResponse | None"]
 Defer = Callable[[Callable[[], None]], None]
 
 
-def now(fn: Callable[[], None]) -> None:
-    """The ``Defer`` of a run outside any engine's batches: at once."""
-    fn()
-
-
 class Run:
     """One autorun's state, shared by the stream's handler and the engine thread.
 
@@ -126,7 +121,7 @@ class Run:
     launched every step of it (see ``NodeEngine.after_batch``).
     """
 
-    def __init__(self, until: int, defer: Defer = now) -> None:
+    def __init__(self, until: int, defer: Defer) -> None:
         self.until = until
         self._stopped = False
         self._lock = threading.Lock()
