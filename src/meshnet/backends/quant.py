@@ -15,7 +15,7 @@ Q8_0 straight from them and any other type a dequantized chunk of rows at a time
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import NamedTuple
 
@@ -174,6 +174,28 @@ def stack_rows(parts: list[QuantMatrix]) -> QuantMatrix:
         first.native,
         first.q8,
     )
+
+
+def row_range(w: QuantMatrix, start: int, stop: int) -> QuantMatrix:
+    """Rows ``[start, stop)`` of ``w``, sharing its memory: ``matmul`` of it gives exactly
+    those columns of ``matmul`` of the whole (a row's dot never depends on the others).
+
+    ``ValueError`` unless ``0 <= start < stop <= w.rows`` and, in a row-group layout,
+    ``start`` and ``stop`` (unless it is the end) fall on groups of 16 rows.
+    """
+    if not 0 <= start < stop <= w.rows:
+        raise ValueError(f"rows [{start}, {stop}) of a matrix of {w.rows}")
+    grouped = w.native and w.qtype in layouts.LEGACY | layouts.KQUANTS
+    if not grouped:
+        per_row = w.data.size // w.rows
+        data = w.data.reshape(w.rows, per_row)[start:stop]
+        return replace(w, rows=stop - start, data=data if not w.native else data.reshape(-1))
+    g = layouts.GROUP_ROWS
+    if start % g or (stop % g and stop != w.rows):
+        raise ValueError(f"rows [{start}, {stop}) do not fall on groups of {g}")
+    per_group = w.data.size // -(-w.rows // g)
+    end = -(-stop // g) * per_group
+    return replace(w, rows=stop - start, data=w.data[start // g * per_group : end])
 
 
 def dequantize_all(w: QuantMatrix) -> np.ndarray:
