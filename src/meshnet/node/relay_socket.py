@@ -18,12 +18,16 @@ reads an answer it does not need. Frames are laid out in node/relay_wire.py.
   over it names what to call when an input of that (session, epoch) is refused
   or the connection breaks: the next hop's failure, as a refused or broken
   ``RelayStream`` is.
+- **Head link** (``HeadLink``): a connection whose hello asks for head parts
+  instead; the listener answers each ask in order, on the connection's thread,
+  through ``AnswerHead`` (its refusal answered, the connection kept).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
 import struct
 import threading
@@ -32,7 +36,14 @@ from typing import Protocol
 
 import numpy as np
 
-from meshnet.errors import MalformedBundle, MeshnetError, Overloaded, StreamReset, error_for_kind
+from meshnet.errors import (
+    MalformedBundle,
+    MeshnetError,
+    Overloaded,
+    ShardMismatch,
+    StreamReset,
+    error_for_kind,
+)
 from meshnet.node import relay_wire as wire
 
 log = logging.getLogger(__name__)
@@ -47,18 +58,27 @@ CheckToken = Callable[[str], None]
 FileInput = Callable[[str, int, int, np.ndarray], MeshnetError | None]
 # Told of an input of its (session, epoch) that did not reach the next hop.
 OnFailure = Callable[[MeshnetError], None]
+# Multiplies an ask's rows by its head rows; raises the typed refusal.
+AnswerHead = Callable[[wire.Ask, np.ndarray], np.ndarray]
 
 
 class RelayListener:
     """The relay port: accepts previous hops and files what they send."""
 
     def __init__(
-        self, host: str, port: int, check: CheckToken, file: FileInput, max_connections: int
+        self,
+        host: str,
+        port: int,
+        check: CheckToken,
+        file: FileInput,
+        max_connections: int,
+        head: AnswerHead | None = None,
     ) -> None:
         self._listener = socket.create_server((host, port))
         self.port: int = self._listener.getsockname()[1]
         self._check = check
         self._file = file
+        self._head = head
         self._slots = threading.BoundedSemaphore(max_connections)
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -107,16 +127,21 @@ class RelayListener:
 
     def _serve(self, conn: socket.socket, reader: _Readable) -> None:
         conn.settimeout(HELLO_TIMEOUT_S)
-        n = wire.hello_token_bytes(_read(reader, wire.HELLO.size))
+        magic, n = wire.read_hello(_read(reader, wire.HELLO.size))
         token = _read(reader, n).decode(errors="replace")
         try:
             self._check(token)
+            if magic == wire.HEAD_MAGIC and self._head is None:
+                raise ShardMismatch("this node answers no head parts")
         except MeshnetError as e:
             self._refuse_hello(conn, e)
             return
         conn.sendall(wire.verdict(None))
         conn.settimeout(None)  # a hop between runs sends nothing for as long as it likes
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if magic == wire.HEAD_MAGIC:
+            self._serve_head(conn, reader)
+            return
         while True:
             head = reader.read(wire.INPUT_HEADER.size)
             if not head:
@@ -143,6 +168,24 @@ class RelayListener:
                 wire.refusal(False, session_id, h.epoch, h.step, refused.kind, refused.message)
             )
 
+    def _serve_head(self, conn: socket.socket, reader: _Readable) -> None:
+        """Answer each ask in order; a frame that breaks the format ends the connection
+        (its sender sees it close)."""
+        assert self._head is not None
+        while True:
+            raw = reader.read(wire.ASK_HEADER.size)
+            if not raw:
+                return
+            if len(raw) != wire.ASK_HEADER.size:
+                raise MalformedBundle("a head ask cut short")
+            ask = wire.read_ask(raw)
+            x = np.frombuffer(_read(reader, wire.ask_bytes(ask)), "<f4")
+            try:
+                parts = wire.part_frame(ask.number, self._head(ask, x.reshape(ask.rows, -1)))
+            except MeshnetError as e:
+                parts = wire.part_frame(ask.number, None, f"{e.kind}: {e.message}")
+            conn.sendall(b"".join(parts))
+
 
 class SocketLink:
     """The sending side of one connection to a next hop's relay port; thread-safe."""
@@ -160,24 +203,7 @@ class SocketLink:
     def connect(cls, host: str, port: int, token: str, address: str) -> SocketLink:
         """Connect and show ``token``; ``MeshnetError`` (typed, the receiver's reason)
         or ``OSError`` when the connection is not let in."""
-        sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(wire.hello(token))
-            with sock.makefile("rb", buffering=0) as reader:  # reads no byte past the verdict
-                status, n = wire.VERDICT.unpack(_read(reader, wire.VERDICT.size))
-                reason = _read(reader, min(n, wire.MAX_MESSAGE_BYTES)).decode(errors="replace")
-            if status != 0:
-                kind, _, message = reason.partition(": ")
-                raise error_for_kind(kind, f"{address} relay port: {message}")
-            sock.settimeout(None)  # the reader blocks; a send gives up after SEND_TIMEOUT_S
-            with contextlib.suppress(OSError):  # a struct timeval, as Linux lays it out
-                timeval = struct.pack("ll", int(SEND_TIMEOUT_S), 0)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-        except BaseException:
-            sock.close()
-            raise
-        return cls(sock, address)
+        return cls(_let_in(host, port, token, address, wire.HELLO_MAGIC), address)
 
     def send(
         self, session_id: str, epoch: int, step: int, x: np.ndarray, on_failure: OnFailure
@@ -246,6 +272,87 @@ class SocketLink:
             watcher(error)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
+
+
+class HeadLink:
+    """The asking side of one head-parts connection: one ask at a time, answered in
+    order. Not thread-safe: its user holds it while an ask is out."""
+
+    def __init__(self, sock: socket.socket, address: str) -> None:
+        self.address = address
+        self._sock = sock
+        self._number = 0
+
+    @classmethod
+    def connect(cls, host: str, port: int, token: str, address: str) -> HeadLink:
+        """As ``SocketLink.connect``, for head parts."""
+        return cls(_let_in(host, port, token, address, wire.HEAD_MAGIC), address)
+
+    def ask(self, x: np.ndarray, stop: int, fingerprint: str, backend: str) -> wire.Ask:
+        """Send an ask for ``x`` times the head's rows ``[0, stop)``; ``OSError`` when
+        the connection broke."""
+        self._number += 1
+        frame = wire.ask_frame(self._number, x, stop, fingerprint, backend)
+        self._sock.settimeout(SEND_TIMEOUT_S)  # not the last answer's wait
+        self._sock.sendall(frame)
+        return wire.read_ask(frame[: wire.ASK_HEADER.size])
+
+    def part(self, ask: wire.Ask, timeout_s: float) -> np.ndarray:
+        """The logits [rows, stop] answering ``ask``. ``TimeoutError`` when they do not
+        come within ``timeout_s`` (the link is then out of step: close it), the typed
+        refusal, ``MalformedBundle`` or ``OSError`` when the connection broke."""
+        self._sock.settimeout(timeout_s)
+        refused, n = wire.read_part(self._exactly(wire.PART_HEADER.size), ask)
+        data = self._exactly(n)
+        if refused:
+            kind, _, message = bytes(data).decode(errors="replace").partition(": ")
+            raise error_for_kind(kind, f"{self.address} head parts: {message}")
+        return np.frombuffer(data, "<f4").reshape(ask.rows, ask.stop)
+
+    def ready(self) -> bool:
+        """Whether an answer's first bytes have come (reading would not wait)."""
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+        except (OSError, ValueError):
+            return True  # a closed socket: reading fails at once
+        return bool(readable)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+    def _exactly(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = self._sock.recv_into(view[got:])
+            if k == 0:
+                raise MalformedBundle(f"{self.address} closed the head connection")
+            got += k
+        return buf
+
+
+def _let_in(host: str, port: int, token: str, address: str, magic: bytes) -> socket.socket:
+    """A connection to a relay port that has shown ``token`` and been let in."""
+    sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(wire.hello(token, magic))
+        with sock.makefile("rb", buffering=0) as reader:  # reads no byte past the verdict
+            status, n = wire.VERDICT.unpack(_read(reader, wire.VERDICT.size))
+            reason = _read(reader, min(n, wire.MAX_MESSAGE_BYTES)).decode(errors="replace")
+        if status != 0:
+            kind, _, message = reason.partition(": ")
+            raise error_for_kind(kind, f"{address} relay port: {message}")
+        sock.settimeout(None)  # the reader blocks; a send gives up after SEND_TIMEOUT_S
+        with contextlib.suppress(OSError):  # a struct timeval, as Linux lays it out
+            timeval = struct.pack("ll", int(SEND_TIMEOUT_S), 0)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 class _Readable(Protocol):

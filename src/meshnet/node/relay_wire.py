@@ -18,6 +18,17 @@ allocated, and raises ``MalformedBundle`` on what breaks the format.
   the session id's, the failure kind's and the message's lengths, epoch, step —
   then those three strings. Kind 3 is the same, said before the receiver closes
   the connection (a frame it could not read).
+
+A connection whose hello says ``MNH1`` instead asks for **head parts**
+(node/head_assist.py): the last hop of a ring has the first, which holds the same
+tied embedding, multiply its final normed rows by the head's first ``stop`` rows.
+
+- **Ask** (sender): ``_ASK`` — kind 4, the ask's number, rows, width, ``stop``, the
+  model file's sha256 and the backend's name (both must be the receiver's) — then
+  the rows' float32 bytes.
+- **Part** (receiver, one per ask, in order): ``_PART`` — kind 5, the ask's number,
+  status (0: done), rows, columns, a refusal's length — then the refusal, or the
+  logits' float32 bytes (``rows * columns``).
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import numpy as np
 from meshnet.errors import MalformedBundle
 
 HELLO_MAGIC = b"MNR1"
+HEAD_MAGIC = b"MNH1"  # a connection for head parts
 MAX_TOKEN_BYTES = 1024
 MAX_SESSION_BYTES = 128  # as node.wire.MAX_SESSION_ID
 MAX_ROWS = 1 << 20
@@ -38,10 +50,14 @@ MAX_WIDTH = 1 << 16
 MAX_INPUT_BYTES = 64 << 20  # one input's array
 MAX_MESSAGE_BYTES = 1000  # a refusal's message (longer ones are cut)
 MAX_KIND_BYTES = 64
+MAX_ASK_ROWS = 16  # the rows of one head ask
+MAX_HEAD_ROWS = 1 << 21  # a head's rows (its vocabulary)
 
 INPUT = 1
 REFUSAL = 2
 CLOSING = 3  # a refusal said just before the receiver closes the connection
+ASK = 4
+PART = 5
 
 _DTYPES = {1: ("i64", np.dtype("<i8")), 2: ("f32", np.dtype("<f4"))}
 _CODES = {np.dtype("<i8"): 1, np.dtype("<f4"): 2}
@@ -51,6 +67,8 @@ HELLO = struct.Struct("<4sH")  # magic, token length
 VERDICT = struct.Struct("<BH")  # status, reason length
 INPUT_HEADER = struct.Struct("<BBHQQII")  # kind, dtype, sid len, epoch, step, rows, width
 REFUSAL_HEADER = struct.Struct("<BHHHQQ")  # kind, sid len, kind len, message len, epoch, step
+ASK_HEADER = struct.Struct("<BQHII32s16s")  # kind, number, rows, width, stop, sha256, backend
+PART_HEADER = struct.Struct("<BQBHIH")  # kind, number, status, rows, columns, refusal len
 
 
 class InputHeader(NamedTuple):
@@ -76,19 +94,20 @@ class Refusal:
     message: str
 
 
-def hello(token: str) -> bytes:
+def hello(token: str, magic: bytes = HELLO_MAGIC) -> bytes:
     raw = token.encode()
     if len(raw) > MAX_TOKEN_BYTES:
         raise MalformedBundle("a relay token is at most 1024 bytes")
-    return HELLO.pack(HELLO_MAGIC, len(raw)) + raw
+    return HELLO.pack(magic, len(raw)) + raw
 
 
-def hello_token_bytes(head: bytes) -> int:
-    """The token's length a hello's head announces; ``MalformedBundle`` if it is no hello."""
+def read_hello(head: bytes) -> tuple[bytes, int]:
+    """A hello's magic (``HELLO_MAGIC`` or ``HEAD_MAGIC``) and the token's length it
+    announces; ``MalformedBundle`` if it is no hello."""
     magic, n = HELLO.unpack(head)
-    if magic != HELLO_MAGIC or not 0 < n <= MAX_TOKEN_BYTES:
+    if magic not in (HELLO_MAGIC, HEAD_MAGIC) or not 0 < n <= MAX_TOKEN_BYTES:
         raise MalformedBundle("not a relay hello")
-    return int(n)
+    return magic, int(n)
 
 
 def verdict(reason: str | None) -> bytes:
@@ -167,3 +186,70 @@ def read_refusal(head: tuple[bool, int, int, int, int, int], rest: bytes) -> Ref
         kind.decode(errors="replace"),
         message.decode(errors="replace"),
     )
+
+
+class Ask(NamedTuple):
+    """A head ask's header, checked."""
+
+    number: int
+    rows: int
+    width: int
+    stop: int
+    fingerprint: str  # the model file's sha256, hex
+    backend: str
+
+
+def ask_frame(number: int, x: np.ndarray, stop: int, fingerprint: str, backend: str) -> bytes:
+    """Ask for ``x`` [rows, width] times the head's rows ``[0, stop)``."""
+    x = np.ascontiguousarray(x, dtype="<f4")
+    if x.ndim != 2 or not 0 < x.shape[0] <= MAX_ASK_ROWS or not 0 < stop <= MAX_HEAD_ROWS:
+        raise MalformedBundle(f"cannot ask for {stop} head rows of an array {x.shape}")
+    digest, name = bytes.fromhex(fingerprint), backend.encode()
+    if len(digest) != 32 or len(name) > 16:
+        raise MalformedBundle("a head ask names a sha256 and a backend of at most 16 bytes")
+    head = ASK_HEADER.pack(ASK, number, x.shape[0], x.shape[1], stop, digest, name)
+    return head + x.tobytes()
+
+
+def read_ask(raw: bytes) -> Ask:
+    """An ask's header, every length checked before its rows are read."""
+    kind, number, rows, width, stop, digest, name = ASK_HEADER.unpack(raw)
+    if kind != ASK:
+        raise MalformedBundle(f"a head frame of kind {kind}, expected an ask")
+    if not 0 < rows <= MAX_ASK_ROWS or not 0 < width <= MAX_WIDTH:
+        raise MalformedBundle(f"a head ask of {rows} rows of width {width}")
+    if not 0 < stop <= MAX_HEAD_ROWS or rows * stop * 4 > MAX_INPUT_BYTES:
+        raise MalformedBundle(f"a head ask for {stop} rows")
+    backend = name.rstrip(b"\0").decode(errors="replace")
+    return Ask(number, rows, width, stop, digest.hex(), backend)
+
+
+def ask_bytes(ask: Ask) -> int:
+    return ask.rows * ask.width * 4
+
+
+def part_frame(
+    number: int, logits: np.ndarray | None, refusal: str = ""
+) -> list[bytes | memoryview]:
+    """The answer to ask ``number``: its logits [rows, columns], or (None) a refusal."""
+    if logits is None:
+        why = refusal.encode()[:MAX_MESSAGE_BYTES]
+        return [PART_HEADER.pack(PART, number, 1, 0, 0, len(why)) + why]
+    logits = np.ascontiguousarray(logits, dtype="<f4")
+    rows, columns = logits.shape
+    return [PART_HEADER.pack(PART, number, 0, rows, columns, 0), memoryview(logits).cast("B")]
+
+
+def read_part(raw: bytes, ask: Ask) -> tuple[bool, int]:
+    """(refused, bytes that follow: the reason's or the logits') of ``ask``'s answer,
+    checked against it; ``MalformedBundle`` for an answer of another shape or order."""
+    kind, number, status, rows, columns, why = PART_HEADER.unpack(raw)
+    if kind != PART or number != ask.number:
+        raise MalformedBundle(f"a head answer of kind {kind} to ask {number}, not {ask.number}")
+    if status != 0:
+        if why > MAX_MESSAGE_BYTES:
+            raise MalformedBundle("a head refusal longer than its limit")
+        return True, why
+    if (rows, columns) != (ask.rows, ask.stop):
+        raise MalformedBundle(f"a head answer of {rows}x{columns}, asked {ask.rows}x{ask.stop}")
+    return False, rows * columns * 4
