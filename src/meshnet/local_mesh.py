@@ -147,6 +147,7 @@ class LocalMesh:
         threads = threads or self.node_threads
         args = ["node", "--tracker", self.url, "--node-id", node_id, "--listen", listen]
         args += ["--heartbeat", str(self.heartbeat_s), "--threads", str(threads)]
+        args += ["--head-assist", "on"]  # one operator's processes trust each other
         args += ["--empty"] if layers is None else ["--layers", f"{layers.start}:{layers.end}"]
         args += [*self.node_args, *extra]
         proc = self._spawn(node_id, args, prefix, threads, {NODE_KEY_ENV: self.node_key(node_id)})

@@ -53,15 +53,19 @@ def patch(cheat: str, after: int) -> None:
     calls = [0]
     cache: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
 
-    def forward(shard: Any, x: np.ndarray, batch: Any) -> tuple[np.ndarray, np.ndarray]:
+    def forward(
+        shard: Any, x: np.ndarray, batch: Any, split: Any = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         calls[0] += 1
         honest = calls[0] <= after
         if cheat == "weights" and not honest and shard.is_first:
             hidden = shard.backend.embed(x)
             hidden[:, 0] += np.float32(1e-3)
             hidden = shard.backend.run_layers(hidden, batch)
-            return (hidden, hidden) if not shard.is_last else _honest_forward(shard, x, batch)
-        out, boundary = _honest_forward(shard, x, batch)
+            if shard.is_last:
+                return _honest_forward(shard, x, batch, split)
+            return hidden, hidden
+        out, boundary = _honest_forward(shard, x, batch, split)
         if honest:
             return out, boundary
         if cheat == "cached":

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from meshnet.errors import MeshnetError
 from meshnet.kv.cache import SequenceKV
+
+if TYPE_CHECKING:
+    from meshnet.backends.quant import QuantMatrix
 
 # One sequence's attention: (q [n, H, hd], keys [Hkv, L, hd], values, first position) -> [n, H*hd]
 Attention = Callable[[np.ndarray, np.ndarray, np.ndarray, int], np.ndarray]
@@ -30,6 +33,13 @@ class BatchEntry:
     kv: SequenceKV  # this shard's cache of the sequence; positions start at kv.length
     n_new: int  # rows of the batch that belong to it
     decoded: bool = False  # compute each row exactly as a one-row decode step would
+
+
+class HeadSplit(Protocol):
+    """Multiplies one normed row by a quantized head with another node's help, exactly as
+    one ``quant.matmul`` would (node/head_assist.py)."""
+
+    def logits(self, normed: np.ndarray, head: QuantMatrix) -> np.ndarray: ...
 
 
 class Backend(Protocol):
@@ -52,8 +62,9 @@ class Backend(Protocol):
         """Run this shard's blocks over hidden [T, d]; extend and advance each KV."""
         ...
 
-    def head(self, hidden: np.ndarray) -> np.ndarray:
-        """Final norm and output head: hidden [N, d] to logits [N, vocab]. Last shard only."""
+    def head(self, hidden: np.ndarray, split: HeadSplit | None = None) -> np.ndarray:
+        """Final norm and output head: hidden [N, d] to logits [N, vocab]. Last shard only.
+        ``split``: where the head is quantized, its multiply is shared through it."""
         ...
 
 

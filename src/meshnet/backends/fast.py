@@ -21,11 +21,11 @@ import numba
 import numpy as np
 
 from meshnet.backends import quant
-from meshnet.backends.base import BatchEntry, attend_each, finish_step, start_step
+from meshnet.backends.base import BatchEntry, HeadSplit, attend_each, finish_step, start_step
 from meshnet.backends.kernel_threads import kernel_threads
 from meshnet.backends.native_blocks import NativeBlocks, Tables
 from meshnet.backends.quant import QuantMatrix
-from meshnet.errors import MeshnetError
+from meshnet.errors import MeshnetError, ShardMismatch
 from meshnet.kv.cache import SequenceKV
 from meshnet.layer_range import LayerRange
 from meshnet.model.block import forward_block
@@ -64,13 +64,27 @@ class FastBackend:
         rows = quant.dequantize_rows(self.weights.embedding, ids)  # [T, d]
         return rows * F32(self.spec.embed_scale) if self.spec.embed_scale != 1 else rows
 
-    def head(self, hidden: np.ndarray) -> np.ndarray:
+    def head(self, hidden: np.ndarray, split: HeadSplit | None = None) -> np.ndarray:
         w = self.weights
         if w.head is None or w.output_norm is None:
             raise MeshnetError(f"shard {w.layers} has no output head")
         # numpy's row reductions do not depend on the other rows: a row's logits are its own
-        logits = quant.matmul(rms_norm(hidden, w.output_norm, self.spec.rms_eps), w.head)
+        normed = rms_norm(hidden, w.output_norm, self.spec.rms_eps)
+        logits = quant.matmul(normed, w.head) if split is None else split.logits(normed, w.head)
         return soft_cap(logits, self.spec.final_softcap)
+
+    def head_part(self, normed: np.ndarray, stop: int) -> np.ndarray:
+        """Normed rows [N, d] times the head's rows ``[0, stop)``: what a ring's last hop
+        asks of its first (node/head_assist.py), whose tied head is its embedding.
+        ``ShardMismatch`` where this shard holds no head; ``ValueError`` for a ``stop``
+        off the head's rows or row groups."""
+        w = self.weights
+        head = w.head if w.head is not None else w.embedding if self.spec.tied_head else None
+        if head is None:
+            raise ShardMismatch(f"shard {w.layers} holds no output head")
+        if normed.shape[1] != head.cols:
+            raise ValueError(f"rows of width {normed.shape[1]} for a head of {head.cols}")
+        return quant.matmul(normed, quant.row_range(head, 0, stop))
 
     def run_layers(self, hidden: np.ndarray, batch: Sequence[BatchEntry]) -> np.ndarray:
         positions = start_step(hidden, batch, self.spec.context_length)  # [T]

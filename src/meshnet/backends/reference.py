@@ -11,7 +11,7 @@ from functools import partial
 
 import numpy as np
 
-from meshnet.backends.base import BatchEntry, attend_each, finish_step, start_step
+from meshnet.backends.base import BatchEntry, HeadSplit, attend_each, finish_step, start_step
 from meshnet.errors import MeshnetError
 from meshnet.kv.cache import SequenceKV
 from meshnet.model.block import forward_block
@@ -57,8 +57,8 @@ class ReferenceBackend:
         finish_step(batch)
         return x
 
-    def head(self, hidden: np.ndarray) -> np.ndarray:
-        w = self.weights
+    def head(self, hidden: np.ndarray, split: HeadSplit | None = None) -> np.ndarray:
+        w = self.weights  # a float32 head: ``split`` (for quantized heads) has no part here
         if w.head is None or w.output_norm is None:
             raise MeshnetError(f"shard {w.layers} has no output head")
         logits = rms_norm(hidden, w.output_norm, self.spec.rms_eps) @ w.head.T  # [N, vocab]

@@ -45,6 +45,7 @@ def node_config(args: argparse.Namespace, node_id: str, key: str) -> NodeConfig:
         threads=args.threads,
         metrics_port=args.metrics_port,
         relay_port=args.relay_port,
+        head_assist=args.head_assist == "on",
         engine=EngineConfig(
             kv_budget_bytes=int(args.kv_budget_mb * 1024 * 1024),
             max_batch_tokens=args.max_batch_tokens,

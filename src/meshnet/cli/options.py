@@ -158,6 +158,14 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
             "offered to them in their relay streams' answers (0: any free one, none "
             "with --advertise-port; off: none, inputs come over gRPC)",
         ),
+        p.add_argument(
+            "--head-assist",
+            choices=("on", "off"),
+            default="off",
+            help="as a ring's last hop, have its first hop multiply part of a tied head "
+            "over its relay port, trusting its answers (on: nodes of one operator, as "
+            "`meshnet up`'s; default off)",
+        ),
     ]
 
 

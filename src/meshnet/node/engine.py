@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from meshnet.backends.base import BatchEntry
+from meshnet.backends.base import BatchEntry, HeadSplit
 from meshnet.errors import (
     CacheMiss,
     Cancelled,
@@ -126,6 +126,8 @@ class EngineStats:
     tokens_per_s: float  # rows per second over recent forwards
     max_streams: int  # Forward streams it holds at once
     relayed: int = 0  # steps whose input came straight from the previous hop
+    head_parts: int = 0  # head multiplies the ring's first hop shared in time
+    head_parts_late: int = 0  # those it was asked for and this node did itself
 
 
 class NodeEngine:
@@ -457,7 +459,8 @@ class NodeEngine:
         positions = [entry.kv.length for entry in batch]
         t0 = time.perf_counter()
         try:
-            out, boundary = forward_committed(shard, x, batch)
+            split = chosen[0][0].head_split if len(chosen) == 1 else None
+            out, boundary = forward_committed(shard, x, batch, split)
         except Exception as e:  # a bug must fail the steps, not kill the loop
             log.exception("batch of %d steps failed", len(chosen))
             for w, _ in chosen:
@@ -772,17 +775,18 @@ class NodeEngine:
 
 
 def forward_committed(
-    shard: Shard, x: np.ndarray, batch: list[BatchEntry]
+    shard: Shard, x: np.ndarray, batch: list[BatchEntry], split: HeadSplit | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """``Shard.forward`` that also returns the rows at the range's end boundary [T, d]:
     the output itself, or on the last shard the last layer's output before the final
-    norm and head (what a split there would send), which the node commits to."""
+    norm and head (what a split there would send), which the node commits to. ``split``:
+    the head's multiply shared through it (the same logits)."""
     hidden = shard.backend.embed(x) if shard.is_first else x
     hidden = shard.backend.run_layers(hidden, batch)
     if not shard.is_last:
         return hidden, hidden
     last_rows = np.cumsum([e.n_new for e in batch]) - 1
-    return shard.backend.head(hidden[last_rows]), hidden
+    return shard.backend.head(hidden[last_rows], split), hidden
 
 
 def _hand_over(chosen: list[tuple[StepWork, int]], out: np.ndarray, last: bool) -> None:

@@ -65,6 +65,9 @@ class NodeConfig:
     # 0: any free one (none when ``advertise_port`` is set); None: none (they keep to
     # gRPC).
     relay_port: int | None = 0
+    # As a ring's last hop, share a tied head's multiply with the ring's first hop,
+    # trusting its answers (node/head_assist.py): for nodes of one operator.
+    head_assist: bool = False
 
 
 _MAX_RELAY_CONNECTIONS = 8  # previous hops relaying over TCP at once (a thread each)
@@ -160,6 +163,7 @@ def _serve_relay(cfg: NodeConfig, host: str, service: NodeService) -> RelayListe
         service.check_relay_token,
         service.file_array,
         _MAX_RELAY_CONNECTIONS,
+        head=service.answer_head,
     )
     service.relay_port = listener.port
     print(f"meshnet node {cfg.node_id} takes relayed inputs on port {listener.port}", flush=True)
@@ -191,7 +195,8 @@ def serve(cfg: NodeConfig) -> int:
     host = cfg.advertise_host or listen_host
     offers = KVOffers(listen_host, host)  # node-to-node KV moves go over this bulk port
     dirs = ModelDirs.of([*cfg.model_dirs, Path(model_path).parent])
-    service = NodeService(NodeIdentity(cfg.node_id, model_path, dirs), engine, gate, offers)
+    identity = NodeIdentity(cfg.node_id, model_path, dirs)
+    service = NodeService(identity, engine, gate, offers, head_assist=cfg.head_assist)
     pb_grpc.add_NodeServicer_to_server(service, server)
     metrics.watch(service.stats)
     port = server.add_insecure_port(cfg.listen)
@@ -229,7 +234,7 @@ def serve(cfg: NodeConfig) -> int:
     server.stop(grace=1.0).wait()
     if relay_port is not None:
         relay_port.close()
-    service.relay.close()
+    service.close()
     offers.close()
     engine.stop()
     return 0

@@ -120,6 +120,12 @@ def _counters(s: EngineStats) -> list[tuple[str, str, float]]:
     return [
         ("steps", "Steps finished (a session's step through this node's layers)", s.steps),
         ("relayed_inputs", "Steps whose input came straight from the previous hop", s.relayed),
+        ("head_parts", "Head multiplies shared in time with the ring's first hop", s.head_parts),
+        (
+            "head_parts_late",
+            "Head parts asked of the ring's first hop that this node did itself",
+            s.head_parts_late,
+        ),
     ]
 
 

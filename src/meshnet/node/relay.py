@@ -152,6 +152,7 @@ class RelaySender:
         self._streams: dict[str, _RelayStream] = {}
         self._links: dict[str, SocketLink] = {}
         self._no_link_until: dict[str, float] = {}  # addresses whose port failed, until
+        self._ports: dict[str, int] = {}  # each address's relay port, once linked
         self._connecting: set[str] = set()
         self._lock = threading.Lock()
 
@@ -194,6 +195,12 @@ class RelaySender:
         frame = pb.RelayFrame(session_id=session_id, epoch=epoch, step=step, input=codec.encode(x))
         answer = self.post(address, token, frame)
         answer.add_done_callback(lambda a: _tell_refusal(a, address, on_failure))
+
+    def port_of(self, address: str) -> int | None:
+        """The relay port of ``address`` while a link to it is up; else None."""
+        with self._lock:
+            link = self._links.get(address)
+            return self._ports.get(address) if link is not None and link.broken is None else None
 
     def forget(self, address: str, session_id: str, epoch: int) -> None:
         """The run of (session, epoch) is over: its ``on_failure`` is told nothing more."""
@@ -239,6 +246,7 @@ class RelaySender:
                 self._no_link_until[address] = time.monotonic() + _NO_LINK_S
             else:
                 self._links[address] = link
+                self._ports[address] = port
         if link is not None:
             log.info("relaying to %s over its relay port %d", address, port)
 

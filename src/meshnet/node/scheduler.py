@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from meshnet.backends.base import HeadSplit
 from meshnet.errors import (
     CacheMiss,
     DeadlineExceeded,
@@ -76,6 +77,9 @@ class StepWork:
     # as the forward ends and before the step is committed: a ring's hop passes it on
     # while the loop does the step's bookkeeping (its future is answered after).
     on_output: Callable[[np.ndarray], None] | None = None
+    # The last hop's head multiply shared with another node (node/head_assist.py) when
+    # the step runs alone in its forward; otherwise the head is multiplied here.
+    head_split: HeadSplit | None = None
     future: Future[np.ndarray] = field(default_factory=Future)
     done_rows: int = 0  # prompt rows already run (chunked prefill)
     outputs: list[np.ndarray] = field(default_factory=list)

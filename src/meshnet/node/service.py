@@ -28,6 +28,7 @@ import numpy as np
 from meshnet.auth.grpc_auth import NodeGate
 from meshnet.auth.mesh_keys import SERVICE
 from meshnet.auth.signing import METADATA_KEY
+from meshnet.backends.fast import FastBackend
 from meshnet.errors import (
     DeadlineExceeded,
     MalformedBundle,
@@ -42,10 +43,12 @@ from meshnet.model.shard import Shard
 from meshnet.node.autorun import Inbox, Posted, Run, next_step
 from meshnet.node.configure import Configurator, StreamLimit
 from meshnet.node.engine import EngineStats, NodeEngine, OpenedSlot
+from meshnet.node.head_assist import HeadAssist, HeadAssists
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.kv_service import KVService
 from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.relay import Mailbox, RelaySender
+from meshnet.node.relay_wire import Ask
 from meshnet.node.scheduler import StepWork
 from meshnet.node.step_input import array_input, rows_checked, step_history, tensor_input
 from meshnet.node.wire import CONTROL_TIMEOUT_S, MAX_SESSION_ID, fail, remaining_s
@@ -94,6 +97,7 @@ class NodeService(pb_grpc.NodeServicer):
         engine: NodeEngine,
         gate: NodeGate,
         offers: KVOffers | None = None,
+        head_assist: bool = False,
     ) -> None:
         self.identity = identity
         self.engine = engine
@@ -103,6 +107,8 @@ class NodeService(pb_grpc.NodeServicer):
         limit = engine.config.max_streams * _RELAYS_PER_STREAM
         self.mailbox = Mailbox(limit, _MAILBOX_BYTES)  # inputs relayed by previous hops
         self.relay = RelaySender()  # outputs to next hops
+        # a ring's last hop shares its head with the first (node/head_assist.py)
+        self.assists = HeadAssists(self.relay.port_of) if head_assist else None
         self.relay_port = 0  # the relay port's, offered to previous hops (0: none)
         self.gate = gate
         self._relays = threading.BoundedSemaphore(_MAX_RELAY_STREAMS)  # from previous hops
@@ -112,9 +118,19 @@ class NodeService(pb_grpc.NodeServicer):
             engine, identity.model_dirs, identity.model_path, engine.config.max_streams
         )
 
+    def close(self) -> None:
+        """Close the links to next hops."""
+        self.relay.close()
+        if self.assists is not None:
+            self.assists.close()
+
     def stats(self) -> EngineStats:
         """What the node reports with its heartbeat."""
-        return replace(self.engine.stats(), relayed=self.mailbox.delivered)
+        asked, late = self.assists.counts() if self.assists is not None else (0, 0)
+        stats = self.engine.stats()
+        return replace(
+            stats, relayed=self.mailbox.delivered, head_parts=asked, head_parts_late=late
+        )
 
     def Forward(
         self, request_iterator: Iterator[pb.ForwardRequest], context: grpc.ServicerContext
@@ -245,6 +261,8 @@ class NodeService(pb_grpc.NodeServicer):
                     ready = _completed(step, early, x, context)
                 if not whole:  # a ring's hop passes its output on before the bookkeeping
                     ready.work.on_output = lambda out: hand_over(step, ready, handed, out)
+                if not whole and sampling is not None and self.assists is not None:
+                    ready.work.head_split = self._head_split(o)
                 then = partial(landed, step, ready, handed)
                 if early is not None and self._rings.count == 1:
                     # a lone stream's relayed step starts on this thread when the loop
@@ -571,6 +589,28 @@ class NodeService(pb_grpc.NodeServicer):
         except MeshnetError as e:
             return e
         return None
+
+    def _head_split(self, o: pb.Open) -> HeadAssist | None:
+        """A lone ring's last hop asks its first for part of its head; several rings'
+        steps meet in batches, whose head is multiplied here."""
+        shard = self.engine.shard
+        if self.assists is None or shard is None or self._rings.count != 1:
+            return None
+        return self.assists.for_hop(o.next_address, o.next_token, shard)
+
+    def answer_head(self, ask: Ask, x: np.ndarray) -> np.ndarray:
+        """A ring's last hop's ask (node/head_assist.py): ``x`` times this node's head
+        rows ``[0, ask.stop)``, its tied head being its embedding; raises the typed
+        refusal. Any thread (the asking connection's)."""
+        shard = self.engine.shard
+        if shard is None or not isinstance(shard.backend, FastBackend):
+            raise ShardMismatch("this node holds no quantized head")
+        if (ask.fingerprint, ask.backend) != (shard.fingerprint, shard.backend.name):
+            raise ShardMismatch("this node serves another model file or backend")
+        try:
+            return shard.backend.head_part(x, ask.stop)
+        except ValueError as e:
+            raise MalformedBundle(f"a head ask: {e}") from None
 
     def check_relay_token(self, token: str) -> None:
         """Let a relay-port connection in as a ``RelayStream`` call with ``token`` would
