@@ -10,7 +10,8 @@
    share 2 cores, and llama.cpp's RPC servers run one thread each) through the
    same API: per-token time against one node with the same threads (goal
    <= 1.15x), the tracker's ``--no-relay`` for the effect of node-to-node
-   activations, and decode tok/s against llama.cpp's RPC split over two
+   activations, the nodes' ``--head-assist off`` for the effect of the last hop
+   sharing its head with the first, and decode tok/s against llama.cpp's RPC split over two
    ``ggml-rpc-server`` processes (goal >= 1.5x).
 
 Rounds alternate between the sides; each figure is its best round (see

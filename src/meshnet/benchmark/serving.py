@@ -185,6 +185,14 @@ def mesh_vs_single(setup: ServingSetup) -> tuple[list[Comparison], list[str]]:
             "--no-relay": running_mesh(
                 data / "star", setup.model, layout, t, relay=False, backend=setup.backend
             ),
+            "no head assist": running_mesh(
+                data / "alone",
+                setup.model,
+                layout,
+                t,
+                backend=setup.backend,
+                node_args=["--head-assist", "off"],
+            ),
         }
         sides = []
         for name, cm in meshes.items():
@@ -196,7 +204,7 @@ def mesh_vs_single(setup: ServingSetup) -> tuple[list[Comparison], list[str]]:
                 side.single()
             if run_rpc is not None:
                 rpc.measure("1 stream tok/s", run_rpc)
-    one, relay, star = sides
+    one, relay, star, alone = sides
     hops = len(layout)
     rows = [
         _ms_row(
@@ -206,6 +214,7 @@ def mesh_vs_single(setup: ServingSetup) -> tuple[list[Comparison], list[str]]:
             f"{hops}-node --no-relay vs 1 node, ms/token", star, one, f"meshnet 1 node, {t} thr"
         ),
         _ms_row(f"{hops}-node relay vs --no-relay, ms/token", relay, star, "meshnet --no-relay"),
+        _ms_row(f"{hops}-node head assist vs off, ms/token", relay, alone, "--head-assist off"),
         _row(
             f"{hops}-node mesh, decode tok/s",
             relay,
