@@ -59,7 +59,9 @@ class HeadAssist:
         fingerprint: str,
         backend: str,
         clock: Callable[[], float] = time.perf_counter,
+        address: str = "the first hop",
     ) -> None:
+        self.address = address  # the peer's, for logs and its registry
         self._connect = connect
         self._fingerprint = fingerprint
         self._backend = backend
@@ -110,23 +112,23 @@ class HeadAssist:
         done = self._clock()
         row_s = (done - sent) / (head.rows - k)
         early = link.ready()  # the peer's part came before this node's was done
+        theirs: np.ndarray | None = None
         try:
             theirs = link.part(ask, timeout_s=max(row_s * k, 1e-4))
         except TimeoutError:
-            theirs = quant.matmul(normed, quant.row_range(head, 0, k))
             self._late(link, ask, head.rows)
         except MeshnetError as e:
             refused = not isinstance(e, MalformedBundle)
             self._pause(REFUSED_PAUSE_S if refused else LATE_PAUSE_S, str(e))
-            theirs = quant.matmul(normed, quant.row_range(head, 0, k))
         except OSError as e:
             self._pause(LATE_PAUSE_S, f"its link broke: {e}")
-            theirs = quant.matmul(normed, quant.row_range(head, 0, k))
         else:
             self.asked += 1
             self._lates = 0
             if not fresh:
                 self._learn(row_s, 0.0 if early else self._clock() - done, head.rows)
+        if theirs is None:  # the peer's part did not come: done here
+            theirs = quant.matmul(normed, quant.row_range(head, 0, k))
         return np.concatenate([theirs, mine], axis=1)
 
     def _learn(self, row_s: float, waited_s: float, rows: int) -> None:
@@ -159,7 +161,7 @@ class HeadAssist:
             self._shrink(_STEP * 5, rows)
 
     def _pause(self, seconds: float, why: str) -> None:
-        log.info("head assist: not asking %s for %.0f s: %s", self._peer(), seconds, why)
+        log.info("head assist: not asking %s for %.0f s: %s", self.address, seconds, why)
         self._drop_link()
         self._paused_until = self._clock() + seconds
         self.share = FIRST_SHARE
@@ -169,9 +171,6 @@ class HeadAssist:
         if self._link is not None:
             self._link.close()
             self._link = None
-
-    def _peer(self) -> str:
-        return self._link.address if self._link is not None else "the first hop"
 
 
 class HeadAssists:
@@ -203,9 +202,13 @@ class HeadAssists:
                 def connect() -> HeadLink:
                     return HeadLink.connect(host, port, self._tokens[address], address)
 
-                assist = self._assists[key] = HeadAssist(connect, shard.fingerprint, backend.name)
+                assist = HeadAssist(connect, shard.fingerprint, backend.name, address=address)
+                self._assists[key] = assist
                 while len(self._assists) > MAX_PEERS:  # first hops of routes long gone
-                    self._assists.pop(next(iter(self._assists))).close()
+                    gone = self._assists.pop(next(iter(self._assists)))
+                    gone.close()
+                    if all(a != gone.address for a, _, _ in self._assists):
+                        self._tokens.pop(gone.address, None)
         return assist
 
     def counts(self) -> tuple[int, int]:
