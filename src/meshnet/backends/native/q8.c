@@ -170,6 +170,10 @@ static void quantize_q8_k(const float *x, Py_ssize_t supers, int8_t *q, float *d
 /* I += w . x for signed w (never -128: see quant_layouts) and x, exact in int32 */
 #define DOTS(I, w, x) _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(w, x)), _mm256_set1_epi16(1)))
 #define DOTS_BIAS 0 /* DOTS adds (w + DOTS_BIAS) . x */
+/* DOTS with the weights' side made once for a tile's tokens (wp = WPREP(w)): |w| . (x
+ * signed by w), exact as DOTS (x is never -128 either); DOTS's |x| is made per token */
+#define WPREP(w) _mm256_abs_epi8(w)
+#define DOTSW(I, wp, w, x) _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(wp, _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1)))
 #define MADD16 _mm256_madd_epi16
 #define ADDI _mm256_add_epi32
 #define SUBI _mm256_sub_epi32
@@ -211,6 +215,8 @@ static void quantize_q8_k(const float *x, Py_ssize_t supers, int8_t *q, float *d
 #define PSCALE(P, sc) _mm512_mullo_epi32(P, sc)
 #define DOTS(I, w, x) _mm512_dpbusd_epi32(I, _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)), x)
 #define DOTS_BIAS 128
+#define WPREP(w) _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80))
+#define DOTSW(I, wp, w, x) _mm512_dpbusd_epi32(I, wp, x)
 #define MADD16 _mm512_madd_epi16
 #define ADDI _mm512_add_epi32
 #define SUBI _mm512_sub_epi32

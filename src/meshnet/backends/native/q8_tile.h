@@ -58,12 +58,19 @@ Q8_INLINE void FN(btile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
         if (type == Q8_0) {
             for (int v = 0; v < RV; v++)
                 for (int t = 0; t < TT; t++) isum[v][t] = IZERO();
+            /* more tokens than rows: the weights' side of DOTS made once, not per token */
+            const int per_row = RV < TT;
             for (int q = 0; q < QK / 4; q++) {
-                IVEC wq[4];
-                for (int v = 0; v < RV; v++) wq[v] = LDQ(p[v] + quants + q * 64 + 4 * lane[v]);
+                IVEC wq[4], wp[4];
+                for (int v = 0; v < RV; v++) {
+                    wq[v] = LDQ(p[v] + quants + q * 64 + 4 * lane[v]);
+                    if (per_row) wp[v] = WPREP(wq[v]);
+                }
                 for (int t = 0; t < TT; t++) {
                     const IVEC bx = BX(xb + t * cols + 4 * q);
-                    for (int v = 0; v < RV; v++) isum[v][t] = DOTS(isum[v][t], wq[v], bx);
+                    for (int v = 0; v < RV; v++)
+                        isum[v][t] = per_row ? DOTSW(isum[v][t], wp[v], wq[v], bx)
+                                             : DOTS(isum[v][t], wq[v], bx);
                 }
             }
             if (DOTS_BIAS)
@@ -428,6 +435,8 @@ static TARGET void FN(q8rows)(const q8job_t *j, Py_ssize_t v0, Py_ssize_t v1) {
 #undef PSCALE
 #undef DOTS
 #undef DOTS_BIAS
+#undef WPREP
+#undef DOTSW
 #undef MADD16
 #undef ADDI
 #undef SUBI
