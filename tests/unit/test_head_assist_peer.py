@@ -1,7 +1,8 @@
 """Head assist (node/head_assist.py) against a fake peer: the logits are bit-identical
 to one multiply whether the peer's part comes in time, late, refused or never; a late
 or refusing peer is not asked for a while; the share grows while the peer's part is
-there first and shrinks when this node waits for it."""
+there first and shrinks when this node waits for it; a peer whose parts save less
+than the head's time alone is not asked for a while, one whose parts save it is."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def _head() -> quant.QuantMatrix:
 HEAD = _head()
 NORMED = np.random.default_rng(1).standard_normal((1, COLS)).astype(np.float32)
 WHOLE = quant.matmul(NORMED, HEAD)
+MULTIPLY = quant.matmul  # the peer's, never slowed by ``timed_rows``
+ROW_S = 1e-5  # with ``timed_rows``: seconds a row of this node's multiplies takes
 
 
 class Clock:
@@ -50,6 +53,8 @@ class Peer:
         self.fail: Exception | None = None  # raised by ``part``
         self.early = True  # the part was there when this node's was done
         self.closed = 0
+        self.clock: Clock | None = None  # moved on by ``wait_s`` as a part is awaited
+        self.wait_s = 0.0
 
     def ask(self, x: np.ndarray, stop: int, fingerprint: str, backend: str) -> Ask:
         ask = Ask(len(self.asks) + 1, x.shape[0], x.shape[1], stop, fingerprint, backend)
@@ -59,7 +64,9 @@ class Peer:
     def part(self, ask: Ask, timeout_s: float) -> np.ndarray:
         if self.fail is not None:
             raise self.fail
-        return quant.matmul(NORMED, quant.row_range(HEAD, 0, ask.stop))
+        if self.clock is not None:
+            self.clock.now += self.wait_s
+        return MULTIPLY(NORMED, quant.row_range(HEAD, 0, ask.stop))
 
     def ready(self) -> bool:
         return self.early
@@ -149,6 +156,49 @@ def test_a_peer_that_cannot_be_reached_is_paused_and_the_logits_made_here() -> N
     np.testing.assert_array_equal(assist.logits(NORMED, HEAD), WHOLE)
     refused = ha.HeadAssist(_raise(ShardMismatch("no head parts")), SHA, "q8", clock=clock)
     np.testing.assert_array_equal(refused.logits(NORMED, HEAD), WHOLE)
+
+
+@pytest.fixture
+def timed_rows(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """A clock that this node's multiplies move on by ``ROW_S`` a row, as compute would."""
+    clock = Clock()
+
+    def matmul(x: np.ndarray, w: quant.QuantMatrix) -> np.ndarray:
+        clock.now += w.rows * ROW_S
+        return MULTIPLY(x, w)
+
+    monkeypatch.setattr(ha.quant, "matmul", matmul)
+    return clock
+
+
+def test_a_peer_whose_parts_save_time_is_still_asked_after_the_head_is_timed_alone(
+    timed_rows: Clock,
+) -> None:
+    peer = Peer()
+    assist = _assist(peer, timed_rows)
+    for _ in range(1 + ha.PROBE_EVERY):  # a new link's first answer is not timed
+        np.testing.assert_array_equal(assist.logits(NORMED, HEAD), WHOLE)
+    asked = len(peer.asks)
+    for _ in range(ha.PROBE_RUNS):  # the head alone
+        np.testing.assert_array_equal(assist.logits(NORMED, HEAD), WHOLE)
+    assert len(peer.asks) == asked
+    np.testing.assert_array_equal(assist.logits(NORMED, HEAD), WHOLE)
+    assert len(peer.asks) == asked + 1 and assist.asked == asked + 1
+
+
+def test_a_peer_whose_parts_save_nothing_is_not_asked_for_a_while(timed_rows: Clock) -> None:
+    peer = Peer()
+    peer.clock, peer.wait_s = timed_rows, ROWS * ROW_S  # as long as the head alone
+    assist = _assist(peer, timed_rows)
+    for _ in range(1 + ha.PROBE_EVERY + ha.PROBE_RUNS):
+        np.testing.assert_array_equal(assist.logits(NORMED, HEAD), WHOLE)
+    asked = len(peer.asks)
+    assert asked == 1 + ha.PROBE_EVERY and assist.late == 0
+    np.testing.assert_array_equal(assist.logits(NORMED, HEAD), WHOLE)
+    assert len(peer.asks) == asked  # paused: multiplied here alone
+    timed_rows.now += ha.NO_GAIN_PAUSE_S
+    np.testing.assert_array_equal(assist.logits(NORMED, HEAD), WHOLE)
+    assert len(peer.asks) == asked + 1
 
 
 def test_several_rows_are_multiplied_here() -> None:

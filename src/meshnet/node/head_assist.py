@@ -10,7 +10,11 @@ multiply (``quant.row_range``), so the sampled token is too.
 
 ``k`` is chosen so both sides finish together: from the time a row of its own part
 takes and the first hop's measured turnaround, a fixed cost (two wake-ups, the
-bytes both ways) plus its rows. A first hop that answers late (a slow link, a busy
+bytes both ways) plus its rows. Finishing together is not yet finishing sooner:
+where the two nodes share a memory bus (one host's cores), each side's multiply
+slows while the other's runs, so every ``PROBE_EVERY`` parts the head is
+multiplied alone a few times, and a peer whose parts saved too little of that
+time is not asked for a while. A first hop that answers late (a slow link, a busy
 node) is not asked for a while; one that refuses (not the first shard, another
 file or backend) is not asked again. The first hop's answers are trusted as the
 ring's own: a node asks only when its operator says so (``meshnet node
@@ -43,6 +47,10 @@ MAX_LATE = 3  # parts late in a row before a peer is not asked for a while
 LATE_PAUSE_S = 10.0  # a peer that answered late (or whose link broke) is not asked meanwhile
 REFUSED_PAUSE_S = 300.0  # nor one that refused to answer
 MAX_PEERS = 16  # first hops a node keeps an assist for (the oldest made goes)
+PROBE_EVERY = 32  # parts in time between two measures of the head multiplied alone
+PROBE_RUNS = 3  # multiplies alone one measure takes (their median counts)
+MIN_GAIN = 0.03  # of the head alone's time: the least saving that keeps a peer asked
+NO_GAIN_PAUSE_S = 60.0  # a peer whose parts saved less is not asked meanwhile
 _DRAIN_S = 0.002  # the wait, after a late part was done here, for it to come anyway
 _STEP = 0.01  # of the head's rows: the share's rise after a part that came early
 
@@ -73,6 +81,8 @@ class HeadAssist:
         self.asked = 0  # asks answered in time
         self.late = 0  # asks this node finished itself
         self._lates = 0  # of them, in a row
+        self._with: list[float] = []  # seconds of each multiply shared since the last measure
+        self._alone: list[float] = []  # seconds of this measure's multiplies alone
 
     def logits(self, normed: np.ndarray, head: QuantMatrix) -> np.ndarray:
         """``normed`` [1, d] times ``head`` [vocab, d]: [1, vocab], exactly as one
@@ -81,6 +91,8 @@ class HeadAssist:
         if normed.shape[0] != 1 or k == 0 or not self._lock.acquire(blocking=False):
             return quant.matmul(normed, head)
         try:
+            if len(self._with) >= PROBE_EVERY:
+                return self._probe(normed, head)
             return self._shared(normed, head, k)
         finally:
             self._lock.release()
@@ -96,8 +108,23 @@ class HeadAssist:
         k = int(rows * self.share) // GROUP_ROWS * GROUP_ROWS
         return k if 0 < k < rows else 0
 
+    def _probe(self, normed: np.ndarray, head: QuantMatrix) -> np.ndarray:
+        """The head multiplied alone, timed; after ``PROBE_RUNS`` of them, the peer is
+        kept only if its parts saved at least ``MIN_GAIN`` of that time."""
+        start = self._clock()
+        out = quant.matmul(normed, head)
+        self._alone.append(self._clock() - start)
+        if len(self._alone) >= PROBE_RUNS:
+            alone, shared = float(np.median(self._alone)), float(np.median(self._with))
+            self._with, self._alone = [], []
+            if shared > alone * (1 - MIN_GAIN):
+                why = f"it saves too little here: {shared * 1e3:.2f} ms a head with it, "
+                self._pause(NO_GAIN_PAUSE_S, why + f"{alone * 1e3:.2f} ms alone")
+        return out
+
     def _shared(self, normed: np.ndarray, head: QuantMatrix, k: int) -> np.ndarray:
         fresh = self._link is None  # a new link's first answer is slow: not learnt from
+        start = self._clock()
         try:
             link = self._link = self._link or self._connect()
             ask = link.ask(normed, k, self._fingerprint, self._backend)
@@ -129,6 +156,8 @@ class HeadAssist:
                 self._learn(row_s, 0.0 if early else self._clock() - done, head.rows)
         if theirs is None:  # the peer's part did not come: done here
             theirs = quant.matmul(normed, quant.row_range(head, 0, k))
+        elif not fresh:
+            self._with.append(self._clock() - start)
         return np.concatenate([theirs, mine], axis=1)
 
     def _learn(self, row_s: float, waited_s: float, rows: int) -> None:
@@ -166,6 +195,7 @@ class HeadAssist:
         self._paused_until = self._clock() + seconds
         self.share = FIRST_SHARE
         self._lates = 0
+        self._with, self._alone = [], []
 
     def _drop_link(self) -> None:
         if self._link is not None:
