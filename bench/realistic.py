@@ -17,6 +17,11 @@ the ratio:
   better of libgomp's default spin and a short one: benchmark/split.py);
 - each node's RSS against the file bytes of the tensors it serves plus the KV
   of one benchmark sequence;
+- with --delay-ms, the splits' links held that long each way by a user-space
+  proxy (meshnet/benchmark/delay_proxy.py), as over a network: llama-bench's link
+  to each RPC server, and every connection to a node (the tracker's, the
+  previous hop's, its relay port's). Per token llama.cpp's RPC client makes
+  round trips to every server; meshnet's ring crosses one link a hop;
 - the memory ceiling of one thread's batch-1 decode, measured in the run: its
   streaming read bandwidth over the weight bytes a decode step reads
   (meshnet/benchmark/bandwidth.py). A split's nodes take turns on one stream,
@@ -67,6 +72,13 @@ def main() -> None:
         help="kernel threads of every split process, both sides (a hop of its own host "
         "would have all its cores: 2 gives each the machine's; the hops take turns)",
     )
+    p.add_argument(
+        "--delay-ms",
+        type=float,
+        default=0.0,
+        help="splits only: every link to a node or RPC server held this long each way by a "
+        "user-space proxy, as over a network (0: loopback)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="rounds per side, taken in turns")
     p.add_argument("--llamacpp", help="folder with llama-bench and ggml-rpc-server")
     p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS, help="ours, everywhere")
@@ -102,12 +114,13 @@ def main() -> None:
         prompt_tokens=len(local.tokenizer.encode(PROMPT)),
         llamacpp=bin_dir,
         backend=args.backend,
+        delay_ms=args.delay_ms,
     )
     del local  # the nodes load their own shards; this process's copy would crowd them
     gc.collect()
     for nodes in (int(n) for n in args.nodes.split(",") if n):
         split = measure_split(setup, nodes, args.decode_tokens, args.rounds, args.split_threads)
-        _print_split(split, ceiling, args.split_threads)
+        _print_split(split, ceiling, args.split_threads, args.delay_ms)
 
 
 def _default_model(bin_dir: Path | None) -> Path:
@@ -141,14 +154,15 @@ def _print_ceiling(step_bytes: int) -> float:
     return ceiling
 
 
-def _print_split(r: SplitResult, ceiling: float, threads: int) -> None:
+def _print_split(r: SplitResult, ceiling: float, threads: int, delay_ms: float) -> None:
+    links = f", every link to a node or RPC server {delay_ms:g} ms each way" if delay_ms else ""
     print(
-        f"\n{r.nodes}-node split, {threads} thread(s) per process, decode of {r.tokens} "
-        "tokens, best alternating round"
+        f"\n{r.nodes}-node split, {threads} thread(s) per process{links}, decode of "
+        f"{r.tokens} tokens, best alternating round"
     )
     print(f"{'figure':<26}{'meshnet':>10}{'llama.cpp':>11}{'ratio':>8}{'goal':>8}")
     _row("decode tok/s (RPC peer)", r.mesh_tok_s, r.rpc_tok_s, GOAL_SPLIT)
-    if threads == 1:
+    if threads == 1 and not delay_ms:  # the ceiling bounds compute, not links
         shares = f"of the one-thread ceiling: meshnet {r.mesh_tok_s / ceiling:.0%}"
         if r.rpc_tok_s:
             goal = GOAL_SPLIT * r.rpc_tok_s / ceiling

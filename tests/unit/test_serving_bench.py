@@ -170,9 +170,9 @@ def test_proxy_pairs_parse() -> None:
     assert parse_pairs(["9001=8001", "9002=8002"]) == [(9001, 8001), (9002, 8002)]
 
 
-def test_the_delay_proxy_forwards_every_byte_and_holds_them() -> None:
-    target = free_port()
-    server = socket.create_server(("127.0.0.1", target))
+def _echo_server(port: int) -> socket.socket:
+    """A server on 127.0.0.1:``port`` that sends back what its one connection sends."""
+    server = socket.create_server(("127.0.0.1", port))
 
     def echo() -> None:
         conn, _ = server.accept()
@@ -181,18 +181,42 @@ def test_the_delay_proxy_forwards_every_byte_and_holds_them() -> None:
                 conn.sendall(data)
 
     threading.Thread(target=echo, daemon=True).start()
+    return server
+
+
+def _round_trip(host: str, port: int, payload: bytes) -> bytes:
+    with socket.create_connection((host, port)) as s:
+        s.sendall(payload)
+        got = b""
+        while len(got) < len(payload):
+            got += s.recv(1 << 16)
+    return got
+
+
+def test_the_delay_proxy_forwards_every_byte_and_holds_them() -> None:
+    target = free_port()
+    server = _echo_server(target)
     listen = free_port()
     proxy = DelayProxy([(listen, target)])
     try:
         proxy.set_delay(20.0)
         payload = bytes(range(256)) * 400
-        with socket.create_connection(("127.0.0.1", listen)) as s:
-            s.sendall(payload)
-            got = b""
-            while len(got) < len(payload):
-                got += s.recv(1 << 16)
-        assert got == payload
+        assert _round_trip("127.0.0.1", listen, payload) == payload
         assert proxy.held_ms() >= 20.0  # never sooner than asked
+    finally:
+        proxy.close()
+        server.close()
+
+
+def test_the_delay_proxy_takes_its_targets_port_on_another_loopback_address() -> None:
+    """A node's relay port is offered by number: its forwarder listens on that number."""
+    port = free_port()
+    server = _echo_server(port)
+    proxy = DelayProxy([(port, port)], host="127.0.0.2")
+    try:
+        proxy.set_delay(5.0)
+        assert _round_trip("127.0.0.2", port, b"relay frame") == b"relay frame"
+        assert proxy.held_ms() >= 5.0
     finally:
         proxy.close()
         server.close()

@@ -8,10 +8,13 @@ link with that one-way latency (no bandwidth limit, no loss).
 
 Run as a process of its own (so its event loop competes with nobody's GIL):
 
-    python -m meshnet.benchmark.delay_proxy LISTEN_PORT=TARGET_PORT ...
+    python -m meshnet.benchmark.delay_proxy [--host HOST] LISTEN_PORT=TARGET_PORT ...
 
-It binds 127.0.0.1 and prints ``ready`` once every port listens. Commands on
-stdin, one per line, each answered on stdout:
+It listens on HOST (default 127.0.0.1), forwards to 127.0.0.1, and prints
+``ready`` once every port listens. On another loopback address (127.0.0.2) it
+can listen on a port number its target uses: a node offers its relay port by
+number, so the port's forwarder must listen on that number. Commands on stdin,
+one per line, each answered on stdout:
 
 - ``delay SECONDS`` -> ``ok``: the delay of everything read from now on;
 - ``held`` -> ``held MEAN_S COUNT``: the mean time chunks were actually held
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 from meshnet.errors import MeshnetError
 
 _CHUNK = 1 << 16
+LOOPBACK = "127.0.0.1"  # where targets are, and by default where it listens
 _MODULE = "meshnet.benchmark.delay_proxy"
 
 
@@ -71,10 +75,10 @@ async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, state: _St
         dst.close()
 
 
-async def _serve(listen: int, target: int, state: _State) -> asyncio.Server:
+async def _serve(host: str, listen: int, target: int, state: _State) -> asyncio.Server:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", target)
+            up_reader, up_writer = await asyncio.open_connection(LOOPBACK, target)
         except OSError:
             writer.close()
             return
@@ -82,7 +86,7 @@ async def _serve(listen: int, target: int, state: _State) -> asyncio.Server:
         with contextlib.suppress(asyncio.CancelledError):  # the proxy is shutting down
             await pumps
 
-    return await asyncio.start_server(handle, "127.0.0.1", listen)
+    return await asyncio.start_server(handle, host, listen)
 
 
 async def _commands(state: _State) -> None:
@@ -100,9 +104,9 @@ async def _commands(state: _State) -> None:
             print(f"error unknown command {line.strip()!r}", flush=True)
 
 
-async def _main(pairs: list[tuple[int, int]]) -> None:
+async def _main(host: str, pairs: list[tuple[int, int]]) -> None:
     state = _State()
-    servers = [await _serve(listen, target, state) for listen, target in pairs]
+    servers = [await _serve(host, listen, target, state) for listen, target in pairs]
     print("ready", flush=True)
     try:
         await _commands(state)  # stdin closed: the parent is done with us
@@ -123,8 +127,8 @@ def parse_pairs(args: list[str]) -> list[tuple[int, int]]:
 class DelayProxy:
     """The parent's handle on a running proxy process; ``close()`` ends it."""
 
-    def __init__(self, pairs: Sequence[tuple[int, int]]) -> None:
-        argv = [sys.executable, "-m", _MODULE]
+    def __init__(self, pairs: Sequence[tuple[int, int]], host: str = LOOPBACK) -> None:
+        argv = [sys.executable, "-m", _MODULE, "--host", host]
         argv += [f"{listen}={target}" for listen, target in pairs]
         self._proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
@@ -173,5 +177,12 @@ class DelayProxy:
             self._proc.stdout.close()
 
 
+def _cli(argv: list[str]) -> tuple[str, list[tuple[int, int]]]:
+    """``[--host HOST] LISTEN=TARGET ...`` -> (host, pairs)."""
+    if argv[:1] == ["--host"] and len(argv) >= 2:
+        return argv[1], parse_pairs(argv[2:])
+    return LOOPBACK, parse_pairs(argv)
+
+
 if __name__ == "__main__":
-    asyncio.run(_main(parse_pairs(sys.argv[1:])))
+    asyncio.run(_main(*_cli(sys.argv[1:])))

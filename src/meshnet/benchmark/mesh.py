@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from meshnet.backends.kernel_threads import set_threads
+from meshnet.benchmark.delay_proxy import DelayProxy
 from meshnet.benchmark.running_mesh import served_model
 from meshnet.engine.generate import generate
 from meshnet.engine.local import load_local_model
@@ -128,9 +129,12 @@ def llamacpp_rpc_tok_s(
     repetitions: int = 3,
     threads: int = 1,
     env: dict[str, str] | None = None,
+    delay_ms: float = 0.0,
 ) -> float:
     """Decode tok/s of llama.cpp with its layers split over ``servers`` local RPC servers
-    of ``threads`` threads each, the mean of ``repetitions`` runs of llama-bench."""
+    of ``threads`` threads each, the mean of ``repetitions`` runs of llama-bench. With
+    ``delay_ms``, llama-bench reaches each server through a delay proxy holding every
+    byte that long each way (benchmark/delay_proxy.py), as over a network link."""
     ports = [free_port() for _ in range(servers)]
     procs = [
         subprocess.Popen(
@@ -141,8 +145,14 @@ def llamacpp_rpc_tok_s(
         )
         for p in ports
     ]
+    proxy = None
     try:
         time.sleep(1.0)
+        if delay_ms > 0:
+            fronts = [free_port() for _ in ports]
+            proxy = DelayProxy(list(zip(fronts, ports, strict=True)))
+            proxy.set_delay(delay_ms)
+            ports = fronts
         rpc = ",".join(f"127.0.0.1:{p}" for p in ports)
         out = subprocess.run(
             [
@@ -170,6 +180,8 @@ def llamacpp_rpc_tok_s(
         ).stdout
         return float(json.loads(out)[0]["avg_ts"])
     finally:
+        if proxy is not None:
+            proxy.close()
         for p in procs:
             p.terminate()
             p.wait(timeout=10)

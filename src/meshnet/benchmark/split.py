@@ -20,20 +20,23 @@ RSS of a node started empty in the same mesh (the interpreter and libraries).
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshnet.benchmark.delay_proxy import DelayProxy
 from meshnet.benchmark.mesh import llamacpp_rpc_tok_s, stream_decode_tok_s
 from meshnet.benchmark.node_memory import Rss, session_kv_bytes, shard_file_bytes
 from meshnet.benchmark.running_mesh import served_model
 from meshnet.layer_range import LayerRange, split_evenly
-from meshnet.local_mesh import LocalMesh
+from meshnet.local_mesh import LocalMesh, free_port
 from meshnet.model.shard import DEFAULT_BACKEND
 from meshnet.model.spec import ModelSpec
 
 _START_TIMEOUT_S = 900.0  # every node loads its shard of a 1B model on a shared 2-core VM
+_PROXY_HOST = "127.0.0.2"  # where a delayed split's nodes are dialled: the proxy
 _SHORT_SPIN = {"GOMP_SPINCOUNT": "3000"}  # rounds an idle OpenMP thread spins, not ~300k
 
 
@@ -81,6 +84,7 @@ class SplitSetup:
     prompt_tokens: int  # ids of mesh.PROMPT, for the KV a sequence takes
     llamacpp: Path | None  # folder with llama-bench and ggml-rpc-server
     backend: str = DEFAULT_BACKEND  # the nodes'
+    delay_ms: float = 0.0  # held each way on every link to a node or RPC server
 
 
 def measure_split(
@@ -98,30 +102,66 @@ def measure_split(
             node_args=["--threads", str(threads), "--backend", setup.backend],
         )
         try:
-            mesh.start(list(layout), timeout_s=_START_TIMEOUT_S)
-            name = served_model(mesh)
-            stream_decode_tok_s(mesh, name, 4)  # warm every hop
-            for _ in range(rounds):
-                # tokens + 1 streamed: the first carries the prefill, then ``tokens`` decodes
-                ours.append(stream_decode_tok_s(mesh, name, tokens + 1))
-                if setup.llamacpp is not None:
-                    for env in [{}] if threads == 1 else [{}, _SHORT_SPIN]:
-                        theirs.append(
-                            llamacpp_rpc_tok_s(
-                                setup.llamacpp, setup.model, nodes, tokens, 1, threads, env
+            with _nodes_behind_proxy(mesh, layout, setup.delay_ms):
+                name = served_model(mesh)
+                stream_decode_tok_s(mesh, name, 4)  # warm every hop
+                for _ in range(rounds):
+                    # tokens + 1 streamed: the first carries the prefill, then ``tokens`` decodes
+                    ours.append(stream_decode_tok_s(mesh, name, tokens + 1))
+                    if setup.llamacpp is not None:
+                        for env in [{}] if threads == 1 else [{}, _SHORT_SPIN]:
+                            theirs.append(
+                                llamacpp_rpc_tok_s(
+                                    setup.llamacpp,
+                                    setup.model,
+                                    nodes,
+                                    tokens,
+                                    1,
+                                    threads,
+                                    env,
+                                    setup.delay_ms,
+                                )
                             )
-                        )
-            memory = [
-                _node_memory(setup, node_id, proc.pid, layers, tokens)
-                for (node_id, proc), layers in zip(mesh.nodes.items(), layout, strict=True)
-            ]
-            empty = mesh.start_node("node-empty", None)
-            mesh.wait_ready(expected_nodes=nodes + 1, timeout_s=_START_TIMEOUT_S)
-            baseline = Rss.of(empty.pid)
+                memory = [
+                    _node_memory(setup, node_id, proc.pid, layers, tokens)
+                    for (node_id, proc), layers in zip(mesh.nodes.items(), layout, strict=True)
+                ]
+                empty = mesh.start_node("node-empty", None)
+                mesh.wait_ready(expected_nodes=nodes + 1, timeout_s=_START_TIMEOUT_S)
+                baseline = Rss.of(empty.pid)
         finally:
             mesh.stop()
     rpc = max(theirs) if theirs else None
     return SplitResult(nodes, tokens, max(ours), rpc, memory, baseline)
+
+
+@contextlib.contextmanager
+def _nodes_behind_proxy(
+    mesh: LocalMesh, layout: Sequence[LayerRange], delay_ms: float
+) -> Iterator[None]:
+    """Start ``mesh`` on ``layout``; with ``delay_ms``, every connection to a node (the
+    tracker's and the previous hop's, its relay port's too) through a delay proxy
+    holding each byte that long each way, as llama.cpp's RPC servers are reached. The
+    nodes listen on 127.0.0.1 and are dialled at the proxy's 127.0.0.2, where the
+    relay port they offer by number is forwarded under that same number."""
+    if delay_ms <= 0:
+        mesh.start(list(layout), timeout_s=_START_TIMEOUT_S)
+        yield
+        return
+    ports = [(free_port(), free_port(), free_port()) for _ in layout]  # listen, dialled, relay
+    pairs = [p for listen, dialled, relay in ports for p in ((dialled, listen), (relay, relay))]
+    proxy = DelayProxy(pairs, host=_PROXY_HOST)
+    try:
+        mesh.start_tracker()
+        for i, (layers, (listen, dialled, relay)) in enumerate(zip(layout, ports, strict=True)):
+            extra = ["--advertise-host", _PROXY_HOST, "--advertise-port", str(dialled)]
+            extra += ["--relay-port", str(relay)]
+            mesh.start_node(f"node-{i}", layers, listen=f"127.0.0.1:{listen}", extra=extra)
+        mesh.wait_ready(expected_nodes=len(layout), timeout_s=_START_TIMEOUT_S)
+        proxy.set_delay(delay_ms)
+        yield
+    finally:
+        proxy.close()
 
 
 def _node_memory(
