@@ -12,9 +12,9 @@ second. With ``--no-relay`` the tracker carries every hop's input and output,
 
 The delay is ``tc netem`` on veth links between network namespaces (each node
 in its own, see ``netem_links``) where the kernel has it; otherwise a user
-space forwarder in front of each node's gRPC port (``delay_proxy``), which
-delays every data-plane connection, tracker to node and node to node, each
-direction (the nodes' heartbeats to the tracker go around it). Compute is
+space forwarder in front of each node's gRPC and relay ports (``delay_proxy``),
+which delays every data-plane connection, tracker to node and node to node,
+each direction (the nodes' heartbeats to the tracker go around it). Compute is
 measured through the very same links with the delay set to 0, alternating
 with the delayed runs.
 """
@@ -88,16 +88,23 @@ class _NetemPlaces:
         return None  # netem holds each packet for the asked time
 
 
+PROXY_HOST = "127.0.0.2"  # where nodes behind the proxy are dialled
+
+
 @dataclass
 class _ProxyPlaces:
-    ports: dict[tuple[int, int], tuple[int, int]]  # (mesh, node) -> (listen, advertised)
+    """Nodes listen on 127.0.0.1 and are dialled at the proxy on 127.0.0.2: their gRPC
+    port under another number, their relay port (offered by number) under its own."""
+
+    ports: dict[tuple[int, int], tuple[int, int, int]]  # (mesh, node) -> listen, dialled, relay
     proxy: DelayProxy
     name: str = "user-space delay proxy before each node (no sch_netem in this kernel)"
     tracker_host: str = "127.0.0.1"
 
     def node_place(self, mesh: int, i: int) -> tuple[str, list[str], list[str]]:
-        listen, advertised = self.ports[(mesh, i)]
-        return f"127.0.0.1:{listen}", [], ["--advertise-port", str(advertised)]
+        listen, dialled, relay = self.ports[(mesh, i)]
+        extra = ["--advertise-host", PROXY_HOST, "--advertise-port", str(dialled)]
+        return f"127.0.0.1:{listen}", [], [*extra, "--relay-port", str(relay)]
 
     def set_delay(self, delay_ms: float) -> None:
         self.proxy.set_delay(delay_ms)
@@ -121,8 +128,12 @@ def delayed_links(transport: Transport, meshes: int, hops: int) -> Iterator[Link
         return
     if transport == "netem":
         raise MeshnetError(f"cannot delay links with netem here: {why}")
-    ports = {(m, i): (free_port(), free_port()) for m in range(meshes) for i in range(hops)}
-    proxy = DelayProxy([(adv, listen) for listen, adv in ports.values()])
+    ports = {
+        (m, i): (free_port(), free_port(), free_port()) for m in range(meshes) for i in range(hops)
+    }
+    pairs = [(dialled, listen) for listen, dialled, _ in ports.values()]
+    pairs += [(relay, relay) for _, _, relay in ports.values()]
+    proxy = DelayProxy(pairs, host=PROXY_HOST)
     try:
         yield _ProxyPlaces(ports, proxy, name=f"user-space delay proxy ({why})")
     finally:

@@ -26,17 +26,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshnet.benchmark.delay_proxy import DelayProxy
 from meshnet.benchmark.mesh import llamacpp_rpc_tok_s, stream_decode_tok_s
+from meshnet.benchmark.mesh_delay import delayed_links
 from meshnet.benchmark.node_memory import Rss, session_kv_bytes, shard_file_bytes
 from meshnet.benchmark.running_mesh import served_model
 from meshnet.layer_range import LayerRange, split_evenly
-from meshnet.local_mesh import LocalMesh, free_port
+from meshnet.local_mesh import LocalMesh
 from meshnet.model.shard import DEFAULT_BACKEND
 from meshnet.model.spec import ModelSpec
 
 _START_TIMEOUT_S = 900.0  # every node loads its shard of a 1B model on a shared 2-core VM
-_PROXY_HOST = "127.0.0.2"  # where a delayed split's nodes are dialled: the proxy
 _SHORT_SPIN = {"GOMP_SPINCOUNT": "3000"}  # rounds an idle OpenMP thread spins, not ~300k
 
 
@@ -140,28 +139,20 @@ def _nodes_behind_proxy(
     mesh: LocalMesh, layout: Sequence[LayerRange], delay_ms: float
 ) -> Iterator[None]:
     """Start ``mesh`` on ``layout``; with ``delay_ms``, every connection to a node (the
-    tracker's and the previous hop's, its relay port's too) through a delay proxy
-    holding each byte that long each way, as llama.cpp's RPC servers are reached. The
-    nodes listen on 127.0.0.1 and are dialled at the proxy's 127.0.0.2, where the
-    relay port they offer by number is forwarded under that same number."""
+    tracker's, the previous hop's, its relay port's) through the delay proxy, holding
+    each byte that long each way, as llama.cpp's RPC servers are reached."""
     if delay_ms <= 0:
         mesh.start(list(layout), timeout_s=_START_TIMEOUT_S)
         yield
         return
-    ports = [(free_port(), free_port(), free_port()) for _ in layout]  # listen, dialled, relay
-    pairs = [p for listen, dialled, relay in ports for p in ((dialled, listen), (relay, relay))]
-    proxy = DelayProxy(pairs, host=_PROXY_HOST)
-    try:
+    with delayed_links("proxy", 1, len(layout)) as links:
         mesh.start_tracker()
-        for i, (layers, (listen, dialled, relay)) in enumerate(zip(layout, ports, strict=True)):
-            extra = ["--advertise-host", _PROXY_HOST, "--advertise-port", str(dialled)]
-            extra += ["--relay-port", str(relay)]
-            mesh.start_node(f"node-{i}", layers, listen=f"127.0.0.1:{listen}", extra=extra)
+        for i, layers in enumerate(layout):
+            listen, prefix, extra = links.node_place(0, i)
+            mesh.start_node(f"node-{i}", layers, listen=listen, prefix=prefix, extra=extra)
         mesh.wait_ready(expected_nodes=len(layout), timeout_s=_START_TIMEOUT_S)
-        proxy.set_delay(delay_ms)
+        links.set_delay(delay_ms)
         yield
-    finally:
-        proxy.close()
 
 
 def _node_memory(
