@@ -4,7 +4,10 @@ meshnet's side is the real mesh (tracker + N ``meshnet node`` processes on
 loopback, ``threads`` kernel threads each, layers split evenly), timed as a
 client sees streamed tokens arrive. llama.cpp's side is ``llama-bench`` with its
 layers offloaded to N local ``ggml-rpc-server`` processes of as many threads.
-The two take turns, one round each, and each figure is its best round.
+The two take turns, one round each, and each figure is its best round. With a
+delay (``SplitSetup.delay_ms``) both run as over a network: the same user-space
+proxy (``delay_proxy``) holds every byte on llama-bench's link to each RPC
+server and on every connection to a node, each way.
 
 With more than one thread a process, the processes hold more threads than this
 machine has cores, as hops on hosts of their own would not, and an OpenMP thread
