@@ -15,10 +15,18 @@ def solo_chat_ids(model: LocalModel, body: dict[str, Any]) -> list[int]:
     """The ids an OpenAI chat ``body`` generates in-process (its sampling fields honoured)."""
     msgs = [ChatMessage(m["role"], m["content"]) for m in body["messages"]]
     ids = model.tokenizer.encode(model.template.render(msgs))
-    params = SamplingParams(
+    return generate(model.chain, model.tokenizer, ids, _params(body)).ids
+
+
+def solo_completion_ids(model: LocalModel, body: dict[str, Any]) -> list[int]:
+    """The ids a completion ``body`` whose prompt is token ids generates in-process."""
+    return generate(model.chain, model.tokenizer, body["prompt"], _params(body)).ids
+
+
+def _params(body: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(
         max_tokens=body["max_tokens"],
         temperature=body.get("temperature", 1.0),
         top_p=body.get("top_p", 1.0),
         seed=body.get("seed"),
     )
-    return generate(model.chain, model.tokenizer, ids, params).ids

@@ -18,15 +18,14 @@ import httpx
 import pytest
 from conftest import MeshFactory
 from faults import address, assert_billed_once, raw_forward, signed, wait_ledger
+from solo import solo_completion_ids
 from streams import Streamed, at, serving, stream_completion
 from tcp_proxy import TcpProxy
 
-from meshnet.engine.generate import generate
 from meshnet.engine.local import load_local_model
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh, free_port
 from meshnet.model.gguf_file import sha256_file
-from meshnet.model.sampling import SamplingParams
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 
@@ -48,9 +47,7 @@ def model(tiny_factory: Any) -> Path:
 
 @pytest.fixture(scope="module")
 def expected(model: Path) -> list[int]:
-    local = load_local_model(model)
-    params = SamplingParams(temperature=0.7, seed=3, max_tokens=300)
-    ids = generate(local.chain, local.tokenizer, PROMPT, params).ids
+    ids = solo_completion_ids(load_local_model(model), BODY)
     assert len(ids) == 300
     return ids
 

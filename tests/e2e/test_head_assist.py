@@ -13,12 +13,11 @@ from typing import Any
 import httpx
 import pytest
 from conftest import MeshFactory
+from solo import solo_completion_ids
 from streams import stream_completion
 
-from meshnet.engine.generate import generate
 from meshnet.engine.local import load_local_model
 from meshnet.local_mesh import LocalMesh
-from meshnet.model.sampling import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 3, 64, 128, 7]
 BODY: dict[str, Any] = {
@@ -37,9 +36,7 @@ def model(tiny_factory: Any) -> Path:
 
 @pytest.fixture(scope="module")
 def expected(model: Path) -> list[int]:
-    local = load_local_model(model)
-    params = SamplingParams(temperature=0.7, seed=11, max_tokens=120)
-    return generate(local.chain, local.tokenizer, PROMPT, params).ids
+    return solo_completion_ids(load_local_model(model), BODY)
 
 
 def _counter(mesh: LocalMesh, node: str, name: str) -> float:
