@@ -68,17 +68,15 @@ from meshnet.model.spec import ModelSpec
 from meshnet.model.tokenizer import TextTokenizer
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
-from meshnet.protocol.commitments import CHUNK_TOKENS
 from meshnet.tracker.channels import ChannelPool
-from meshnet.tracker.commitments import committed
 from meshnet.tracker.epochs import EpochOpener, hop_key
 from meshnet.tracker.generation import Generation, PendingRecovery, Recovery
 from meshnet.tracker.hop_link import HopLink, RelayBroken
 from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
 from meshnet.tracker.ring import Ring
 from meshnet.tracker.routes import Hop, Route
-from meshnet.tracker.sampled_check import Sampled
-from meshnet.tracker.verifier import SpanClaim, Upstream
+from meshnet.tracker.span_claims import claim_rest, ready_claims
+from meshnet.tracker.verifier import SpanClaim
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +87,9 @@ _NO_RELAY_S = 300.0  # how long a pair that could not talk is left to the driver
 # the ring's token reaches that hop: every 4 tokens (a run of 8) it held that hop's
 # next step up ~1 ms on a 2-core host. A run never passes the generation's last step.
 _AUTORUN_AHEAD = 32
+# How long a generation's end waits for a hop's commitment of a chunk the hops after it
+# committed (span_claims.py): it was sent before the last token came, and is read now.
+_COMMITMENTS_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -141,17 +142,6 @@ def recoverable(e: MeshnetError) -> bool:
     if isinstance(e, NodeFailure | CacheMiss):
         return bool(e.node_id)
     return isinstance(e, MalformedBundle | ShardMismatch) and bool(e.node_id)
-
-
-def _sampled(gen: Generation, node_id: str, start: int, fed: Sequence[int]) -> Sampled:
-    """The ids ``node_id``, a last hop, picked from the positions of the chunk at
-    ``start`` (each id is fed one position after the one it was picked from)."""
-    picked = tuple(
-        (q, fed[q])
-        for q in range(start + 1, min(start + CHUNK_TOKENS + 1, len(fed)))
-        if gen.sampled_by.get(q) == node_id
-    )
-    return Sampled(gen.params, gen.first_sampled, picked)
 
 
 def _run_end(gen: Generation, step: int, until: int) -> int:
@@ -253,6 +243,7 @@ class RouteDriver:
                 try:
                     sampled = await self._advance(gen, step)
                 except MeshnetError as e:
+                    self._claim(gen, state.history, final=True)  # these links are going
                     await self._fail_over(gen, e, fabric)
                     continue
                 if gen.pending is not None:
@@ -273,6 +264,8 @@ class RouteDriver:
                     break
                 step += 1
                 gen.record_input(0, step, np.asarray([state.ids[-1]], dtype=np.int64))
+            if self.claims is not None:
+                await claim_rest(gen, state.history, self.claims, _COMMITMENTS_GRACE_S)
             fabric.record(gen.attempts(gen.links, AttemptStatus.COMPLETED))
             recorded = True
             if gen.keep and any(link.autorun_until > link.steps for link in gen.links):
@@ -296,40 +289,16 @@ class RouteDriver:
         finally:
             if not recorded:  # the client went away, or the task was cancelled
                 fabric.record(gen.attempts(gen.links, AttemptStatus.CANCELLED, Cancelled.kind))
+            self._claim(gen, state.history, final=True)
             for link in gen.links:
                 link.close()
 
-    def _claim(self, gen: Generation, fed: Sequence[int]) -> None:
-        """Hand each chunk a hop committed, once the driver committed its positions, to
-        ``claims``: ``fed`` is every id fed so far, then the one just sampled."""
-        if self.claims is None:
-            return
-        for i, link in enumerate(gen.links):
-            for start in sorted(link.unclaimed):  # a few: those completed since the last
-                if start + CHUNK_TOKENS > min(link.positions, len(fed)):
-                    continue  # not all its positions committed yet
-                link.unclaimed.discard(start)
-                digest = link.commitments[start]
-                end = start + CHUNK_TOKENS
-                upstream = tuple(
-                    Upstream(
-                        u.node_id,
-                        u.hop.layers,
-                        tuple((s, d) for s, d in committed(u.commitments, end).items()),
-                    )
-                    for u in gen.links[:i]
-                )
-                claim = SpanClaim(
-                    link.node_id,
-                    gen.id,
-                    link.hop.layers,
-                    start,
-                    digest,
-                    tuple(fed[:end]),
-                    upstream,
-                    _sampled(gen, link.node_id, start, fed) if link.samples else None,
-                    tuple(committed(link.inputs, end).items()),
-                )
+    def _claim(self, gen: Generation, fed: Sequence[int], final: bool = False) -> None:
+        """Hand each chunk the hops committed that is ready to be checked to ``claims``
+        (span_claims.py); ``final``: every chunk whose positions are committed, before
+        the links go. ``fed``: every id fed so far, then the one just sampled."""
+        if self.claims is not None:
+            for claim in ready_claims(gen, fed, final)[0]:
                 self.claims(claim)
 
     async def _settle(self, gen: Generation) -> None:

@@ -1,0 +1,109 @@
+"""The chunks a generation's hops committed, made claims for the verifier once they
+can be checked.
+
+A hop's chunk is ready when the driver has committed all its positions (a hop may
+commit positions it ran ahead, which a rewind then cuts). On a hop after the first
+it also waits for every hop before it that ran the chunk in this epoch to send its
+own commitment of it: the verifier vouches for a hop's inputs by what the hops
+before it committed, and with a commitment missing it has no verdict on a hop
+whose rows differ (verifier.check_claim). Those commitments can come after the
+hop's own: in a ring each hop sends them on a stream of its own, read beside the
+last hop's tokens (ring.py), and a forwarding hop's answer to a step is read
+while the next one runs. A chunk claimed at once was then checked without them,
+and a hop that committed honest rows but sent the next hop others went unblamed.
+
+What is held back when the links are about to go (the generation's end, a
+failover, a cancel) is claimed as it is (``final``): a hop that never sends its
+commitments cannot keep the work after it from the verifier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+
+from meshnet.protocol.commitments import CHUNK_TOKENS
+from meshnet.tracker.commitments import committed
+from meshnet.tracker.generation import Generation
+from meshnet.tracker.hop_link import HopLink
+from meshnet.tracker.sampled_check import Sampled
+from meshnet.tracker.verifier import SpanClaim, Upstream
+
+_POLL_S = 0.005  # how often the wait at a generation's end looks for late commitments
+
+
+def ready_claims(
+    gen: Generation, fed: Sequence[int], final: bool = False
+) -> tuple[list[SpanClaim], int]:
+    """The claims of every chunk of ``gen``'s links now ready (each taken off the link's
+    unclaimed ones), and how many chunks whose positions are committed wait for a hop
+    before them; ``final``: none waits. ``fed``: every id fed so far, then the one
+    just sampled."""
+    claims: list[SpanClaim] = []
+    waiting = 0
+    for i, link in enumerate(gen.links):
+        before = gen.links[:i]
+        for start in sorted(link.unclaimed):  # a few: those completed since the last call
+            if start + CHUNK_TOKENS > min(link.positions, len(fed)):
+                continue  # not all its positions committed yet
+            if not final and any(_owes(u, start) for u in before):
+                waiting += 1
+                continue
+            link.unclaimed.discard(start)
+            claims.append(_claim(gen, link, before, start, fed))
+    return claims, waiting
+
+
+async def claim_rest(
+    gen: Generation, fed: Sequence[int], offer: Callable[[SpanClaim], None], grace_s: float
+) -> None:
+    """At a generation's end, with its links still read: give the hops before a waiting
+    chunk up to ``grace_s`` to send their commitments of it, then offer every chunk
+    committed, as it is."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        claims, waiting = ready_claims(gen, fed, final=time.monotonic() >= deadline)
+        for claim in claims:
+            offer(claim)
+        if not waiting:
+            return
+        await asyncio.sleep(_POLL_S)
+
+
+def _owes(link: HopLink, start: int) -> bool:
+    """Whether ``link``'s hop ran the chunk at ``start`` in this epoch (it held none of
+    it when the epoch began) and its commitment of it has not come yet."""
+    return link.first_position <= start and start not in link.commitments
+
+
+def _claim(
+    gen: Generation, link: HopLink, before: Sequence[HopLink], start: int, fed: Sequence[int]
+) -> SpanClaim:
+    end = start + CHUNK_TOKENS
+    upstream = tuple(
+        Upstream(u.node_id, u.hop.layers, tuple(committed(u.commitments, end).items()))
+        for u in before
+    )
+    return SpanClaim(
+        link.node_id,
+        gen.id,
+        link.hop.layers,
+        start,
+        link.commitments[start],
+        tuple(fed[:end]),
+        upstream,
+        _sampled(gen, link.node_id, start, fed) if link.samples else None,
+        tuple(committed(link.inputs, end).items()),
+    )
+
+
+def _sampled(gen: Generation, node_id: str, start: int, fed: Sequence[int]) -> Sampled:
+    """The ids ``node_id``, a last hop, picked from the positions of the chunk at
+    ``start`` (each id is fed one position after the one it was picked from)."""
+    picked = tuple(
+        (q, fed[q])
+        for q in range(start + 1, min(start + CHUNK_TOKENS + 1, len(fed)))
+        if gen.sampled_by.get(q) == node_id
+    )
+    return Sampled(gen.params, gen.first_sampled, picked)
