@@ -14,6 +14,8 @@ cheating).
   the same shape;
 - ``ulp``: every output row one ulp off in one channel;
 - ``sometimes``: ``ulp``, on one forward in four;
+- ``first``: ``ulp`` on its first AFTER forwards, honest from then on (a node whose
+  operator mended it: it fails a calibration, then passes one);
 - ``file:PATH``: computes with the weights of another GGUF of the same shape (another
   quantization of the model, or another model) while its fingerprint is the file it
   was started with;
@@ -57,7 +59,7 @@ def patch(cheat: str, after: int) -> None:
         shard: Any, x: np.ndarray, batch: Any, split: Any = None
     ) -> tuple[np.ndarray, np.ndarray]:
         calls[0] += 1
-        honest = calls[0] <= after
+        honest = calls[0] > after if cheat == "first" else calls[0] <= after
         if cheat == "weights" and not honest and shard.is_first:
             hidden = shard.backend.embed(x)
             hidden[:, 0] += np.float32(1e-3)
@@ -72,7 +74,7 @@ def patch(cheat: str, after: int) -> None:
             return cache.setdefault(tuple(x.shape), (out, boundary))
         if cheat == "decouple" and not shard.is_last:
             return _bent(out), boundary
-        if cheat == "ulp" or (cheat == "sometimes" and calls[0] % 4 == 0):
+        if cheat in ("ulp", "first") or (cheat == "sometimes" and calls[0] % 4 == 0):
             bent = _bent(boundary)
             return (bent, bent) if not shard.is_last else (out, bent)
         return out, boundary

@@ -1,5 +1,6 @@
 """The operator commands against a real mesh: `meshnet nodes | sessions | ledger | billing | models`
-print what the tracker knows, as tables or JSON, and refuse without the admin token."""
+print what the tracker knows, as tables or JSON, and refuse without the admin token;
+`meshnet nodes readmit` says why the tracker refused."""
 
 from __future__ import annotations
 
@@ -89,6 +90,18 @@ def test_billing(mesh: LocalMesh, capsys: pytest.CaptureFixture[str]) -> None:
     assert set(_rows(nodes)) >= {"node-0", "node-1"}
     answer = json.loads(_run(capsys, mesh, "billing", "--json"))
     assert {t["tenant"] for t in answer["tenants"]} >= {"default"}
+
+
+def test_readmit_refuses_a_node_that_is_not_quarantined(
+    mesh: LocalMesh, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(A quarantined node readmitted: tests/e2e/test_verified_work.py.)"""
+    argv = ["nodes", "readmit", "node-0", "--url", mesh.url, "--data-dir", str(mesh.data_dir)]
+    assert main(argv) == 2
+    assert "node node-0 is up: only a quarantined node is readmitted" in capsys.readouterr().err
+    assert main([*argv[:2], "nobody", *argv[3:]]) == 2
+    assert "no node 'nobody' is registered" in capsys.readouterr().err
+    assert _rows(_run(capsys, mesh, "nodes"))["node-0"][1] == "up"
 
 
 def test_the_commands_refuse_without_the_admin_token(

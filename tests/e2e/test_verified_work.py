@@ -193,6 +193,51 @@ def test_a_node_that_sends_other_rows_than_it_committed_cannot_frame_the_next(
     assert [h["node_id"] for h in again["meshnet"]["route"]] == ["spare-0", "spare-1"]
 
 
+def test_an_operator_readmits_a_mended_node_which_calibrates_again(
+    mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int]
+) -> None:
+    """A node that failed its calibration is quarantined; an admin's readmit has it
+    calibrate again on new inputs, which it passes now: it is up and routed, its answers
+    exact. A user's key cannot readmit; an up node or an unknown one is refused and
+    nothing changes."""
+    mesh = _mesh_with_cheater(mesh_factory, long_tiny, "first", after=1)
+    node = wait_state(mesh, "cheater", "quarantined")
+    assert "calibration" in node["down_reason"], node
+    url = f"{mesh.url}/admin/nodes/cheater/readmit"
+    assert httpx.post(url, headers=mesh.api_headers, timeout=30).status_code == 401
+    assert nodes(mesh)["cheater"]["state"] == "quarantined"
+    r = httpx.post(url, headers=mesh.admin_headers, timeout=30)
+    assert r.status_code == 200 and r.json() == {"node_id": "cheater", "state": "calibrating"}
+    wait_state(mesh, "cheater", "up")
+    assert nodes(mesh)["cheater"]["calibrations"] == 2  # the failed one, and this one
+    mesh.wait_ready(expected_nodes=2, timeout_s=180)
+    out = _complete(mesh)
+    assert out["meshnet"]["ids"] == honest_ids
+    assert [h["node_id"] for h in out["meshnet"]["route"]] == ["cheater", "node-0"]
+    again = httpx.post(url, headers=mesh.admin_headers, timeout=30)
+    assert again.status_code == 400, again.text
+    assert "only a quarantined node" in again.json()["error"]["message"]
+    unknown = httpx.post(
+        f"{mesh.url}/admin/nodes/nobody/readmit", headers=mesh.admin_headers, timeout=30
+    )
+    assert unknown.status_code == 404
+    assert nodes(mesh)["cheater"]["state"] == "up"
+
+
+def test_a_readmitted_node_that_still_cheats_is_quarantined_again(
+    mesh_factory: MeshFactory, long_tiny: Path
+) -> None:
+    mesh = _mesh_with_cheater(mesh_factory, long_tiny, "weights", after=0)
+    wait_state(mesh, "cheater", "quarantined")
+    r = httpx.post(
+        f"{mesh.url}/admin/nodes/cheater/readmit", headers=mesh.admin_headers, timeout=30
+    )
+    assert r.status_code == 200, r.text
+    node = wait_state(mesh, "cheater", "quarantined")
+    assert "calibration" in node["down_reason"] and node["calibrations"] == 2, node
+    assert ledger(mesh, "cheater") == []  # never routed
+
+
 @pytest.mark.parametrize(
     ("layout", "backend"),
     [("0:4", "fast"), ("0:1,1:3,3:4", "fast"), ("0:1,1:3,3:4", "q8")],

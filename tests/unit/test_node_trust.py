@@ -163,3 +163,47 @@ def test_a_node_not_reached_is_tried_again_later_and_one_that_errs_is_quarantine
         )
 
     asyncio.run(scenario())
+
+
+def test_a_readmitted_node_calibrates_afresh_on_what_it_serves(
+    tmp_path: Path, answers: list[str | MeshnetError]
+) -> None:
+    """An operator's readmit forgets the failed verdict (also one a restarted tracker
+    read back from the registry): the node calibrates again, up when it passes, and
+    quarantined again when it still fails. Only a quarantined node of this model is
+    readmitted."""
+    store = Store(SQLiteDatabase(tmp_path / "t.db"))
+    store.register(_announce(0, 2), 0.0)
+    store.set_state("n", NodeState.QUARANTINED, "verification failed: x")
+    trust = NodeTrust(store, None, FP, ANY_BACKEND, lambda n, r: None)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        [before] = store.nodes()
+        store.register(_announce(0, 2), 1.0)
+        trust.decide("n", before)  # the verdict read back: still out
+        assert _state(store)[0] is NodeState.QUARANTINED
+        answers.append("calibration: the output differs")
+        assert trust.readmit("n")
+        assert _state(store) == (NodeState.CALIBRATING, "")
+        await trust.calibrated("n", 5.0)
+        assert _state(store) == (NodeState.QUARANTINED, "calibration: the output differs")
+        trust.decide("n")  # a heartbeat: the new verdict holds
+        assert _state(store)[0] is NodeState.QUARANTINED
+        answers.extend([""] * calibration.CALIBRATION_INPUTS)
+        assert trust.readmit("n")
+        assert await trust.calibrated("n", 5.0)
+        assert _state(store) == (NodeState.UP, "")
+        assert not trust.readmit("n")  # up: nothing to readmit
+        assert _state(store) == (NodeState.UP, "") and answers == []
+
+    asyncio.run(scenario())
+
+
+def test_a_node_of_another_model_is_not_readmitted_here(tmp_path: Path) -> None:
+    store = Store(SQLiteDatabase(tmp_path / "t.db"))
+    store.register(_announce(0, 2, fingerprint="e" * 64), 0.0)
+    store.set_state("n", NodeState.QUARANTINED, "verification failed: x")
+    trust = NodeTrust(store, None, FP, ANY_BACKEND, lambda n, r: None)  # type: ignore[arg-type]
+    assert not trust.readmit("n")
+    assert _state(store) == (NodeState.QUARANTINED, "verification failed: x")
+    assert not trust.readmit("nobody")

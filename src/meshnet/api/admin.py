@@ -11,12 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from meshnet.api.auth import auth_of, require_admin
 from meshnet.api.schemas import PinRouteRequest
-from meshnet.api.state import models_of, tracker_of
+from meshnet.api.state import models_of, tracker_of, tracker_serving
 from meshnet.auth.tenants import Quotas
-from meshnet.errors import MeshnetError, NotFound
+from meshnet.errors import MeshnetError, NotFound, RequestError
 from meshnet.tracker import billing
-from meshnet.tracker.registry import node_json
+from meshnet.tracker.registry import NodeRecord, NodeState, node_json
 from meshnet.tracker.routes import route_json
+from meshnet.tracker.store import Store
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 
@@ -37,6 +38,30 @@ async def list_nodes(request: Request) -> dict[str, Any]:
         more = {"trusted": trusted, "calibrations": calibrations, "trusted_checks": checks}
         nodes.append({**node_json(n), **more})
     return {"nodes": nodes}
+
+
+@router.post("/admin/nodes/{node_id}/readmit")
+async def readmit_node(node_id: str, request: Request) -> dict[str, Any]:
+    """Try a quarantined node again (its operator mended it, or the check that failed it
+    is in doubt): with verification on for its model it calibrates afresh, on new
+    inputs, before it is routed; else it is up. Work already rejected stays rejected."""
+    tracker = tracker_of(request)
+    node = _registered(tracker.store, node_id)
+    if node.state is not NodeState.QUARANTINED:
+        raise RequestError(
+            f"node {node_id} is {node.state.value}: only a quarantined node is readmitted"
+        )
+    verification = tracker_serving(request, node.fingerprint).verification
+    if verification is None or not verification.readmit(node_id):  # no calibration to run
+        tracker.store.set_state(node_id, NodeState.UP, "")
+    return {"node_id": node_id, "state": _registered(tracker.store, node_id).state.value}
+
+
+def _registered(store: Store, node_id: str) -> NodeRecord:
+    node = next((n for n in store.nodes() if n.node_id == node_id), None)
+    if node is None:
+        raise NotFound(f"no node {node_id!r} is registered")
+    return node
 
 
 @router.get("/admin/routes")

@@ -1,5 +1,5 @@
 """Operator commands against a running tracker: ``meshnet nodes | sessions | ledger | billing |
-models``.
+models``, and ``meshnet nodes readmit NODE`` (a quarantined node calibrates again).
 
 Each reads the tracker's admin endpoints with the admin token (``--admin-token``,
 else ``$MESHNET_ADMIN_TOKEN``, else the ``admin_token`` of
@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from meshnet.auth.credentials import CREDENTIALS_FILE, read_user_credentials
 from meshnet.cli import model_actions
@@ -42,6 +43,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         p.set_defaults(run=_runner(show))
         if show is show_models:
             model_actions.add_parsers(p, _add_common, _runner)
+        if show is show_nodes:
+            actions = p.add_subparsers(dest="action", metavar="{readmit}")
+            readmit = actions.add_parser(
+                "readmit", help="try a quarantined node again: it calibrates before it is routed"
+            )
+            readmit.add_argument("node_id")
+            _add_common(readmit, inner=True)
+            readmit.set_defaults(run=_runner(readmit_node))
 
 
 def _add_common(p: argparse.ArgumentParser, inner: bool = False) -> None:
@@ -120,6 +129,11 @@ def show_nodes(admin: AdminClient, args: argparse.Namespace) -> tuple[dict[str, 
     headers = ["NODE", "STATE", "LAYERS", "ADDRESS", "BACKEND", "SESSIONS", "KV", "QUEUE"]
     headers += ["TOK/S", "SEEN", "MODEL SHA256"]
     return answer, render(headers, rows)
+
+
+def readmit_node(admin: AdminClient, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    answer = admin.send("POST", f"/admin/nodes/{quote(args.node_id, safe='')}/readmit")
+    return answer, f"node {answer['node_id']} is {answer['state']}"
 
 
 def show_sessions(admin: AdminClient, args: argparse.Namespace) -> tuple[dict[str, Any], str]:

@@ -253,6 +253,26 @@ class NodeTrust:
             return
         self.quarantine(node.node_id, reason, served)
 
+    def readmit(self, node_id: str) -> bool:
+        """An operator's word that a quarantined node may be tried again: its verdict is
+        forgotten and it calibrates afresh on what it serves, on new inputs (one that
+        still computes something else is quarantined again). False when it is not
+        quarantined, or not for this model."""
+        node = next((n for n in self.store.nodes() if n.node_id == node_id), None)
+        if node is None or node.state is not NodeState.QUARANTINED:
+            return False
+        if node.layers is not None and node.fingerprint != self.fingerprint:
+            return False
+        log.warning("node %s readmitted by an operator: it calibrates again", node_id)
+        self._verdicts.pop(node_id, None)
+        self._retry.pop(node_id, None)  # an operator's word does not wait for a back-off
+        if node.layers is None:  # nothing to calibrate on until it is given layers
+            self.store.set_state(node_id, NodeState.UP, "")
+            return True
+        self.store.set_state(node_id, NodeState.CALIBRATING, "")
+        self.decide(node_id)
+        return True
+
     def quarantine(self, node_id: str, reason: str, served: Served | None = None) -> None:
         """Take a node out of routing at once, for what it serves, and fail over its
         generations."""

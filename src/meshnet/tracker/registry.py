@@ -23,7 +23,8 @@ class NodeState(StrEnum):
     DOWN = "down"  # missed heartbeats or failed a call; not routed until it registers again
     # Verification on (tracker/calibration.py): a node with layers runs a calibration
     # input before it is routed; a node that failed one, or failed a verifier's check,
-    # is quarantined (``down_reason`` says why) until it serves another range or model.
+    # is quarantined (``down_reason`` says why) until it serves another range or model,
+    # or an operator readmits it (it calibrates again).
     CALIBRATING = "calibrating"
     QUARANTINED = "quarantined"
 

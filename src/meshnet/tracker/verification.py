@@ -78,6 +78,11 @@ class Verification:
         calibrates on them before it is routed there."""
         self.trust.decide(node_id)
 
+    def readmit(self, node_id: str) -> bool:
+        """Try a quarantined node again: it calibrates afresh before it is routed; False
+        when it is not quarantined for this model."""
+        return self.trust.readmit(node_id)
+
     async def calibrated(self, node_id: str) -> bool:
         """Wait for the node's calibration; whether it passed."""
         return await self.trust.calibrated(node_id)
