@@ -22,7 +22,9 @@ cheating).
 - ``decouple``: commits to its honest rows but sends the next hop other rows (one ulp
   off), so that the next hop's rows differ from the verifier's;
 - ``sample``: computes honestly, but as a last hop picks the id after the sampler's
-  (calibration samples nothing, so AFTER counts picks, not forwards).
+  (calibration samples nothing, so AFTER counts picks, not forwards);
+- ``silent``: computes honestly, but sends no commitment of what it computes after its
+  AFTER forwards (no check could reach its work).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from meshnet.model.gguf_file import open_gguf
 
 _honest_forward = engine.forward_committed
 _honest_load = shard_file.load_shard
+_honest_chunks = service._chunks
 
 
 def _bent(rows: np.ndarray) -> np.ndarray:
@@ -94,9 +97,14 @@ def patch(cheat: str, after: int) -> None:
             calls[0] += 1
             return honest if calls[0] <= after else (honest + 1) % len(logits)
 
+    def chunks(work: Any) -> list[Any]:
+        return _honest_chunks(work) if calls[0] <= after else []
+
     if cheat == "sample":
         service.Sampler = Sampler  # type: ignore[misc]
         return
+    if cheat == "silent":
+        service._chunks = chunks  # what a step's answer commits to
     engine.forward_committed = forward
     shard_file.load_shard = load_shard  # what a node's start loads its layers with
     configure.load_shard = load_shard  # a T3 configure loads its layers there

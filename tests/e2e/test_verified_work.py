@@ -193,6 +193,27 @@ def test_a_node_that_sends_other_rows_than_it_committed_cannot_frame_the_next(
     assert [h["node_id"] for h in again["meshnet"]["route"]] == ["spare-0", "spare-1"]
 
 
+def test_a_node_that_withholds_its_commitments_is_quarantined_and_not_paid(
+    mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int]
+) -> None:
+    """The node on 0:2 calibrates, then commits nothing: no check could reach what it
+    computes, and its work would be paid whatever it was. At the generation's end the
+    chunks it ran are found uncommitted: it is quarantined and its work rejected; the
+    honest node after it, whose inputs it could not vouch for, is not blamed."""
+    mesh = _mesh_with_cheater(mesh_factory, long_tiny, "silent", after=2)
+    wait_state(mesh, "cheater", "up")  # committed on its two calibration inputs
+    mesh.wait_ready(expected_nodes=2, timeout_s=180)
+    assert _complete(mesh)["meshnet"]["ids"] == honest_ids  # it computed honestly
+    node = wait_state(mesh, "cheater", "quarantined")
+    assert "no commitment came of positions it computed" in node["down_reason"], node
+    deadline = time.monotonic() + 60
+    while {r["status"] for r in ledger(mesh, "cheater")} != {"rejected"}:
+        assert time.monotonic() < deadline, ledger(mesh, "cheater")  # settled in seconds
+        time.sleep(0.5)
+    assert nodes(mesh)["node-0"]["state"] == "up"
+    assert all(r["status"] != "rejected" for r in ledger(mesh, "node-0"))
+
+
 def test_an_operator_readmits_a_mended_node_which_calibrates_again(
     mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int]
 ) -> None:

@@ -1,5 +1,6 @@
 """When a hop's committed chunk goes to the verifier: not before the hops ahead of it
-sent theirs of it (their streams are read apart from its own), and at the end as is."""
+sent theirs of it (their streams are read apart from its own), and at the end as is;
+and which chunks a hop ran and never committed (withheld)."""
 
 import asyncio
 from typing import Any
@@ -11,7 +12,7 @@ from meshnet.protocol.commitments import CHUNK_TOKENS
 from meshnet.tracker.generation import Generation
 from meshnet.tracker.hop_link import HopLink
 from meshnet.tracker.routes import Hop
-from meshnet.tracker.span_claims import claim_rest, ready_claims
+from meshnet.tracker.span_claims import claim_rest, ready_claims, withheld
 from meshnet.tracker.verifier import SpanClaim
 
 FED = list(range(2 * CHUNK_TOKENS + 1))  # two chunks' positions fed, and one id sampled
@@ -105,11 +106,11 @@ def test_the_generations_end_waits_for_a_commitment_on_its_way() -> None:
     _commit(last, 0, CHUNK_TOKENS)
     offered: list[SpanClaim] = []
 
-    async def end() -> None:
+    async def end() -> list[SpanClaim]:
         asyncio.get_running_loop().call_later(0.05, _commit, first, CHUNK_TOKENS)
-        await claim_rest(gen, FED, offered.append, grace_s=5.0)
+        return await claim_rest(gen, FED, offered.append, grace_s=5.0)
 
-    asyncio.run(end())
+    assert asyncio.run(end()) == []  # nothing withheld
     assert sorted(_claimed(offered)) == [("first", 0), ("first", 32), ("last", 0), ("last", 32)]
     (late,) = [c for c in offered if c.token_start == 32 and c.node_id == "last"]
     assert dict(late.upstream[0].chunks)[32] == first.commitments[32]
@@ -117,7 +118,25 @@ def test_the_generations_end_waits_for_a_commitment_on_its_way() -> None:
 
 def test_the_generations_end_waits_no_longer_than_its_grace() -> None:
     gen = _ring()
-    _commit(gen.links[1], 0)  # the first hop never sends its commitment
+    _commit(gen.links[1], 0, CHUNK_TOKENS)  # the first hop never sends its commitments
     offered: list[SpanClaim] = []
-    asyncio.run(claim_rest(gen, FED, offered.append, grace_s=0.05))
-    assert _claimed(offered) == [("last", 0)]
+    missing = asyncio.run(claim_rest(gen, FED, offered.append, grace_s=0.05))
+    assert _claimed(offered) == [("last", 0), ("last", 32)]
+    assert _claimed(missing) == [("first", 0)]  # its first chunk withheld fails it
+    assert missing[0].digest == b""
+
+
+def test_withheld_chunks_are_those_a_hop_ran_in_its_epoch_and_never_committed() -> None:
+    """Not a chunk the driver has not committed yet, nor one begun before the hop's
+    epoch (KV it was given: a resumed turn's, an import's, which it commits no part of)."""
+    gen = _ring()
+    first, last = gen.links
+    _commit(last, 0)
+    _commit(first, CHUNK_TOKENS)
+    assert _claimed(withheld(gen, FED)) == [("first", 0), ("last", CHUNK_TOKENS)]
+    _commit(last, CHUNK_TOKENS)
+    (claim,) = withheld(gen, FED)
+    assert claim.layers == LayerRange(0, 2) and claim.tokens == tuple(FED[:CHUNK_TOKENS])
+    assert withheld(gen, FED[: CHUNK_TOKENS - 1]) == []  # its positions not all committed
+    first.first_position = 5  # the chunk at 0 began before this epoch
+    assert withheld(gen, FED) == []

@@ -87,9 +87,10 @@ _NO_RELAY_S = 300.0  # how long a pair that could not talk is left to the driver
 # the ring's token reaches that hop: every 4 tokens (a run of 8) it held that hop's
 # next step up ~1 ms on a 2-core host. A run never passes the generation's last step.
 _AUTORUN_AHEAD = 32
-# How long a generation's end waits for a hop's commitment of a chunk the hops after it
-# committed (span_claims.py): it was sent before the last token came, and is read now.
-_COMMITMENTS_GRACE_S = 0.5
+# How long a generation's end waits for the hops' commitments still to come
+# (span_claims.py): sent before the last token came, they are read now; one that has
+# not come by then was withheld (a failed check of its node).
+_COMMITMENTS_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,9 @@ class RouteDriver:
         # Where each chunk the hops commit goes once its tokens are committed (the
         # tracker's verifier); None: commitments are only kept with the ledger records.
         self.claims: Callable[[SpanClaim], None] | None = None
+        # Where a chunk goes that a hop ran and never committed by the generation's end
+        # (a claim with no digest: span_claims.withheld), with ``claims``.
+        self.withheld: Callable[[SpanClaim], None] | None = None
 
     def new_generation(
         self, generation_id: str, route: Route, params: SamplingParams, top_logprobs: int = -1
@@ -265,7 +269,10 @@ class RouteDriver:
                 step += 1
                 gen.record_input(0, step, np.asarray([state.ids[-1]], dtype=np.int64))
             if self.claims is not None:
-                await claim_rest(gen, state.history, self.claims, _COMMITMENTS_GRACE_S)
+                grace = _COMMITMENTS_GRACE_S
+                for claim in await claim_rest(gen, state.history, self.claims, grace):
+                    if self.withheld is not None:
+                        self.withheld(claim)
             fabric.record(gen.attempts(gen.links, AttemptStatus.COMPLETED))
             recorded = True
             if gen.keep and any(link.autorun_until > link.steps for link in gen.links):

@@ -491,6 +491,7 @@ class Tracker:
             self.store, self.channels, self.model, model, rate, trusted, self._quarantined
         )
         self.driver.claims = self.verification.offer
+        self.driver.withheld = self.verification.withheld
         self.ledger.verifying = True  # completed work waits for its checks (ledger.py)
         self.ledger.trusted |= trusted  # one spool for every model's tracker (served.py)
 

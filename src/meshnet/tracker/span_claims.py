@@ -15,6 +15,12 @@ and a hop that committed honest rows but sent the next hop others went unblamed.
 What is held back when the links are about to go (the generation's end, a
 failover, a cancel) is claimed as it is (``final``): a hop that never sends its
 commitments cannot keep the work after it from the verifier.
+
+Nor can it keep its own: a hop commits every chunk it ran in its epoch (KV it was
+given, a parked or imported prefix, is before its epoch's first position), so a
+chunk whose positions the driver committed and whose commitment never came by the
+generation's end was ``withheld``: work the verifier could not check, of a node
+that could then compute anything unseen. The tracker takes it as a failed check.
 """
 
 from __future__ import annotations
@@ -57,18 +63,43 @@ def ready_claims(
 
 async def claim_rest(
     gen: Generation, fed: Sequence[int], offer: Callable[[SpanClaim], None], grace_s: float
-) -> None:
-    """At a generation's end, with its links still read: give the hops before a waiting
-    chunk up to ``grace_s`` to send their commitments of it, then offer every chunk
-    committed, as it is."""
+) -> list[SpanClaim]:
+    """At a generation's end, with its links still read: give the hops up to ``grace_s``
+    to send the commitments still to come, offer every chunk committed, and answer the
+    chunks withheld (each as a claim with no digest)."""
     deadline = time.monotonic() + grace_s
     while True:
-        claims, waiting = ready_claims(gen, fed, final=time.monotonic() >= deadline)
+        final = time.monotonic() >= deadline
+        claims, waiting = ready_claims(gen, fed, final)
         for claim in claims:
             offer(claim)
-        if not waiting:
-            return
+        if final or not (waiting or _first_withheld(gen, fed)):
+            return withheld(gen, fed)
         await asyncio.sleep(_POLL_S)
+
+
+def withheld(gen: Generation, fed: Sequence[int]) -> list[SpanClaim]:
+    """For each hop that ran a chunk in this epoch whose positions the driver committed
+    and whose commitment has not come, a claim with no digest of the first such chunk
+    (one is enough to fail it)."""
+    return [
+        _claim(gen, gen.links[i], gen.links[:i], start, fed, digest=b"")
+        for i, start in _first_withheld(gen, fed).items()
+    ]
+
+
+def _first_withheld(gen: Generation, fed: Sequence[int]) -> dict[int, int]:
+    """Link index -> the start of its first chunk withheld (see ``withheld``)."""
+    out: dict[int, int] = {}
+    for i, link in enumerate(gen.links):
+        first = -(-link.first_position // CHUNK_TOKENS) * CHUNK_TOKENS
+        last = min(link.positions, len(fed)) - CHUNK_TOKENS
+        start = next(
+            (s for s in range(first, last + 1, CHUNK_TOKENS) if s not in link.commitments), None
+        )
+        if start is not None:
+            out[i] = start
+    return out
 
 
 def _owes(link: HopLink, start: int) -> bool:
@@ -78,8 +109,14 @@ def _owes(link: HopLink, start: int) -> bool:
 
 
 def _claim(
-    gen: Generation, link: HopLink, before: Sequence[HopLink], start: int, fed: Sequence[int]
+    gen: Generation,
+    link: HopLink,
+    before: Sequence[HopLink],
+    start: int,
+    fed: Sequence[int],
+    digest: bytes | None = None,
 ) -> SpanClaim:
+    """The claim of ``link``'s chunk at ``start``: its commitment, or ``digest``."""
     end = start + CHUNK_TOKENS
     upstream = tuple(
         Upstream(u.node_id, u.hop.layers, tuple(committed(u.commitments, end).items()))
@@ -90,7 +127,7 @@ def _claim(
         gen.id,
         link.hop.layers,
         start,
-        link.commitments[start],
+        link.commitments[start] if digest is None else digest,
         tuple(fed[:end]),
         upstream,
         _sampled(gen, link.node_id, start, fed) if link.samples else None,

@@ -69,6 +69,17 @@ class Verification:
         if claim.node_id not in self.trusted:
             self.verifier.offer(claim)
 
+    def withheld(self, claim: SpanClaim) -> None:
+        """A chunk its node ran and never committed (span_claims.withheld): work no check
+        can reach, failed as a check would (quarantine, its open-window work rejected);
+        a trusted node's is logged."""
+        what = f"layers {claim.layers} positions [{claim.token_start}, {claim.token_end})"
+        detail = f"{what}: no commitment came of positions it computed"
+        if claim.node_id in self.trusted:
+            log.error("trusted node %s: %s", claim.node_id, detail)
+            return
+        self._checked(Verdict(claim, False, detail))
+
     def registered(self, node_id: str, before: NodeRecord | None) -> None:
         """A node registered (again): up, or calibrating first."""
         self.trust.decide(node_id, before)
