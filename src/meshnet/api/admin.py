@@ -58,7 +58,7 @@ async def readmit_node(node_id: str, request: Request) -> dict[str, Any]:
 
 
 def _registered(store: Store, node_id: str) -> NodeRecord:
-    node = next((n for n in store.nodes() if n.node_id == node_id), None)
+    node = store.node(node_id)
     if node is None:
         raise NotFound(f"no node {node_id!r} is registered")
     return node

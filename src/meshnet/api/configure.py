@@ -130,7 +130,7 @@ async def configure_node(node_id: str, body: ConfigureBody, request: Request) ->
 
 
 def _node(tracker: Tracker, node_id: str) -> NodeRecord:
-    node = next((n for n in tracker.store.nodes() if n.node_id == node_id), None)
+    node = tracker.store.node(node_id)
     if node is None:
         raise NotFound(f"no node {node_id!r} is registered")
     if node.state is not NodeState.UP:

@@ -43,7 +43,7 @@ async def tracker_metrics(request: Request) -> Response:
 async def node_metrics(request: Request, node_id: str = Path(max_length=MAX_ID)) -> Response:
     """The node's metrics, fetched now over a call the tracker signs."""
     tracker = tracker_of(request)
-    node = next((n for n in tracker.store.nodes() if n.node_id == node_id), None)
+    node = tracker.store.node(node_id)
     if node is None:
         raise NotFound(f"no node {node_id!r}")
     port = tracker.metrics.scrape_targets.port(node_id)

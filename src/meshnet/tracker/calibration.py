@@ -176,7 +176,7 @@ class NodeTrust:
         """Bring a node's state in line with its verdict on what it serves now: keep it,
         or start a calibration of what it has not calibrated on. ``before``: its record
         before a registration (which made it ``up``), as the registry had it."""
-        node = next((n for n in self.store.nodes() if n.node_id == node_id), None)
+        node = self.store.node(node_id)
         if node is None or node.layers is None or node.state is NodeState.DOWN:
             return
         if node.fingerprint != self.fingerprint:
@@ -258,7 +258,7 @@ class NodeTrust:
         forgotten and it calibrates afresh on what it serves, on new inputs (one that
         still computes something else is quarantined again). False when it is not
         quarantined, or not for this model."""
-        node = next((n for n in self.store.nodes() if n.node_id == node_id), None)
+        node = self.store.node(node_id)
         if node is None or node.state is not NodeState.QUARANTINED:
             return False
         if node.layers is not None and node.fingerprint != self.fingerprint:
@@ -277,7 +277,7 @@ class NodeTrust:
         """Take a node out of routing at once, for what it serves, and fail over its
         generations."""
         if served is None:
-            node = next((n for n in self.store.nodes() if n.node_id == node_id), None)
+            node = self.store.node(node_id)
             if node is None or node.layers is None:
                 return
             served = (node.fingerprint, node.layers)

@@ -497,7 +497,7 @@ class Tracker:
 
     def register(self, a: NodeAnnouncement) -> None:
         """A node registered (again): up, or with verification on, calibrating."""
-        before = next((n for n in self.store.nodes() if n.node_id == a.node_id), None)
+        before = self.store.node(a.node_id)
         self.store.register(a, time.time())
         if self.verification is not None:
             self.verification.registered(a.node_id, before)
@@ -525,7 +525,8 @@ class Tracker:
             return False
         if kind == VerificationFailed.kind:
             return True  # quarantined already (NodeTrust.quarantine)
-        address = next((n.address for n in self.store.nodes() if n.node_id == node_id), None)
+        node = self.store.node(node_id)
+        address = node.address if node is not None else None
         if kind == StreamReset.kind:
             log.info("node %s: its stream broke but it answers; dialling it afresh", node_id)
             if address:

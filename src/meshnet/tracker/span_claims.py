@@ -73,8 +73,9 @@ async def claim_rest(
         claims, waiting = ready_claims(gen, fed, final)
         for claim in claims:
             offer(claim)
-        if final or not (waiting or _first_withheld(gen, fed)):
-            return withheld(gen, fed)
+        missing = _first_withheld(gen, fed)
+        if final or not (waiting or missing):
+            return _withheld_claims(gen, fed, missing)
         await asyncio.sleep(_POLL_S)
 
 
@@ -82,9 +83,13 @@ def withheld(gen: Generation, fed: Sequence[int]) -> list[SpanClaim]:
     """For each hop that ran a chunk in this epoch whose positions the driver committed
     and whose commitment has not come, a claim with no digest of the first such chunk
     (one is enough to fail it)."""
+    return _withheld_claims(gen, fed, _first_withheld(gen, fed))
+
+
+def _withheld_claims(gen: Generation, fed: Sequence[int], first: dict[int, int]) -> list[SpanClaim]:
     return [
         _claim(gen, gen.links[i], gen.links[:i], start, fed, digest=b"")
-        for i, start in _first_withheld(gen, fed).items()
+        for i, start in first.items()
     ]
 
 
@@ -92,11 +97,8 @@ def _first_withheld(gen: Generation, fed: Sequence[int]) -> dict[int, int]:
     """Link index -> the start of its first chunk withheld (see ``withheld``)."""
     out: dict[int, int] = {}
     for i, link in enumerate(gen.links):
-        first = -(-link.first_position // CHUNK_TOKENS) * CHUNK_TOKENS
         last = min(link.positions, len(fed)) - CHUNK_TOKENS
-        start = next(
-            (s for s in range(first, last + 1, CHUNK_TOKENS) if s not in link.commitments), None
-        )
+        start = next((s for s in range(0, last + 1, CHUNK_TOKENS) if _owes(link, s)), None)
         if start is not None:
             out[i] = start
     return out

@@ -145,6 +145,12 @@ class Store:
         rows = self._db.query(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node_id")
         return parse_rows(rows, _record, "node")
 
+    def node(self, node_id: NodeId) -> NodeRecord | None:
+        """The record of the node ``node_id``; None when none registered so."""
+        rows = self._db.query(f"SELECT {_NODE_COLUMNS} FROM nodes WHERE node_id = ?", (node_id,))
+        found = parse_rows(rows, _record, "node")
+        return found[0] if found else None
+
     def pinned(self) -> list[NodeId] | None:
         rows = self._db.query("SELECT node_ids FROM pinned_route WHERE id = 1")
         return list(json.loads(rows[0][0])) if rows else None

@@ -30,6 +30,7 @@ from meshnet.tracker.verifier import (
     TrustedModel,
     Verdict,
     Verifier,
+    mismatch,
 )
 from meshnet.tracker.work_checks import SpanCheck
 
@@ -73,12 +74,11 @@ class Verification:
         """A chunk its node ran and never committed (span_claims.withheld): work no check
         can reach, failed as a check would (quarantine, its open-window work rejected);
         a trusted node's is logged."""
-        what = f"layers {claim.layers} positions [{claim.token_start}, {claim.token_end})"
-        detail = f"{what}: no commitment came of positions it computed"
+        verdict = mismatch(claim, "no commitment came of positions it computed")
         if claim.node_id in self.trusted:
-            log.error("trusted node %s: %s", claim.node_id, detail)
+            log.error("trusted node %s: %s", claim.node_id, verdict.detail)
             return
-        self._checked(Verdict(claim, False, detail))
+        self._checked(verdict)
 
     def registered(self, node_id: str, before: NodeRecord | None) -> None:
         """A node registered (again): up, or calibrating first."""
@@ -100,7 +100,7 @@ class Verification:
 
     def _backend_of(self, node_id: str) -> str:
         """The backend a node registered with (the verifier checks its work on it)."""
-        node = next((n for n in self.store.nodes() if n.node_id == node_id), None)
+        node = self.store.node(node_id)
         return node.backend if node is not None else TRUSTED_BACKEND
 
     def _checked(self, verdict: Verdict) -> None:

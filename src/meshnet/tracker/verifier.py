@@ -232,7 +232,7 @@ def check_claim(model: TrustedModel, claim: SpanClaim, exact: bool = True) -> li
             )
             why = compare_chunk(culprit.digest, rows[start : start + CHUNK_TOKENS], exact)
             if why:
-                return [_mismatch(culprit, why)]
+                return [mismatch(culprit, why)]
     chained = [u.layers for u in claim.upstream]
     if not chained or chained[0].start != 0 or chained[-1].end != claim.layers.start:
         return []
@@ -277,7 +277,7 @@ def check_span(model: TrustedModel, claim: SpanClaim, exact: bool = True) -> Ver
     chunk = rows[:CHUNK_TOKENS]
     why = compare_chunk(claim.digest, chunk, exact)
     if why:
-        return _mismatch(claim, why)
+        return mismatch(claim, why)
     if claim.sampled is not None and claim.sampled.tokens:
         logits = model.logits(chunk)
         why = check_sampled(logits, claim.token_start, claim.tokens, claim.sampled, exact)
@@ -299,7 +299,8 @@ def compare_chunk(commitment: bytes, rows: np.ndarray, exact: bool) -> str:
     return "" if want == commitment else f"committed {commitment.hex()}, verifier {want.hex()}"
 
 
-def _mismatch(claim: SpanClaim, why: str) -> Verdict:
+def mismatch(claim: SpanClaim, why: str) -> Verdict:
+    """A failed verdict on ``claim``, its layers and positions saying where."""
     what = f"layers {claim.layers} positions [{claim.token_start}, {claim.token_end})"
     return Verdict(claim, False, f"{what}: {why}")
 
