@@ -1,15 +1,15 @@
 """A node's resident memory against what it must hold: its tensors' file bytes and its KV.
 
 The goal the issue sets is RSS within ~15% of the bytes of the layers a node
-serves plus its KV. A shard's tensors are its blocks ``blk.{i}.*``, the token
-embedding on the first range, the output norm and head on the last (the
-embedding again when the head is tied to it), and the small tensors every
-layer reads (``rope_freqs.weight``).
+serves plus its KV. What a shard holds (its blocks ``blk.{i}.*``, the token
+embedding on the first range, the output norm and head on the last, the
+embedding again when the head is tied to it, and the small tensors every layer
+reads) is the product's count, ``model/layer_bytes.py``; this harness measures
+against it.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +17,7 @@ from pathlib import Path
 from meshnet.errors import MeshnetError
 from meshnet.kv.cache import SequenceKV
 from meshnet.layer_range import LayerRange
-
-_BLOCK = re.compile(r"blk\.(\d+)\.")
-_SHARED = frozenset({"rope_freqs.weight"})  # read by every layer's rotary
+from meshnet.model.layer_bytes import layer_bytes_of
 
 
 @dataclass(frozen=True)
@@ -44,26 +42,10 @@ class Rss:
         return Rss(fields.get("VmRSS", 0), fields.get("RssAnon", 0), fields.get("RssFile", 0))
 
 
-def shard_tensor_names(names: Mapping[str, int], layers: LayerRange, n_layers: int) -> list[str]:
-    """The tensors of ``names`` a node serving ``layers`` of an ``n_layers`` model holds."""
-    first, last = layers.is_first(), layers.is_last(n_layers)
-    held = []
-    for name in names:
-        block = _BLOCK.match(name)
-        if block is not None:
-            keep = layers.start <= int(block.group(1)) < layers.end
-        elif name == "token_embd.weight":
-            keep = first or (last and "output.weight" not in names)
-        else:
-            keep = name in _SHARED or (last and name in ("output_norm.weight", "output.weight"))
-        if keep:
-            held.append(name)
-    return held
-
-
 def shard_file_bytes(names: Mapping[str, int], layers: LayerRange, n_layers: int) -> int:
     """File bytes of the tensors a node serving ``layers`` holds (``names``: name -> bytes)."""
-    return sum(names[n] for n in shard_tensor_names(names, layers, n_layers))
+    sizes = layer_bytes_of(names, n_layers, tied_head="output.weight" not in names)
+    return sizes.range_bytes(layers)
 
 
 def session_kv_bytes(layers: LayerRange, n_kv_heads: int, head_dim: int, positions: int) -> int:
