@@ -17,7 +17,9 @@ from gguf import GGMLQuantizationType as QT
 
 from meshnet.auth.keys import new_secret, node_key
 from meshnet.layer_range import LayerRange
-from meshnet.model.gguf_file import sha256_file
+from meshnet.model.gguf_file import open_gguf, sha256_file
+from meshnet.model.layer_bytes import model_layer_bytes
+from meshnet.model.spec import read_spec
 from meshnet.node.engine import EngineConfig
 from meshnet.node.main import NodeConfig
 from meshnet.node.preflight import Report, Scope, Status, check_credential, check_node
@@ -84,6 +86,29 @@ def test_a_good_setup_passes_every_check(tiny_path: Path) -> None:
     assert checks["sha256"].detail == sha256_file(tiny_path)
     assert checks["tracker key"].status is Status.OK
     assert all(line.startswith("ok ") for line in report.lines())
+
+
+def test_the_layers_check_reports_the_ranges_bytes_and_kv(tiny_path: Path) -> None:
+    f = open_gguf(tiny_path)
+    sizes = model_layer_bytes(f, read_spec(f))
+    layers = LayerRange(0, 2)
+    checks, facts = check_model(tiny_path, layers, "fast")
+    held = sizes.range_bytes(layers)  # two blocks and the embedding
+    assert facts is not None and facts.weight_bytes == held
+    assert facts.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # 2 layers, K and V, 2 heads of 16
+    detail = next(c.detail for c in checks if c.name == "layers")
+    assert detail == f"[0, 2) of 4: {size(held)}, KV {size(facts.kv_bytes_per_token)} per token"
+    _, numpy = check_model(tiny_path, layers, "numpy")  # dequantized: four bytes per weight
+    assert numpy is not None and numpy.weight_bytes > held
+
+
+def test_the_memory_check_says_how_many_positions_the_kv_budget_holds(
+    tmp_path: Path, tiny_path: Path
+) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 4000 kB\nMemAvailable: 2048 kB\n")
+    facts = ModelFacts(tiny_path, None, "", 1 << 20, 1024)  # type: ignore[arg-type]
+    assert "KV 1.0 MiB (1024 positions)" in check_memory(facts, 1 << 20, str(meminfo)).detail
 
 
 def test_an_empty_node_skips_the_model(tiny_path: Path) -> None:

@@ -21,11 +21,21 @@ def check_memory(facts: ModelFacts | None, kv_budget: int, meminfo: str = "/proc
         return skip("memory", "cannot tell the memory available here")
     weights = facts.weight_bytes if facts else 0
     need = weights + kv_budget
-    what = f"layers {size(weights)} + KV {size(kv_budget) if kv_budget else 'unlimited'}"
+    what = f"layers {size(weights)} + KV {_kv_detail(kv_budget, facts)}"
     if need > available:
         fix = "serve fewer layers (--layers), lower --kv-budget-mb, or free memory"
         return fail("memory", f"{what} > {size(available)} available", fix)
     return ok("memory", f"{what} of {size(available)} available")
+
+
+def _kv_detail(kv_budget: int, facts: ModelFacts | None) -> str:
+    """The KV budget, and how many positions (of all sequences together) it holds."""
+    if not kv_budget:
+        return "unlimited"
+    per_token = facts.kv_bytes_per_token if facts else 0
+    return (
+        f"{size(kv_budget)} ({kv_budget // per_token} positions)" if per_token else size(kv_budget)
+    )
 
 
 def available_memory(meminfo: str = "/proc/meminfo") -> int | None:

@@ -16,10 +16,10 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from meshnet.backends import quant
-from meshnet.benchmark.node_memory import shard_file_bytes
 from meshnet.errors import ModelError, TokenizerError
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import GGUFFile, open_gguf
+from meshnet.model.layer_bytes import LayerBytes, file_bytes, float32_bytes, model_layer_bytes
 from meshnet.model.spec import ModelSpec, read_spec
 from meshnet.model.tokenizer import load_tokenizer
 from meshnet.model.weights import load_shard_weights
@@ -41,6 +41,7 @@ class ModelFacts:
     spec: ModelSpec
     fingerprint: str
     weight_bytes: int  # what the node's backend holds for its layers
+    kv_bytes_per_token: int = 0  # KV of one position of one sequence on its layers
 
 
 def check_model(
@@ -62,12 +63,10 @@ def check_model(
         checks.append(ok("tokenizer", str(f.value_or("tokenizer.ggml.model", "?"))))
     except (TokenizerError, ModelError) as e:
         checks.append(fail("tokenizer", e.message, "use a GGUF with a supported tokenizer"))
-    try:
-        layers.check_within(spec.n_layers)
-    except ModelError as e:
-        fix = f"--layers START:END with 0 <= START < END <= {spec.n_layers}"
-        return [*checks, fail("layers", e.message, fix), skip("tensors", "no valid layers")], None
-    checks.append(ok("layers", f"{layers} of {spec.n_layers}"))
+    layers_check, sizes = _check_layers(f, spec, layers, backend)
+    checks.append(layers_check)
+    if sizes is None:
+        return [*checks, skip("tensors", "no valid layers")], None
     try:
         load_shard_weights(f, spec, layers, _matrix_check(backend))
     except ModelError as e:
@@ -81,8 +80,29 @@ def check_model(
         return [*checks, fail("sha256", f"cannot read {path}: {e}", fix)], None
     checks.append(ok("sha256", fingerprint))
     failed = any(c.failed for c in checks)
-    facts = ModelFacts(path, spec, fingerprint, _weight_bytes(f, spec, layers, backend))
+    held, kv = sizes.range_bytes(layers), sizes.kv_bytes_per_token(layers)
+    facts = ModelFacts(path, spec, fingerprint, held, kv)
     return checks, None if failed else facts
+
+
+def _check_layers(
+    f: GGUFFile, spec: ModelSpec, layers: LayerRange, backend: str
+) -> tuple[Check, LayerBytes | None]:
+    """The range within the model, with the bytes its tensors take as ``backend`` holds
+    them (file bytes for the fast kernels, four per weight for numpy) and its KV per
+    position; the model's ``LayerBytes`` when it passed."""
+    try:
+        layers.check_within(spec.n_layers)
+    except ModelError as e:
+        fix = f"--layers START:END with 0 <= START < END <= {spec.n_layers}"
+        return fail("layers", e.message, fix), None
+    try:
+        sizes = model_layer_bytes(f, spec, float32_bytes if backend == "numpy" else file_bytes)
+    except ModelError as e:
+        return fail("layers", e.message, "use a GGUF whose tensors are of its layers"), None
+    held, kv = sizes.range_bytes(layers), sizes.kv_bytes_per_token(layers)
+    detail = f"{layers} of {spec.n_layers}: {size(held)}, KV {size(kv)} per token"
+    return ok("layers", detail), sizes
 
 
 def _matrix_check(backend: str) -> Callable[[GGUFFile, gguf.ReaderTensor, tuple[int, int]], None]:
@@ -99,13 +119,3 @@ def _matrix_check(backend: str) -> Callable[[GGUFFile, gguf.ReaderTensor, tuple[
         return None  # checked_tensor has checked its type and shape: numpy reads them all
 
     return numpy if backend == "numpy" else fast
-
-
-def _weight_bytes(f: GGUFFile, spec: ModelSpec, layers: LayerRange, backend: str) -> int:
-    """Bytes of the node's weights: the file bytes of its tensors for the fast kernels
-    (they multiply from the blocks), four per weight for the float32 reference."""
-    sizes = {
-        name: int(t.n_bytes) if backend != "numpy" else int(t.n_elements) * 4
-        for name, t in f.tensors.items()
-    }
-    return shard_file_bytes(sizes, layers, spec.n_layers)
