@@ -20,11 +20,13 @@ from meshnet.errors import (
     ShardMismatch,
 )
 from meshnet.layer_range import LayerRange
+from meshnet.model.info import load_model_info
+from meshnet.model.layer_bytes import LayerBytes, model_layer_bytes
 from meshnet.node.configure import Unload, parse
 from meshnet.node.service import NodeService
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.database import open_database
-from meshnet.tracker.model_admin import check_assignments, choose_assignments
+from meshnet.tracker.model_admin import check_assignments, choose_assignments, model_json
 from meshnet.tracker.placement import Load
 from meshnet.tracker.served import MAX_MODELS, ModelState, ServedModel, ServedModels
 from meshnet.tracker.served_store import ServedRow, ServedStore
@@ -179,10 +181,20 @@ def test_a_bad_assignment_is_refused_with_the_reason(
         check_assignments(assign(*pairs), NODES, 4)
 
 
-def test_empty_nodes_are_chosen_in_id_order_with_the_layers_split_evenly() -> None:
-    chosen = choose_assignments(NODES, 5, 2)
+def _sizes(layers: tuple[int, ...], embedding: int = 0, tied: bool = False) -> LayerBytes:
+    return LayerBytes(layers, embedding, head=0, shared=0, tied_head=tied, kv_layer_token=0)
+
+
+def test_empty_nodes_are_chosen_in_id_order_with_equal_layers_split_evenly() -> None:
+    chosen = choose_assignments(NODES, _sizes((10,) * 5), 2)
     assert chosen == assign(("n0", "0:3"), ("n1", "3:5"))
     check_assignments(chosen, NODES, 5)
+
+
+def test_the_layers_are_split_by_their_bytes() -> None:
+    # A tied embedding as heavy as three layers sits on the first and the last node.
+    chosen = choose_assignments(NODES, _sizes((10,) * 9, embedding=30, tied=True), 3)
+    assert chosen == assign(("n0", "0:2"), ("n1", "2:7"), ("n2", "7:9"))
 
 
 @pytest.mark.parametrize(
@@ -190,7 +202,23 @@ def test_empty_nodes_are_chosen_in_id_order_with_the_layers_split_evenly() -> No
 )
 def test_too_few_empty_nodes_or_a_bad_count_is_refused(count: int, words: str) -> None:
     with pytest.raises(RequestError, match=words):
-        choose_assignments(NODES, 5, count)
+        choose_assignments(NODES, _sizes((10,) * 5), count)
+
+
+def test_the_admin_view_lists_each_nodes_bytes(tiny_path: Path) -> None:
+    info = load_model_info(tiny_path)
+    sizes = model_layer_bytes(info.file, info.spec)
+    fp = info.fingerprint
+    nodes = [node("a", "0:3", fingerprint=fp), node("b", "3:4", fingerprint=fp), node("c")]
+    tracker = cast(Any, _Routes())
+    tracker.generations = list
+    view = model_json(ServedModel(info, tracker, cast(Any, None), ""), nodes)
+    assert view["bytes"] == sizes.total
+    held = {n["node_id"]: n["bytes"] for n in cast(list[dict[str, Any]], view["nodes"])}
+    assert held == {
+        "a": sizes.range_bytes(LayerRange(0, 3)),
+        "b": sizes.range_bytes(LayerRange(3, 4)),
+    }
 
 
 # --- sessions' models ---------------------------------------------------------------------

@@ -3,7 +3,8 @@
 - **serve**: read the model file (as the tracker sees it), choose the nodes —
   the operator's assignment (node ids with layer ranges that cover the model's
   layers exactly once) or, given a count, that many empty nodes in id order
-  with the layers split evenly — and tell each, by a T3 ``Configure`` naming
+  with the layers split by their bytes (the largest range as light as it can
+  be, ``LayerBytes.split``) — and tell each, by a T3 ``Configure`` naming
   the file as the nodes see it, to load its range. Only empty, up nodes are
   used. All load, or none: the nodes that loaded are emptied again and the
   typed reason is raised, so a refused serve changes nothing. Once all have
@@ -33,8 +34,9 @@ from dataclasses import dataclass
 import grpc
 
 from meshnet.errors import MeshnetError, RequestError
-from meshnet.layer_range import split_evenly
+from meshnet.layer_range import LayerRange
 from meshnet.model.info import ModelInfo, load_model_info
+from meshnet.model.layer_bytes import LayerBytes, model_layer_bytes
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.placement import Load, Placement, PlacementConfig, configure_span
 from meshnet.tracker.registry import NodeRecord, NodeState
@@ -68,15 +70,16 @@ def empty_nodes(nodes: Sequence[NodeRecord]) -> list[NodeRecord]:
     )
 
 
-def choose_assignments(nodes: Sequence[NodeRecord], n_layers: int, count: int) -> list[Load]:
-    """``count`` empty nodes, the layers split evenly among them; ``RequestError`` when
-    there are fewer empty nodes (or more nodes than layers)."""
+def choose_assignments(nodes: Sequence[NodeRecord], sizes: LayerBytes, count: int) -> list[Load]:
+    """``count`` empty nodes, the layers split among them by their bytes (``sizes``);
+    ``RequestError`` when there are fewer empty nodes (or more nodes than layers)."""
+    n_layers = sizes.n_layers
     if not 1 <= count <= n_layers:
         raise RequestError(f"nodes must be in [1, {n_layers}] (the model's layers), not {count}")
     free = empty_nodes(nodes)
     if len(free) < count:
         raise RequestError(f"{count} empty nodes are needed and {len(free)} are up")
-    ranges = split_evenly(n_layers, count)
+    ranges = sizes.split(count)
     return [Load(n.node_id, r) for n, r in zip(free, ranges, strict=False)]
 
 
@@ -178,12 +181,12 @@ class ModelAdmin:
         changed when it cannot (a bad file, a name taken, nodes not empty, a refusal)."""
         info = await asyncio.to_thread(load_model_info, request.path)
         self.models.check_new(info)
+        sizes = model_layer_bytes(info.file, info.spec)  # what the admin views report
         node_path = request.node_path or request.path
         async with self._base.heal_lock:
             nodes = self._base.store.nodes()
-            n_layers = info.spec.n_layers
-            plan = list(request.assignments) or choose_assignments(nodes, n_layers, request.nodes)
-            check_assignments(plan, nodes, n_layers)
+            plan = list(request.assignments) or choose_assignments(nodes, sizes, request.nodes)
+            check_assignments(plan, nodes, sizes.n_layers)
             self.models.check_new(info)  # again: a serve may have finished meanwhile
             await self._load_all(plan, nodes, info, node_path)
             model = self.new_model(info, node_path)
@@ -305,8 +308,10 @@ async def _until(done: Callable[[], bool], timeout_s: float) -> None:
 
 def model_json(model: ServedModel, nodes: Sequence[NodeRecord]) -> dict[str, object]:
     """A served model as ``GET /admin/models`` shows it: its state, whether a route is
-    complete, the layers no up node serves, and its nodes with their layers."""
+    complete, the layers no up node serves, its tensor bytes, and its nodes with their
+    layers and the bytes those hold (from the header the tracker read: no weights)."""
     ours = [n for n in nodes if n.fingerprint == model.info.fingerprint and n.layers is not None]
+    sizes = model_layer_bytes(model.info.file, model.info.spec)
     covered = [0] * model.info.spec.n_layers
     for n in ours:
         if n.routable:
@@ -319,6 +324,7 @@ def model_json(model: ServedModel, nodes: Sequence[NodeRecord]) -> dict[str, obj
         "state": model.state.value,
         "replaced_by": model.replaced_by,
         "n_layers": model.info.spec.n_layers,
+        "bytes": sizes.total,
         "node_path": model.node_path or None,
         "complete": model.complete(),
         "uncovered_layers": [i for i, c in enumerate(covered) if c == 0],
@@ -326,9 +332,18 @@ def model_json(model: ServedModel, nodes: Sequence[NodeRecord]) -> dict[str, obj
             {
                 "node_id": n.node_id,
                 "layers": [n.layers.start, n.layers.end] if n.layers else None,
+                "bytes": _range_bytes(sizes, n.layers),
                 "state": n.state.value,
             }
             for n in sorted(ours, key=lambda n: (n.layers, n.node_id))
         ],
         "generations": len(model.tracker.generations()),
     }
+
+
+def _range_bytes(sizes: LayerBytes, layers: LayerRange | None) -> int | None:
+    """The bytes a node serving ``layers`` holds; None for no layers or a range the model
+    does not have (a record from before a file changed)."""
+    if layers is None or layers.end > sizes.n_layers:
+        return None
+    return sizes.range_bytes(layers)
