@@ -29,10 +29,12 @@ from meshnet.cli.options import (
     positive_duration,
     positive_int,
 )
+from meshnet.cli.table import size
 from meshnet.client import stream_chat
 from meshnet.layer_range import LayerRange
-from meshnet.local_mesh import LocalMesh, even_layout, parse_layout, split_threads
+from meshnet.local_mesh import LocalMesh, parse_layout, split_threads
 from meshnet.model.info import load_model_info
+from meshnet.model.layer_bytes import LayerBytes, model_layer_bytes
 from meshnet.node.main import available_cores
 from meshnet.supervisor import Backoff, Child, Supervisor
 
@@ -40,7 +42,9 @@ from meshnet.supervisor import Backoff, Child, Supervisor
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("up", help="start a tracker and nodes on this machine")
     shape = p.add_mutually_exclusive_group()
-    shape.add_argument("--nodes", type=positive_int, default=3, help="nodes, layers split evenly")
+    shape.add_argument(
+        "--nodes", type=positive_int, default=3, help="nodes, layers split by their bytes"
+    )
     shape.add_argument("--layout", help='e.g. "0:10,10:20,20:30" ("empty" for an empty node)')
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--data-dir", type=Path, help="default: a new temporary directory")
@@ -88,9 +92,35 @@ def local_mesh(args: argparse.Namespace, data_dir: Path) -> LocalMesh:
     )
 
 
+def plan_layout(args: argparse.Namespace, sizes: LayerBytes) -> list[LayerRange | None]:
+    """The nodes' ranges: ``--layout`` as given, else ``--nodes`` ranges whose largest
+    holds the fewest bytes (``LayerBytes.split``). ``LayerRangeError`` for a range
+    outside the model or more nodes than layers."""
+    if not args.layout:
+        return list(sizes.split(args.nodes))
+    layout = parse_layout(args.layout)
+    for layers in layout:
+        if layers is not None:
+            layers.check_within(sizes.n_layers)
+    return layout
+
+
+def layout_lines(layout: list[LayerRange | None], sizes: LayerBytes) -> list[str]:
+    """One line per node: its range, the bytes it holds and its KV per token."""
+    lines: list[str] = []
+    for i, layers in enumerate(layout):
+        if layers is None:
+            lines.append(f"  node-{i}: empty")
+            continue
+        held, kv = sizes.range_bytes(layers), sizes.kv_bytes_per_token(layers)
+        lines.append(f"  node-{i}: layers {layers} {size(held)}, KV {size(kv)} per token")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
-    spec = load_model_info(args.model).spec
-    layout = parse_layout(args.layout) if args.layout else even_layout(spec.n_layers, args.nodes)
+    info = load_model_info(args.model)
+    sizes = model_layer_bytes(info.file, info.spec)
+    layout = plan_layout(args, sizes)
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="meshnet-"))
     mesh = local_mesh(args, data_dir)
     threads = node_threads(args, len(layout))
@@ -102,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
             f"(logs in {data_dir}/logs)",
             file=sys.stderr,
         )
+        print("\n".join(layout_lines(layout, sizes)), file=sys.stderr)
         mesh.start(layout, threads=threads)
         print(f"meshnet API at {mesh.url}/v1", flush=True)
         print(f"credentials (API key, admin token) in {data_dir / CREDENTIALS_FILE}", flush=True)
