@@ -3,7 +3,7 @@
 Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K) are repacked into
 groups of 16 rows whose fields are stored column by column, one byte (or float16) per
 row, so a vector load gives one column of 8 or 16 rows. The other types (Q2_K, Q3_K,
-F16, BF16, F32) keep the GGUF's own rows: their kernel unpacks a tile at a time.
+F16, BF16, F32, MXFP4) keep the GGUF's own rows: their kernel unpacks a tile at a time.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ CODES = {
     QT.F16: 10,
     QT.BF16: 11,
     QT.F32: 12,
+    QT.MXFP4: 13,
 }
 LEGACY = frozenset({QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q5_1})  # row groups per block
 KQUANTS = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})  # row groups per super-block

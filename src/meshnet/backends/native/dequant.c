@@ -16,6 +16,7 @@ static Py_ssize_t rowwise_bytes(int type, Py_ssize_t nb) {
     case Q3_K: return nb / 8 * 110;
     case F16:
     case BF16: return nb * 2 * QK;
+    case MXFP4: return nb * 17;
     default: return nb * 4 * QK; /* F32 */
     }
 }
@@ -86,9 +87,32 @@ static void q3_k(const uint8_t *sb, int part, float *out) {
     }
 }
 
+/* The E2M1 values doubled (llama.cpp's kvalues_mxfp4): an MXFP4 weight is
+ * FP4_VALUES[q] * 2^(e - 128), the block's E8M0 exponent e halved to match. */
+static const int8_t FP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* 2^(e - 128) (ggml_e8m0_to_fp32_half): a float32 subnormal for e < 2. */
+static float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float d;
+    memcpy(&d, &bits, sizeof(d));
+    return d;
+}
+
+/* MXFP4 block: e (E8M0), qs[16]; weight i in the low nibble of qs[i], 16 + i in its high
+ * nibble. Each k * d is exact (d a power of two, k an integer of at most 4 bits). */
+static void mxfp4(const uint8_t *block, float *out) {
+    const float d = e8m0_half(block[0]);
+    for (int i = 0; i < QK / 2; i++) {
+        out[i] = (float)FP4_VALUES[block[1 + i] & 15] * d;
+        out[QK / 2 + i] = (float)FP4_VALUES[block[1 + i] >> 4] * d;
+    }
+}
+
 void dequant_block(int type, const uint8_t *row, Py_ssize_t b, float *out) {
     switch (type) {
     case Q2_K: q2_k(row + b / 8 * 84, (int)(b % 8), out); break;
+    case MXFP4: mxfp4(row + b * 17, out); break;
     case Q3_K: q3_k(row + b / 8 * 110, (int)(b % 8), out); break;
     case F16: /* exact conversions, eight at a time */
         for (int l = 0; l < QK; l += 8) {
