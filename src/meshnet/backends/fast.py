@@ -17,17 +17,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
 
-import gguf
 import numba
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 
 from meshnet.backends import quant
 from meshnet.backends.base import BatchEntry, HeadSplit, attend_each, finish_step, start_step
 from meshnet.backends.kernel_threads import kernel_threads
 from meshnet.backends.native_blocks import NativeBlocks, Tables
 from meshnet.backends.quant import QuantMatrix
-from meshnet.errors import MeshnetError, ShardMismatch, UnsupportedTensorType
+from meshnet.errors import MeshnetError, ShardMismatch
 from meshnet.kv.cache import SequenceKV
 from meshnet.layer_range import LayerRange
 from meshnet.model.block import forward_block
@@ -115,24 +113,7 @@ class FastBackend:
 def load_fast_weights(
     f: GGUFFile, spec: ModelSpec, layers: LayerRange
 ) -> ShardWeights[QuantMatrix]:
-    return load_shard_weights(f, spec, layers, quant.from_gguf, expert_matrices)
-
-
-def expert_matrices(
-    f: GGUFFile, t: gguf.ReaderTensor, shape: tuple[int, int, int], q8: bool = False
-) -> tuple[QuantMatrix, ...]:
-    """A 3-D expert tensor [n, rows, cols] as n matrices, each made from its own blocks
-    (an expert's rows are contiguous in the file), the tensor read off the file once."""
-    try:
-        qtype = QT(t.tensor_type)
-    except ValueError as e:
-        raise UnsupportedTensorType(f"tensor {t.name!r} has an unknown type") from e
-    n, rows, cols = shape
-    raw = f.read_tensor(t).reshape(n, -1)  # [n, bytes of one expert]
-    return tuple(
-        quant.from_blocks(raw[e], qtype, (rows, cols), name=f"{t.name}[{e}]", q8=q8)
-        for e in range(n)
-    )
+    return load_shard_weights(f, spec, layers, quant.from_gguf)
 
 
 def _fuse(w: LayerWeights[QuantMatrix]) -> LayerWeights[QuantMatrix]:
@@ -140,17 +121,14 @@ def _fuse(w: LayerWeights[QuantMatrix]) -> LayerWeights[QuantMatrix]:
     multiplication instead of several); the parts are then dropped."""
 
     def fused(parts: tuple[QuantMatrix, ...]) -> tuple[QuantMatrix, ...]:
-        if len(parts) <= 1:
+        if len(parts) == 1:
             return parts
         try:
             return (quant.stack_rows(list(parts)),)
         except ValueError:  # mixed block types (a Q4_K_M file's Q4_K q/k and Q6_K v)
             return parts
 
-    experts = w.experts
-    if experts is not None:
-        experts = replace(experts, gate_up=tuple(fused(e) for e in experts.gate_up))
-    return replace(w, qkv=fused(w.qkv), gate_up=fused(w.gate_up), experts=experts)
+    return replace(w, qkv=fused(w.qkv), gate_up=fused(w.gate_up))
 
 
 def _matmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:

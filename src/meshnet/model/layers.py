@@ -12,8 +12,6 @@ import numpy as np
 F32 = np.float32
 _GELU_C = F32(np.sqrt(2.0 / np.pi))
 _GELU_A = F32(0.044715)
-_OAI_ALPHA = F32(1.702)
-_OAI_LIMIT = F32(7.0)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -66,11 +64,6 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / np.sum(e, axis=-1, keepdims=True)
 
 
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    """The logistic function ``1 / (1 + e^-x)``."""
-    return F32(1.0) / (F32(1.0) + np.exp(-x))
-
-
 def silu(x: np.ndarray) -> np.ndarray:
     """SiLU / swish: ``x * sigmoid(x)``."""
     return x / (F32(1.0) + np.exp(-x))
@@ -84,19 +77,8 @@ def gelu(x: np.ndarray) -> np.ndarray:
 def gated(gate_up: np.ndarray, activation: str) -> np.ndarray:
     """``act(gate) * up`` for gate_up [T, 2 d_ff] = [gate | up]: the gated FFN's middle."""
     d_ff = gate_up.shape[1] // 2
-    gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
-    if activation == "swiglu_oai":
-        return swiglu_oai(gate, up)
     act = gelu if activation == "gelu" else silu
-    return act(gate) * up  # [T, d_ff]
-
-
-def swiglu_oai(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """gpt-oss's clamped SwiGLU: ``g sigmoid(1.702 g) (u + 1)`` with the gate clamped
-    above and the up clamped both ways at 7 (OpenAI's reference, as llama.cpp runs it)."""
-    g = np.minimum(gate, _OAI_LIMIT)
-    u = np.clip(up, -_OAI_LIMIT, _OAI_LIMIT)
-    return g / (F32(1.0) + np.exp(_OAI_ALPHA * -g)) * (u + F32(1.0))
+    return act(gate_up[:, :d_ff]) * gate_up[:, d_ff:]  # [T, d_ff]
 
 
 def soft_cap(x: np.ndarray, cap: float) -> np.ndarray:
