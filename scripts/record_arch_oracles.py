@@ -10,6 +10,9 @@ Remake it (after ``bash bench/build_llamacpp.sh``) whenever tests/tinyarch.py
 changes:
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/record_arch_oracles.py
+
+``--cases NAME ...`` records only those cases and keeps the fixture's others as they
+are (a new family's case, without rewriting the rest's last digits).
 """
 
 from __future__ import annotations
@@ -47,13 +50,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bin", type=Path, default=DEFAULT_HOME / "bin")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--cases", nargs="+", choices=sorted(CASES), help="only these cases")
     args = parser.parse_args()
     server = args.bin / "llama-server"
     if not server.is_file():
         sys.exit(f"{server} is missing: run bash bench/build_llamacpp.sh first")
     cases = {}
+    if args.cases and args.out.is_file():
+        cases = json.loads(args.out.read_text())["cases"]
     with tempfile.TemporaryDirectory() as tmp:
         for name, case in CASES.items():
+            if args.cases and name not in args.cases:
+                continue
             path = write_arch_gguf(Path(tmp) / f"{name}.gguf", case)
             cases[name] = {
                 "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
@@ -63,7 +71,8 @@ def main() -> None:
             }
             print(name, [s["id"] for s in cases[name]["steps"]])
     meta = {"llama_server": _version(server), "command": "scripts/record_arch_oracles.py"}
-    args.out.write_text(json.dumps({"meta": meta, "cases": cases}, indent=1) + "\n")
+    ordered = {name: cases[name] for name in CASES if name in cases}
+    args.out.write_text(json.dumps({"meta": meta, "cases": ordered}, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -34,6 +34,10 @@ class ArchCase:
     context_length: int = 256
     tied_head: bool = False
     seed: int = 0
+    n_experts: int = 0  # a mixture of experts in every layer's feed-forward when > 0
+    n_used: int = 0  # experts each row goes through
+    d_ff_expert: int = 0  # one expert's hidden width
+    shared_expert: bool = False  # plus a sigmoid-gated shared expert (Qwen2-MoE)
 
 
 CASES: dict[str, ArchCase] = {
@@ -45,8 +49,13 @@ CASES: dict[str, ArchCase] = {
         ArchCase("phi3", "phi3", n_kv_heads=4),  # fused Q/K/V, fused gate/up
         ArchCase("gemma2", "gemma2", head_dim=32, tied_head=True),  # windows, soft-caps
         ArchCase("gemma3", "gemma3", head_dim=32, n_layers=6, tied_head=True),  # local rope
+        # mixtures of experts: more experts than used, rows routed apart
+        ArchCase("mixtral", "llama", d_ff=64, n_experts=6, n_used=2, d_ff_expert=64),
+        ArchCase("qwen2moe", "qwen2moe", n_experts=8, n_used=3, d_ff_expert=32, shared_expert=True),
+        ArchCase("qwen3moe", "qwen3moe", head_dim=32, n_experts=8, n_used=3, d_ff_expert=64),
     )
 }
+ROUTER_SCALE = 6.0  # router logits spread wide: a row's k-th and next experts are no near tie
 
 WINDOW = 8  # short, so that a test prompt runs past it
 
@@ -68,6 +77,13 @@ def write_arch_gguf(path: Path, case: ArchCase) -> Path:
     w.add_rope_dimension_count(case.head_dim)
     w.add_rope_freq_base(10000.0 if arch != "gemma3" else 1000000.0)
     w.add_layer_norm_rms_eps(1e-6)
+    if case.n_experts:
+        w.add_expert_count(case.n_experts)
+        w.add_expert_used_count(case.n_used)
+        if arch != "llama":  # Mixtral's experts are feed_forward_length wide
+            w.add_expert_feed_forward_length(case.d_ff_expert)
+        if case.shared_expert:
+            w.add_expert_shared_feed_forward_length(case.d_ff)
     _FAMILY_KEYS.get(arch, _no_keys)(w)
     add_tokenizer(w)
     _write_tensors(w, rng, case, len(vocabulary()[0]))
@@ -101,25 +117,48 @@ def _write_tensors(
         else:
             for part, rows in (("q", q), ("k", kv), ("v", kv)):
                 matrix(p + f"attn_{part}.weight", rows, d, 1.0)
-                if arch == "qwen2":
+                if arch in ("qwen2", "qwen2moe"):
                     vector(p + f"attn_{part}.bias", rows, 0.0, 0.5)
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "gemma3", "qwen3moe"):
             vector(p + "attn_q_norm.weight", hd)
             vector(p + "attn_k_norm.weight", hd)
         matrix(p + "attn_output.weight", d, q)
         vector(p + "ffn_norm.weight", d)
-        if arch == "phi3":
+        if case.n_experts:
+            _write_experts(w, rng, case, p)
+        elif arch == "phi3":
             matrix(p + "ffn_up.weight", 2 * ff, d, 1.0)
-        else:
-            matrix(p + "ffn_gate.weight", ff, d, 1.0)
-            matrix(p + "ffn_up.weight", ff, d, 1.0)
-        matrix(p + "ffn_down.weight", d, ff)
+        if not case.n_experts:
+            if arch != "phi3":
+                matrix(p + "ffn_gate.weight", ff, d, 1.0)
+                matrix(p + "ffn_up.weight", ff, d, 1.0)
+            matrix(p + "ffn_down.weight", d, ff)
         if arch.startswith("gemma"):
             vector(p + "post_attention_norm.weight", d)
             vector(p + "post_ffw_norm.weight", d)
     vector("output_norm.weight", d)
     if not case.tied_head:
         matrix("output.weight", vocab, d, 4.0)
+
+
+def _write_experts(w: gguf.GGUFWriter, rng: np.random.Generator, case: ArchCase, p: str) -> None:
+    """A layer's router, its experts as 3-D tensors [n_experts, rows, cols], and the shared
+    expert where the case has one."""
+    d, e, ff = case.d_model, case.n_experts, case.d_ff_expert
+
+    def tensor(name: str, shape: tuple[int, ...], scale: float) -> None:
+        values = rng.standard_normal(shape) * scale / np.sqrt(shape[-1])
+        w.add_tensor(name, values.astype(np.float32))
+
+    tensor(p + "ffn_gate_inp.weight", (e, d), ROUTER_SCALE)
+    tensor(p + "ffn_gate_exps.weight", (e, ff, d), 1.0)
+    tensor(p + "ffn_up_exps.weight", (e, ff, d), 1.0)
+    tensor(p + "ffn_down_exps.weight", (e, d, ff), 1.0)
+    if case.shared_expert:
+        tensor(p + "ffn_gate_inp_shexp.weight", (d,), 4.0 * np.sqrt(d))
+        tensor(p + "ffn_gate_shexp.weight", (case.d_ff, d), 1.0)
+        tensor(p + "ffn_up_shexp.weight", (case.d_ff, d), 1.0)
+        tensor(p + "ffn_down_shexp.weight", (d, case.d_ff), 1.0)
 
 
 def _gemma2_keys(w: gguf.GGUFWriter) -> None:

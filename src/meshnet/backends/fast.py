@@ -17,15 +17,17 @@ from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
 
+import gguf
 import numba
 import numpy as np
+from gguf import GGMLQuantizationType as QT
 
 from meshnet.backends import quant
 from meshnet.backends.base import BatchEntry, HeadSplit, attend_each, finish_step, start_step
 from meshnet.backends.kernel_threads import kernel_threads
 from meshnet.backends.native_blocks import NativeBlocks, Tables
 from meshnet.backends.quant import QuantMatrix
-from meshnet.errors import MeshnetError, ShardMismatch
+from meshnet.errors import MeshnetError, ShardMismatch, UnsupportedTensorType
 from meshnet.kv.cache import SequenceKV
 from meshnet.layer_range import LayerRange
 from meshnet.model.block import forward_block
@@ -113,7 +115,24 @@ class FastBackend:
 def load_fast_weights(
     f: GGUFFile, spec: ModelSpec, layers: LayerRange
 ) -> ShardWeights[QuantMatrix]:
-    return load_shard_weights(f, spec, layers, quant.from_gguf)
+    return load_shard_weights(f, spec, layers, quant.from_gguf, expert_matrices)
+
+
+def expert_matrices(
+    f: GGUFFile, t: gguf.ReaderTensor, shape: tuple[int, int, int], q8: bool = False
+) -> tuple[QuantMatrix, ...]:
+    """A 3-D expert tensor [n, rows, cols] as n matrices, each made from its own blocks
+    (an expert's rows are contiguous in the file), the tensor read off the file once."""
+    try:
+        qtype = QT(t.tensor_type)
+    except ValueError as e:
+        raise UnsupportedTensorType(f"tensor {t.name!r} has an unknown type") from e
+    n, rows, cols = shape
+    raw = f.read_tensor(t).reshape(n, -1)  # [n, bytes of one expert]
+    return tuple(
+        quant.from_blocks(raw[e], qtype, (rows, cols), name=f"{t.name}[{e}]", q8=q8)
+        for e in range(n)
+    )
 
 
 def _fuse(w: LayerWeights[QuantMatrix]) -> LayerWeights[QuantMatrix]:
@@ -121,14 +140,17 @@ def _fuse(w: LayerWeights[QuantMatrix]) -> LayerWeights[QuantMatrix]:
     multiplication instead of several); the parts are then dropped."""
 
     def fused(parts: tuple[QuantMatrix, ...]) -> tuple[QuantMatrix, ...]:
-        if len(parts) == 1:
+        if len(parts) <= 1:
             return parts
         try:
             return (quant.stack_rows(list(parts)),)
         except ValueError:  # mixed block types (a Q4_K_M file's Q4_K q/k and Q6_K v)
             return parts
 
-    return replace(w, qkv=fused(w.qkv), gate_up=fused(w.gate_up))
+    experts = w.experts
+    if experts is not None:
+        experts = replace(experts, gate_up=tuple(fused(e) for e in experts.gate_up))
+    return replace(w, qkv=fused(w.qkv), gate_up=fused(w.gate_up), experts=experts)
 
 
 def _matmul(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
@@ -143,18 +165,22 @@ def _attend_batch(
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """Store the batch's new keys/values and attend each sequence's rows; [T, H*hd].
 
     Every row, prompt or decode, through one call of the native kernel where it is
-    built; else each sequence's rows through the numba kernel, row by row.
+    built; else each sequence's rows through the numba kernel, row by row. ``sinks``
+    [H]: the layer's attention sinks (``causal_attention``), or None.
     """
     q = np.ascontiguousarray(q, dtype=F32)
     k = np.ascontiguousarray(k, dtype=F32)
+    if sinks is not None:
+        sinks = np.ascontiguousarray(sinks, dtype=F32)
     native = quant.NATIVE
     scale, cap = spec.attn_scale, spec.attn_softcap
     if native is None or spec.head_dim % 8:  # the native kernel reads heads 8 lanes at a time
-        one = partial(_attention, scale=scale, softcap=cap, window=window)
+        one = partial(_attention, scale=scale, softcap=cap, window=window, sinks=sinks)
         return attend_each(layer, batch, q, k, v, one)
     t, n_heads, hd = q.shape
     out = np.empty((t, n_heads * hd), dtype=F32)
@@ -165,7 +191,8 @@ def _attend_batch(
         entries.append((keys, values, e.kv.length, e.n_new, row))
         row += e.n_new
     threads = kernel_threads()
-    native.attend(q, k, v, out, entries, t, n_heads, k.shape[1], hd, threads, scale, cap, window)
+    n_kv = k.shape[1]
+    native.attend(q, k, v, out, entries, t, n_heads, n_kv, hd, threads, scale, cap, window, sinks)
     return out
 
 
@@ -177,9 +204,13 @@ def _attention(
     scale: float,
     softcap: float = 0.0,
     window: int = 0,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
-    _attend(np.ascontiguousarray(q), keys, values, first_pos, F32(scale), F32(softcap), window, out)
+    if sinks is not None:
+        sinks = np.ascontiguousarray(sinks, dtype=F32)
+    q = np.ascontiguousarray(q)
+    _attend(q, keys, values, first_pos, F32(scale), F32(softcap), window, sinks, out)
     return out
 
 
@@ -192,11 +223,14 @@ def _attend(
     scale: np.float32,
     softcap: np.float32,
     window: int,
+    sinks: np.ndarray | None,
     out: np.ndarray,
 ) -> None:
     """Causal grouped-query attention of one sequence's new rows (as ``causal_attention``).
 
-    q [n, H, hd] at positions ``first_pos ..``; keys, values [Hkv, L, hd]; out [n, H * hd].
+    q [n, H, hd] at positions ``first_pos ..``; keys, values [Hkv, L, hd]; sinks [H] or
+    None; out [n, H * hd]. A head's sink joins the max, and its term the total after the
+    scores' (llama.cpp's order); None compiles to the code without them.
     """
     n, n_heads, hd = q.shape
     group = n_heads // keys.shape[0]
@@ -216,11 +250,15 @@ def _attend(
                     s = softcap * np.tanh(s / softcap)
                 scores[j] = s
                 top = max(top, s)
+            if sinks is not None:
+                top = max(top, sinks[h])
             total = np.float32(0.0)
             for j in range(start, end):
                 e = np.exp(scores[j] - top)
                 scores[j] = e
                 total += e
+            if sinks is not None:
+                total += np.exp(sinks[h] - top)
             base = h * hd
             for c in range(hd):
                 out[i, base + c] = 0.0

@@ -20,7 +20,7 @@ from meshnet.backends.base import BatchEntry
 from meshnet.backends.kernel_threads import kernel_threads
 from meshnet.backends.quant import QuantMatrix
 from meshnet.model.spec import ModelSpec
-from meshnet.model.weights import LayerWeights
+from meshnet.model.weights import ExpertWeights, LayerWeights
 
 Handle = object  # an opaque capsule holding one block's weights
 Tables = tuple[np.ndarray, np.ndarray]  # cos, sin [T, rope pairs] of the step's rows
@@ -67,6 +67,10 @@ class NativeBlocks:
             native.release_scratch()
 
 
+# The native kernels' activation codes (native.h ACT_*).
+_ACTIVATIONS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
+
+
 def _handle(spec: ModelSpec, layer: int, w: LayerWeights[QuantMatrix]) -> Handle:
     native = quant.NATIVE
     assert native is not None
@@ -78,10 +82,13 @@ def _handle(spec: ModelSpec, layer: int, w: LayerWeights[QuantMatrix]) -> Handle
         w.k_norm,
         w.post_attn_norm,
         w.post_ffn_norm,
+        w.wo_bias,
+        w.sinks,
+        w.shared_gate,
     )
     traits = (
         spec.rope.style == "halves",
-        spec.ffn_activation == "gelu",
+        _ACTIVATIONS[spec.ffn_activation],
         spec.attn_scale,
         spec.attn_softcap,
         spec.layer_window(layer),
@@ -90,8 +97,8 @@ def _handle(spec: ModelSpec, layer: int, w: LayerWeights[QuantMatrix]) -> Handle
         _matrices(w.qkv),
         quant.native_args(w.wo),
         _matrices(w.gate_up),
-        quant.native_args(w.w_down),
-        tuple(None if v is None else np.ascontiguousarray(v, dtype=np.float32) for v in vectors),
+        None if w.w_down is None else quant.native_args(w.w_down),
+        tuple(_floats(v) for v in vectors),
         spec.rms_eps,
         spec.n_heads,
         spec.n_kv_heads,
@@ -100,7 +107,32 @@ def _handle(spec: ModelSpec, layer: int, w: LayerWeights[QuantMatrix]) -> Handle
         spec.d_ff,
         spec.layer_rope(layer).pairs,
         traits,
+        None if w.experts is None else _experts(spec, w.experts),
     )
+
+
+def _experts(spec: ModelSpec, w: ExpertWeights[QuantMatrix]) -> Handle:
+    """A handle on a layer's mixture of experts, for its block's handle to hold."""
+    native = quant.NATIVE
+    experts = spec.experts
+    assert native is not None and experts is not None
+    return native.experts(
+        quant.native_args(w.router),
+        _floats(w.router_bias),
+        tuple(_matrices(parts) for parts in w.gate_up),
+        tuple(quant.native_args(m) for m in w.down),
+        (_floats(w.gate_bias), _floats(w.up_bias), _floats(w.down_bias)),
+        spec.d_model,
+        experts.d_ff,
+        experts.n_used,
+        0 if experts.gating == "softmax" else 1,
+        experts.normalize,
+        _ACTIVATIONS[spec.ffn_activation],
+    )
+
+
+def _floats(v: np.ndarray | None) -> np.ndarray | None:
+    return None if v is None else np.ascontiguousarray(v, dtype=np.float32)
 
 
 def _matrices(parts: tuple[QuantMatrix, ...]) -> tuple[tuple[np.ndarray, int, int, int], ...]:

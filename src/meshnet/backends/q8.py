@@ -11,8 +11,10 @@ extension is not built, the q8 backend computes exactly as the fast one does.
 
 from __future__ import annotations
 
+import gguf
+
 from meshnet.backends import quant
-from meshnet.backends.fast import FastBackend
+from meshnet.backends.fast import FastBackend, expert_matrices
 from meshnet.backends.quant import QuantMatrix
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import GGUFFile
@@ -28,4 +30,10 @@ class Q8Backend(FastBackend):
 
 def load_q8_weights(f: GGUFFile, spec: ModelSpec, layers: LayerRange) -> ShardWeights[QuantMatrix]:
     """``layers``' weights, each matrix in the q8 layout where its type has a q8 kernel."""
-    return load_shard_weights(f, spec, layers, quant.from_gguf_q8)
+    return load_shard_weights(f, spec, layers, quant.from_gguf_q8, _q8_experts)
+
+
+def _q8_experts(
+    f: GGUFFile, t: gguf.ReaderTensor, shape: tuple[int, int, int]
+) -> tuple[QuantMatrix, ...]:
+    return expert_matrices(f, t, shape, q8=True)

@@ -111,19 +111,11 @@ def measure_split(
                     # tokens + 1 streamed: the first carries the prefill, then ``tokens`` decodes
                     ours.append(stream_decode_tok_s(mesh, name, tokens + 1))
                     if setup.llamacpp is not None:
-                        for env in [{}] if threads == 1 else [{}, _SHORT_SPIN]:
-                            theirs.append(
-                                llamacpp_rpc_tok_s(
-                                    setup.llamacpp,
-                                    setup.model,
-                                    nodes,
-                                    tokens,
-                                    1,
-                                    threads,
-                                    env,
-                                    setup.delay_ms,
-                                )
+                        theirs.append(
+                            rpc_round(
+                                setup.llamacpp, setup.model, nodes, tokens, threads, setup.delay_ms
                             )
+                        )
                 memory = [
                     _node_memory(setup, node_id, proc.pid, layers, tokens)
                     for (node_id, proc), layers in zip(mesh.nodes.items(), layout, strict=True)
@@ -135,6 +127,19 @@ def measure_split(
             mesh.stop()
     rpc = max(theirs) if theirs else None
     return SplitResult(nodes, tokens, max(ours), rpc, memory, baseline)
+
+
+def rpc_round(
+    llamacpp: Path, model: Path, nodes: int, tokens: int, threads: int = 1, delay_ms: float = 0.0
+) -> float:
+    """One round of llama.cpp's RPC split of ``model`` over ``nodes`` servers of ``threads``
+    threads, decode tok/s; with more than one thread, the better of libgomp's default
+    spin and a short one (the module docstring says why)."""
+    envs: list[dict[str, str]] = [{}] if threads == 1 else [{}, _SHORT_SPIN]
+    return max(
+        llamacpp_rpc_tok_s(llamacpp, model, nodes, tokens, 1, threads, env, delay_ms)
+        for env in envs
+    )
 
 
 @contextlib.contextmanager

@@ -11,16 +11,15 @@ key for it: llama.cpp would read ``rope.scaling.factor`` as a linear scale of
 every frequency on top of the divisors). The tokenizer is the real Llama-3 one
 (see ``meshnet.benchmark.llama3_vocab``).
 
-Writing streams tensor by tensor (a 1B model is 2.5 GB in F16): each tensor is
-drawn from its own seeded generator, so its values depend only on the seed and
-its name, never on the order of writing.
+Writing streams tensor by tensor (a 1B model is 2.5 GB in F16) through
+``meshnet.benchmark.seeded_gguf``: each tensor is drawn from its own seeded
+generator, so its values depend only on the seed and its name, never on the
+order of writing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,19 +28,18 @@ import gguf
 import numpy as np
 
 from meshnet.benchmark.llama3_vocab import Vocabulary
+from meshnet.benchmark.seeded_gguf import F32, WEIGHT_TYPES, TensorPlan, write_gguf
 from meshnet.errors import ModelError
 
-F32 = np.float32
-WEIGHT_STD = 0.02  # the usual initializer scale of Llama-family projections
-NORM_STD = 0.02  # norm gains drawn around 1
-_ROWS_PER_CHUNK = 4096  # rows drawn at a time: bounds the float32 scratch of the embedding
-
-# The tensor types the writer can store, and the GGUF ``general.file_type`` each makes.
-WEIGHT_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
-    "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
-    "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
-    "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
-}
+__all__ = [
+    "WEIGHT_TYPES",
+    "Llama3RopeScaling",
+    "LlamaShape",
+    "TensorPlan",
+    "llama3_rope_factors",
+    "tensor_plan",
+    "write_model",
+]
 
 
 @dataclass(frozen=True)
@@ -80,15 +78,6 @@ class LlamaShape:
             raise ModelError(f"every size of a model must be positive: {self}")
         if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads or self.head_dim % 2:
             raise ModelError(f"heads do not divide the model width evenly: {self}")
-
-
-@dataclass(frozen=True)
-class TensorPlan:
-    """One tensor of the file: its GGUF name, row-major shape and how it is drawn."""
-
-    name: str
-    shape: tuple[int, ...]  # numpy order: (rows, columns) for a matrix
-    kind: str  # "weight" N(0, WEIGHT_STD), "norm" N(1, NORM_STD), "rope_freqs" computed
 
 
 def llama3_rope_factors(head_dim: int, base: float, scaling: Llama3RopeScaling) -> np.ndarray:
@@ -155,31 +144,15 @@ def write_model(
     as the converter keeps 1-D tensors. Peak memory is one tensor.
     """
     shape.check()
-    if weight_type not in WEIGHT_TYPES:
-        raise ModelError(f"weight type {weight_type!r} is not one of {sorted(WEIGHT_TYPES)}")
-    qtype, file_type = WEIGHT_TYPES[weight_type]
+    computed: dict[str, np.ndarray] = {}
+    if shape.rope_scaling is not None:
+        computed["rope_freqs.weight"] = _rope_freqs(shape)
+
+    def metadata(w: gguf.GGUFWriter, file_type: gguf.LlamaFileType) -> None:
+        _add_metadata(w, shape, vocab, name, file_type)
+
     plan = tensor_plan(shape)
-    tmp = path.with_name(path.name + ".part")
-    writer = gguf.GGUFWriter(tmp, "llama")
-    try:
-        _add_metadata(writer, shape, vocab, name, file_type)
-        for t in plan:
-            stored = qtype if t.kind == "weight" else gguf.GGMLQuantizationType.F32
-            nbytes = _stored_nbytes(t.shape, stored)
-            writer.add_tensor_info(t.name, t.shape, np.dtype(F32), nbytes, raw_dtype=stored)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for t in plan:
-            stored = qtype if t.kind == "weight" else gguf.GGMLQuantizationType.F32
-            writer.write_tensor_data(_draw(t, shape, seed, stored))
-            if progress is not None:
-                progress(t.name)
-        writer.close()
-        os.replace(tmp, path)
-    finally:
-        writer.close()
-        tmp.unlink(missing_ok=True)
+    write_gguf(path, "llama", plan, metadata, seed, weight_type, computed, progress)
 
 
 def _add_metadata(
@@ -216,59 +189,7 @@ def _size_label(shape: LlamaShape) -> str:
     return f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
 
 
-def _stored_nbytes(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> int:
-    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    if shape[-1] % block:
-        raise ModelError(f"a row of {shape[-1]} values is not whole {qtype.name} blocks of {block}")
-    return math.prod(shape[:-1]) * shape[-1] // block * type_size
-
-
-def _draw(
-    t: TensorPlan, shape: LlamaShape, seed: int, stored: gguf.GGMLQuantizationType
-) -> np.ndarray:
-    """The stored values (F32, F16) or blocks (quantized) of one tensor.
-
-    Rows are drawn a chunk at a time into the preallocated result, so the
-    float32 scratch stays small next to the 128k-row embedding.
-    """
-    if t.kind == "rope_freqs":
-        return _rope_freqs(shape)
-    rng = np.random.default_rng([seed, _name_key(t.name)])
-    mean, std = (1.0, NORM_STD) if t.kind == "norm" else (0.0, WEIGHT_STD)
-    rows = t.shape[0] if len(t.shape) == 2 else 1
-    cols = t.shape[-1]
-    out = _empty_stored(rows, cols, stored)
-    for start in range(0, rows, _ROWS_PER_CHUNK):
-        n = min(_ROWS_PER_CHUNK, rows - start)
-        values = rng.standard_normal((n, cols), dtype=F32)
-        values *= F32(std)
-        values += F32(mean)
-        out[start : start + n] = _encode(values, stored)
-    return out.reshape(t.shape) if len(t.shape) == 1 else out
-
-
 def _rope_freqs(shape: LlamaShape) -> np.ndarray:
     if shape.rope_scaling is None:
         raise ModelError("rope_freqs.weight is only written with llama3 rope scaling")
     return llama3_rope_factors(shape.head_dim, shape.rope_base, shape.rope_scaling)
-
-
-def _empty_stored(rows: int, cols: int, stored: gguf.GGMLQuantizationType) -> np.ndarray:
-    if stored == gguf.GGMLQuantizationType.F32:
-        return np.empty((rows, cols), F32)
-    if stored == gguf.GGMLQuantizationType.F16:
-        return np.empty((rows, cols), np.float16)
-    return np.empty((rows, _stored_nbytes((cols,), stored)), np.uint8)
-
-
-def _encode(values: np.ndarray, stored: gguf.GGMLQuantizationType) -> np.ndarray:
-    if stored == gguf.GGMLQuantizationType.F32:
-        return values
-    if stored == gguf.GGMLQuantizationType.F16:
-        return values.astype(np.float16)
-    return gguf.quants.quantize(values, stored)
-
-
-def _name_key(name: str) -> int:
-    """A stable 64-bit key of a tensor name (``hash()`` is salted per process)."""
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")

@@ -14,7 +14,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from meshnet.model.layers import gated, rms_norm
+from meshnet.model.experts import mixture
+from meshnet.model.layers import gated, rms_norm, sigmoid
 from meshnet.model.rope import rotate
 from meshnet.model.spec import ModelSpec
 from meshnet.model.weights import LayerWeights
@@ -50,14 +51,34 @@ def forward_block(
     q = rotate(q, cos, sin, spec.rope.style)
     k = rotate(k, cos, sin, spec.rope.style)
     out = matmul(attend(q, k, v), w.wo)  # [T, d]
+    if w.wo_bias is not None:
+        out = out + w.wo_bias
     if w.post_attn_norm is not None:
         out = rms_norm(out, w.post_attn_norm, eps)
     x = x + out
     h = rms_norm(x, w.ffn_norm, eps)
-    out = matmul(gated(_project(h, w.gate_up, matmul), spec.ffn_activation), w.w_down)
+    out = feed_forward(spec, w, h, matmul)  # [T, d]
     if w.post_ffn_norm is not None:
         out = rms_norm(out, w.post_ffn_norm, eps)
     return x + out  # [T, d]
+
+
+def feed_forward(
+    spec: ModelSpec, w: LayerWeights[W], h: np.ndarray, matmul: Matmul[W]
+) -> np.ndarray:
+    """The block's feed-forward of normed rows h [T, d]: the dense FFN, or a mixture of
+    experts plus its shared expert (gated by ``sigmoid(shared_gate . h)`` where it is)."""
+    out = None
+    if spec.experts is not None and w.experts is not None:
+        out = mixture(spec.experts, w.experts, h, matmul, spec.ffn_activation)
+    if w.w_down is not None:
+        dense = matmul(gated(_project(h, w.gate_up, matmul), spec.ffn_activation), w.w_down)
+        if w.shared_gate is not None:
+            dense = dense * sigmoid(np.sum(h * w.shared_gate, axis=-1, keepdims=True))
+        out = dense if out is None else out + dense
+    if out is None:
+        raise ValueError("a block with no feed-forward")
+    return out
 
 
 def _project(x: np.ndarray, parts: tuple[W, ...], matmul: Matmul[W]) -> np.ndarray:

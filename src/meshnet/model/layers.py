@@ -12,6 +12,8 @@ import numpy as np
 F32 = np.float32
 _GELU_C = F32(np.sqrt(2.0 / np.pi))
 _GELU_A = F32(0.044715)
+_OAI_ALPHA = F32(1.702)
+_OAI_LIMIT = F32(7.0)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -28,6 +30,7 @@ def causal_attention(
     scale: float | None = None,
     softcap: float = 0.0,
     window: int = 0,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """Scaled dot-product attention of one sequence's new queries over its cache.
 
@@ -36,7 +39,9 @@ def causal_attention(
     head ``h // g``. Scores are ``q . k * scale`` (default ``1 / sqrt(hd)``),
     soft-capped as ``c * tanh(s / c)`` when ``softcap`` is ``c > 0``; with a
     ``window`` a query sees only the last ``window`` positions, itself included.
-    Returns [n, H * hd].
+    ``sinks`` [H] (gpt-oss): head ``h``'s softmax also counts a logit ``sinks[h]``
+    that has no value, so a head may attend to little of anything (llama.cpp's
+    ``ggml_soft_max_add_sinks``). Returns [n, H * hd].
     """
     n, n_heads, hd = q.shape
     n_kv, length, _ = keys.shape
@@ -53,15 +58,31 @@ def causal_attention(
     if window > 0:
         hidden |= query_pos - key_pos >= window
     scores = np.where(hidden, F32(-np.inf), scores)
-    probs = softmax(scores)  # [Hkv, g, n, L]
+    if sinks is None:
+        probs = softmax(scores)  # [Hkv, g, n, L]
+    else:
+        probs = _sink_softmax(scores, np.asarray(sinks, F32).reshape(n_kv, g, 1, 1))
     out = probs.reshape(n_kv, g * n, length) @ values  # [Hkv, g*n, hd]
     return out.reshape(n_heads, n, hd).transpose(1, 0, 2).reshape(n, n_heads * hd)
+
+
+def _sink_softmax(x: np.ndarray, sink: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis with one more logit per row, ``sink`` (broadcast to
+    x's rows): it takes part in the max and the total, and gets no output of its own."""
+    top = np.maximum(np.max(x, axis=-1, keepdims=True), sink)
+    e = np.exp(x - top)
+    return e / (np.sum(e, axis=-1, keepdims=True) + np.exp(sink - top))
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
     """Softmax over the last axis, float32, max-subtracted."""
     e = np.exp(x - np.max(x, axis=-1, keepdims=True))
     return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """The logistic function ``1 / (1 + e^-x)``."""
+    return F32(1.0) / (F32(1.0) + np.exp(-x))
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -77,8 +98,19 @@ def gelu(x: np.ndarray) -> np.ndarray:
 def gated(gate_up: np.ndarray, activation: str) -> np.ndarray:
     """``act(gate) * up`` for gate_up [T, 2 d_ff] = [gate | up]: the gated FFN's middle."""
     d_ff = gate_up.shape[1] // 2
+    gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
+    if activation == "swiglu_oai":
+        return swiglu_oai(gate, up)
     act = gelu if activation == "gelu" else silu
-    return act(gate_up[:, :d_ff]) * gate_up[:, d_ff:]  # [T, d_ff]
+    return act(gate) * up  # [T, d_ff]
+
+
+def swiglu_oai(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gpt-oss's clamped SwiGLU: ``g sigmoid(1.702 g) (u + 1)`` with the gate clamped
+    above and the up clamped both ways at 7 (OpenAI's reference, as llama.cpp runs it)."""
+    g = np.minimum(gate, _OAI_LIMIT)
+    u = np.clip(up, -_OAI_LIMIT, _OAI_LIMIT)
+    return g / (F32(1.0) + np.exp(_OAI_ALPHA * -g)) * (u + F32(1.0))
 
 
 def soft_cap(x: np.ndarray, cap: float) -> np.ndarray:

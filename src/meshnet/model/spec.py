@@ -13,6 +13,7 @@ import numpy as np
 
 from meshnet.errors import ModelFileError, UnsupportedArchitecture
 from meshnet.model.arch import Architecture, FfnActivation, Shape, architecture
+from meshnet.model.arch.base import ExpertGating
 from meshnet.model.gguf_file import GGUFFile
 from meshnet.model.rope import Rope
 
@@ -51,6 +52,12 @@ class ModelSpec:
     fused_gate_up: bool  # ffn_up is [gate | up]
     fused_qkv: bool  # one attn_qkv matrix instead of attn_q/k/v
     qkv_bias: bool  # the Q/K/V projections add biases
+    experts: Experts | None = None  # the mixture of experts of the layers that have one
+    ffn_norm_name: str = "ffn_norm"  # the pre-feed-forward norm's tensor (gpt-oss names it apart)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts is not None
 
     @property
     def kv_width(self) -> int:
@@ -70,6 +77,18 @@ class ModelSpec:
     def layer_window(self, layer: int) -> int:
         """Positions model layer ``layer`` attends back over (itself included); 0: all."""
         return self.window if self.is_windowed(layer) else 0
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts feed-forward: a router picks ``n_used`` of ``n_experts`` gated
+    FFNs of width ``d_ff`` for each row and sums their outputs by its weights."""
+
+    n_experts: int
+    n_used: int
+    d_ff: int  # one expert's hidden width
+    gating: ExpertGating
+    normalize: bool  # the chosen weights are divided by their sum
 
 
 def read_spec(f: GGUFFile) -> ModelSpec:
@@ -99,11 +118,12 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         raise ModelFileError(f"{f.path.name}: tensor 'token_embd.weight' is missing")
     rope = _read_rope(f, arch, key, head_dim)
     window, windowed = _read_windows(f, arch, key, n_layers)
+    experts = _read_experts(f, arch, key)
     return ModelSpec(
         architecture=name,
         n_layers=n_layers,
         d_model=d_model,
-        d_ff=_int(f, key("feed_forward_length")),
+        d_ff=_dense_ff(f, key, experts),
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
@@ -127,7 +147,43 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         fused_gate_up=arch.fused_gate_up,
         fused_qkv="blk.0.attn_qkv.weight" in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+        experts=experts,
+        ffn_norm_name=arch.ffn_norm_name,
     )
+
+
+def _read_experts(f: GGUFFile, arch: Architecture, key: _Key) -> Experts | None:
+    """The file's mixture of experts, or None for a dense model. The expert width is read
+    off the experts' down projection (``[d_ff, d, n_experts]`` in GGUF order), as every
+    family's converter writes it whatever key it names the width by. How the router's
+    weights are made is the family's (llama.cpp reads no gating key for these families)."""
+    n_experts = _int(f, key("expert_count"), 0)
+    if n_experts == 0:
+        return None
+    n_used = _int(f, key("expert_used_count"), 0)
+    if not 0 < n_used <= n_experts:
+        raise ModelFileError(f"{f.path.name}: {n_used} experts used of {n_experts}")
+    down = next((t for n, t in f.tensors.items() if n.endswith(".ffn_down_exps.weight")), None)
+    if down is None or len(down.shape) != 3 or int(down.shape[2]) != n_experts:
+        raise ModelFileError(f"{f.path.name}: no expert tensors of {n_experts} experts")
+    return Experts(
+        n_experts=n_experts,
+        n_used=n_used,
+        d_ff=int(down.shape[0]),
+        gating=arch.expert_gating,
+        normalize=arch.expert_weights_norm,
+    )
+
+
+def _dense_ff(f: GGUFFile, key: _Key, experts: Experts | None) -> int:
+    """The width of the layers' dense feed-forward: a shared expert's where a mixture has
+    one (its key, else its tensor), 0 where a mixture has none."""
+    if experts is None:
+        return _int(f, key("feed_forward_length"))
+    if f.has(key("expert_shared_feed_forward_length")):
+        return _int(f, key("expert_shared_feed_forward_length"))
+    shared = next((t for n, t in f.tensors.items() if n.endswith(".ffn_down_shexp.weight")), None)
+    return int(shared.shape[0]) if shared is not None else 0
 
 
 def _read_rope(f: GGUFFile, arch: Architecture, key: _Key, head_dim: int) -> Rope:

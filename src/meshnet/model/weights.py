@@ -49,26 +49,52 @@ W = TypeVar("W")  # how a backend holds a weight matrix (float32 array, quantize
 
 # Reads one checked 2-D tensor of a file as a backend's matrix type.
 MatrixReader = Callable[[GGUFFile, gguf.ReaderTensor, tuple[int, int]], W]
+# Reads one checked 3-D tensor [n, rows, cols] as n matrices (a mixture's experts), each
+# from its own blocks: never the whole tensor expanded.
+ExpertsReader = Callable[[GGUFFile, gguf.ReaderTensor, tuple[int, int, int]], tuple[W, ...]]
+
+
+@dataclass(frozen=True)
+class ExpertWeights(Generic[W]):
+    """One layer's mixture of experts (``ModelSpec.experts`` says how it routes).
+
+    Expert ``e``'s FFN is ``down[e] @ act(gate[e] @ h, up[e] @ h)``, biases added where
+    the family has them (gpt-oss)."""
+
+    router: W  # [n_experts, d]: the router's logits of a row
+    gate_up: tuple[tuple[W, ...], ...]  # per expert: (gate, up) [d_ff, d] each, or one fused
+    down: tuple[W, ...]  # per expert: [d, d_ff]
+    router_bias: FloatArray | None = None  # [n_experts]
+    gate_bias: FloatArray | None = None  # [n_experts, d_ff]
+    up_bias: FloatArray | None = None  # [n_experts, d_ff]
+    down_bias: FloatArray | None = None  # [n_experts, d]
 
 
 @dataclass(frozen=True)
 class LayerWeights(Generic[W]):
     """One transformer block. Matrices are ``[out, in]`` so that ``y = x @ W.T``.
 
-    Optional parts are None where the family has none (``ModelSpec`` says which).
+    Optional parts are None where the family has none (``ModelSpec`` says which). The
+    feed-forward is the dense one (``gate_up``, ``w_down``), a mixture of experts, or both:
+    a mixture's shared expert is the dense part, scaled by ``sigmoid(shared_gate . h)``
+    where the family gates it (Qwen2-MoE).
     """
 
     attn_norm: FloatArray  # [d]
     qkv: tuple[W, ...]  # (wq, wk, wv), or one fused [q | k | v] matrix; q: [H * hd, d]
     wo: W  # [d, H * hd]
     ffn_norm: FloatArray  # [d]
-    gate_up: tuple[W, ...]  # (w_gate, w_up) [d_ff, d] each, or one fused [gate | up]
-    w_down: W  # [d, d_ff]
+    gate_up: tuple[W, ...]  # (w_gate, w_up) [d_ff, d] each, or one fused [gate | up]; ()
+    w_down: W | None  # [d, d_ff]; None where the layer has no dense feed-forward
     qkv_bias: FloatArray | None = None  # [q | k | v] widths
     q_norm: FloatArray | None = None  # [hd], RMSNorm weight of each query head
     k_norm: FloatArray | None = None  # [hd]
     post_attn_norm: FloatArray | None = None  # [d]
     post_ffn_norm: FloatArray | None = None  # [d]
+    wo_bias: FloatArray | None = None  # [d]
+    sinks: FloatArray | None = None  # [H]: each query head's attention sink logit
+    experts: ExpertWeights[W] | None = None
+    shared_gate: FloatArray | None = None  # [d]
 
 
 @dataclass(frozen=True)
@@ -87,6 +113,14 @@ def dequantized_matrix(f: GGUFFile, t: gguf.ReaderTensor, shape: tuple[int, int]
     return dequantized(t, shape)
 
 
+def dequantized_experts(
+    f: GGUFFile, t: gguf.ReaderTensor, shape: tuple[int, int, int]
+) -> tuple[FloatArray, ...]:
+    """A 3-D tensor as float32 matrices, views of one array (the reference backend's)."""
+    whole = dequantized(t, shape)
+    return tuple(whole[e] for e in range(shape[0]))
+
+
 def dequantized(t: gguf.ReaderTensor, shape: tuple[int, ...]) -> FloatArray:
     """A tensor as a read-only float32 array of ``shape``."""
     try:
@@ -103,65 +137,130 @@ def load_shard_weights(
     spec: ModelSpec,
     layers: LayerRange,
     matrix: MatrixReader[W] = dequantized_matrix,  # type: ignore[assignment]
+    experts: ExpertsReader[W] = dequantized_experts,  # type: ignore[assignment]
 ) -> ShardWeights[W]:
-    """Read the tensors of ``layers`` (and embedding/head at the ends); matrices via ``matrix``."""
+    """Read the tensors of ``layers`` (and embedding/head at the ends); matrices via
+    ``matrix``, a mixture's 3-D expert tensors via ``experts``."""
     layers.check_within(spec.n_layers)
     d, vocab = spec.d_model, spec.vocab_size
 
-    def vector(name: str, size: int) -> FloatArray:
-        return dequantized(checked_tensor(f, name, (size,)), (size,))
+    def array(name: str, shape: tuple[int, ...]) -> FloatArray:
+        return dequantized(checked_tensor(f, name, shape), shape)
 
     def mat(name: str, shape: tuple[int, int]) -> W:
         return matrix(f, checked_tensor(f, name, shape), shape)
 
-    blocks = tuple(_load_block(vector, mat, spec, i) for i in layers)
+    def stack(name: str, shape: tuple[int, int, int]) -> tuple[W, ...]:
+        return experts(f, checked_tensor(f, name, shape), shape)
+
+    def has(name: str) -> bool:
+        return name in f.tensors
+
+    parts = _Readers(array, mat, stack, has)
+    blocks = tuple(_load_block(parts, spec, i) for i in layers)
     first, last = layers.is_first(), layers.is_last(spec.n_layers)
     embedding = mat("token_embd.weight", (vocab, d)) if first or (last and spec.tied_head) else None
-    output_norm = vector("output_norm.weight", d) if last else None
+    output_norm = array("output_norm.weight", (d,)) if last else None
     head: W | None = None
     if last:
         head = embedding if spec.tied_head else mat("output.weight", (vocab, d))
     return ShardWeights(layers, blocks, embedding if first else None, output_norm, head)
 
 
-def _load_block(
-    vector: Callable[[str, int], FloatArray],
-    mat: Callable[[str, tuple[int, int]], W],
-    spec: ModelSpec,
-    i: int,
-) -> LayerWeights[W]:
+@dataclass(frozen=True)
+class _Readers(Generic[W]):
+    """How one file's tensors are read for a shard: checked, each as its kind."""
+
+    array: Callable[[str, tuple[int, ...]], FloatArray]  # a float32 vector or small array
+    matrix: Callable[[str, tuple[int, int]], W]
+    experts: Callable[[str, tuple[int, int, int]], tuple[W, ...]]
+    has: Callable[[str], bool]
+
+    def vector(self, name: str, size: int) -> FloatArray:
+        return self.array(name, (size,))
+
+    def optional(self, name: str, shape: tuple[int, ...]) -> FloatArray | None:
+        return self.array(name, shape) if self.has(name) else None
+
+
+def _load_block(r: _Readers[W], spec: ModelSpec, i: int) -> LayerWeights[W]:
     d, q_width, kv_width, hd = spec.d_model, spec.q_width, spec.kv_width, spec.head_dim
     p = f"blk.{i}."
     widths = (q_width, kv_width, kv_width)
     if spec.fused_qkv:
-        qkv: tuple[W, ...] = (mat(p + "attn_qkv.weight", (sum(widths), d)),)
+        qkv: tuple[W, ...] = (r.matrix(p + "attn_qkv.weight", (sum(widths), d)),)
     else:
-        qkv = tuple(mat(p + f"attn_{n}.weight", (w, d)) for n, w in zip("qkv", widths, strict=True))
+        qkv = tuple(
+            r.matrix(p + f"attn_{n}.weight", (w, d)) for n, w in zip("qkv", widths, strict=True)
+        )
     bias = None
     if spec.qkv_bias:
         if spec.fused_qkv:
-            bias = vector(p + "attn_qkv.bias", sum(widths))
+            bias = r.vector(p + "attn_qkv.bias", sum(widths))
         else:
-            parts = [vector(p + f"attn_{n}.bias", w) for n, w in zip("qkv", widths, strict=True)]
+            parts = [r.vector(p + f"attn_{n}.bias", w) for n, w in zip("qkv", widths, strict=True)]
             bias = np.concatenate(parts)
             bias.setflags(write=False)
-    if spec.fused_gate_up:
-        gate_up: tuple[W, ...] = (mat(p + "ffn_up.weight", (2 * spec.d_ff, d)),)
-    else:
-        gate_up = tuple(mat(p + f"ffn_{n}.weight", (spec.d_ff, d)) for n in ("gate", "up"))
+    moe = spec.experts is not None and r.has(p + "ffn_gate_inp.weight")
+    gate_up, w_down = (
+        _dense_ffn(r, spec, p + "ffn_{}_shexp.weight")
+        if moe
+        else _dense_ffn(r, spec, p + "ffn_{}.weight", required=True)
+    )
     post = spec.post_norms
     return LayerWeights(
-        attn_norm=vector(p + "attn_norm.weight", d),
+        attn_norm=r.vector(p + "attn_norm.weight", d),
         qkv=qkv,
-        wo=mat(p + "attn_output.weight", (d, q_width)),
-        ffn_norm=vector(p + "ffn_norm.weight", d),
+        wo=r.matrix(p + "attn_output.weight", (d, q_width)),
+        ffn_norm=r.vector(p + spec.ffn_norm_name + ".weight", d),
         gate_up=gate_up,
-        w_down=mat(p + "ffn_down.weight", (d, spec.d_ff)),
+        w_down=w_down,
         qkv_bias=bias,
-        q_norm=vector(p + "attn_q_norm.weight", hd) if spec.qk_norm else None,
-        k_norm=vector(p + "attn_k_norm.weight", hd) if spec.qk_norm else None,
-        post_attn_norm=vector(p + "post_attention_norm.weight", d) if post else None,
-        post_ffn_norm=vector(p + "post_ffw_norm.weight", d) if post else None,
+        q_norm=r.vector(p + "attn_q_norm.weight", hd) if spec.qk_norm else None,
+        k_norm=r.vector(p + "attn_k_norm.weight", hd) if spec.qk_norm else None,
+        post_attn_norm=r.vector(p + "post_attention_norm.weight", d) if post else None,
+        post_ffn_norm=r.vector(p + "post_ffw_norm.weight", d) if post else None,
+        wo_bias=r.optional(p + "attn_output.bias", (d,)),
+        sinks=r.optional(p + "attn_sinks.weight", (spec.n_heads,)),
+        experts=_load_experts(r, spec, p) if moe else None,
+        shared_gate=r.optional(p + "ffn_gate_inp_shexp.weight", (d,)) if moe else None,
+    )
+
+
+def _dense_ffn(
+    r: _Readers[W], spec: ModelSpec, name: str, required: bool = False
+) -> tuple[tuple[W, ...], W | None]:
+    """The dense feed-forward (or a mixture's shared expert) named by ``name.format(part)``:
+    its gate/up matrices and down matrix; none where it is not ``required`` and absent."""
+    d, ff = spec.d_model, spec.d_ff
+    if not required and not r.has(name.format("down")):
+        return (), None
+    if spec.fused_gate_up:
+        gate_up: tuple[W, ...] = (r.matrix(name.format("up"), (2 * ff, d)),)
+    else:
+        gate_up = tuple(r.matrix(name.format(n), (ff, d)) for n in ("gate", "up"))
+    return gate_up, r.matrix(name.format("down"), (d, ff))
+
+
+def _load_experts(r: _Readers[W], spec: ModelSpec, p: str) -> ExpertWeights[W]:
+    """A layer's router and experts, from its 3-D ``ffn_*_exps`` tensors (gate and up
+    apart, or one ``ffn_gate_up_exps`` of [gate | up] rows)."""
+    assert spec.experts is not None  # the caller checked
+    d, e, ff = spec.d_model, spec.experts.n_experts, spec.experts.d_ff
+    if r.has(p + "ffn_gate_up_exps.weight"):
+        gate_up = tuple((m,) for m in r.experts(p + "ffn_gate_up_exps.weight", (e, 2 * ff, d)))
+    else:
+        gates = r.experts(p + "ffn_gate_exps.weight", (e, ff, d))
+        ups = r.experts(p + "ffn_up_exps.weight", (e, ff, d))
+        gate_up = tuple(zip(gates, ups, strict=True))
+    return ExpertWeights(
+        router=r.matrix(p + "ffn_gate_inp.weight", (e, d)),
+        gate_up=gate_up,
+        down=r.experts(p + "ffn_down_exps.weight", (e, d, ff)),
+        router_bias=r.optional(p + "ffn_gate_inp.bias", (e,)),
+        gate_bias=r.optional(p + "ffn_gate_exps.bias", (e, ff)),
+        up_bias=r.optional(p + "ffn_up_exps.bias", (e, ff)),
+        down_bias=r.optional(p + "ffn_down_exps.bias", (e, d)),
     )
 
 

@@ -36,10 +36,13 @@ static inline float dot(const float *q, const float *k, int hd) {
 }
 
 /* scores[0 .. n) <- their softmax weights: e^(s - max) in 8-lane chunks (each lane's
- * result its own), their total summed lane j % 8 then folded, each weight e / total. */
-static void softmax(float *scores, Py_ssize_t n) {
+ * result its own), their total summed lane j % 8 then folded, each weight e / total.
+ * A ``sink`` (NULL: none) is one more logit with no weight of its own: it joins the max
+ * after the scores, and e^(sink - max) the folded total (llama.cpp's order). */
+static void softmax(float *scores, Py_ssize_t n, const float *sink) {
     float top = -INFINITY;
     for (Py_ssize_t j = 0; j < n; j++) top = scores[j] > top ? scores[j] : top;
+    if (sink != NULL && *sink > top) top = *sink;
     const __m256 vtop = _mm256_set1_ps(top);
     __m256 total = _mm256_setzero_ps();
     for (Py_ssize_t j = 0; j < n; j += 8) {
@@ -56,14 +59,16 @@ static void softmax(float *scores, Py_ssize_t n) {
         _mm256_storeu_ps(lanes, e);
         memcpy(scores + j, lanes, m * sizeof(float));
     }
-    const float sum = hsum256(total);
+    float sum = hsum256(total);
+    if (sink != NULL) sum = sum + expf(*sink - top);
     for (Py_ssize_t j = 0; j < n; j++) scores[j] = scores[j] / sum;
 }
 
 /* Row ``i`` of sequence ``s``, head ``h``: softmax of its scores (q . k * scale, soft-capped
- * when the family says so) times V over its visible positions (0 .. first + i, or the
- * last ``window`` of them), each output element one FMA chain over the positions in
- * order. ``scores`` has room for every visible position. */
+ * when the family says so; with the head's sink where there are sinks) times V over its
+ * visible positions (0 .. first + i, or the last ``window`` of them), each output element
+ * one FMA chain over the positions in order. ``scores`` has room for every visible
+ * position. */
 static void attend_pair(const heads_t *sh, const float *qs, float *outs, const seq_t *s,
                         Py_ssize_t i, int h, float *scores) {
     const int hd = sh->hd, kv = h / (sh->n_heads / sh->n_kv);
@@ -80,7 +85,7 @@ static void attend_pair(const heads_t *sh, const float *qs, float *outs, const s
     for (j = 0; j < visible; j++) scores[j] = scores[j] * scale;
     if (cap > 0)
         for (j = 0; j < visible; j++) scores[j] = cap * tanhf(scores[j] / cap);
-    softmax(scores, visible);
+    softmax(scores, visible, sh->sinks != NULL ? sh->sinks + h : NULL);
     float *out = outs + (row * sh->n_heads + h) * hd;
     for (int c0 = 0; c0 < hd; c0 += 64) { /* up to eight 8-lane chains in registers */
         const int width = hd - c0 < 64 ? (hd - c0) / 8 : 8;

@@ -116,58 +116,6 @@ void rope(float *x, Py_ssize_t T, int heads, int hd, Py_ssize_t pairs, const flo
         }
 }
 
-/* GELU's tanh approximation, 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), with
- * tanh(y) = 1 - 2 / (e^2y + 1). */
-static inline __m256 gelu256(__m256 g) {
-    const __m256 inner = _mm256_mul_ps(
-        _mm256_set1_ps(0.7978845608028654f),
-        _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f),
-                                       _mm256_mul_ps(g, _mm256_mul_ps(g, g)))));
-    const __m256 e = exp256(_mm256_add_ps(inner, inner));
-    const __m256 tanh = _mm256_sub_ps(
-        _mm256_set1_ps(1.0f),
-        _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
-    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g),
-                         _mm256_add_ps(_mm256_set1_ps(1.0f), tanh));
-}
-
-static inline __m256 silu256(__m256 g) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-}
-
-void glu(const float *gate, const float *up, Py_ssize_t stride, Py_ssize_t T, Py_ssize_t d_ff,
-         float *act, int gelu, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (T > 1) /* one row: no team */
-    for (Py_ssize_t t = 0; t < T; t++) {
-        const float *g = gate + t * stride, *u = up + t * stride;
-        Py_ssize_t c = 0;
-        for (; c + 8 <= d_ff; c += 8) {
-            const __m256 x = _mm256_loadu_ps(g + c);
-            const __m256 a = gelu ? gelu256(x) : silu256(x);
-            _mm256_storeu_ps(act + t * d_ff + c, _mm256_mul_ps(a, _mm256_loadu_ps(u + c)));
-        }
-        for (; c < d_ff; c++) { /* the same arithmetic, one lane */
-            float lanes[8] = {g[c]};
-            const __m256 x = _mm256_loadu_ps(lanes);
-            _mm256_storeu_ps(lanes, gelu ? gelu256(x) : silu256(x));
-            act[t * d_ff + c] = lanes[0] * u[c];
-        }
-    }
-}
-
-static void add_into(float *x, const float *y, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++) x[i] += y[i];
-}
-
-/* Whether the n matrices are all in the q8 layout (then of one width: they share an
- * input), so q8matmul_many can take them together. */
-static int all_q8(const qmat_t *ws, int n) {
-    for (int i = 0; i < n; i++)
-        if (!ws[i].q8 || ws[i].nb != ws[0].nb) return 0;
-    return 1;
-}
-
 /* q, k, v [T, heads, hd] from the block's Q/K/V projection of h, biases added. */
 static int project_qkv(const block_t *b, const float *h, Py_ssize_t T, float *qkv, float *q,
                        float *k, float *v, int threads, int wide) {
@@ -199,14 +147,51 @@ static int project_qkv(const block_t *b, const float *h, Py_ssize_t T, float *qk
     return 0;
 }
 
+/* The floats of the feed-forward part of forward_block's scratch, after h [T, d]. */
+static Py_ssize_t ffn_scratch_floats(const block_t *b, Py_ssize_t T) {
+    const Py_ssize_t moe = b->moe == NULL ? 0 : T * b->d + moe_scratch_floats(b->moe, T, b->d);
+    return T * (3 * b->d_ff + b->d) + moe;
+}
+
+/* out [T, d] = the block's feed-forward of the normed rows h: the dense one, the mixture
+ * of experts, or the mixture plus the dense one as its (gated) shared expert. */
+static int feed_forward(const block_t *b, const float *h, Py_ssize_t T, float *work, float *out,
+                        int threads, int wide) {
+    const Py_ssize_t d = b->d;
+    float *gu = work, *act = gu + T * 2 * b->d_ff, *dense = act + T * b->d_ff;
+    if (b->moe != NULL) {
+        float *mixed = dense + T * d;
+        if (moe_rows(b->moe, h, T, d, mixed + T * d, mixed, threads, wide) < 0) return -1;
+        if (!b->has_dense) {
+            memcpy(out, mixed, T * d * sizeof(float));
+            return 0;
+        }
+        if (ffn_rows(&b->dense, b->d_ff, b->act, h, T, d, gu, act, dense, threads, wide) < 0)
+            return -1;
+        for (Py_ssize_t t = 0; t < T; t++) {
+            float *row = dense + t * d;
+            if (b->shared_gate != NULL) {
+                float dot = 0.0f;
+                for (Py_ssize_t c = 0; c < d; c++) dot += h[t * d + c] * b->shared_gate[c];
+                const float gate = 1.0f / (1.0f + expf(-dot));
+                for (Py_ssize_t c = 0; c < d; c++) row[c] *= gate;
+            }
+            for (Py_ssize_t c = 0; c < d; c++) out[t * d + c] = mixed[t * d + c] + row[c];
+        }
+        return 0;
+    }
+    return ffn_rows(&b->dense, b->d_ff, b->act, h, T, d, gu, act, out, threads, wide);
+}
+
 int forward_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, const float *sin,
                   const seq_t *seqs, Py_ssize_t n, int threads, int wide, int keep) {
     const heads_t *hs = &b->heads;
     const Py_ssize_t d = b->d, qw = (Py_ssize_t)hs->n_heads * hs->hd;
     const Py_ssize_t kw = (Py_ssize_t)hs->n_kv * hs->hd, width = qw + 2 * kw;
-    /* h | qkv | q | k | v | attn | o, then gate/up and act reuse the front */
+    /* h | qkv | q | k | v | attn | o, then the feed-forward's scratch and output reuse
+     * what follows h */
     const Py_ssize_t front = T * (d + width + qw + 2 * kw + qw + d);
-    const Py_ssize_t ffn = T * (d + 3 * b->d_ff);
+    const Py_ssize_t ffn = T * 2 * d + ffn_scratch_floats(b, T);
     scratch_t *scratch = scratch_of_thread();
     if (scratch == NULL) return -1;
     float *buf = scratch_take(scratch, (front > ffn ? front : ffn) * sizeof(float) + 32);
@@ -225,29 +210,16 @@ int forward_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, co
     rope(k, T, hs->n_kv, hs->hd, b->rope_pairs, cos, sin, b->rope_halves);
     if (attend_rows(hs, q, k, v, attn, seqs, n, threads) < 0) goto done;
     if (qmatmul(&b->wo, attn, T, o, threads, wide) < 0) goto done;
+    if (b->wo_bias != NULL)
+        for (Py_ssize_t t = 0; t < T; t++) add_into(o + t * d, b->wo_bias, d);
     if (b->post_attn_norm != NULL) rms_norm(o, b->post_attn_norm, T, d, b->eps, o);
     add_into(x, o, T * d);
 
-    float *gu = buf + T * d, *act = gu + T * 2 * b->d_ff;
+    float *out = buf + T * d, *work = out + T * d;
     rms_norm(x, b->ffn_norm, T, d, b->eps, h);
-    if (b->n_gate_up == 1) {
-        if (qmatmul(&b->gate_up[0], h, T, gu, threads, wide) < 0) goto done;
-        glu(gu, gu + b->d_ff, 2 * b->d_ff, T, b->d_ff, act, b->gelu, threads);
-    } else {
-        float *gate = gu, *up = gu + T * b->d_ff;
-        if (all_q8(b->gate_up, 2)) {
-            const qmat_t *ws[2] = {&b->gate_up[0], &b->gate_up[1]};
-            float *outs[2] = {gate, up};
-            if (q8matmul_many(ws, 2, h, T, outs, threads, wide) < 0) goto done;
-        } else if (qmatmul(&b->gate_up[0], h, T, gate, threads, wide) < 0 ||
-                   qmatmul(&b->gate_up[1], h, T, up, threads, wide) < 0) {
-            goto done;
-        }
-        glu(gate, up, b->d_ff, T, b->d_ff, act, b->gelu, threads);
-    }
-    if (qmatmul(&b->down, act, T, h, threads, wide) < 0) goto done;
-    if (b->post_ffn_norm != NULL) rms_norm(h, b->post_ffn_norm, T, d, b->eps, h);
-    add_into(x, h, T * d);
+    if (feed_forward(b, h, T, work, out, threads, wide) < 0) goto done;
+    if (b->post_ffn_norm != NULL) rms_norm(out, b->post_ffn_norm, T, d, b->eps, out);
+    add_into(x, out, T * d);
     status = 0;
 done:
     if (!keep) scratch_release(scratch);

@@ -171,6 +171,7 @@ typedef struct {
     float scale;       /* scores = q . k * scale */
     float softcap;     /* scores = softcap * tanh(scores / softcap) when > 0 */
     Py_ssize_t window; /* > 0: a row sees only its last ``window`` positions, itself included */
+    const float *sinks; /* [n_heads]: each head's softmax also counts e^sink (gpt-oss), or NULL */
 } heads_t;
 
 /* Stores each sequence's new keys/values (k, v [T, n_kv, hd]) in its cache, then
@@ -178,24 +179,75 @@ typedef struct {
 int attend_rows(const heads_t *h, const float *q, const float *k, const float *v, float *out,
                 const seq_t *seqs, Py_ssize_t n, int threads);
 
+/* The gated feed-forward's activation of its gate g and up u. */
+enum {
+    ACT_SILU = 0,       /* silu(g) u */
+    ACT_GELU = 1,       /* gelu(g) u, the tanh approximation */
+    ACT_SWIGLU_OAI = 2, /* gpt-oss: min(g, 7) sigmoid(1.702 min(g, 7)) (clamp(u, -7, 7) + 1) */
+};
+
+/* A gated feed-forward of hidden width d_ff: down(act(gate h + gate_bias, up h + up_bias))
+ * + down_bias, the biases NULL where it has none. */
+typedef struct {
+    qmat_t gate_up[2]; /* [gate | up] rows fused (n_gate_up 1), or gate, up (2) */
+    int n_gate_up;
+    qmat_t down; /* [d, d_ff] */
+    const float *gate_bias, *up_bias; /* [d_ff] */
+    const float *down_bias;           /* [d] */
+} ffn_t;
+
+/* A mixture of experts: a row's router logits (router h + router_bias) pick n_used of the
+ * n_experts feed-forwards, whose outputs are summed by the router's weights in the order
+ * of the choice. gating 0: a softmax over every expert, the most probable kept; 1: the
+ * largest logits kept, then a softmax over them (gpt-oss). normalize: the kept weights
+ * are divided by their sum (at least float16's smallest normal, as llama.cpp). */
+typedef struct {
+    qmat_t router; /* [n_experts, d] */
+    const float *router_bias; /* [n_experts], or NULL */
+    const ffn_t *experts;     /* n_experts */
+    int n_experts, n_used;
+    Py_ssize_t d_ff;
+    int gating, normalize;
+    int act; /* the experts' activation (ACT_*) */
+} moe_t;
+
+/* The floats of scratch moe_rows needs for T rows of width d. */
+Py_ssize_t moe_scratch_floats(const moe_t *m, Py_ssize_t T, Py_ssize_t d);
+
+/* out [T, d] = the mixture's output for the normed rows h [T, d]. Each row's result is a
+ * function of its own values alone: rows are grouped by expert so an expert's weights are
+ * read once for all the rows that chose it, and the matmuls give each row what it would
+ * get alone. scratch: moe_scratch_floats floats. -1 when out of memory. */
+int moe_rows(const moe_t *m, const float *h, Py_ssize_t T, Py_ssize_t d, float *scratch,
+             float *out, int threads, int wide);
+
+/* out [T, d] = the feed-forward of rows h [T, d]; gu [T, 2 d_ff] and act [T, d_ff] are its
+ * scratch. -1 when out of memory. */
+int ffn_rows(const ffn_t *f, Py_ssize_t d_ff, int act, const float *h, Py_ssize_t T,
+             Py_ssize_t d, float *gu, float *act_buf, float *out, int threads, int wide);
+
 /* One transformer block's weights and its family's traits. Optional vectors are NULL
- * where the family has none. */
+ * where the family has none. The feed-forward is the dense one (has_dense), a mixture
+ * of experts (moe), or both: the dense one is then the shared expert, scaled by
+ * sigmoid(shared_gate . h) where shared_gate is given. */
 typedef struct {
     qmat_t qkv[3];     /* [q | k | v] rows fused (n_qkv 1), or q, k, v (n_qkv 3) */
     int n_qkv;
     qmat_t wo;         /* [d, n_heads * hd] */
-    qmat_t gate_up[2]; /* [gate | up] rows fused (n_gate_up 1), or gate, up (2) */
-    int n_gate_up;
-    qmat_t down;       /* [d, d_ff] */
+    ffn_t dense;       /* [d_ff] wide, where has_dense */
+    int has_dense;
+    const moe_t *moe;  /* or NULL */
     const float *attn_norm, *ffn_norm;          /* [d] */
     const float *qkv_bias;                      /* [q | k | v] widths, or NULL */
     const float *q_norm, *k_norm;               /* [hd] RMSNorm of each head, or NULL */
     const float *post_attn_norm, *post_ffn_norm; /* [d], or NULL */
+    const float *wo_bias;                       /* [d], or NULL */
+    const float *shared_gate;                   /* [d], or NULL */
     float eps;
     heads_t heads;
     Py_ssize_t d, d_ff, rope_pairs; /* rope_pairs: rotated pairs per head */
     int rope_halves;                /* pairs are (i, i + rope_pairs), not (2i, 2i + 1) */
-    int gelu;                       /* the FFN gate's activation: GELU (tanh), not SiLU */
+    int act;                        /* the feed-forwards' activation (ACT_*) */
 } block_t;
 
 /* x [T, d] += the block's attention and feed-forward output for T rows at the
@@ -214,10 +266,17 @@ void release_scratch(void);
 void rope(float *x, Py_ssize_t T, int heads, int hd, Py_ssize_t pairs, const float *cos,
           const float *sin, int halves);
 
-/* act [T, d_ff] = silu(gate) * up (gelu(gate) * up with ``gelu``); row t's gate at
+/* out [T, d_ff] = the activation ``act`` (ACT_*) of gate and up; row t's gate at
  * gate + t * stride, its up at up + t * stride. */
 void glu(const float *gate, const float *up, Py_ssize_t stride, Py_ssize_t T, Py_ssize_t d_ff,
-         float *act, int gelu, int threads);
+         float *out, int act, int threads);
+
+/* Whether the n matrices are all in the q8 layout (then of one width: they share an
+ * input), so q8matmul_many can take them together. */
+int all_q8(const qmat_t *ws, int n);
+
+/* x [n] += y [n] */
+void add_into(float *x, const float *y, Py_ssize_t n);
 
 /* e^x for every lane: range reduction by ln 2 and a degree-6 polynomial, ~1 ulp; lanes
  * below -87 or above 88 are taken as those limits. */

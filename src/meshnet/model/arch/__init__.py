@@ -6,11 +6,21 @@ Adding a family is its module and one line here.
 from __future__ import annotations
 
 from meshnet.errors import UnsupportedArchitecture
-from meshnet.model.arch import gemma, llama, phi3, qwen2, qwen3
+from meshnet.model.arch import gemma, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe
 from meshnet.model.arch.base import Architecture, FfnActivation, Shape
 
 ARCHITECTURES: dict[str, Architecture] = {
-    a.name: a for a in (llama.ARCH, qwen2.ARCH, qwen3.ARCH, phi3.ARCH, gemma.GEMMA2, gemma.GEMMA3)
+    a.name: a
+    for a in (
+        llama.ARCH,
+        qwen2.ARCH,
+        qwen3.ARCH,
+        phi3.ARCH,
+        gemma.GEMMA2,
+        gemma.GEMMA3,
+        qwen2moe.ARCH,
+        qwen3moe.ARCH,
+    )
 }
 
 __all__ = ["ARCHITECTURES", "Architecture", "FfnActivation", "Shape", "architecture"]

@@ -13,7 +13,11 @@ from typing import Literal
 
 from meshnet.model.rope import RopeStyle
 
-FfnActivation = Literal["silu", "gelu"]  # gelu: the tanh approximation
+FfnActivation = Literal["silu", "gelu", "swiglu_oai"]  # gelu: the tanh approximation
+# How a mixture of experts turns router logits into the chosen experts' weights:
+# "softmax": a softmax over every expert, the top k kept (Mixtral, Qwen MoE);
+# "softmax_chosen": the top k logits, then a softmax over those alone (gpt-oss).
+ExpertGating = Literal["softmax", "softmax_chosen"]
 
 
 @dataclass(frozen=True)
@@ -48,3 +52,7 @@ class Architecture:
     default_attn_softcap: float = 0.0  # tanh soft-capping of attention scores; 0: none
     local_rope_base: float | None = None  # windowed layers' rope base if the file names none
     attention_scale: Callable[[Shape], float] = inverse_sqrt_head_dim
+    # Mixtures of experts (a layer is one where the file has ``blk.N.ffn_gate_inp``):
+    expert_gating: ExpertGating = "softmax"
+    expert_weights_norm: bool = False  # the chosen experts' weights divided by their sum
+    ffn_norm_name: str = "ffn_norm"  # the tensor of the norm before the feed-forward

@@ -1,0 +1,128 @@
+/*
+ * A mixture of experts' feed-forward over a batch's rows. The router scores every expert
+ * for each row; the rows are then grouped by the experts they chose, so that each chosen
+ * expert's weights are read once for all its rows (a batch of 8 rows choosing 8 of 64
+ * experts each reads ~45 experts, not 64 x 8). A row's output is its experts' outputs
+ * summed by its weights in the order of its choice, whatever other rows share them.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native.h"
+
+/* llama.cpp clamps the sum of the chosen weights to float16's smallest normal. */
+#define MIN_WEIGHT_SUM 6.103515625e-5f
+
+/* How moe_rows cuts its scratch (sizes in floats; ints take a float's room). */
+typedef struct {
+    float *logits;   /* [T, n_experts] */
+    float *weights;  /* [T, n_used] */
+    int *choice;     /* [T, n_used] expert ids, best first */
+    int *order;      /* [T * n_used] (row * n_used + slot), grouped by expert */
+    float *slots;    /* [T, n_used, d] each chosen expert's output of each row */
+    float *x, *y;    /* [T, d] an expert's rows in, out */
+    float *gu, *act; /* [T, 2 d_ff], [T, d_ff] */
+} moe_scratch_t;
+
+static moe_scratch_t cut_scratch(const moe_t *m, Py_ssize_t T, Py_ssize_t d, float *base) {
+    const Py_ssize_t k = m->n_used;
+    moe_scratch_t s;
+    s.logits = base;
+    s.weights = s.logits + T * m->n_experts;
+    s.choice = (int *)(s.weights + T * k);
+    s.order = s.choice + T * k;
+    s.slots = (float *)(s.order + T * k);
+    s.x = s.slots + T * k * d;
+    s.y = s.x + T * d;
+    s.gu = s.y + T * d;
+    s.act = s.gu + T * 2 * m->d_ff;
+    return s;
+}
+
+Py_ssize_t moe_scratch_floats(const moe_t *m, Py_ssize_t T, Py_ssize_t d) {
+    const Py_ssize_t k = m->n_used;
+    return T * (m->n_experts + 3 * k + k * d + 2 * d + 3 * m->d_ff);
+}
+
+/* Softmax of v [n] in place, the largest subtracted first. */
+static void softmax(float *v, int n) {
+    float top = v[0];
+    for (int i = 1; i < n; i++) top = v[i] > top ? v[i] : top;
+    float total = 0.0f;
+    for (int i = 0; i < n; i++) {
+        v[i] = expf(v[i] - top);
+        total += v[i];
+    }
+    for (int i = 0; i < n; i++) v[i] /= total;
+}
+
+/* One row's choice: the n_used experts with the largest scores, best first (ties to the
+ * lower id), and their weights. scores [n_experts] is overwritten. */
+static void choose(const moe_t *m, float *scores, int *choice, float *weights) {
+    const int k = m->n_used;
+    if (m->gating == 0) softmax(scores, m->n_experts);
+    for (int s = 0; s < k; s++) {
+        int best = -1;
+        for (int e = 0; e < m->n_experts; e++) {
+            int taken = 0;
+            for (int j = 0; j < s; j++) taken |= choice[j] == e;
+            if (!taken && (best < 0 || scores[e] > scores[best])) best = e;
+        }
+        choice[s] = best;
+        weights[s] = scores[best];
+    }
+    if (m->gating == 1) softmax(weights, k);
+    if (m->normalize) {
+        float total = 0.0f;
+        for (int s = 0; s < k; s++) total += weights[s];
+        total = total > MIN_WEIGHT_SUM ? total : MIN_WEIGHT_SUM;
+        for (int s = 0; s < k; s++) weights[s] /= total;
+    }
+}
+
+int moe_rows(const moe_t *m, const float *h, Py_ssize_t T, Py_ssize_t d, float *scratch,
+             float *out, int threads, int wide) {
+    const int k = m->n_used, E = m->n_experts;
+    moe_scratch_t s = cut_scratch(m, T, d, scratch);
+    if (qmatmul(&m->router, h, T, s.logits, threads, wide) < 0) return -1;
+    for (Py_ssize_t t = 0; t < T; t++) {
+        float *row = s.logits + t * E;
+        if (m->router_bias != NULL) add_into(row, m->router_bias, E);
+        choose(m, row, s.choice + t * k, s.weights + t * k);
+    }
+    /* (row, slot) pairs grouped by expert: a counting sort, rows ascending within one */
+    int *start = calloc((size_t)E + 1, sizeof(int));
+    if (start == NULL) return -1;
+    for (Py_ssize_t i = 0; i < T * k; i++) start[s.choice[i] + 1]++;
+    for (int e = 0; e < E; e++) start[e + 1] += start[e];
+    int *fill = malloc((size_t)E * sizeof(int));
+    if (fill == NULL) {
+        free(start);
+        return -1;
+    }
+    memcpy(fill, start, (size_t)E * sizeof(int));
+    for (Py_ssize_t i = 0; i < T * k; i++) s.order[fill[s.choice[i]]++] = (int)i;
+    free(fill);
+    int status = 0;
+    for (int e = 0; e < E && status == 0; e++) {
+        const Py_ssize_t n = start[e + 1] - start[e];
+        if (n == 0) continue;
+        const int *pairs = s.order + start[e];
+        for (Py_ssize_t i = 0; i < n; i++)
+            memcpy(s.x + i * d, h + (pairs[i] / k) * d, d * sizeof(float));
+        status = ffn_rows(&m->experts[e], m->d_ff, m->act, s.x, n, d, s.gu, s.act, s.y, threads, wide);
+        for (Py_ssize_t i = 0; status == 0 && i < n; i++)
+            memcpy(s.slots + (Py_ssize_t)pairs[i] * d, s.y + i * d, d * sizeof(float));
+    }
+    free(start);
+    if (status < 0) return -1;
+    for (Py_ssize_t t = 0; t < T; t++) { /* the experts' outputs weighted, summed in order */
+        const float *slot = s.slots + t * k * d, *w = s.weights + t * k;
+        float *o = out + t * d;
+        for (Py_ssize_t c = 0; c < d; c++) o[c] = slot[c] * w[0];
+        for (int j = 1; j < k; j++)
+            for (Py_ssize_t c = 0; c < d; c++) o[c] += slot[j * d + c] * w[j];
+    }
+    return 0;
+}
