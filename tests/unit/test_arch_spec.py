@@ -73,8 +73,8 @@ def test_an_unsupported_family_is_refused_by_name(tmp_path: Path, arch: str) -> 
 
 
 def test_rope_scaling_it_cannot_compute_is_refused_by_name(tmp_path: Path) -> None:
-    path = _minimal(tmp_path / "yarn.gguf", "qwen2", **{"rope.scaling.type": "yarn"})
-    with pytest.raises(UnsupportedArchitecture, match="'yarn'"):
+    path = _minimal(tmp_path / "longrope.gguf", "qwen2", **{"rope.scaling.type": "longrope"})
+    with pytest.raises(UnsupportedArchitecture, match="'longrope'"):
         read_spec(open_gguf(path))
 
 

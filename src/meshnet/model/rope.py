@@ -3,8 +3,9 @@
 Two layouts of the rotated pairs exist among GGUF files: adjacent pairs
 ``(2i, 2i + 1)`` (llama.cpp's NORM, used by the llama family, whose converter
 permutes Q/K for it) and the two halves ``(i, i + dim / 2)`` (NEOX: Qwen, Phi-3,
-Gemma). Frequencies may be scaled linearly (``rope.scaling.factor``) or per
-dimension by a ``rope_freqs`` tensor (Llama 3.1+'s long-context factors).
+Gemma). Frequencies may be scaled linearly (``rope.scaling.factor``), per
+dimension by a ``rope_freqs`` tensor (Llama 3.1+'s long-context factors), or by
+YaRN (gpt-oss; ``model/yarn.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+
+from meshnet.model.yarn import Yarn, yarn_tables
 
 F32 = np.float32
 RopeStyle = Literal["pairs", "halves"]
@@ -27,6 +30,7 @@ class Rope:
     base: float  # theta_i = base^(-2i / dim)
     scale: float = 1.0  # positions are multiplied by this (linear scaling: 1 / factor)
     factors: tuple[float, ...] | None = None  # theta_i is divided by factors[i] (dim / 2)
+    yarn: Yarn | None = None  # YaRN: ``scale`` is its 1 / factor, blended per pair
 
     @property
     def pairs(self) -> int:
@@ -41,7 +45,10 @@ class Rope:
         return theta
 
     def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin of every position's angles: float32 [len(positions), dim / 2] each."""
+        """cos, sin of every position's angles: float32 [len(positions), dim / 2] each
+        (with YaRN, both times its magnitude)."""
+        if self.yarn is not None:
+            return yarn_tables(positions, self.dim, self.base, self.scale, self.factors, self.yarn)
         scaled = positions.astype(F32) * F32(self.scale)
         angles = scaled[:, None] * self.inv_freq()[None, :]
         return np.cos(angles), np.sin(angles)

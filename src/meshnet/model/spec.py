@@ -6,6 +6,7 @@ does differently comes from its module in ``model/arch`` as data.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -16,9 +17,10 @@ from meshnet.model.arch import Architecture, FfnActivation, Shape, architecture
 from meshnet.model.arch.base import ExpertGating
 from meshnet.model.gguf_file import GGUFFile
 from meshnet.model.rope import Rope
+from meshnet.model.yarn import Yarn, resolved_attn_factor
 
 _Key = Callable[[str], str]  # a key under the architecture's prefix
-_SCALINGS = frozenset({"none", "linear"})  # rope.scaling.type values we compute exactly
+_SCALINGS = frozenset({"none", "linear", "yarn"})  # rope.scaling.type values we compute exactly
 
 
 @dataclass(frozen=True)
@@ -194,7 +196,9 @@ def _read_rope(f: GGUFFile, arch: Architecture, key: _Key, head_dim: int) -> Rop
     if scaling not in _SCALINGS:
         raise UnsupportedArchitecture(f"{f.path.name}: rope scaling {scaling!r} is not supported")
     factor = float(f.value_or(key("rope.scaling.factor"), f.value_or(key("rope.scale_linear"), 0)))
-    scale = 1.0 / factor if factor and scaling == "linear" else 1.0
+    if scaling == "yarn" and not (math.isfinite(factor) and factor >= 0):
+        raise ModelFileError(f"{f.path.name}: rope.scaling.factor {factor} is not a YaRN factor")
+    scale = 1.0 / factor if factor and scaling != "none" else 1.0  # llama.cpp's freq_scale
     factors = None
     freqs = f.tensors.get("rope_freqs.weight") if arch.rope_freqs else None
     if freqs is not None:
@@ -205,7 +209,38 @@ def _read_rope(f: GGUFFile, arch: Architecture, key: _Key, head_dim: int) -> Rop
     if "blk.0.rope_factors_long.weight" in f.tensors:
         raise UnsupportedArchitecture(f"{f.path.name}: LongRoPE factors are not supported")
     base = float(f.value_or(key("rope.freq_base"), 10000.0))
-    return Rope(arch.rope_style, dim, base, scale, factors)
+    yarn = _read_yarn(f, key, scale) if scaling == "yarn" else None
+    return Rope(arch.rope_style, dim, base, scale, factors, yarn)
+
+
+def _read_yarn(f: GGUFFile, key: _Key, freq_scale: float) -> Yarn:
+    """YaRN's parameters as llama.cpp resolves them for a context that sets none of its
+    own: the ramp over ``rope.scaling.original_context_length`` (else the training
+    context), ``ext_factor`` 1 and betas 32 / 1 unless the file's ``yarn_*`` keys say
+    otherwise, the magnitude from the factor (``yarn.resolved_attn_factor``).
+    ``yarn_log_multiplier`` (DeepSeek's magnitude rule, read per family) is refused."""
+
+    def number(name: str, default: float) -> float:
+        raw = f.value_or(key(f"rope.scaling.{name}"), default)
+        try:
+            value = float(raw)
+        except (TypeError, ValueError) as e:
+            raise ModelFileError(f"{f.path.name}: rope.scaling.{name} is not a number") from e
+        if not math.isfinite(value):
+            raise ModelFileError(f"{f.path.name}: rope.scaling.{name} is not finite")
+        return value
+
+    if number("yarn_log_multiplier", 0.0) != 0:
+        raise UnsupportedArchitecture(f"{f.path.name}: YaRN's yarn_log_multiplier is not supported")
+    orig = _int(f, key("rope.scaling.original_context_length"), 0)
+    orig = orig or _int(f, key("context_length"), 2048)
+    if orig <= 0:
+        raise ModelFileError(f"{f.path.name}: YaRN's original context length must be positive")
+    ext = number("yarn_ext_factor", -1.0)
+    ext = 1.0 if ext < 0 else ext  # negative: not set (llama.cpp: 1 for YaRN)
+    attn = number("yarn_attn_factor", 1.0)
+    attn = resolved_attn_factor(freq_scale, ext, attn, number("attn_factor", 1.0))
+    return Yarn(orig, ext, attn, number("yarn_beta_fast", 32.0), number("yarn_beta_slow", 1.0))
 
 
 def _local_rope(f: GGUFFile, arch: Architecture, key: _Key, rope: Rope) -> Rope:
