@@ -54,7 +54,7 @@ def test_every_pre_tokenizer_in_the_table_compiles_and_splits(name: str) -> None
 def test_special_and_user_defined_tokens_are_whole_ids() -> None:
     tok = load(bpe_metadata())
     ids = tok.encode("hello<|user|>hello<|eot_id|>", add_special=False)
-    hello, user, eot = (tok.hf.token_to_id(t) for t in ("hello", "<|user|>", "<|eot_id|>"))
+    hello, user, eot = (tok.codec.token_to_id(t) for t in ("hello", "<|user|>", "<|eot_id|>"))
     assert ids == [hello, user, hello, eot]
     assert tok.decode(ids) == "hello<|user|>hello<|eot_id|>"
 

@@ -137,7 +137,7 @@ def test_streamed_text_is_the_whole_decode_at_every_token(family: str, family_to
     specials = sorted(tok.special_ids)
     noise = [
         [int(i) if rng.random() > 0.05 else specials[int(i) % len(specials)] for i in row]
-        for row in rng.integers(0, tok.hf.get_vocab_size(), size=(20, 60))
+        for row in rng.integers(0, tok.codec.get_vocab_size(), size=(20, 60))
     ]
     for ids in [*texts, *noise]:
         stream = TextStream(tok)

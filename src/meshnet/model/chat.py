@@ -105,8 +105,8 @@ def load_chat_template(f: GGUFFile, tokenizer: TextTokenizer) -> ChatTemplate:
     bos = tokenizer.bos_id
     return ChatTemplate(
         template=template,
-        bos_token=(tokenizer.hf.id_to_token(bos) or "") if bos is not None else "",
-        eos_token=tokenizer.hf.id_to_token(tokenizer.eos_id) or "",
+        bos_token=(tokenizer.codec.id_to_token(bos) or "") if bos is not None else "",
+        eos_token=tokenizer.codec.id_to_token(tokenizer.eos_id) or "",
         adds_bos=tokenizer.add_bos and bos is not None,
         adds_eos=tokenizer.add_eos,
     )

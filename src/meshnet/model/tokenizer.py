@@ -4,7 +4,9 @@ Two vocabulary kinds (``tokenizer.ggml.model``):
 
 - ``gpt2``: byte-level BPE; the text is split by the pre-tokenizer named in
   ``tokenizer.ggml.pre`` (see ``pretokenizers``), then merged by rank;
-- ``llama``: SentencePiece with scores and byte fallback (see ``spm``).
+- ``llama``: SentencePiece with scores and byte fallback (see ``spm``), run by
+  meshnet over compact tables: a 262k-token vocabulary (Gemma 3) held as a
+  ``tokenizers`` model cost ~75 MB, ~10 MB so.
 
 Control, user-defined and unknown-type tokens, and the tokens llama.cpp treats
 as ending generation, are special: their text encodes to their single id and
@@ -16,22 +18,74 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
 from meshnet.errors import TokenizerError
 from meshnet.model.gguf_file import GGUFFile
 from meshnet.model.pretokenizers import pre_tokenizer
+from meshnet.model.special_match import SpecialMatcher
 from meshnet.model.special_tokens import SpecialTokens, read_special_tokens
-from meshnet.model.spm import spm_tokenizer
+from meshnet.model.spm import spm_codec
+from meshnet.model.string_table import StringIndex, StringTable, table_of
+
+# The per-token arrays a tokenizer is built from: once it is, the file's copies can go
+# (``GGUFFile.drop``); a 262k-token vocabulary's scores alone are 8 MB as Python floats.
+TOKENIZER_ARRAYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+)
+
+
+class Codec(Protocol):
+    """A vocabulary's encoder and decoder, the method names the ``tokenizers`` library's."""
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text``, special tokens matched whole; no BOS/EOS added."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens spelled as their text."""
+        ...
+
+    def id_to_token(self, i: int) -> str | None: ...
+
+    def token_to_id(self, text: str) -> int | None: ...
+
+    def get_vocab_size(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class HfCodec:
+    """A ``tokenizers`` Tokenizer as a ``Codec`` (byte-level BPE vocabularies)."""
+
+    hf: Tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.hf.decode(list(ids), skip_special_tokens=False))
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.hf.id_to_token(i)
+
+    def token_to_id(self, text: str) -> int | None:
+        return self.hf.token_to_id(text)
+
+    def get_vocab_size(self) -> int:
+        return int(self.hf.get_vocab_size())
 
 
 @dataclass(frozen=True)
 class TextTokenizer:
     """Encode text to ids and back; knows its special tokens and which ids end generation."""
 
-    hf: Tokenizer
+    codec: Codec
     add_bos: bool
     bos_id: int | None
     eos_id: int
@@ -48,7 +102,7 @@ class TextTokenizer:
         With ``add_special`` the file's BOS/EOS are added as ``add_bos_token`` and
         ``add_eos_token`` say (a prompt); without, the bare text's ids.
         """
-        ids = self.hf.encode(text, add_special_tokens=False).ids
+        ids = self.codec.encode(text)
         if add_special and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         if add_special and self.add_eos:
@@ -63,7 +117,7 @@ class TextTokenizer:
         for pos, i in enumerate(ids):
             if i in self.special_ids:
                 parts.append(self._decode_run(run, run_start))
-                parts.append(self.hf.id_to_token(i) or "")
+                parts.append(self.codec.id_to_token(i) or "")
                 run, run_start = [], pos + 1
             else:
                 run.append(i)
@@ -73,7 +127,7 @@ class TextTokenizer:
     def _decode_run(self, run: list[int], start: int) -> str:
         if not run:
             return ""
-        text = str(self.hf.decode(run, skip_special_tokens=False))
+        text = self.codec.decode(run)
         if self.strips_leading_space and start == 0 and text.startswith(" "):
             return text[1:]
         return text
@@ -88,19 +142,31 @@ def load_tokenizer(f: GGUFFile) -> TextTokenizer:
     tokens = _tokens(f)
     types = _int_list(f, "tokenizer.ggml.token_type", len(tokens))
     is_spm = model == "llama"
+    special = read_special_tokens(f, tokens, types, spm=is_spm)
+    rstrip = _rstrips_specials(f)
+    codec: Codec
     if is_spm:
-        scores = _float_list(f, "tokenizer.ggml.scores", len(tokens))
-        hf = spm_tokenizer(tokens, scores, _unk_token(f, tokens), _add_space_prefix(f))
+        index = _index(tokens, name)
+        codec = spm_codec(
+            tokens,
+            index,
+            _float_list(f, "tokenizer.ggml.scores", len(tokens)),
+            SpecialMatcher.of(
+                ((tokens[i], i) for i in special.special_ids), _rstrips(tokens, special, rstrip)
+            ),
+            _unk_id(f, len(tokens)),
+            _add_space_prefix(f),
+        )
         default_add_bos = True
     else:
         pre = pre_tokenizer(str(f.value_or("tokenizer.ggml.pre", "default")), name)
         hf = _bpe_tokenizer(f, tokens, pre.ignore_merges)
         hf.pre_tokenizer = pre.build()
+        _add_special_tokens(hf, tokens, special, rstrip)
+        codec = HfCodec(hf)
         default_add_bos = pre.add_bos
-    special = read_special_tokens(f, tokens, types, spm=is_spm)
-    _add_special_tokens(hf, tokens, special, _rstrips_specials(f))
     return TextTokenizer(
-        hf=hf,
+        codec=codec,
         add_bos=bool(f.value_or("tokenizer.ggml.add_bos_token", default_add_bos)),
         add_eos=bool(f.value_or("tokenizer.ggml.add_eos_token", False)),
         bos_id=special.bos_id,
@@ -111,15 +177,24 @@ def load_tokenizer(f: GGUFFile) -> TextTokenizer:
     )
 
 
-def _tokens(f: GGUFFile) -> list[str]:
+def _tokens(f: GGUFFile) -> StringTable:
     raw = f.value("tokenizer.ggml.tokens")
-    if not isinstance(raw, list) or not all(isinstance(t, str) for t in raw):
+    if not isinstance(raw, StringTable) and (
+        not isinstance(raw, list) or not all(isinstance(t, str) for t in raw)
+    ):
         raise TokenizerError(f"{f.path.name}: tokenizer.ggml.tokens is not a list of strings")
-    # llama.cpp names an empty token after its id rather than leave it unmatchable.
-    tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(raw)]
-    if len(set(tokens)) != len(tokens):
-        raise TokenizerError(f"{f.path.name}: the token list has duplicates")
+    tokens = table_of(raw)
+    if np.any(tokens.lengths() == 0):
+        # llama.cpp names an empty token after its id rather than leave it unmatchable.
+        tokens = StringTable.of(t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens))
     return tokens
+
+
+def _index(tokens: StringTable, file_name: str) -> StringIndex:
+    try:
+        return StringIndex(tokens)
+    except ValueError:
+        raise TokenizerError(f"{file_name}: the token list has duplicates") from None
 
 
 def _int_list(f: GGUFFile, key: str, n: int) -> list[int]:
@@ -143,8 +218,12 @@ def _per_token(
     return values
 
 
-def _bpe_tokenizer(f: GGUFFile, tokens: list[str], ignore_merges: bool) -> Tokenizer:
+def _bpe_tokenizer(f: GGUFFile, tokens: StringTable, ignore_merges: bool) -> Tokenizer:
+    """The byte-level BPE model; its vocabulary and merges are Python objects only while
+    the ``tokenizers`` library copies them in."""
     vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise TokenizerError(f"{f.path.name}: the token list has duplicates")
     model = models.BPE(
         vocab=vocab, merges=_merges(f, vocab), fuse_unk=False, ignore_merges=ignore_merges
     )
@@ -158,7 +237,9 @@ def _merges(f: GGUFFile, vocab: dict[str, int]) -> list[tuple[str, str]]:
     space after the first character); a merge that cannot apply (a half or the result is
     no token, which llama.cpp keeps unused) is dropped, the tokenizers library refusing it."""
     raw = f.value("tokenizer.ggml.merges")
-    if not isinstance(raw, list) or not all(isinstance(m, str) for m in raw):
+    if not isinstance(raw, StringTable) and (
+        not isinstance(raw, list) or not all(isinstance(m, str) for m in raw)
+    ):
         raise TokenizerError(f"{f.path.name}: tokenizer.ggml.merges is not a list of strings")
     pairs = [(m[:cut], m[cut + 1 :]) for m in raw if (cut := m.find(" ", 1)) > 0]
     if len(pairs) != len(raw):
@@ -166,9 +247,9 @@ def _merges(f: GGUFFile, vocab: dict[str, int]) -> list[tuple[str, str]]:
     return [(a, b) for a, b in pairs if a in vocab and b in vocab and a + b in vocab]
 
 
-def _unk_token(f: GGUFFile, tokens: list[str]) -> str | None:
+def _unk_id(f: GGUFFile, n_tokens: int) -> int | None:
     unk = int(f.value_or("tokenizer.ggml.unknown_token_id", 0))
-    return tokens[unk] if 0 <= unk < len(tokens) else None
+    return unk if 0 <= unk < n_tokens else None
 
 
 def _add_space_prefix(f: GGUFFile) -> bool:
@@ -184,16 +265,19 @@ def _rstrips_specials(f: GGUFFile) -> bool:
 _PHI3_NO_RSTRIP = frozenset({"<unk>", "<s>", "<|endoftext|>"})
 
 
+def _rstrips(tokens: StringTable, special: SpecialTokens, rstrip: bool) -> set[int]:
+    """The special ids that take the whitespace after them."""
+    if not rstrip:
+        return set()
+    return {i for i in special.special_ids if tokens[i] not in _PHI3_NO_RSTRIP}
+
+
 def _add_special_tokens(
-    hf: Tokenizer, tokens: list[str], special: SpecialTokens, rstrip: bool
+    hf: Tokenizer, tokens: StringTable, special: SpecialTokens, rstrip: bool
 ) -> None:
+    strips = _rstrips(tokens, special, rstrip)
     added = [
-        AddedToken(
-            tokens[i],
-            special=True,
-            normalized=False,
-            rstrip=rstrip and tokens[i] not in _PHI3_NO_RSTRIP,
-        )
+        AddedToken(tokens[i], special=True, normalized=False, rstrip=i in strips)
         for i in sorted(special.special_ids)
     ]
     hf.add_special_tokens(added)
