@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,13 @@ class GGUFFile:
 
     def value_or(self, key: str, default: Any) -> Any:
         return self.metadata.get(key, default)
+
+    def drop(self, keys: Iterable[str]) -> None:
+        """Forget the values under ``keys`` (absent ones are skipped): what was built from
+        them (a tokenizer from its per-token arrays) holds what it needs, and a process
+        that keeps this file for its tensors need not keep them too."""
+        for key in keys:
+            self.metadata.pop(key, None)
 
     def read_tensor(self, t: gguf.ReaderTensor) -> np.ndarray:
         """A fresh copy of ``t``'s bytes (uint8), read from the file, not through the map.

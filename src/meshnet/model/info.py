@@ -13,12 +13,12 @@ from meshnet.model.bundled import bundled_model_path
 from meshnet.model.chat import ChatTemplate, load_chat_template
 from meshnet.model.gguf_file import GGUFFile, open_gguf
 from meshnet.model.spec import ModelSpec, read_spec
-from meshnet.model.tokenizer import TextTokenizer, load_tokenizer
+from meshnet.model.tokenizer import TOKENIZER_ARRAYS, TextTokenizer, load_tokenizer
 
 
 @dataclass(frozen=True)
 class ModelInfo:
-    file: GGUFFile  # parsed metadata; tensor data stays memory-mapped, unread
+    file: GGUFFile  # parsed metadata less the tokenizer's arrays; tensor data stays mapped, unread
     name: str  # the id clients put in "model"
     path: Path
     fingerprint: str  # sha256 of the GGUF; nodes must serve the same file
@@ -33,6 +33,8 @@ def load_model_info(path: str | os.PathLike[str] | None = None) -> ModelInfo:
     f = open_gguf(p)
     spec = read_spec(f)
     tokenizer = load_tokenizer(f)
+    template = load_chat_template(f, tokenizer)
+    f.drop(TOKENIZER_ARRAYS)  # the tokenizer holds what it needs of them
     return ModelInfo(
         file=f,
         name=p.name.removesuffix(".gguf"),
@@ -40,5 +42,5 @@ def load_model_info(path: str | os.PathLike[str] | None = None) -> ModelInfo:
         fingerprint=f.fingerprint(),
         spec=spec,
         tokenizer=tokenizer,
-        template=load_chat_template(f, tokenizer),
+        template=template,
     )
