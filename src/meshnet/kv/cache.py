@@ -4,15 +4,27 @@ A shard owns a ``SequenceKV`` per sequence it serves: for each of its layers,
 the rotated keys and the values of every position computed so far. A forward
 step first ``reserve``s room for its new positions, each layer ``write``s
 into that room, and the step ends with ``advance``, which makes the new
-positions part of the sequence. Capacity grows geometrically, so appending
-one token at a time is amortised O(1).
+positions part of the sequence.
+
+The cache holds what its tokens need, never the context's length: the first
+reservation is exactly its positions (at least ``GRANULE``), and a growth
+leaves a little room past what it needs, so that appending one token at a
+time copies the cache only now and then. That room is an eighth of the
+positions, at least ``GRANULE`` and at most ``MAX_ROOM_BYTES``: doubling (as
+before) let a cache hold up to twice its tokens, and a node whose KV budget
+counts capacity refused a session's next token with half of it unused. A
+growth copy costs a few positions a token, far below what attending over the
+cache reads. Growth replaces one layer's arrays at a time, so it briefly holds
+one layer twice, not the whole cache.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-_MIN_CAPACITY = 64
+GRANULE = 64  # positions: the least capacity, and the least room a growth leaves
+MAX_ROOM_BYTES = 8 << 20  # the most a growth leaves unused past what it needs
+_ROOM_FRACTION = 8  # a growth leaves room for 1/8 of the positions needed
 
 
 class SequenceKV:
@@ -31,23 +43,34 @@ class SequenceKV:
         self._values: list[np.ndarray] = []
 
     @property
+    def per_position(self) -> int:
+        """Bytes one position takes: keys and values of every layer and kv head."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def capacity(self) -> int:
+        """Positions the cache has room for (``length`` of them committed)."""
+        return self._capacity
+
+    @property
     def nbytes(self) -> int:
         """Bytes held by this sequence's cache on this shard (capacity, not length)."""
         return sum(a.nbytes for a in self._keys) + sum(a.nbytes for a in self._values)
 
     def growth_bytes(self, n_new: int) -> int:
         """Bytes ``reserve(n_new)`` would add to ``nbytes`` (0 when it fits already)."""
-        capacity = self._next_capacity(n_new)
-        if capacity == self._capacity:
-            return 0
-        per_position = 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.itemsize
-        return (capacity - self._capacity) * per_position
+        return (self._next_capacity(n_new) - self._capacity) * self.per_position
 
     def _next_capacity(self, n_new: int) -> int:
+        """The capacity after ``reserve(n_new)``: unchanged when the positions fit, exactly
+        what a first reservation needs (at least ``GRANULE``), else the need plus room."""
         need = self.length + n_new
         if need <= self._capacity:
             return self._capacity
-        return max(_MIN_CAPACITY, self._capacity * 2, need)
+        if self._capacity == 0:
+            return max(GRANULE, need)
+        most = max(GRANULE, MAX_ROOM_BYTES // self.per_position)
+        return need + min(max(need // _ROOM_FRACTION, GRANULE), most)
 
     def reserve(self, n_new: int) -> None:
         """Make room for ``n_new`` positions after ``length``."""
@@ -55,15 +78,18 @@ class SequenceKV:
         if capacity == self._capacity:
             return
         shape = (self.n_kv_heads, capacity, self.head_dim)
-        self._keys = [self._grown(old, shape) for old in self._keys] or [
-            np.zeros(shape, self.dtype) for _ in range(self.n_layers)
-        ]
-        self._values = [self._grown(old, shape) for old in self._values] or [
-            np.zeros(shape, self.dtype) for _ in range(self.n_layers)
-        ]
+        if not self._keys:
+            self._keys = [np.zeros(shape, self.dtype) for _ in range(self.n_layers)]
+            self._values = [np.zeros(shape, self.dtype) for _ in range(self.n_layers)]
+        for arrays in (self._keys, self._values):
+            for layer, old in enumerate(arrays):  # in place: each old array goes at once
+                if old.shape[1] != capacity:
+                    arrays[layer] = self._grown(old, shape)
         self._capacity = capacity
 
     def _grown(self, old: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray:
+        # np.zeros of a large block is fresh zero pages: only the positions copied (and
+        # later written) become resident, whatever the capacity.
         new = np.zeros(shape, self.dtype)
         new[:, : self.length] = old[:, : self.length]
         return new
@@ -92,8 +118,7 @@ class SequenceKV:
 
     def payload_bytes(self, length: int) -> int:
         """Size of ``export_bytes`` for ``length`` positions."""
-        per_position = 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.itemsize
-        return per_position * length
+        return self.per_position * length
 
     def export_bytes(self) -> memoryview:
         """The committed positions: every layer's keys, then every layer's values, C order."""
