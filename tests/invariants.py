@@ -34,6 +34,28 @@ def recomputed_logits(
     return every[len(prompt) - 1 :]
 
 
+def assert_split_batched_chunked_identical(
+    whole: ShardChain, split: ShardChain, prompt: Sequence[int], follow: Sequence[int]
+) -> None:
+    """A sequence's logits are bit-identical split over shards, recomputed uncached, its
+    prompt in chunks of 5, and batched beside another sequence (prompt and decode rows in
+    one forward)."""
+    cached = step_logits(whole, prompt, follow)
+    assert np.array_equal(cached, step_logits(split, prompt, follow))
+    assert np.array_equal(cached, recomputed_logits(whole, prompt, follow))
+    kv = whole.new_sequence()
+    for start in range(0, len(prompt), 5):
+        piece = prompt[start : start + 5]
+        last = whole.forward(np.asarray(piece), [kv], [len(piece)])[0]
+    assert np.array_equal(last, cached[0])
+    other, mine = whole.new_sequence(), whole.new_sequence()
+    both = whole.forward(np.asarray([*prompt[:7], *prompt]), [other, mine], [7, len(prompt)])
+    assert np.array_equal(both[1], cached[0])
+    for i, token in enumerate(follow):
+        both = whole.forward(np.asarray([3 + i, token]), [other, mine], [1, 1])
+        assert np.array_equal(both[1], cached[i + 1])
+
+
 def solo_and_batched_ids(
     model: LocalModel, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
 ) -> tuple[list, list]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from invariants import recomputed_logits, step_logits
+from invariants import assert_split_batched_chunked_identical, step_logits
 from tinyarch import CASES, write_arch_gguf
 
 from meshnet.engine.local import LocalModel, load_local_model
@@ -86,20 +86,4 @@ def test_split_batched_chunked_and_cached_logits_are_bit_identical(
     prompt, follow = recorded["prompt_ids"], [s["id"] for s in recorded["steps"]][:6]
     whole = load_local_model(path, backend=backend)
     split = load_local_model(path, backend=backend, split=3)
-    cached = step_logits(whole.chain, prompt, follow)
-    assert np.array_equal(cached, step_logits(split.chain, prompt, follow))
-    assert np.array_equal(cached, recomputed_logits(whole.chain, prompt, follow))
-    # chunked: the prompt in pieces of 5, then the same decode steps
-    chain = whole.chain
-    kv = chain.new_sequence()
-    for start in range(0, len(prompt), 5):
-        piece = prompt[start : start + 5]
-        last = chain.forward(np.asarray(piece), [kv], [len(piece)])[0]
-    assert np.array_equal(last, cached[0])
-    # batched: beside another sequence, prompt and decode rows in one forward
-    other, mine = chain.new_sequence(), chain.new_sequence()
-    both = chain.forward(np.asarray([*prompt[:7], *prompt]), [other, mine], [7, len(prompt)])
-    assert np.array_equal(both[1], cached[0])
-    for i, token in enumerate(follow):
-        both = chain.forward(np.asarray([3 + i, token]), [other, mine], [1, 1])
-        assert np.array_equal(both[1], cached[i + 1])
+    assert_split_batched_chunked_identical(whole.chain, split.chain, prompt, follow)

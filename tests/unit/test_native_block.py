@@ -90,7 +90,8 @@ def test_a_block_whose_matrices_do_not_fit_its_shape_is_refused(backend: FastBac
     assert len(w.qkv) == 1 and len(w.gate_up) == 1  # one block type: fused at load
     qkv, gate_up = quant.native_args(w.qkv[0]), quant.native_args(w.gate_up[0])
     wo, down = quant.native_args(w.wo), quant.native_args(w.w_down)
-    vectors = (w.attn_norm, w.ffn_norm, None, None, None, None, None)
+    assert w.w_down is not None
+    vectors = (w.attn_norm, w.ffn_norm, None, None, None, None, None, None, None, None)
     shape = (s.rms_eps, s.n_heads, s.n_kv_heads, s.head_dim)
     sizes = (s.d_model, s.d_ff, s.rope.pairs)
     traits = (False, False, s.attn_scale, 0.0, 0)
@@ -107,8 +108,18 @@ def test_a_block_whose_matrices_do_not_fit_its_shape_is_refused(backend: FastBac
         bad = (*vectors[:2], np.zeros(3, np.float32), *vectors[3:])
         native.block((qkv,), wo, (gate_up,), down, bad, *shape, *sizes, traits)
     with pytest.raises(ValueError):  # a query norm without a key norm
-        bad = (*vectors[:3], np.ones(s.head_dim, np.float32), None, None, None)
+        bad = (*vectors[:3], np.ones(s.head_dim, np.float32), *vectors[4:])
         native.block((qkv,), wo, (gate_up,), down, bad, *shape, *sizes, traits)
+    with pytest.raises(ValueError):  # sinks of another head count
+        bad = (*vectors[:8], np.zeros(s.n_heads + 1, np.float32), None)
+        native.block((qkv,), wo, (gate_up,), down, bad, *shape, *sizes, traits)
+    with pytest.raises(ValueError):  # a shared expert's gate without a mixture
+        bad = (*vectors[:9], np.zeros(s.d_model, np.float32))
+        native.block((qkv,), wo, (gate_up,), down, bad, *shape, *sizes, traits)
+    with pytest.raises(ValueError):  # no feed-forward at all
+        native.block((qkv,), wo, (), None, vectors, *shape, *sizes, traits)
+    with pytest.raises(ValueError):  # an activation the kernels do not have
+        native.block((qkv,), wo, (gate_up,), down, vectors, *shape, *sizes, (0, 3, 0.1, 0.0, 0))
     with pytest.raises(ValueError):  # a negative window
         native.block((qkv,), wo, (gate_up,), down, vectors, *shape, *sizes, (0, 0, 0.1, 0.0, -1))
     packed, rows, nb, kind = qkv

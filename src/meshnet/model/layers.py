@@ -81,8 +81,9 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    """The logistic function ``1 / (1 + e^-x)``."""
-    return F32(1.0) / (F32(1.0) + np.exp(-x))
+    """The logistic function ``1 / (1 + e^-x)``, its exponent never positive (no overflow)."""
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, F32(1.0) / (F32(1.0) + e), e / (F32(1.0) + e))
 
 
 def silu(x: np.ndarray) -> np.ndarray:
