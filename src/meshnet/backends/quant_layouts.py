@@ -1,9 +1,9 @@
 """The native kernels' matrix layouts (``native/native.h``), made once from GGUF blocks.
 
-Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K) are repacked into
-groups of 16 rows whose fields are stored column by column, one byte (or float16) per
-row, so a vector load gives one column of 8 or 16 rows. The other types (Q2_K, Q3_K,
-F16, BF16, F32, MXFP4) keep the GGUF's own rows: their kernel unpacks a tile at a time.
+Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, MXFP4 and the K-quants (Q4_K, Q5_K, Q6_K) are repacked
+into groups of 16 rows whose fields are stored column by column, one byte (or float16)
+per row, so a vector load gives one column of 8 or 16 rows. The other types (Q2_K, Q3_K,
+F16, BF16, F32) keep the GGUF's own rows: their kernel unpacks a tile at a time.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ CODES = {
     QT.F32: 12,
     QT.MXFP4: 13,
 }
-LEGACY = frozenset({QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q5_1})  # row groups per block
+LEGACY = frozenset({QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q5_1, QT.MXFP4})  # per block
 KQUANTS = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})  # row groups per super-block
 SUPER_BLOCKED = frozenset({QT.Q2_K, QT.Q3_K, *KQUANTS})  # widths a multiple of 256
 
@@ -76,6 +76,7 @@ _GROUP_BYTES = {
     QT.Q8_0: 544,
     QT.Q5_0: 352,
     QT.Q5_1: 384,
+    QT.MXFP4: 272,
     QT.Q4_K: 2368,
     QT.Q5_K: 2880,
     QT.Q6_K: 3360,
@@ -129,8 +130,11 @@ def _rows_of(fields: np.ndarray) -> np.ndarray:
 def _pack_legacy(raw: np.ndarray, qtype: QT, rows: int, nb: int) -> np.ndarray:
     """Per group and block: the rows' float16 d, Q4_1's and Q5_1's float16 m, then the
     quants column by column, one byte per row (Q5_0, Q5_1: the 16 nibble columns, then
-    the 4 bytes of fifth bits)."""
+    the 4 bytes of fifth bits). MXFP4: the rows' exponent bytes, then its 16 columns."""
     by = _by_group(raw, rows, nb, _BLOCK_BYTES[qtype])
+    if qtype == QT.MXFP4:
+        parts = [_rows_of(by[..., :1]), _columns(by[..., 1:])]
+        return np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(-1)
     halves = 4 if qtype in (QT.Q4_1, QT.Q5_1) else 2  # bytes of float16 fields first
     parts = [_rows_of(by[..., h : h + 2]) for h in range(0, halves, 2)]
     if qtype in (QT.Q5_0, QT.Q5_1):  # GGUF: the fifth bits (4 bytes) before the nibbles
@@ -140,7 +144,7 @@ def _pack_legacy(raw: np.ndarray, qtype: QT, rows: int, nb: int) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(-1)
 
 
-_BLOCK_BYTES = {QT.Q4_0: 18, QT.Q4_1: 20, QT.Q8_0: 34, QT.Q5_0: 22, QT.Q5_1: 24}
+_BLOCK_BYTES = {QT.Q4_0: 18, QT.Q4_1: 20, QT.Q8_0: 34, QT.Q5_0: 22, QT.Q5_1: 24, QT.MXFP4: 17}
 
 
 def _pack_kquant(raw: np.ndarray, qtype: QT, rows: int, supers: int) -> np.ndarray:

@@ -16,7 +16,6 @@ static Py_ssize_t rowwise_bytes(int type, Py_ssize_t nb) {
     case Q3_K: return nb / 8 * 110;
     case F16:
     case BF16: return nb * 2 * QK;
-    case MXFP4: return nb * 17;
     default: return nb * 4 * QK; /* F32 */
     }
 }
@@ -88,7 +87,8 @@ static void q3_k(const uint8_t *sb, int part, float *out) {
 }
 
 /* The E2M1 values doubled (llama.cpp's kvalues_mxfp4): an MXFP4 weight is
- * FP4_VALUES[q] * 2^(e - 128), the block's E8M0 exponent e halved to match. */
+ * FP4_VALUES[q] * 2^(e - 128), the block's E8M0 exponent e halved to match; each such
+ * product is exact (an integer of at most 4 bits times a power of two). */
 static const int8_t FP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 /* 2^(e - 128) (ggml_e8m0_to_fp32_half): a float32 subnormal for e < 2. */
@@ -99,20 +99,9 @@ static float e8m0_half(uint8_t e) {
     return d;
 }
 
-/* MXFP4 block: e (E8M0), qs[16]; weight i in the low nibble of qs[i], 16 + i in its high
- * nibble. Each k * d is exact (d a power of two, k an integer of at most 4 bits). */
-static void mxfp4(const uint8_t *block, float *out) {
-    const float d = e8m0_half(block[0]);
-    for (int i = 0; i < QK / 2; i++) {
-        out[i] = (float)FP4_VALUES[block[1 + i] & 15] * d;
-        out[QK / 2 + i] = (float)FP4_VALUES[block[1 + i] >> 4] * d;
-    }
-}
-
 void dequant_block(int type, const uint8_t *row, Py_ssize_t b, float *out) {
     switch (type) {
     case Q2_K: q2_k(row + b / 8 * 84, (int)(b % 8), out); break;
-    case MXFP4: mxfp4(row + b * 17, out); break;
     case Q3_K: q3_k(row + b / 8 * 110, (int)(b % 8), out); break;
     case F16: /* exact conversions, eight at a time */
         for (int l = 0; l < QK; l += 8) {
@@ -131,8 +120,14 @@ void dequant_block(int type, const uint8_t *row, Py_ssize_t b, float *out) {
     }
 }
 
-/* Row ``lane`` of a row group's block (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1). */
+/* Row ``lane`` of a row group's block (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, MXFP4). */
 static void legacy_block(int type, const uint8_t *p, int lane, int q8, float *out) {
+    if (type == MXFP4) {
+        const float d = e8m0_half(p[lane]);
+        for (int c = 0; c < QK; c++)
+            out[c] = (float)FP4_VALUES[(qbyte(p + GROUP_ROWS, c % 16, lane, q8) >> (4 * (c / 16))) & 15] * d;
+        return;
+    }
     const float d = half(p + 2 * lane);
     if (type == Q8_0) {
         for (int c = 0; c < QK; c++)

@@ -8,6 +8,8 @@
  * as one FMA chain from zero over columns i, 16 + i for i = 0 .. 15 (4-bit) or 0 .. 31
  * (8-bit), with q the integer quants (exact in float32); then acc = fma(d, s, acc) and,
  * for 4-bit blocks, acc = fma(m, sum of x over the block, acc); acc starts at zero.
+ * MXFP4 likewise over columns i, 16 + i with q = k 2^24 (k its E2M1 value doubled, an
+ * exact float32), then acc = fma(d, s 2^-24, acc), d = 2^(e - 128): no offset term.
  * (Scaling once per block, not every weight, spares the FMA units a multiply per
  * unpacked column.) The K-quants' order and the row-wise types' are given where
  * matmul_tile.h defines their tiles (ktile, ftile). How many pairs run side by side changes with the batch size only
@@ -18,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fp4.h"
 #include "native.h"
 
 typedef struct {
@@ -99,6 +102,8 @@ static inline void transpose8(const float *src, Py_ssize_t src_stride, float *ds
 #define FNMA _mm256_fnmadd_ps
 #define LOAD _mm256_load_ps
 #define OR_AND(a, b, k) _mm256_or_si256(a, _mm256_and_si256(b, _mm256_set1_epi32(k)))
+#define FP4_COLUMN(p, lo, hi) fp4_column8(p, &(lo), &(hi))
+#define FP4_SCALES(p) fp4_scales8(U8(p))
 #define UNPACK_MIN_T AVX2_UNPACK_MIN_T
 #include "matmul_tile.h"
 
@@ -131,6 +136,8 @@ static inline void transpose8(const float *src, Py_ssize_t src_stride, float *ds
 #define FNMA _mm512_fnmadd_ps
 #define LOAD _mm512_load_ps
 #define OR_AND(a, b, k) _mm512_ternarylogic_epi32(a, b, _mm512_set1_epi32(k), 0xF8)
+#define FP4_COLUMN(p, lo, hi) fp4_column16(p, &(lo), &(hi))
+#define FP4_SCALES(p) fp4_scales16(U8(p))
 #define UNPACK_MIN_T 0 /* its in-register tiles of 12 tokens unpack little per FMA */
 #include "matmul_tile.h"
 
@@ -199,7 +206,7 @@ int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threa
     if (w->q8) return q8matmul(w, x, T, out, threads, wide);
     float *sx = NULL;
     const int type = w->type;
-    if (type != Q8_0 && (IS_BLOCKWISE(type) || IS_KQUANT(type))) {
+    if (type != Q8_0 && type != MXFP4 && (IS_BLOCKWISE(type) || IS_KQUANT(type))) {
         const int width = type == Q6_K ? 16 : QK;
         sx = malloc((T * w->nb * (QK / width) + 1) * sizeof(float));
         if (sx == NULL) return -1;

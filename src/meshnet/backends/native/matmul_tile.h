@@ -13,6 +13,8 @@
  *   SRL, SLL (by a count), ANDI, ORI, SUBI (an int32 constant)   int32 lane operations
  *   ADD, FNMA, LOAD   float addition, c - a b in one rounding, an aligned load
  *   OR_AND(a, b, k)   a | (b & k) on int32 lanes (one instruction with AVX-512)
+ *   FP4_COLUMN(p, lo, hi)   MXFP4 codes of LANES rows at p: lo, hi = k 2^24 (fp4.h)
+ *   FP4_SCALES(p)     LANES E8M0 exponents at p as float32 2^(e - 128) (fp4.h)
  *   STORE(p, v, n)   the first n lanes of v to p
  * Each lane is one output row, so every (row, token) pair runs the same FMA chain at
  * either width: the two instantiations give the same bits. The header undefines these
@@ -22,13 +24,18 @@
 #define CAT(a, b) CAT_(a, b)
 #define FN(name) CAT(name, SFX)
 
-/* Column i (and 16 + i) of a 4- or 5-bit block for the tile's rows and tokens: s += q x. */
+/* Column i (and 16 + i) of a 4- or 5-bit block or an MXFP4 block (``fp4``) for the tile's
+ * rows and tokens: s += q x. */
 static inline __attribute__((always_inline)) TARGET void FN(nibble_column)(
     const uint8_t *const p[4], const int lane[4], const int quants, const float *xb,
     const Py_ssize_t cols, VEC s[4][TILE_MAX], const int i, const int RV, const int TT,
-    const int five) {
+    const int five, const int fp4) {
     VEC lo[4], hi[4];
     for (int v = 0; v < RV; v++) {
+        if (fp4) {
+            FP4_COLUMN(p[v] + quants + i * GROUP_ROWS + lane[v], lo[v], hi[v]);
+            continue;
+        }
         const IVEC z = U8(p[v] + quants + i * GROUP_ROWS + lane[v]);
         if (five) { /* bit i % 8 of bytes i / 8 and 2 + i / 8, moved to bit 4 */
             const uint8_t *qh = p[v] + quants + 16 * GROUP_ROWS + lane[v];
@@ -64,7 +71,8 @@ static inline __attribute__((always_inline)) TARGET void FN(tile)(const job_t *j
     const qmat_t *w = j->w;
     const Py_ssize_t nb = w->nb, cols = nb * QK, gb = GROUP_BYTES[type];
     const int with_min = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
-    const int quants = with_min ? 4 * GROUP_ROWS : 2 * GROUP_ROWS; /* bytes of halves */
+    const int fp4 = type == MXFP4;
+    const int quants = fp4 ? GROUP_ROWS : with_min ? 4 * GROUP_ROWS : 2 * GROUP_ROWS;
     const uint8_t *group[4];
     int lane[4]; /* the vector's first row within its group */
     for (int v = 0; v < RV; v++) {
@@ -100,12 +108,20 @@ static inline __attribute__((always_inline)) TARGET void FN(tile)(const job_t *j
             if (five) {
 #pragma GCC unroll 16 /* the fifth bits' shift counts become constants */
                 for (int i = 0; i < QK / 2; i++)
-                    FN(nibble_column)(p, lane, quants, xb, cols, s, i, RV, TT, 1);
+                    FN(nibble_column)(p, lane, quants, xb, cols, s, i, RV, TT, 1, 0);
             } else { /* left to the compiler: unrolled 16 times, tiles of 4 tokens ran
                       * 1.8x slower, 32 tokens 1.25x (Q4_1, AVX-512) */
                 for (int i = 0; i < QK / 2; i++)
-                    FN(nibble_column)(p, lane, quants, xb, cols, s, i, RV, TT, 0);
+                    FN(nibble_column)(p, lane, quants, xb, cols, s, i, RV, TT, 0, fp4);
             }
+        }
+        if (fp4) {
+            for (int v = 0; v < RV; v++) {
+                const VEC d = FP4_SCALES(p[v] + lane[v]);
+                for (int t = 0; t < TT; t++)
+                    acc[v][t] = FMA(d, MUL(s[v][t], SET1(1.0f / FP4_SCALE)), acc[v][t]);
+            }
+            continue;
         }
         for (int v = 0; v < RV; v++) {
             const VEC d = HALVES(p[v] + 2 * lane[v]);
@@ -359,12 +375,21 @@ static inline __attribute__((always_inline)) TARGET void FN(unpack_blocks)(
     const qmat_t *w = j->w;
     const Py_ssize_t nb = w->nb, gb = GROUP_BYTES[type];
     const int with_min = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
-    const int quants = with_min ? 4 * GROUP_ROWS : 2 * GROUP_ROWS;
+    const int quants = type == MXFP4 ? GROUP_ROWS : with_min ? 4 * GROUP_ROWS : 2 * GROUP_ROWS;
     const uint8_t *group = w->packed + (v * LANES / GROUP_ROWS) * nb * gb;
     for (Py_ssize_t b = b0; b < b1; b++) {
         float *out = wq + (b - b0) * QK * GROUP_ROWS;
         for (int r = 0; r < RV; r++) {
             const uint8_t *p = group + b * gb + r * LANES; /* lane r * LANES of the group */
+            if (type == MXFP4) {
+                for (int i = 0; i < QK / 2; i++) {
+                    VEC lo, hi;
+                    FP4_COLUMN(p + quants + i * GROUP_ROWS, lo, hi);
+                    _mm256_store_ps(out + (2 * i) * GROUP_ROWS + r * LANES, lo);
+                    _mm256_store_ps(out + (2 * i + 1) * GROUP_ROWS + r * LANES, hi);
+                }
+                continue;
+            }
             if (type == Q8_0) {
                 for (int c = 0; c < QK; c++)
                     _mm256_store_ps(out + c * GROUP_ROWS + r * LANES,
@@ -415,6 +440,16 @@ static inline __attribute__((always_inline)) TARGET void FN(unpacked_tile)(
             }
         }
         const uint8_t *p = group + b * gb;
+        if (type == MXFP4) {
+            for (int r = 0; r < RV; r++) {
+                const VEC d = FP4_SCALES(p + r * LANES);
+                for (int t = 0; t < TT; t++) {
+                    float *a = acc + (t0 + t) * GROUP_ROWS + r * LANES;
+                    _mm256_store_ps(a, FMA(d, MUL(s[r][t], SET1(1.0f / FP4_SCALE)), LOAD(a)));
+                }
+            }
+            continue;
+        }
         for (int r = 0; r < RV; r++) {
             const VEC d = HALVES(p + 2 * r * LANES);
             const VEC m = with_min ? HALVES(p + 2 * GROUP_ROWS + 2 * r * LANES)
@@ -508,6 +543,7 @@ ROWS_OF(q4_1, Q4_1)
 ROWS_OF(q8_0, Q8_0)
 ROWS_OF(q5_0, Q5_0)
 ROWS_OF(q5_1, Q5_1)
+ROWS_OF(mxfp4, MXFP4)
 ROWS_OF(q4_k, Q4_K)
 ROWS_OF(q5_k, Q5_K)
 ROWS_OF(q6_k, Q6_K)
@@ -521,6 +557,7 @@ static TARGET void FN(rows)(const job_t *j, Py_ssize_t v0, Py_ssize_t v1, float 
     case Q8_0: FN(rows_q8_0)(j, v0, v1, scratch); break;
     case Q5_0: FN(rows_q5_0)(j, v0, v1, scratch); break;
     case Q5_1: FN(rows_q5_1)(j, v0, v1, scratch); break;
+    case MXFP4: FN(rows_mxfp4)(j, v0, v1, scratch); break;
     case Q4_K: FN(rows_q4_k)(j, v0, v1, scratch); break;
     case Q5_K: FN(rows_q5_k)(j, v0, v1, scratch); break;
     case Q6_K: FN(rows_q6_k)(j, v0, v1, scratch); break;
@@ -558,4 +595,6 @@ static TARGET void FN(rows)(const job_t *j, Py_ssize_t v0, Py_ssize_t v1, float 
 #undef FNMA
 #undef LOAD
 #undef OR_AND
+#undef FP4_COLUMN
+#undef FP4_SCALES
 #undef UNPACK_MIN_T

@@ -17,10 +17,11 @@
 #define QK_K 256 /* weights per super-block of the K-quants */
 
 /* The GGUF block types the matmul reads, in three families:
- *   Q4_0, Q4_1, Q8_0, Q5_0, Q5_1   row groups, a GROUP_BYTES entry per block of 32 columns
+ *   Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,  row groups, a GROUP_BYTES entry per block of 32 columns
+ *   MXFP4
  *   Q4_K, Q5_K, Q6_K               row groups, a GROUP_BYTES entry per super-block of 256
- *   Q2_K, Q3_K, F16, BF16, F32,    the GGUF's own rows, unpacked a tile at a time
- *   MXFP4                          ("row-wise") */
+ *   Q2_K, Q3_K, F16, BF16, F32     the GGUF's own rows, unpacked a tile at a time
+ *                                  ("row-wise") */
 enum {
     Q4_0 = 0, Q4_1 = 1, Q8_0 = 2,
     Q4_K = 3, Q5_K = 4, Q6_K = 5,
@@ -28,12 +29,13 @@ enum {
     TYPE_COUNT = 14
 };
 #define IS_KQUANT(type) ((type) >= Q4_K && (type) <= Q6_K)
-#define IS_BLOCKWISE(type) ((type) <= Q8_0 || (type) == Q5_0 || (type) == Q5_1)
+#define IS_BLOCKWISE(type) \
+    ((type) <= Q8_0 || (type) == Q5_0 || (type) == Q5_1 || (type) == MXFP4)
 #define IS_ROWWISE(type) (!IS_KQUANT(type) && !IS_BLOCKWISE(type))
 
 /*
- * A [rows, nb * QK] matrix. Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and the K-quants are held in row
- * groups of GROUP_ROWS (the last one padded with zero blocks), so one load gives a
+ * A [rows, nb * QK] matrix. Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, MXFP4 and the K-quants are held
+ * in row groups of GROUP_ROWS (the last one padded with zero blocks), so one load gives a
  * column of 8 or 16 rows:
  *   Q4_0, Q4_1, Q8_0: per group and block, the 16 rows' float16 scales d, for Q4_1 their
  *     float16 offsets m, then the quants column by column, one byte per row: 16 columns
@@ -42,6 +44,9 @@ enum {
  *   Q5_0, Q5_1: as Q4_0, Q4_1 (d, Q5_1's m, the 16 nibble columns), then the fifth bits
  *     in 4 byte columns (bit i % 8 of byte i / 8: column i, the GGUF's qh).
  *     w = d (q - 16) (Q5_0), d q + m (Q5_1).
+ *   MXFP4: per group and block, the 16 rows' E8M0 exponents e (a byte each), then 16 byte
+ *     columns of 4-bit codes as Q4_0's. w = kvalues[q] 2^(e - 128), kvalues the E2M1
+ *     values doubled (0, 1, 2, 3, 4, 6, 8, 12, then the same negated), as llama.cpp.
  *   Q4_K, Q5_K: per group and super-block, the rows' float16 d, float16 dmin, the 8
  *     sub-block scales (6-bit, a byte each: 8 columns of 16 rows), the 8 mins likewise,
  *     Q5_K's fifth bits (per sub-block 4 byte columns: bit m of byte b is column b + 4 m),
@@ -85,7 +90,7 @@ static const Py_ssize_t GROUP_BYTES[TYPE_COUNT] = {
     2 * GROUP_ROWS + 20 * GROUP_ROWS,  /* Q5_0: d, 16 nibble and 4 fifth-bit columns */
     4 * GROUP_ROWS + 20 * GROUP_ROWS,  /* Q5_1: d, m, 16 nibble and 4 fifth-bit columns */
     0, 0, 0,                           /* F16, BF16, F32: row-wise */
-    0,                                 /* MXFP4: row-wise */
+    GROUP_ROWS + 16 * GROUP_ROWS,      /* MXFP4: e, 16 byte columns (16 rows x 17) */
 };
 
 /*
@@ -101,7 +106,7 @@ static const Py_ssize_t GROUP_BYTES[TYPE_COUNT] = {
  * type code with Q8_LAYOUT set names a matrix in this layout.
  */
 #define Q8_LAYOUT 32
-#define HAS_Q8_KERNEL(type) (!IS_ROWWISE(type))
+#define HAS_Q8_KERNEL(type) (!IS_ROWWISE(type) && (type) != MXFP4)
 
 typedef struct {
     const uint8_t *packed; /* qmat_bytes(type, rows, nb) bytes */
