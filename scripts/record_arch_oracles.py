@@ -67,16 +67,16 @@ def main() -> None:
                 "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
                 "prompt_ids": PROMPT,
                 "banned_ids": BANNED,
-                "steps": _greedy(server, path),
+                "steps": greedy(server, path),
             }
             print(name, [s["id"] for s in cases[name]["steps"]])
-    meta = {"llama_server": _version(server), "command": "scripts/record_arch_oracles.py"}
+    meta = {"llama_server": llama_version(server), "command": "scripts/record_arch_oracles.py"}
     ordered = {name: cases[name] for name in CASES if name in cases}
     args.out.write_text(json.dumps({"meta": meta, "cases": ordered}, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 
-def _greedy(server: Path, model: Path) -> list[dict[str, object]]:
+def greedy(server: Path, model: Path, top: int = TOP) -> list[dict[str, object]]:
     """Greedy steps of llama.cpp on ``model``: each step's id and top log-probs."""
     port = _free_port()
     cmd = [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
@@ -86,7 +86,7 @@ def _greedy(server: Path, model: Path) -> list[dict[str, object]]:
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_ready(url, proc)
-        body = {"prompt": PROMPT, "n_predict": STEPS, "temperature": 0.0, "n_probs": TOP,
+        body = {"prompt": PROMPT, "n_predict": STEPS, "temperature": 0.0, "n_probs": top,
                 "cache_prompt": False, "logit_bias": [[i, False] for i in BANNED]}  # fmt: skip
         reply = httpx.post(f"{url}/completion", json=body, timeout=120).json()
         if "completion_probabilities" not in reply:
@@ -114,7 +114,7 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
     raise RuntimeError("llama-server did not become ready")
 
 
-def _version(server: Path) -> str:
+def llama_version(server: Path) -> str:
     out = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=30)
     return (out.stdout + out.stderr).strip().splitlines()[0]
 

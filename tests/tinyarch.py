@@ -53,15 +53,49 @@ CASES: dict[str, ArchCase] = {
         ArchCase("mixtral", "llama", d_ff=64, n_experts=6, n_used=2, d_ff_expert=64),
         ArchCase("qwen2moe", "qwen2moe", n_experts=8, n_used=3, d_ff_expert=32, shared_expert=True),
         ArchCase("qwen3moe", "qwen3moe", head_dim=32, n_experts=8, n_used=3, d_ff_expert=64),
+        # + sinks, Q/K/V/O and expert biases, windows, YaRN, the clamped SwiGLU
+        ArchCase("gpt-oss", "gpt-oss", head_dim=32, n_experts=4, n_used=2, d_ff_expert=64),
     )
 }
 ROUTER_SCALE = 6.0  # router logits spread wide: a row's k-th and next experts are no near tie
 
+# Quantized files of the mixtures, as llama-quantize writes them from the float32 case
+# (K-quant rows are whole super-blocks of 256): the case and the quantization (Q4_K_M:
+# Q4_K and Q6_K; MXFP4_MOE: MXFP4 experts, Q8_0 elsewhere, as gpt-oss is published).
+QUANT_CASES: dict[str, tuple[ArchCase, str]] = {
+    c.name: (c, kind)
+    for c, kind in (
+        (ArchCase("mixtral-q4km", "llama", 2, 256, 256, 4, 2, 64, n_experts=4, n_used=2,
+                  d_ff_expert=256), "Q4_K_M"),
+        (ArchCase("qwen2moe-q4km", "qwen2moe", 2, 256, 256, 4, 2, 64, n_experts=6, n_used=2,
+                  d_ff_expert=256, shared_expert=True), "Q4_K_M"),
+        (ArchCase("qwen3moe-q4km", "qwen3moe", 2, 256, 256, 4, 2, 64, n_experts=6, n_used=3,
+                  d_ff_expert=256), "Q4_K_M"),
+        (ArchCase("gpt-oss-mxfp4", "gpt-oss", 2, 256, 256, 4, 2, 64, n_experts=4, n_used=2,
+                  d_ff_expert=256), "MXFP4_MOE"),
+    )
+}  # fmt: skip
+
 WINDOW = 8  # short, so that a test prompt runs past it
 
 
-def write_arch_gguf(path: Path, case: ArchCase) -> Path:
-    """Write ``case`` as a float32 GGUF at ``path`` and return it."""
+# A tensor's values as written, from its name and the values drawn for it.
+Values = Callable[[str, np.ndarray], np.ndarray]
+
+
+class _Tensors:
+    """The writer's tensors, each passed through ``values`` on its way."""
+
+    def __init__(self, w: gguf.GGUFWriter, values: Values | None) -> None:
+        self._w, self._values = w, values
+
+    def add_tensor(self, name: str, array: np.ndarray) -> None:
+        self._w.add_tensor(name, array if self._values is None else self._values(name, array))
+
+
+def write_arch_gguf(path: Path, case: ArchCase, values: Values | None = None) -> Path:
+    """Write ``case`` as a float32 GGUF at ``path`` and return it. ``values`` replaces
+    each tensor's drawn values (the quantized oracles' dequantized weights)."""
     rng = np.random.default_rng(case.seed)
     arch = case.architecture
     w = gguf.GGUFWriter(str(path), arch)
@@ -86,14 +120,12 @@ def write_arch_gguf(path: Path, case: ArchCase) -> Path:
             w.add_expert_shared_feed_forward_length(case.d_ff)
     _FAMILY_KEYS.get(arch, _no_keys)(w)
     add_tokenizer(w)
-    _write_tensors(w, rng, case, len(vocabulary()[0]))
+    _write_tensors(_Tensors(w, values), rng, case, len(vocabulary()[0]))
     finish(w)
     return path
 
 
-def _write_tensors(
-    w: gguf.GGUFWriter, rng: np.random.Generator, case: ArchCase, vocab: int
-) -> None:
+def _write_tensors(w: _Tensors, rng: np.random.Generator, case: ArchCase, vocab: int) -> None:
     d, hd, ff = case.d_model, case.head_dim, case.d_ff
     q, kv = case.n_heads * hd, case.n_kv_heads * hd
     arch = case.architecture
@@ -117,13 +149,16 @@ def _write_tensors(
         else:
             for part, rows in (("q", q), ("k", kv), ("v", kv)):
                 matrix(p + f"attn_{part}.weight", rows, d, 1.0)
-                if arch in ("qwen2", "qwen2moe"):
+                if arch in ("qwen2", "qwen2moe", "gpt-oss"):
                     vector(p + f"attn_{part}.bias", rows, 0.0, 0.5)
         if arch in ("qwen3", "gemma3", "qwen3moe"):
             vector(p + "attn_q_norm.weight", hd)
             vector(p + "attn_k_norm.weight", hd)
         matrix(p + "attn_output.weight", d, q)
-        vector(p + "ffn_norm.weight", d)
+        if arch == "gpt-oss":
+            vector(p + "attn_output.bias", d, 0.0, 0.5)
+            vector(p + "attn_sinks.weight", case.n_heads, 0.0, 2.0)
+        vector(p + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight"), d)
         if case.n_experts:
             _write_experts(w, rng, case, p)
         elif arch == "phi3":
@@ -141,7 +176,7 @@ def _write_tensors(
         matrix("output.weight", vocab, d, 4.0)
 
 
-def _write_experts(w: gguf.GGUFWriter, rng: np.random.Generator, case: ArchCase, p: str) -> None:
+def _write_experts(w: _Tensors, rng: np.random.Generator, case: ArchCase, p: str) -> None:
     """A layer's router, its experts as 3-D tensors [n_experts, rows, cols], and the shared
     expert where the case has one."""
     d, e, ff = case.d_model, case.n_experts, case.d_ff_expert
@@ -154,8 +189,13 @@ def _write_experts(w: gguf.GGUFWriter, rng: np.random.Generator, case: ArchCase,
     tensor(p + "ffn_gate_exps.weight", (e, ff, d), 1.0)
     tensor(p + "ffn_up_exps.weight", (e, ff, d), 1.0)
     tensor(p + "ffn_down_exps.weight", (e, d, ff), 1.0)
+    if case.architecture == "gpt-oss":  # biases on the router and on every expert
+        tensor(p + "ffn_gate_inp.bias", (e,), 1.0)
+        tensor(p + "ffn_gate_exps.bias", (e, ff), 0.5 * np.sqrt(ff))
+        tensor(p + "ffn_up_exps.bias", (e, ff), 0.5 * np.sqrt(ff))
+        tensor(p + "ffn_down_exps.bias", (e, d), 0.5 * np.sqrt(d))
     if case.shared_expert:
-        tensor(p + "ffn_gate_inp_shexp.weight", (d,), 4.0 * np.sqrt(d))
+        tensor(p + "ffn_gate_inp_shexp.weight", (d,), 2.0 * np.sqrt(d))  # gate . h ~ N(0, 4)
         tensor(p + "ffn_gate_shexp.weight", (case.d_ff, d), 1.0)
         tensor(p + "ffn_up_shexp.weight", (case.d_ff, d), 1.0)
         tensor(p + "ffn_down_shexp.weight", (d, case.d_ff), 1.0)
@@ -173,6 +213,13 @@ def _gemma3_keys(w: gguf.GGUFWriter) -> None:
     w.add_rope_freq_base_swa(10000.0)
 
 
+def _gpt_oss_keys(w: gguf.GGUFWriter) -> None:
+    w.add_sliding_window(WINDOW)  # even layers local
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(4.0)
+    w.add_rope_scaling_orig_ctx_len(64)
+
+
 def _no_keys(w: gguf.GGUFWriter) -> None:
     pass
 
@@ -180,4 +227,5 @@ def _no_keys(w: gguf.GGUFWriter) -> None:
 _FAMILY_KEYS: dict[str, Callable[[gguf.GGUFWriter], None]] = {
     "gemma2": _gemma2_keys,
     "gemma3": _gemma3_keys,
+    "gpt-oss": _gpt_oss_keys,
 }

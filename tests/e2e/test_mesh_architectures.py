@@ -39,3 +39,26 @@ def test_greedy_ids_through_a_split_mesh_equal_one_process(
     out = r.json()["meshnet"]
     assert len(out["route"]) == 2
     assert out["ids"] == want
+
+
+@pytest.mark.parametrize("name", ["qwen2moe", "gpt-oss"])
+def test_a_mixture_of_experts_through_a_three_node_mesh_equals_one_process(
+    name: str, mesh_factory: MeshFactory, tmp_path: Path
+) -> None:
+    """Each node routes its own layers' rows to their experts; a streamed completion over
+    three hops gives the single process's greedy ids."""
+    case = CASES[name]
+    path = write_arch_gguf(tmp_path / f"{name}.gguf", case)
+    local = load_local_model(path)
+    prompt_ids = local.tokenizer.encode(PROMPT)
+    want = generate(
+        local.chain, local.tokenizer, prompt_ids, SamplingParams(max_tokens=TOKENS, temperature=0)
+    ).ids
+    mesh = mesh_factory("0:1,1:3,3:4", model=path)
+    model = httpx.get(f"{mesh.url}/v1/models", headers=mesh.api_headers).json()["data"][0]["id"]
+    body = {"model": model, "prompt": PROMPT, "temperature": 0, "max_tokens": TOKENS}
+    r = httpx.post(f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()["meshnet"]
+    assert len(out["route"]) == 3
+    assert out["ids"] == want

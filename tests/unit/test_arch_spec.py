@@ -45,6 +45,29 @@ def test_fused_and_optional_tensors_come_from_the_file(tmp_path: Path) -> None:
     assert llama.windowed == () and llama.layer_window(3) == 0
 
 
+def test_mixtures_read_their_experts_and_routing_from_the_file(tmp_path: Path) -> None:
+    mixtral, qwen2moe, gpt_oss = (_spec(n, tmp_path) for n in ("mixtral", "qwen2moe", "gpt-oss"))
+    assert mixtral.experts is not None and mixtral.architecture == "llama"
+    assert (mixtral.experts.n_experts, mixtral.experts.n_used, mixtral.experts.d_ff) == (6, 2, 64)
+    assert mixtral.experts.normalize and mixtral.experts.gating == "softmax"
+    assert qwen2moe.experts is not None and not qwen2moe.experts.normalize
+    assert qwen2moe.d_ff == CASES["qwen2moe"].d_ff  # the shared expert's width
+    assert gpt_oss.experts is not None and gpt_oss.experts.gating == "softmax_chosen"
+    assert gpt_oss.ffn_activation == "swiglu_oai" and gpt_oss.d_ff == 0
+    assert gpt_oss.windowed == (True, False, True, False)
+    assert gpt_oss.rope.yarn is not None and gpt_oss.ffn_norm_name == "post_attention_norm"
+    assert _spec("qwen3", tmp_path).experts is None
+
+
+def test_a_mixture_without_its_experts_is_a_model_file_error(tmp_path: Path) -> None:
+    path = _minimal(tmp_path / "m.gguf", "qwen3moe", expert_count=8, expert_used_count=2)
+    with pytest.raises(ModelFileError, match="no expert tensors"):
+        read_spec(open_gguf(path))
+    path = _minimal(tmp_path / "n.gguf", "qwen3moe", expert_count=2, expert_used_count=3)
+    with pytest.raises(ModelFileError, match="3 experts used of 2"):
+        read_spec(open_gguf(path))
+
+
 def _minimal(path: Path, arch: str, **keys: object) -> Path:
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(2)
@@ -66,7 +89,7 @@ def _minimal(path: Path, arch: str, **keys: object) -> Path:
     return path
 
 
-@pytest.mark.parametrize("arch", ["mamba", "gptneox", "qwen2moe"])
+@pytest.mark.parametrize("arch", ["mamba", "gptneox", "deepseek2"])
 def test_an_unsupported_family_is_refused_by_name(tmp_path: Path, arch: str) -> None:
     with pytest.raises(UnsupportedArchitecture, match=repr(arch)):
         read_spec(open_gguf(_minimal(tmp_path / "m.gguf", arch)))

@@ -107,7 +107,7 @@ class FastBackend:
         s = self.spec
         for i, block in enumerate(self.weights.blocks):
             window = s.layer_window(self.weights.layers.start + i)
-            attend = partial(_attend_batch, s, window, i, batch)
+            attend = partial(_attend_batch, s, window, i, batch, sinks=block.sinks)
             x = forward_block(s, block, x, *tables[i], _matmul, attend)
         return x
 

@@ -51,6 +51,7 @@ class ReferenceBackend:
                 scale=s.attn_scale,
                 softcap=s.attn_softcap,
                 window=s.layer_window(layer),
+                sinks=block.sinks,
             )
             attend = partial(attend_each, i, batch, attend=one)
             x = forward_block(s, block, x, cos, sin, _matmul, attend)
