@@ -3,7 +3,10 @@
 A Q4_K_M-style file (Q4_K matrices, Q6_K values / down projections / head) is loaded
 the way ``meshnet node`` loads its range, in a process of its own, and a prompt is
 run through it; the growth of its resident set must stay within ~15% of the file
-bytes of the tensors it serves plus the KV the prompt took.
+bytes of the tensors it serves plus the KV the prompt took. A whole ``meshnet
+generate`` run of a model with Gemma 3's 262k-token vocabulary is held to the same
+bound plus the tokenizer's compact tables, and a sequence's KV to what its tokens
+need, whatever the context.
 """
 
 from __future__ import annotations
@@ -14,10 +17,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
+from large_vocab import LargeVocabConfig, prompt_text, write_large_vocab_gguf
 from tinymodel import TinyConfig, write_tiny_gguf
 
+from meshnet.engine.local import load_local_model
+from meshnet.kv.cache import GRANULE
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
 
@@ -141,3 +148,84 @@ def test_a_node_keeps_nothing_of_a_large_header(large_header: Path) -> None:
     )
     growth = json.loads(out.stdout.strip().splitlines()[-1])["growth"]
     assert growth <= 1.15 * served + SLACK, (growth, served)
+
+
+# A whole `meshnet generate` run (engine.local + engine.generate) of a model whose
+# vocabulary is Gemma 3's size: 262k SentencePiece tokens, a Q8_0 embedding tied to the
+# head (~71 MB of its ~73 MB), Q4_K_M-style layers.
+LARGE_VOCAB = LargeVocabConfig()
+# The tokenizer's tables (model/string_table.py), per token: its UTF-8 bytes (~12 here),
+# an 8-byte offset, an 8-byte hash, two 4-byte index slots, a 4-byte score. The
+# tokenizers-library build this replaced held ~400 bytes a token beside the file's
+# parsed vocabulary: ~100 MB here.
+TOKENIZER_BYTES_PER_TOKEN = 40
+GENERATE_PROBE = """
+import json, sys
+from meshnet.backends.kernel_threads import set_threads
+from meshnet.engine.generate import generate
+from meshnet.engine.local import load_local_model
+from meshnet.model.sampling import SamplingParams
+
+set_threads(1)  # a team of threads spins for seconds on two busy cores; memory is the same
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+
+path, prompt, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+before = rss()
+model = load_local_model(path)
+held = []  # every cache the run makes, kept past the end of its request
+new_sequence = model.chain.new_sequence
+def keep():
+    kv = new_sequence()
+    held.extend(kv)
+    return kv
+model.chain.new_sequence = keep
+ids = model.tokenizer.encode(prompt)
+out = generate(model.chain, model.tokenizer, ids, SamplingParams(max_tokens=max_tokens))
+print(json.dumps({"growth": rss() - before, "kv": sum(k.nbytes for k in held),
+                  "positions": held[0].length, "generated": len(out.ids)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def large_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_large_vocab_gguf(tmp_path_factory.mktemp("vocab") / "vocab.gguf", LARGE_VOCAB)
+
+
+def test_a_generate_run_holds_its_tensors_kv_and_a_compact_tokenizer(large_vocab: Path) -> None:
+    """From before the file is opened to the end of a generation, the process grows by
+    the tensors' bytes (+15%), the KV the run holds, the tokenizer's compact tables and
+    SLACK: nothing of the parsed header, no second copy of the vocabulary."""
+    tensors = sum(int(t.n_bytes) for t in open_gguf(large_vocab).tensors.values())
+    out = subprocess.run(
+        [sys.executable, "-c", GENERATE_PROBE, str(large_vocab), prompt_text(40), "32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"OPENBLAS_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        check=True,
+    )
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["generated"] == 32 and figures["positions"] > 32  # a prompt, then 32 ids
+    tokenizer = TOKENIZER_BYTES_PER_TOKEN * LARGE_VOCAB.n_tokens
+    bound = 1.15 * tensors + figures["kv"] + tokenizer + SLACK
+    assert figures["growth"] <= bound, (figures, tensors)
+
+
+def test_kv_held_grows_with_the_tokens_not_the_context(tmp_path: Path) -> None:
+    """A model of a 128k-token context: after its prompt and each generated token, a
+    sequence's caches hold its positions plus at most an eighth of them (at least
+    GRANULE), never room sized by the context or by how many tokens may follow."""
+    path = write_tiny_gguf(tmp_path / "long.gguf", replace(TinyConfig(), context_length=131_072))
+    chain = load_local_model(path, split=2, backend="numpy").chain  # every backend's KV alike
+    kv = chain.new_sequence()
+    per_position = sum(k.per_position for k in kv)
+    logits = chain.forward(np.arange(3, 203, dtype=np.int64), [kv], [200])
+    for _ in range(300):  # past several growths
+        length = kv[0].length
+        held = sum(k.nbytes for k in kv)
+        assert length * per_position <= held <= (length + max(GRANULE, length // 8)) * per_position
+        logits = chain.forward(np.asarray([int(np.argmax(logits[0]))]), [kv], [1])
+    assert kv[0].length == 500
