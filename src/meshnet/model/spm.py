@@ -26,7 +26,7 @@ ESCAPED_SPACE = "\u2581"  # how SentencePiece writes a space inside a token
 _REPLACEMENT = "\ufffd"  # a run of byte tokens that is not UTF-8, per byte
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity, as tables are
 class SpmCodec:
     """Encodes text to ids and decodes ids to text with one SentencePiece vocabulary.
 

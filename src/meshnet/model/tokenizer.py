@@ -60,7 +60,7 @@ class Codec(Protocol):
     def get_vocab_size(self) -> int: ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity, as tables are
 class HfCodec:
     """A ``tokenizers`` Tokenizer as a ``Codec`` (byte-level BPE vocabularies)."""
 
