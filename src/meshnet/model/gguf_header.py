@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,25 +186,27 @@ def _strings(c: _Cursor, count: int, key: str) -> StringTable:
     numpy pass and checked as UTF-8 at once, never made into ``count`` objects.
     """
     buf, pos, size, unpack = c.buf, c.pos, c.size, _U64.unpack_from
-    starts = np.empty(count, np.int64)  # where each string's bytes begin in the file
-    lengths = np.empty(count, np.int64)
+    lengths = array("Q")
+    append = lengths.append
     try:
-        for i in range(count):
+        for _ in range(count):
             (n,) = unpack(buf, pos)
-            starts[i] = pos + 8
-            lengths[i] = n
             pos += 8 + n
             if pos > size:
-                raise ModelFileError(
-                    f"{c.name}: string {i} of {key!r} runs past the end: truncated"
-                )
-    except struct.error:
+                break
+            append(n)
+    except struct.error:  # not even a length field left
+        pass
+    if len(lengths) != count:
         raise ModelFileError(
-            f"{c.name}: string {i} of {key!r} runs past the end: truncated"
-        ) from None
+            f"{c.name}: string {len(lengths)} of {key!r} runs past the end: truncated"
+        )
     first = c.pos
     c.pos = pos
-    return _gather(buf, first, pos, starts, lengths, c.name, key)
+    sizes = np.frombuffer(lengths, np.uint64).astype(np.int64)  # each within the file
+    starts = first + 8 * np.arange(1, count + 1, dtype=np.int64)  # past each length field
+    starts[1:] += np.cumsum(sizes[:-1])
+    return _gather(buf, first, pos, starts, sizes, c.name, key)
 
 
 def _gather(
