@@ -147,17 +147,7 @@ def load_tokenizer(f: GGUFFile) -> TextTokenizer:
     rstrip = _rstrips_specials(f)
     codec: Codec
     if is_spm:
-        index = _index(tokens, name)
-        codec = spm_codec(
-            tokens,
-            index,
-            _float_list(f, "tokenizer.ggml.scores", len(tokens)),
-            SpecialMatcher.of(
-                ((tokens[i], i) for i in special.special_ids), _rstrips(tokens, special, rstrip)
-            ),
-            _unk_id(f, len(tokens)),
-            _add_space_prefix(f),
-        )
+        codec = _spm_codec(f, tokens, special, rstrip)
         default_add_bos = True
     else:
         pre = pre_tokenizer(str(f.value_or("tokenizer.ggml.pre", "default")), name)
@@ -191,11 +181,23 @@ def _tokens(f: GGUFFile) -> StringTable:
     return tokens
 
 
-def _index(tokens: StringTable, file_name: str) -> StringIndex:
+def _spm_codec(f: GGUFFile, tokens: StringTable, special: SpecialTokens, rstrip: bool) -> Codec:
+    """The SentencePiece codec: ``tokens`` indexed, their scores, specials matched whole."""
     try:
-        return StringIndex(tokens)
+        index = StringIndex(tokens)
     except ValueError:
-        raise TokenizerError(f"{file_name}: the token list has duplicates") from None
+        raise TokenizerError(f"{f.path.name}: the token list has duplicates") from None
+    specials = SpecialMatcher.of(
+        ((tokens[i], i) for i in special.special_ids), _rstrips(tokens, special, rstrip)
+    )
+    return spm_codec(
+        tokens,
+        index,
+        _float_list(f, "tokenizer.ggml.scores", len(tokens)),
+        specials,
+        _unk_id(f, len(tokens)),
+        _add_space_prefix(f),
+    )
 
 
 def _int_list(f: GGUFFile, key: str, n: int) -> list[int]:
