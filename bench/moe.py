@@ -10,7 +10,7 @@ seeded random (the router drawn wide enough that its softmax is peaked:
 meshnet/benchmark/moe_model.py), written in F32 (11 GB, streaming), quantized
 to Q4_K_M (1.7 GB) by llama.cpp's llama-quantize, and the F32 file deleted;
 made on first use in ~/.cache/meshnet/models (several minutes) unless --model
-names another file. --tiny makes and measures a 2-layer, d 256, 8-expert file
+names another file. --tiny makes and measures a 3-layer, d 256, 8-expert file
 instead: the harness checked in a minute.
 
 Printed, each next to llama.cpp's figure and the ratio (the goals of the MoE
@@ -26,9 +26,11 @@ issue in brackets):
   delay proxy, and each node's RSS against its tensors' file bytes + its KV
   [<= 1.15x].
 
-While meshnet cannot load qwen3moe, llama.cpp's figures are printed alone. The
-two sides take turns, one round each, and each figure is the best of its
---rounds. The machinery is meshnet/benchmark/model_bench.py, shared with
+A model meshnet cannot load is measured on llama.cpp's side alone. The two sides
+take turns, one round each, and each figure is the best of its --rounds; in one
+process each round first waits (--quiet-wait) for idle CPUs and is taken again
+(--retries) while other processes used over 10% of them, every try printed with
+that share. The machinery is meshnet/benchmark/model_bench.py, shared with
 bench/realistic.py.
 """
 
@@ -48,7 +50,7 @@ DELAY_MS = 10.0  # the splits' links, each way: hosts on a network, not one mach
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_arguments(p, delay_ms=DELAY_MS)
-    p.add_argument("--tiny", action="store_true", help="a 2-layer, 8-expert model: the harness")
+    p.add_argument("--tiny", action="store_true", help="a 3-layer, 8-expert model: the harness")
     p.add_argument("--seed", type=int, default=0, help="of the model's weights")
     args = p.parse_args()
     run(args, partial(_model, TINY if args.tiny else MoeShape(), args.seed), GOALS)

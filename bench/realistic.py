@@ -33,7 +33,9 @@ The machinery is meshnet/benchmark/model_bench.py, shared with bench/moe.py.
 Goals (issue 13): decode >= llama.cpp single-process, split >= 1.5x llama.cpp's
 RPC split, RSS within ~15% of layer bytes + KV. The two sides take turns, one
 round each, and each figure is the best of its --rounds (neighbours on a shared
-VM move single runs by 20-40%).
+VM move single runs by 20-40%); in one process each round first waits
+(--quiet-wait) for idle CPUs and is taken again (--retries) while other
+processes used over 10% of them, every try printed with that share.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import argparse
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from meshnet.backends.kernel_threads import set_threads
@@ -36,6 +37,7 @@ from meshnet.benchmark.engine import bench_engine, warm_up
 from meshnet.benchmark.figures import Throughput
 from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp
 from meshnet.benchmark.mesh import PROMPT
+from meshnet.benchmark.quiet import Quiet
 from meshnet.benchmark.split import SplitResult, SplitSetup, measure_split, rpc_round
 from meshnet.engine.local import LocalModel, load_local_model
 from meshnet.model.gguf_file import GGUFFile, open_gguf
@@ -80,6 +82,15 @@ def add_arguments(p: argparse.ArgumentParser, delay_ms: float = 0.0) -> None:
         f"user-space proxy, as over a network (0: loopback; default {delay_ms:g})",
     )
     p.add_argument("--rounds", type=int, default=3, help="rounds per side, taken in turns")
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=20.0,
+        help="single process: seconds to wait for idle CPUs",
+    )
+    p.add_argument(
+        "--retries", type=int, default=2, help="single process: tries again of a disturbed round"
+    )
     p.add_argument("--llamacpp", help="folder with llama-bench and ggml-rpc-server")
     p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS, help="ours, everywhere")
 
@@ -101,8 +112,9 @@ def run(args: argparse.Namespace, make_model: ModelMaker, goals: Goals) -> None:
             f"loaded in {local.load_s:.1f} s: {local.spec.n_layers} layers, d={local.spec.d_model}"
         )
         warm_up(local)
-    ours, peer = _single_rounds(args, local, bin_dir, path)
-    bound = _print_bound(step, args.threads)
+    quiet = Quiet(max_wait_s=args.quiet_wait, retries=args.retries)
+    ours, peer = _single_rounds(args, quiet, local, bin_dir, path)
+    bound = _print_bound(quiet, step, args.threads)
     _print_single(args, ours, peer, bound, goals)
     nodes = [int(n) for n in args.nodes.split(",") if n]
     if local is None:
@@ -119,7 +131,7 @@ def run(args: argparse.Namespace, make_model: ModelMaker, goals: Goals) -> None:
     )
     del local  # the nodes load their own shards; this process's copy would crowd them
     gc.collect()
-    one_thread = _print_bound(step, 1) if args.threads != 1 else bound  # the splits'
+    one_thread = _print_bound(quiet, step, 1) if args.threads != 1 else bound  # the splits'
     for n in nodes:
         split = measure_split(setup, n, args.decode_tokens, args.rounds, args.split_threads)
         _print_split(split, one_thread, args, goals)
@@ -154,29 +166,60 @@ def _load(path: Path, backend: str) -> LocalModel | None:
 
 
 def _single_rounds(
-    args: argparse.Namespace, local: LocalModel | None, bin_dir: Path | None, path: Path
+    args: argparse.Namespace,
+    quiet: Quiet,
+    local: LocalModel | None,
+    bin_dir: Path | None,
+    path: Path,
 ) -> tuple[Throughput | None, Throughput | None]:
-    """Each side's best of ``args.rounds`` one-process rounds, taken in turns."""
-    ours: list[Throughput] = []
-    theirs: list[Throughput] = []
-    for _ in range(args.rounds):
-        if local is not None:
-            ours.append(bench_engine(local, args.prompt_tokens, args.decode_tokens, (1,)))
-        if bin_dir is not None:
-            theirs.append(
-                bench_llamacpp(
-                    bin_dir, path, args.prompt_tokens, args.decode_tokens, (1,), args.threads
-                )
-            )
-    return (
-        Throughput.best(ours) if ours else None,
-        Throughput.best(theirs) if theirs else None,
-    )
+    """Each side's best of ``args.rounds`` one-process rounds, taken in turns.
+
+    Each round waits for idle CPUs and is taken again while neighbours used more
+    than ``Quiet.threshold`` of them (``--retries``): llama.cpp's threads wait for
+    each other at every operation, so one busy core slows it several times over
+    (llama-bench -t 2 measured 1.1 tok/s beside a compiler here, 60 without). Every
+    try is printed with that share; a side's figures come from its undisturbed
+    tries where it has any.
+    """
+    n_prompt, n_decode = args.prompt_tokens, args.decode_tokens
+    sides: list[tuple[str, Callable[[], Throughput]]] = []
+    if local is not None:
+        sides.append(("meshnet", partial(bench_engine, local, n_prompt, n_decode, (1,))))
+    if bin_dir is not None:
+        run_peer = partial(bench_llamacpp, bin_dir, path, n_prompt, n_decode, (1,), args.threads)
+        sides.append(("llama.cpp", run_peer))
+    tries: dict[str, list[tuple[Throughput, float]]] = {"meshnet": [], "llama.cpp": []}
+    for i in range(args.rounds):
+        for side, run in sides:
+            tries[side] += _tries(quiet, f"round {i + 1} {side}", run)
+    return _best(quiet, "meshnet", tries["meshnet"]), _best(quiet, "llama.cpp", tries["llama.cpp"])
 
 
-def _print_bound(step: int, threads: int) -> float:
-    """Measure and print the decode memory bound of ``threads`` threads; tok/s."""
-    gb_s = read_gb_s(threads=threads)
+def _tries(
+    quiet: Quiet, what: str, run: Callable[[], Throughput]
+) -> list[tuple[Throughput, float]]:
+    tries = quiet.tries(run)
+    for t, others in tries:
+        print(
+            f"  {what}: prefill {t.prefill_tok_s:.1f}, decode {t.decode_tok_s[1]:.1f} tok/s "
+            f"(others used {others:.0%} of the CPUs)"
+        )
+    return tries
+
+
+def _best(quiet: Quiet, side: str, tries: list[tuple[Throughput, float]]) -> Throughput | None:
+    if not tries:
+        return None
+    calm = [t for t, others in tries if others <= quiet.threshold]
+    if not calm:
+        print(f"  {side}: every try disturbed (others > {quiet.threshold:.0%}): best of them all")
+    return Throughput.best(calm or [t for t, _ in tries])
+
+
+def _print_bound(quiet: Quiet, step: int, threads: int) -> float:
+    """Measure (quietly, as the rounds) and print the decode memory bound of ``threads``
+    threads; tok/s."""
+    gb_s = max(v for v, _ in quiet.tries(partial(read_gb_s, threads=threads)))
     bound = ceiling_tok_s(gb_s, step)
     print(
         f"\nmemory bound: {threads} thread(s) read {gb_s:.1f} GB/s, a decode step reads "

@@ -93,9 +93,10 @@ class MoeShape:
             raise ModelError(f"a token cannot use more experts than there are: {self}")
 
 
-# A shape llama.cpp loads in a second: the harness's and the tests' smoke model.
+# A shape llama.cpp loads in a second: the harness's and the tests' smoke model (3
+# layers: a 3-node split has one each).
 TINY = MoeShape(
-    n_layers=2,
+    n_layers=3,
     d_model=256,
     n_heads=4,
     n_kv_heads=2,

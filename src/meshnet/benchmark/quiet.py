@@ -123,13 +123,18 @@ class Quiet:
 
     def measure(self, run: Callable[[], float]) -> list[Measured]:
         """``run()`` once the CPUs are idle, again while others disturbed it; every try."""
-        tries: list[Measured] = []
+        return [Measured(value, others) for value, others in self.tries(run)]
+
+    def tries(self, run: Callable[[], T]) -> list[tuple[T, float]]:
+        """As ``measure``, for a result of any type: every try's result and the share
+        of the CPUs others used while it ran."""
+        tries: list[tuple[T, float]] = []
         for _ in range(1 + self.retries):
             wait_idle(self.max_wait_s, self.threshold)
             before = _sample()
             value = run()
-            tries.append(Measured(value, others_share(before, _sample())))
-            if tries[-1].others <= self.threshold:
+            tries.append((value, others_share(before, _sample())))
+            if tries[-1][1] <= self.threshold:
                 break
         return tries
 
