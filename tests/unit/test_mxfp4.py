@@ -85,10 +85,13 @@ def test_matmul_is_dequantized_math(path: str, band: str) -> None:
     assert np.all(np.abs(quant.matmul(x, w, wide=path == "best") - exact) <= 1e-5 * scale)
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", PATHS + [f"q8-{p}" for p in PATHS[1:]])
 @pytest.mark.parametrize("rows", [61, 7])  # whole and partial row groups, a part vector
 def test_a_row_gets_the_same_bits_in_any_batch(path: str, rows: int) -> None:
-    w, _ = _matrix(rows, path, seed=rows)
+    q8 = path.startswith("q8-")
+    path = path.removeprefix("q8-")
+    w, _ = _matrix(rows, path, seed=rows, q8=q8)
+    assert w.q8 == q8
     x = _x(40, 2)
     wide = path == "best"
     alone = np.concatenate([quant.matmul(x[i : i + 1], w, wide=wide) for i in range(40)])
@@ -98,7 +101,7 @@ def test_a_row_gets_the_same_bits_in_any_batch(path: str, rows: int) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("q8", [False], ids=["f32"])
+@pytest.mark.parametrize("q8", [False, True], ids=["f32", "q8"])
 def test_widths_and_thread_counts_give_the_same_bits(q8: bool) -> None:
     """AVX2's 8-row vectors and AVX-512's 16-row ones, 1 or 2 threads: the same bits."""
     w, _ = _matrix(93, "best", seed=3, q8=q8)
@@ -112,6 +115,57 @@ def test_widths_and_thread_counts_give_the_same_bits(q8: bool) -> None:
                 quant.NATIVE.matmul(packed, x[:batch], out, rows, nb, batch, code, threads, wide)
                 outs.append(out)
         assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+def _q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x's rows as ggml's x86 quantize_row_q8_0 makes them: per block of 32 d = amax / 127
+    as float16 and q = round-half-even(x * 127 / amax), both computed in float32."""
+    f32 = np.float32
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=2)
+    safe = np.where(amax == 0, f32(1), amax)
+    inv = np.where(amax == 0, f32(0), f32(127) / safe).astype(f32)
+    q = np.rint((blocks * inv[..., None]).astype(f32)).astype(np.int64)
+    d = (amax / f32(127)).astype(f32).astype(np.float16).astype(f32)
+    return q, d
+
+
+def _llama_q8_dot(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """llama.cpp's MXFP4 x Q8_0 arithmetic, one float32 chain per (row, token): per block
+    in order acc = fma(d_w d_x, sum of k q, acc), k the weights' E2M1 values doubled and
+    d_w = 2^(e - 128). fma is exact in float64 here, then rounded once to float32 (the
+    double rounding could differ in a tie of a tie; the seeds below have none)."""
+    kvalues = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int64)
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, BLOCK)
+    k = np.concatenate([kvalues[blocks[..., 1:] & 15], kvalues[blocks[..., 1:] >> 4]], axis=2)
+    dw = (2.0 ** (blocks[..., 0].astype(np.float64) - 128)).astype(np.float32)
+    q, dx = _q8_0(x)
+    isum = np.einsum("rbi,tbi->trb", k, q)  # exact integers
+    dd = (dw[None, :, :] * dx[:, None, :]).astype(np.float32)  # float32 products
+    acc = np.zeros((x.shape[0], rows), np.float32)
+    for b in range(blocks.shape[1]):
+        acc = (dd[:, :, b].astype(np.float64) * isum[:, :, b] + acc).astype(np.float32)
+    return acc
+
+
+@needs_native
+@pytest.mark.parametrize("band", ["low", "mid"])
+def test_q8_kernel_is_llama_cpp_arithmetic(band: str) -> None:
+    raw = mxfp4_blocks(45, COLS, 7, BANDS[band][0])
+    w = quant.from_blocks(raw, QT.MXFP4, (45, COLS), q8=True)
+    assert w.q8  # the q8 layout, not the float32 kernels' fallback
+    x = _x(9, 8)
+    x[0, :32] = 0.0  # an all-zero block quantizes to zeros
+    want = _llama_q8_dot(raw, x)
+    for wide in (False, True):
+        assert np.array_equal(quant.matmul(x, w, wide=wide), want)
+
+
+@needs_native
+def test_q8_layout_rows_are_gguf_dequantized_rows() -> None:
+    w, dense = _matrix(37, "best", seed=6, q8=True)
+    assert np.array_equal(quant.dequantize_all(w), dense)
 
 
 @pytest.mark.parametrize("native", [False, True] if NATIVE_BUILT else [False])

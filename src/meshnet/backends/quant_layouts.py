@@ -65,6 +65,7 @@ Q8_REGIONS = {
     QT.Q8_0: ((2 * GROUP_ROWS, 32),),
     QT.Q5_0: ((2 * GROUP_ROWS, 16),),
     QT.Q5_1: ((4 * GROUP_ROWS, 16),),
+    QT.MXFP4: ((GROUP_ROWS, 16),),
     QT.Q4_K: ((20 * GROUP_ROWS, 128),),
     QT.Q5_K: ((20 * GROUP_ROWS, 32), (52 * GROUP_ROWS, 128)),
     QT.Q6_K: ((18 * GROUP_ROWS, 192),),

@@ -71,4 +71,20 @@ void fp4_column16(const uint8_t *p, __m512 *lo, __m512 *hi) {
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), values);
 }
 
+/* The q8 tiles take k + FP4_BIAS (0 .. 24): unsigned, as the 8-bit products want one side;
+ * the bias times the block's sum of activation quants is taken off after. */
+#define FP4_BIAS 12
+static const uint8_t FP4_BIASED_BYTES[16] = {12, 13, 14, 15, 16, 18, 20, 24,
+                                             12, 11, 10, 9, 8, 6, 4, 0};
+
+/* That table in every 128-bit lane, for a byte shuffle of codes (0 .. 15) to k + 12. */
+static inline __m256i fp4_biased8(void) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_BIASED_BYTES));
+}
+
+static inline __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq,avx512bw")))
+__m512i fp4_biased16(void) {
+    return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)FP4_BIASED_BYTES));
+}
+
 #endif

@@ -34,9 +34,9 @@ enum {
 #define IS_ROWWISE(type) (!IS_KQUANT(type) && !IS_BLOCKWISE(type))
 
 /*
- * A [rows, nb * QK] matrix. Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, MXFP4 and the K-quants are held
- * in row groups of GROUP_ROWS (the last one padded with zero blocks), so one load gives a
- * column of 8 or 16 rows:
+ * A [rows, nb * QK] matrix. Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, MXFP4 and the K-quants are
+ * held in row groups of GROUP_ROWS (the last one padded with zero blocks), so one load
+ * gives a column of 8 or 16 rows:
  *   Q4_0, Q4_1, Q8_0: per group and block, the 16 rows' float16 scales d, for Q4_1 their
  *     float16 offsets m, then the quants column by column, one byte per row: 16 columns
  *     for 4-bit blocks (byte i of a row holds its weights i and 16 + i, low nibble
@@ -44,9 +44,9 @@ enum {
  *   Q5_0, Q5_1: as Q4_0, Q4_1 (d, Q5_1's m, the 16 nibble columns), then the fifth bits
  *     in 4 byte columns (bit i % 8 of byte i / 8: column i, the GGUF's qh).
  *     w = d (q - 16) (Q5_0), d q + m (Q5_1).
- *   MXFP4: per group and block, the 16 rows' E8M0 exponents e (a byte each), then 16 byte
- *     columns of 4-bit codes as Q4_0's. w = kvalues[q] 2^(e - 128), kvalues the E2M1
- *     values doubled (0, 1, 2, 3, 4, 6, 8, 12, then the same negated), as llama.cpp.
+ *   MXFP4: per group and block, the 16 rows' E8M0 exponents e (a byte each), then 16
+ *     byte columns of 4-bit codes as Q4_0's. w = kvalues[q] 2^(e - 128), kvalues the
+ *     E2M1 values doubled (0, 1, 2, 3, 4, 6, 8, 12, then the same negated), as llama.cpp.
  *   Q4_K, Q5_K: per group and super-block, the rows' float16 d, float16 dmin, the 8
  *     sub-block scales (6-bit, a byte each: 8 columns of 16 rows), the 8 mins likewise,
  *     Q5_K's fifth bits (per sub-block 4 byte columns: bit m of byte b is column b + 4 m),
@@ -98,15 +98,15 @@ static const Py_ssize_t GROUP_BYTES[TYPE_COUNT] = {
  * the layout above with each quant region's byte columns regrouped four at a time, so
  * that a row's four bytes of columns 4 i .. 4 i + 3 lie side by side: byte column c of
  * row r moves from c * 16 + r to (c / 4) * 64 + r * 4 + c % 4 within its region (Q4_0,
- * Q4_1, Q8_0, Q5_0, Q5_1: the 16 or 32 byte columns of a block's quants; Q4_K, Q5_K: the
- * 128 of a super-block's nibbles, and Q5_K's 32 of fifth bits; Q6_K: the 192 of its
- * sub-blocks). Q5_0's and Q5_1's fifth bits are re-encoded as Q5_K's: per row 4 bytes,
+ * Q4_1, Q8_0, Q5_0, Q5_1, MXFP4: the 16 or 32 byte columns of a block's quants; Q4_K,
+ * Q5_K: the 128 of a super-block's nibbles, and Q5_K's 32 of fifth bits; Q6_K: the 192
+ * of its sub-blocks). Q5_0's and Q5_1's fifth bits are re-encoded as Q5_K's: per row 4 bytes,
  * bit m of byte b for column b + 4 m. The scales stay as they are. One int32 lane then
  * holds four weights of one row, as an 8-bit integer dot product takes them (q8.c). A
  * type code with Q8_LAYOUT set names a matrix in this layout.
  */
 #define Q8_LAYOUT 32
-#define HAS_Q8_KERNEL(type) (!IS_ROWWISE(type) && (type) != MXFP4)
+#define HAS_Q8_KERNEL(type) (!IS_ROWWISE(type))
 
 typedef struct {
     const uint8_t *packed; /* qmat_bytes(type, rows, nb) bytes */
@@ -139,7 +139,7 @@ int wide_isa_selected(void);
  * or the width does not fit it (K-quants: nb a multiple of 8). */
 Py_ssize_t qmat_bytes(int type, Py_ssize_t rows, Py_ssize_t nb);
 
-/* GGUF bytes of one row of a row-wise type (Q2_K, Q3_K, F16, BF16, F32, MXFP4). */
+/* GGUF bytes of one row of a row-wise type (Q2_K, Q3_K, F16, BF16, F32). */
 Py_ssize_t row_bytes(int type, Py_ssize_t nb);
 
 /* out[0 .. QK) = weights b * QK .. of a row of a row-wise type (``row`` its GGUF bytes). */

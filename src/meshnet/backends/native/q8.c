@@ -1,7 +1,7 @@
 /*
  * The q8 backend's matmul: out[t, r] = W[r] . x[t] with x quantized to 8 bits first, as
- * llama.cpp multiplies a quantized file: each row of x in blocks of 32 (Q8_0 for Q4_0, Q5_0
- * and Q8_0 weights, Q8_1 for Q4_1 and Q5_1) or super-blocks of 256 (Q8_K for the
+ * llama.cpp multiplies a quantized file: each row of x in blocks of 32 (Q8_0 for Q4_0, Q5_0,
+ * Q8_0 and MXFP4 weights, Q8_1 for Q4_1 and Q5_1) or super-blocks of 256 (Q8_K for the
  * K-quants), then per
  * block an integer dot product of the weights' quants with the activations' (exact, in
  * any order), and the block results combined in float32 in one fixed order per
@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fp4.h"
 #include "native.h"
 #include "split.h"
 
@@ -189,6 +190,9 @@ static void quantize_q8_k(const float *x, Py_ssize_t supers, int8_t *q, float *d
 #define SET1 _mm256_set1_ps
 #define ZERO _mm256_setzero_ps
 #define STORE store_rows8
+#define LUT16 _mm256_shuffle_epi8
+#define FP4_BIASED fp4_biased8()
+#define FP4_SCALES(p) fp4_scales8(U8(p))
 #include "q8_tile.h"
 
 /* AVX-512 with VNNI: sixteen rows per vector, vpdpbusd sums four 8-bit products into each
@@ -232,6 +236,9 @@ static void quantize_q8_k(const float *x, Py_ssize_t supers, int8_t *q, float *d
 #define SET1 _mm512_set1_ps
 #define ZERO _mm512_setzero_ps
 #define STORE store_rows16
+#define LUT16 _mm512_shuffle_epi8
+#define FP4_BIASED fp4_biased16()
+#define FP4_SCALES(p) fp4_scales16(U8(p))
 #include "q8_tile.h"
 
 static int cpu_has_vnni(void) { return __builtin_cpu_supports("avx512vnni"); }

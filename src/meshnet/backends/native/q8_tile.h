@@ -4,9 +4,11 @@
  * row; a tile is RV row vectors x TT tokens. Integer sums are exact, so how they are
  * split or ordered is free; the float operations per (row, token) are fixed:
  *
- *   Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, per block in order, acc from zero:
+ *   Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, per block in order, acc from zero:
  *     acc = fma(dw * dx, (float) isum, acc)      isum = sum of the block's q_w q_x
- *                                                (Q4_0, Q5_0: (q_w - 8 or 16) q_x)
+ *                                                (Q4_0, Q5_0: (q_w - 8 or 16) q_x;
+ *                                                MXFP4: k q_x, k its E2M1 values
+ *                                                doubled, dw = 2^(e - 128))
  *     Q4_1, Q5_1 then: acc = fma(m, s_x, acc)    s_x: Q8_1's float16 d_x * sum q_x
  *   Q4_K, Q5_K, per super-block in order:
  *     acc = fma(d * dx, (float) sum_k sc_k isum_k, acc)
@@ -29,13 +31,16 @@
 #define LO5(z, h, q, five) ((five) ? ORI(BYTES15(z), BMASK(SLLI32(h, 4 - (q)), 0x10)) : BYTES15(z))
 #define HI5(z, h, q, five) ((five) ? ORI(HIGH15(z), BMASK(SRLI32(h, q), 0x10)) : HIGH15(z))
 
-/* Blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). */
+/* Blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4). MXFP4's codes are looked up as
+ * k + 12 (0 .. 24, unsigned as the 8-bit products take them) and 12 times the block's
+ * sum of q_x taken off, as Q4_0's 8: the same integer. */
 Q8_INLINE void FN(btile)(const q8job_t *j, const int type, const Py_ssize_t v0, const int RV,
                          const Py_ssize_t t0, const int TT) {
     const qmat_t *w = j->w;
     const Py_ssize_t nb = w->nb, cols = nb * QK, gb = GROUP_BYTES[type];
     const int with_min = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
-    const int quants = with_min ? 4 * GROUP_ROWS : 2 * GROUP_ROWS;
+    const int fp4 = type == MXFP4;
+    const int quants = fp4 ? GROUP_ROWS : with_min ? 4 * GROUP_ROWS : 2 * GROUP_ROWS;
     const uint8_t *group[4];
     int lane[4];
     for (int v = 0; v < RV; v++) {
@@ -79,8 +84,8 @@ Q8_INLINE void FN(btile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
                     for (int v = 0; v < RV; v++) isum[v][t] = SUBI(isum[v][t], bias);
                 }
         } else {
-            /* AVX2's int16 partials hold 8 products of 4-bit quants, 4 of 5-bit ones: the
-             * 5-bit types sum low and high quads apart */
+            /* AVX2's int16 partials hold 8 products of 4-bit quants, 4 of 5-bit ones or of
+             * MXFP4's biased values (below 25): those sum low and high quads apart */
             IVEC part[4][TILE_MAX], part5[4][TILE_MAX];
             for (int v = 0; v < RV; v++)
                 for (int t = 0; t < TT; t++) part[v][t] = part5[v][t] = PZERO();
@@ -92,30 +97,31 @@ Q8_INLINE void FN(btile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
                 IVEC lo[4], hi[4];
                 for (int v = 0; v < RV; v++) {
                     const IVEC z = LDQ(p[v] + quants + q * 64 + 4 * lane[v]);
-                    lo[v] = LO5(z, h[v], q, five);
-                    hi[v] = HI5(z, h[v], q, five);
+                    lo[v] = fp4 ? LUT16(FP4_BIASED, BYTES15(z)) : LO5(z, h[v], q, five);
+                    hi[v] = fp4 ? LUT16(FP4_BIASED, HIGH15(z)) : HI5(z, h[v], q, five);
                 }
                 for (int t = 0; t < TT; t++) {
                     const IVEC bl = BX(xb + t * cols + 4 * q), bh = BX(xb + t * cols + 16 + 4 * q);
                     for (int v = 0; v < RV; v++) {
                         part[v][t] = DOTU(part[v][t], lo[v], bl);
-                        if (five) part5[v][t] = DOTU(part5[v][t], hi[v], bh);
+                        if (five || fp4) part5[v][t] = DOTU(part5[v][t], hi[v], bh);
                         else part[v][t] = DOTU(part[v][t], hi[v], bh);
                     }
                 }
             }
             for (int t = 0; t < TT; t++) {
                 const int32_t sx = with_min ? 0 : j->xb[(t0 + t) * nb + b];
-                const IVEC off = SET1I(type == Q4_0 ? 8 * sx : type == Q5_0 ? 16 * sx : 0);
+                const int bias = type == Q4_0 ? 8 : type == Q5_0 ? 16 : fp4 ? FP4_BIAS : 0;
+                const IVEC off = SET1I(bias * sx);
                 for (int v = 0; v < RV; v++) {
                     IVEC sum = PFLUSH(part[v][t]);
-                    if (five) sum = ADDI(sum, PFLUSH(part5[v][t]));
+                    if (five || fp4) sum = ADDI(sum, PFLUSH(part5[v][t]));
                     isum[v][t] = SUBI(sum, off);
                 }
             }
         }
         for (int v = 0; v < RV; v++) {
-            const VEC dw = HALVES(p[v] + 2 * lane[v]);
+            const VEC dw = fp4 ? FP4_SCALES(p[v] + lane[v]) : HALVES(p[v] + 2 * lane[v]);
             for (int t = 0; t < TT; t++) {
                 const VEC dd = MUL(dw, SET1(j->xd[(t0 + t) * nb + b]));
                 acc[v][t] = FMA(dd, CVT(isum[v][t]), acc[v][t]);
@@ -303,9 +309,10 @@ Q8_INLINE void FN(token_tiles)(const q8job_t *j, const int type, const Py_ssize_
 #if LANES == 8
 #define NIBBLE_TOKENS 16 /* tokens per pass of nibble_rows (their sums stay on the stack) */
 #define NIBBLE_MIN_T 4   /* fewer: token_tiles fit the registers (b=2, 3 ran 4-5% faster there) */
-/* Q4_0, Q4_1 on 8-lane vectors for NIBBLE_MIN_T tokens or more: per block the row vector's 32
- * columns unpacked once into eight registers, then each token's sum from them (8 maddubs
- * into int16, one madd). The batch tiles (token_tiles) kept unpacked quants, partial sums
+/* Q4_0, Q4_1, MXFP4 on 8-lane vectors for NIBBLE_MIN_T tokens or more: per block the row
+ * vector's 32 columns unpacked once into eight registers, then each token's sum from them
+ * (8 maddubs into int16, one madd; MXFP4's biased values, below 25, two madds of 8
+ * products each, as int16 holds 8 of them). The batch tiles (token_tiles) kept unpacked quants, partial sums
  * and sums of up to 4 tokens in the 16 registers and spilled; this holds only the
  * quants in registers, the tokens' sums in L1. The float operations per (row, token)
  * are btile's, in its order. */
@@ -313,7 +320,8 @@ Q8_INLINE void FN(nibble_rows)(const q8job_t *j, const int type, const Py_ssize_
                                const Py_ssize_t t0, const int TT) {
     const qmat_t *w = j->w;
     const Py_ssize_t nb = w->nb, cols = nb * QK, gb = GROUP_BYTES[type];
-    const int with_min = type == Q4_1, quants = with_min ? 4 * GROUP_ROWS : 2 * GROUP_ROWS;
+    const int with_min = type == Q4_1, fp4 = type == MXFP4;
+    const int quants = fp4 ? GROUP_ROWS : with_min ? 4 * GROUP_ROWS : 2 * GROUP_ROWS;
     const uint8_t *group = GROUP_OF(w, v, nb, gb);
     const int lane = (int)((v * LANES) % GROUP_ROWS);
     VEC acc[NIBBLE_TOKENS];
@@ -326,10 +334,10 @@ Q8_INLINE void FN(nibble_rows)(const q8job_t *j, const int type, const Py_ssize_
         IVEC lo[4], hi[4];
         for (int q = 0; q < 4; q++) {
             const IVEC z = LDQ(p + quants + q * 64 + 4 * lane);
-            lo[q] = BYTES15(z);
-            hi[q] = HIGH15(z);
+            lo[q] = fp4 ? LUT16(FP4_BIASED, BYTES15(z)) : BYTES15(z);
+            hi[q] = fp4 ? LUT16(FP4_BIASED, HIGH15(z)) : HIGH15(z);
         }
-        const VEC dw = HALVES(p + 2 * lane);
+        const VEC dw = fp4 ? FP4_SCALES(p + lane) : HALVES(p + 2 * lane);
         const int8_t *xb = j->xq + t0 * cols + b * QK;
         for (int t = 0; t < TT; t++) {
             const int8_t *xt = xb + t * cols;
@@ -337,8 +345,10 @@ Q8_INLINE void FN(nibble_rows)(const q8job_t *j, const int type, const Py_ssize_
             const IVEC c = ADD16(DOTU(PZERO(), lo[2], BX(xt + 8)), DOTU(PZERO(), lo[3], BX(xt + 12)));
             const IVEC e = ADD16(DOTU(PZERO(), hi[0], BX(xt + 16)), DOTU(PZERO(), hi[1], BX(xt + 20)));
             const IVEC f = ADD16(DOTU(PZERO(), hi[2], BX(xt + 24)), DOTU(PZERO(), hi[3], BX(xt + 28)));
-            IVEC isum = PFLUSH(ADD16(ADD16(a, c), ADD16(e, f)));
-            if (!with_min) isum = SUBI(isum, SET1I(8 * j->xb[(t0 + t) * nb + b]));
+            IVEC isum = fp4 ? ADDI(PFLUSH(ADD16(a, c)), PFLUSH(ADD16(e, f)))
+                            : PFLUSH(ADD16(ADD16(a, c), ADD16(e, f)));
+            const int bias = fp4 ? FP4_BIAS : 8;
+            if (!with_min) isum = SUBI(isum, SET1I(bias * j->xb[(t0 + t) * nb + b]));
             const VEC dd = MUL(dw, SET1(j->xd[(t0 + t) * nb + b]));
             acc[t] = FMA(dd, CVT(isum), acc[t]);
         }
@@ -367,7 +377,7 @@ Q8_INLINE void FN(q8rows_typed)(const q8job_t *j, const int type, Py_ssize_t v0,
         return;
     }
 #if LANES == 8
-    if ((type == Q4_0 || type == Q4_1) && j->T >= NIBBLE_MIN_T) {
+    if ((type == Q4_0 || type == Q4_1 || type == MXFP4) && j->T >= NIBBLE_MIN_T) {
         for (; v < v1; v++)
             for (Py_ssize_t t = 0; t < j->T; t += NIBBLE_TOKENS)
                 FN(nibble_rows)(j, type, v, t, j->T - t < NIBBLE_TOKENS ? (int)(j->T - t) : NIBBLE_TOKENS);
@@ -388,6 +398,7 @@ Q8_ROWS_OF(q4_1, Q4_1)
 Q8_ROWS_OF(q8_0, Q8_0)
 Q8_ROWS_OF(q5_0, Q5_0)
 Q8_ROWS_OF(q5_1, Q5_1)
+Q8_ROWS_OF(mxfp4, MXFP4)
 Q8_ROWS_OF(q4_k, Q4_K)
 Q8_ROWS_OF(q5_k, Q5_K)
 Q8_ROWS_OF(q6_k, Q6_K)
@@ -400,6 +411,7 @@ static TARGET void FN(q8rows)(const q8job_t *j, Py_ssize_t v0, Py_ssize_t v1) {
     case Q8_0: FN(q8rows_q8_0)(j, v0, v1); break;
     case Q5_0: FN(q8rows_q5_0)(j, v0, v1); break;
     case Q5_1: FN(q8rows_q5_1)(j, v0, v1); break;
+    case MXFP4: FN(q8rows_mxfp4)(j, v0, v1); break;
     case Q4_K: FN(q8rows_q4_k)(j, v0, v1); break;
     case Q5_K: FN(q8rows_q5_k)(j, v0, v1); break;
     default: FN(q8rows_q6_k)(j, v0, v1); break;
@@ -455,3 +467,6 @@ static TARGET void FN(q8rows)(const q8job_t *j, Py_ssize_t v0, Py_ssize_t v1) {
 #undef NIBBLE_MIN_T
 #undef ADD16
 #undef STORE
+#undef LUT16
+#undef FP4_BIASED
+#undef FP4_SCALES
