@@ -19,6 +19,7 @@ setup(
                 "src/meshnet/backends/native/matmul_tile.h",
                 "src/meshnet/backends/native/q8_tile.h",
                 "src/meshnet/backends/native/split.h",
+                "src/meshnet/backends/native/fp4.h",
             ],
             extra_compile_args=[
                 "-O3",
