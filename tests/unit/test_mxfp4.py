@@ -38,7 +38,10 @@ def _dense(raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
         return gguf.quants.dequantize(raw, QT.MXFP4).reshape(rows, cols)
 
 
-def _matrix(rows: int, path: str, seed: int = 0, band: str = "mid", q8: bool = False):  # type: ignore[no-untyped-def]
+def _matrix(
+    rows: int, path: str, seed: int = 0, band: str = "mid", q8: bool = False
+) -> tuple[quant.QuantMatrix, np.ndarray]:
+    """A random MXFP4 matrix for ``path`` (q8: in the q8 layout) and its gguf-py rows."""
     raw = mxfp4_blocks(rows, COLS, seed, BANDS[band][0])
     w = quant.from_blocks(raw, QT.MXFP4, (rows, COLS), native=path != "numba", q8=q8)
     return w, _dense(raw, rows, COLS)
@@ -166,6 +169,15 @@ def test_q8_kernel_is_llama_cpp_arithmetic(band: str) -> None:
 def test_q8_layout_rows_are_gguf_dequantized_rows() -> None:
     w, dense = _matrix(37, "best", seed=6, q8=True)
     assert np.array_equal(quant.dequantize_all(w), dense)
+
+
+@needs_native
+@pytest.mark.parametrize("q8", [False, True], ids=["f32", "q8"])
+def test_a_native_matrix_holds_its_gguf_bytes(q8: bool) -> None:
+    """Whole groups of 16 rows take exactly the GGUF's bytes, which are not kept."""
+    raw = mxfp4_blocks(64, COLS, 10, BANDS["mid"][0])
+    w = quant.from_blocks(raw, QT.MXFP4, (64, COLS), q8=q8)
+    assert w.data.nbytes == raw.nbytes and not np.shares_memory(w.data, raw)
 
 
 @pytest.mark.parametrize("native", [False, True] if NATIVE_BUILT else [False])
