@@ -3,6 +3,7 @@ from matrices and biases that fit; a call that does not fit is refused with Valu
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -73,3 +74,23 @@ def test_a_block_of_experts_gives_each_row_its_own_result(backend: FastBackend) 
     for i in range(6):
         alone = backend.run_layers(rows[i : i + 1], [BatchEntry(backend.new_kv(), 1)])
         assert np.array_equal(alone[0], together[i])
+
+
+def test_a_layers_experts_share_one_run_of_pages_and_multiply_as_apart() -> None:
+    """share_pages lays matrices end to end (2 MB pages for the run) without changing a
+    product: each matrix is a view of its own bytes."""
+    w = load_local_model(FIXTURE, backend="q8").chain.shards[0].backend.weights.blocks[0]
+    assert w.experts is not None
+    downs = w.experts.down
+
+    def laid_end_to_end(mats: tuple) -> bool:  # type: ignore[type-arg]
+        ends = [m.data.ctypes.data + m.data.nbytes for m in mats[:-1]]
+        return ends == [m.data.ctypes.data for m in mats[1:]]
+
+    assert laid_end_to_end(downs)
+    apart = tuple(replace(m, data=m.data.copy()) for m in downs)
+    shared = quant.share_pages(apart)
+    x = np.random.default_rng(1).standard_normal((3, downs[0].cols)).astype(np.float32)
+    assert laid_end_to_end(shared)
+    for a, s in zip(apart, shared, strict=True):
+        assert np.array_equal(quant.matmul(x, a), quant.matmul(x, s))

@@ -137,7 +137,8 @@ def expert_matrices(
 
 def _fuse(w: LayerWeights[QuantMatrix]) -> LayerWeights[QuantMatrix]:
     """The block with Q/K/V and gate/up each one matrix where their block types agree (one
-    multiplication instead of several); the parts are then dropped."""
+    multiplication instead of several; each expert's too); the parts are then dropped. A
+    mixture's experts share one run of pages per kind of matrix (``quant.share_pages``)."""
 
     def fused(parts: tuple[QuantMatrix, ...]) -> tuple[QuantMatrix, ...]:
         if len(parts) <= 1:
@@ -148,8 +149,14 @@ def _fuse(w: LayerWeights[QuantMatrix]) -> LayerWeights[QuantMatrix]:
             return parts
 
     experts = w.experts
-    if experts is not None:
-        experts = replace(experts, gate_up=tuple(fused(e) for e in experts.gate_up))
+    if experts is not None:  # each expert's gate/up fused, then all in one run of pages
+        gate_up = [fused(e) for e in experts.gate_up]
+        widths = {len(parts) for parts in gate_up}
+        if len(widths) == 1:
+            n = widths.pop()
+            flat = quant.share_pages(tuple(m for parts in gate_up for m in parts))
+            gate_up = [flat[i : i + n] for i in range(0, len(flat), n)]
+        experts = replace(experts, gate_up=tuple(gate_up), down=quant.share_pages(experts.down))
     return replace(w, qkv=fused(w.qkv), gate_up=fused(w.gate_up), experts=experts)
 
 

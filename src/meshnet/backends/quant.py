@@ -176,6 +176,22 @@ def stack_rows(parts: list[QuantMatrix]) -> QuantMatrix:
     )
 
 
+def share_pages(mats: tuple[QuantMatrix, ...]) -> tuple[QuantMatrix, ...]:
+    """The matrices with their bytes laid end to end in one buffer that may take 2 MB pages
+    (``on_huge_pages``), each a view of its part: a mixture's experts are each smaller than
+    one such page, so apart they would stream through 4 KB pages (a TLB miss every 4 KB).
+    Matrices outside the native layout are returned as they are."""
+    if not mats or not all(m.native for m in mats):
+        return mats
+    whole = on_huge_pages(np.concatenate([m.data.reshape(-1) for m in mats]))
+    out, start = [], 0
+    for m in mats:
+        size = m.data.size
+        out.append(replace(m, data=whole[start : start + size].reshape(m.data.shape)))
+        start += size
+    return tuple(out)
+
+
 def row_range(w: QuantMatrix, start: int, stop: int) -> QuantMatrix:
     """Rows ``[start, stop)`` of ``w``, sharing its memory: ``matmul`` of it gives exactly
     those columns of ``matmul`` of the whole (a row's dot never depends on the others).
