@@ -102,6 +102,14 @@ def test_the_layers_check_reports_the_ranges_bytes_and_kv(tiny_path: Path) -> No
     assert numpy is not None and numpy.weight_bytes > held
 
 
+def test_a_mixture_of_experts_names_its_experts() -> None:
+    path = Path(__file__).parents[1] / "fixtures" / "quant" / "qwen3moe-q4km.gguf"
+    checks, facts = check_model(path, LayerRange(0, 1), "fast")
+    by_name = {c.name: c for c in checks}
+    assert by_name["architecture"].detail == "qwen3moe, 2 layers, 6 experts (3 used)"
+    assert by_name["tensors"].status is Status.OK and facts is not None
+
+
 def test_the_memory_check_says_how_many_positions_the_kv_budget_holds(
     tmp_path: Path, tiny_path: Path
 ) -> None:

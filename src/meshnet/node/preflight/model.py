@@ -57,7 +57,9 @@ def check_model(
         spec = read_spec(f)
     except ModelError as e:
         return [*checks, fail("architecture", e.message, "use a GGUF meshnet supports")], None
-    checks.append(ok("architecture", f"{spec.architecture}, {spec.n_layers} layers"))
+    experts = spec.experts
+    mixture = f", {experts.n_experts} experts ({experts.n_used} used)" if experts else ""
+    checks.append(ok("architecture", f"{spec.architecture}, {spec.n_layers} layers{mixture}"))
     try:
         load_tokenizer(f)
         checks.append(ok("tokenizer", str(f.value_or("tokenizer.ggml.model", "?"))))
