@@ -16,6 +16,7 @@ from meshnet.errors import ModelFileError, UnsupportedArchitecture
 from meshnet.model.arch import Architecture, FfnActivation, Shape, architecture
 from meshnet.model.arch.base import ExpertGating
 from meshnet.model.gguf_file import GGUFFile
+from meshnet.model.metadata import float_value, int_value, optional_int
 from meshnet.model.rope import Rope
 from meshnet.model.yarn import Yarn, resolved_attn_factor
 
@@ -101,16 +102,16 @@ def read_spec(f: GGUFFile) -> ModelSpec:
     def key(k: str) -> str:
         return f"{name}.{k}"
 
-    d_model = _int(f, key("embedding_length"))
-    n_heads = _int(f, key("attention.head_count"))
-    n_kv_heads = _int(f, key("attention.head_count_kv"), n_heads)
+    d_model = int_value(f, key("embedding_length"))
+    n_heads = int_value(f, key("attention.head_count"))
+    n_kv_heads = int_value(f, key("attention.head_count_kv"), n_heads)
     if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
         raise ModelFileError(f"{f.path.name}: inconsistent heads ({n_heads} / {n_kv_heads} kv)")
     default_hd = d_model // n_heads if d_model % n_heads == 0 else 0
-    head_dim = _int(f, key("attention.key_length"), default_hd)
-    if head_dim <= 0 or _int(f, key("attention.value_length"), head_dim) != head_dim:
+    head_dim = int_value(f, key("attention.key_length"), default_hd)
+    if head_dim <= 0 or int_value(f, key("attention.value_length"), head_dim) != head_dim:
         raise ModelFileError(f"{f.path.name}: keys and values must have one positive head width")
-    n_layers = _int(f, key("block_count"))
+    n_layers = int_value(f, key("block_count"))
     if n_layers <= 0:
         raise ModelFileError(f"{f.path.name}: block_count must be positive")
     shape = Shape(n_layers, d_model, n_heads, head_dim)
@@ -131,9 +132,9 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         head_dim=head_dim,
         rms_eps=float(f.value(key("attention.layer_norm_rms_epsilon"))),
         vocab_size=int(vocab.shape[1]),
-        context_length=_int(f, key("context_length"), 2048),
+        context_length=int_value(f, key("context_length"), 2048),
         tied_head="output.weight" not in tensors,
-        bos_id=_optional_int(f, "tokenizer.ggml.bos_token_id"),
+        bos_id=optional_int(f, "tokenizer.ggml.bos_token_id"),
         eos_id=int(f.value("tokenizer.ggml.eos_token_id")),
         rope=rope,
         rope_local=_local_rope(f, arch, key, rope) if windowed else rope,
@@ -159,10 +160,10 @@ def _read_experts(f: GGUFFile, arch: Architecture, key: _Key) -> Experts | None:
     off the experts' down projection (``[d_ff, d, n_experts]`` in GGUF order), as every
     family's converter writes it whatever key it names the width by. How the router's
     weights are made is the family's (llama.cpp reads no gating key for these families)."""
-    n_experts = _int(f, key("expert_count"), 0)
+    n_experts = int_value(f, key("expert_count"), 0)
     if n_experts == 0:
         return None
-    n_used = _int(f, key("expert_used_count"), 0)
+    n_used = int_value(f, key("expert_used_count"), 0)
     if not 0 < n_used <= n_experts:
         raise ModelFileError(f"{f.path.name}: {n_used} experts used of {n_experts}")
     down = next((t for n, t in f.tensors.items() if n.endswith(".ffn_down_exps.weight")), None)
@@ -181,15 +182,15 @@ def _dense_ff(f: GGUFFile, key: _Key, experts: Experts | None) -> int:
     """The width of the layers' dense feed-forward: a shared expert's where a mixture has
     one (its key, else its tensor), 0 where a mixture has none."""
     if experts is None:
-        return _int(f, key("feed_forward_length"))
+        return int_value(f, key("feed_forward_length"))
     if f.has(key("expert_shared_feed_forward_length")):
-        return _int(f, key("expert_shared_feed_forward_length"))
+        return int_value(f, key("expert_shared_feed_forward_length"))
     shared = next((t for n, t in f.tensors.items() if n.endswith(".ffn_down_shexp.weight")), None)
     return int(shared.shape[0]) if shared is not None else 0
 
 
 def _read_rope(f: GGUFFile, arch: Architecture, key: _Key, head_dim: int) -> Rope:
-    dim = _int(f, key("rope.dimension_count"), head_dim)
+    dim = int_value(f, key("rope.dimension_count"), head_dim)
     if dim <= 0 or dim > head_dim or dim % 2:
         raise ModelFileError(f"{f.path.name}: rope dimension {dim} does not fit {head_dim}")
     scaling = str(f.value_or(key("rope.scaling.type"), "linear"))
@@ -221,19 +222,12 @@ def _read_yarn(f: GGUFFile, key: _Key, freq_scale: float) -> Yarn:
     ``yarn_log_multiplier`` (DeepSeek's magnitude rule, read per family) is refused."""
 
     def number(name: str, default: float) -> float:
-        raw = f.value_or(key(f"rope.scaling.{name}"), default)
-        try:
-            value = float(raw)
-        except (TypeError, ValueError) as e:
-            raise ModelFileError(f"{f.path.name}: rope.scaling.{name} is not a number") from e
-        if not math.isfinite(value):
-            raise ModelFileError(f"{f.path.name}: rope.scaling.{name} is not finite")
-        return value
+        return float_value(f, key(f"rope.scaling.{name}"), default)
 
     if number("yarn_log_multiplier", 0.0) != 0:
         raise UnsupportedArchitecture(f"{f.path.name}: YaRN's yarn_log_multiplier is not supported")
-    orig = _int(f, key("rope.scaling.original_context_length"), 0)
-    orig = orig or _int(f, key("context_length"), 2048)
+    orig = int_value(f, key("rope.scaling.original_context_length"), 0)
+    orig = orig or int_value(f, key("context_length"), 2048)
     if orig <= 0:
         raise ModelFileError(f"{f.path.name}: YaRN's original context length must be positive")
     ext = number("yarn_ext_factor", -1.0)
@@ -258,7 +252,7 @@ def _read_windows(
     """The window length and which layers use it (llama.cpp's ``set_swa_pattern``)."""
     if not arch.window_pattern:
         return 0, ()
-    window = _int(f, key("attention.sliding_window"), arch.default_window)
+    window = int_value(f, key("attention.sliding_window"), arch.default_window)
     if window <= 0:
         return 0, ()
     pattern = f.value_or(key("attention.sliding_window_pattern"), arch.window_pattern)
@@ -268,19 +262,3 @@ def _read_windows(
         return window, tuple(bool(p) for p in pattern)
     n = int(pattern)
     return window, tuple(n == 0 or i % n < n - 1 for i in range(n_layers))
-
-
-def _int(f: GGUFFile, key: str, default: int | None = None) -> int:
-    raw = f.value(key) if default is None else f.value_or(key, default)
-    if isinstance(raw, list):  # per-layer arrays: meshnet runs uniform layers only
-        if not raw or len(set(raw)) != 1:
-            raise ModelFileError(f"{f.path.name}: {key} differs between layers")
-        raw = raw[0]
-    try:
-        return int(raw)
-    except (TypeError, ValueError) as e:
-        raise ModelFileError(f"{f.path.name}: {key} is not an integer") from e
-
-
-def _optional_int(f: GGUFFile, key: str) -> int | None:
-    return int(f.value(key)) if f.has(key) else None
