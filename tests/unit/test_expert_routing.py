@@ -52,3 +52,28 @@ def test_a_row_is_routed_alike_alone_or_beside_others(gating: str) -> None:
         alone_ids, alone_weights = route(logits[r : r + 1], _experts(gating, normalize=True))
         assert np.array_equal(alone_ids[0], ids[r])
         assert np.array_equal(alone_weights[0], weights[r])
+
+
+def test_a_selection_bias_chooses_but_never_weighs() -> None:
+    e = Experts(n_experts=5, n_used=2, d_ff=32, gating="sigmoid", normalize=False)
+    bias = np.array([0.0, 0.0, 5.0, 0.0, 0.0], F32)  # expert 2 chosen despite its logit
+    ids, weights = route(LOGITS, e, bias)
+    assert ids.tolist() == [[2, 1], [2, 0]]
+    sig = 1 / (1 + np.exp(-LOGITS.astype(np.float64)))
+    assert np.allclose(weights, np.take_along_axis(sig, ids, axis=1), atol=1e-7)
+
+
+def test_normalized_weights_are_then_scaled() -> None:
+    e = Experts(n_experts=5, n_used=3, d_ff=32, gating="sigmoid", normalize=True, scale=2.5)
+    _, weights = route(LOGITS, e)
+    assert np.allclose(weights.sum(axis=1), 2.5, atol=1e-6)
+
+
+def test_grouped_routing_chooses_within_the_groups_of_the_best_two() -> None:
+    # groups {0,1} {2,3} {4,5}: scored 3 + 0, 2 + 2, 2.5 + 0.1; the best two are kept
+    logits = np.array([[3.0, 0.0, 2.0, 2.0, 2.5, 0.1]], F32)
+    e = Experts(6, 3, 32, "softmax_chosen", False, n_groups=3, n_groups_used=2)
+    ids, _ = route(logits, e)
+    assert ids.tolist() == [[0, 2, 3]]  # expert 4 (2.5) is in the dropped group
+    plain = Experts(6, 3, 32, "softmax_chosen", False)
+    assert route(logits, plain)[0].tolist() == [[0, 4, 2]]

@@ -72,8 +72,13 @@ _ACTIVATIONS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
 
 
 def _handle(spec: ModelSpec, layer: int, w: LayerWeights[QuantMatrix]) -> Handle:
+    """``ValueError`` for a block the kernels do not run: routers beyond softmax /
+    softmax-over-the-chosen, unscaled, ungrouped, unbiased take the Python block, exact
+    through the same row kernels."""
     native = quant.NATIVE
     assert native is not None
+    if w.experts is not None and not _native_router(spec, w.experts):
+        raise ValueError("the native block has no such router")
     vectors = (
         w.attn_norm,
         w.ffn_norm,
@@ -128,6 +133,18 @@ def _experts(spec: ModelSpec, w: ExpertWeights[QuantMatrix]) -> Handle:
         0 if experts.gating == "softmax" else 1,
         experts.normalize,
         _ACTIVATIONS[spec.ffn_activation],
+    )
+
+
+def _native_router(spec: ModelSpec, w: ExpertWeights[QuantMatrix]) -> bool:
+    """Whether native/moe.c routes as ``spec`` says: its two gatings, nothing more."""
+    e = spec.experts
+    return (
+        e is not None
+        and e.gating in ("softmax", "softmax_chosen")
+        and e.scale == 1.0
+        and not e.grouped
+        and w.selection_bias is None
     )
 
 

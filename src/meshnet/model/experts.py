@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from meshnet.model.layers import gated, softmax
+from meshnet.model.layers import gated, sigmoid, softmax
 from meshnet.model.spec import Experts
 from meshnet.model.weights import ExpertWeights
 
@@ -28,24 +28,51 @@ Matmul = Callable[[np.ndarray, W], np.ndarray]  # (x [T, in], W [out, in]) -> [T
 _MIN_WEIGHT_SUM = F32(6.103515625e-5)
 
 
-def route(logits: np.ndarray, experts: Experts) -> tuple[np.ndarray, np.ndarray]:
+def route(
+    logits: np.ndarray, experts: Experts, bias: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """The chosen experts of each row and their weights: ids [T, k] (best first) and
     weights [T, k] float32, from the router's logits [T, E].
 
     "softmax": a softmax over every expert, the ``k`` most probable kept with their
-    probabilities; "softmax_chosen": the ``k`` largest logits, then a softmax over those.
-    Ties go to the lower expert id. ``normalize`` divides the weights by their sum.
+    probabilities; "sigmoid": each expert's sigmoid, likewise; "softmax_chosen": the ``k``
+    largest logits, then a softmax over those. ``bias`` [E] (DeepSeek-V3's ``exp_probs_b``)
+    is added to the probabilities to choose, never to the weights; grouped experts are
+    chosen among the best groups only (``_best_groups``). Ties go to the lower expert id.
+    ``normalize`` divides the weights by their sum, then ``scale`` multiplies them.
     """
     k = experts.n_used
-    scores = softmax(logits) if experts.gating == "softmax" else logits  # [T, E]
-    ids = np.argsort(-scores, axis=-1, kind="stable")[:, :k]  # [T, k]
-    weights = np.take_along_axis(scores, ids, axis=-1).astype(F32)  # [T, k]
-    if experts.gating == "softmax_chosen":
+    gating = experts.gating
+    probs = softmax(logits) if gating == "softmax" else logits  # [T, E]
+    if gating == "sigmoid":
+        probs = sigmoid(logits)
+    chosen_by = probs if bias is None else probs + bias  # [T, E]
+    if experts.grouped:
+        chosen_by = _best_groups(chosen_by, experts)
+    ids = np.argsort(-chosen_by, axis=-1, kind="stable")[:, :k]  # [T, k]
+    weights = np.take_along_axis(probs, ids, axis=-1).astype(F32)  # [T, k]
+    if gating == "softmax_chosen":
         weights = softmax(weights)
     if experts.normalize:
         total = np.maximum(np.sum(weights, axis=-1, keepdims=True, dtype=F32), _MIN_WEIGHT_SUM)
         weights = weights / total
+    if experts.scale != 1.0:
+        weights = weights * F32(experts.scale)
     return ids, weights
+
+
+def _best_groups(scores: np.ndarray, experts: Experts) -> np.ndarray:
+    """scores [T, E] with every expert outside a row's ``n_groups_used`` best groups at
+    -inf: a group's score is the sum of its two best experts' (DeepSeek-V3; llama.cpp's
+    ``build_moe_ffn``), ties to the lower group."""
+    t, g = scores.shape[0], experts.n_groups
+    grouped = scores.reshape(t, g, -1)  # [T, G, E / G]
+    top2 = -np.sort(-grouped, axis=-1, kind="stable")[..., :2]  # [T, G, 2]
+    group_scores = top2[..., 0] + top2[..., 1]  # [T, G]
+    best = np.argsort(-group_scores, axis=-1, kind="stable")[:, : experts.n_groups_used]
+    kept = np.zeros((t, g), dtype=bool)
+    np.put_along_axis(kept, best, True, axis=-1)
+    return np.where(kept[..., None], grouped, F32(-np.inf)).reshape(scores.shape)
 
 
 def mixture(
@@ -60,7 +87,7 @@ def mixture(
     logits = matmul(h, w.router)  # [T, E]
     if w.router_bias is not None:
         logits = logits + w.router_bias
-    ids, weights = route(logits, experts)  # [T, k] each
+    ids, weights = route(logits, experts, w.selection_bias)  # [T, k] each
     outs = np.empty((h.shape[0], experts.n_used, h.shape[1]), F32)  # [T, k, d]
     for e in np.unique(ids):
         rows, slots = np.nonzero(ids == e)  # the rows that chose e, and in which place

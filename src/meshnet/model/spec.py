@@ -92,6 +92,17 @@ class Experts:
     d_ff: int  # one expert's hidden width
     gating: ExpertGating
     normalize: bool  # the chosen weights are divided by their sum
+    scale: float = 1.0  # then multiplied by this (expert_weights_scale)
+    # The experts in ``n_groups`` equal groups: a row picks among the experts of its
+    # ``n_groups_used`` best groups, a group scored by its two best (DeepSeek-V3); 0: none.
+    n_groups: int = 0
+    n_groups_used: int = 0
+    shared_d_ff: int = 0  # the shared experts' width (ffn_*_shexp); 0: none
+    selection_bias: bool = False  # a layer's ``exp_probs_b`` (where it has one) biases the choice
+
+    @property
+    def grouped(self) -> bool:
+        return self.n_groups > 1
 
 
 def read_spec(f: GGUFFile) -> ModelSpec:
@@ -121,7 +132,7 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         raise ModelFileError(f"{f.path.name}: tensor 'token_embd.weight' is missing")
     rope = _read_rope(f, arch, key, head_dim)
     window, windowed = _read_windows(f, arch, key, n_layers)
-    experts = _read_experts(f, arch, key)
+    experts = _read_experts(f, arch, key, n_layers, int(vocab.shape[1]))
     return ModelSpec(
         architecture=name,
         n_layers=n_layers,
@@ -155,11 +166,15 @@ def read_spec(f: GGUFFile) -> ModelSpec:
     )
 
 
-def _read_experts(f: GGUFFile, arch: Architecture, key: _Key) -> Experts | None:
+def _read_experts(
+    f: GGUFFile, arch: Architecture, key: _Key, n_layers: int, vocab: int
+) -> Experts | None:
     """The file's mixture of experts, or None for a dense model. The expert width is read
     off the experts' down projection (``[d_ff, d, n_experts]`` in GGUF order), as every
-    family's converter writes it whatever key it names the width by. How the router's
-    weights are made is the family's (llama.cpp reads no gating key for these families)."""
+    family's converter writes it whatever key it names the width by; the shared experts'
+    likewise. How the router's weights are made is the family's, or the file's keys where
+    the family reads them (llama.cpp reads no gating key for the others); groups are read
+    for every family, as llama.cpp reads them."""
     n_experts = int_value(f, key("expert_count"), 0)
     if n_experts == 0:
         return None
@@ -169,24 +184,75 @@ def _read_experts(f: GGUFFile, arch: Architecture, key: _Key) -> Experts | None:
     down = next((t for n, t in f.tensors.items() if n.endswith(".ffn_down_exps.weight")), None)
     if down is None or len(down.shape) != 3 or int(down.shape[2]) != n_experts:
         raise ModelFileError(f"{f.path.name}: no expert tensors of {n_experts} experts")
-    return Experts(
+    shared = next((t for n, t in f.tensors.items() if n.endswith(".ffn_down_shexp.weight")), None)
+    experts = Experts(
         n_experts=n_experts,
         n_used=n_used,
         d_ff=int(down.shape[0]),
         gating=arch.expert_gating,
         normalize=arch.expert_weights_norm,
+        n_groups=int_value(f, key("expert_group_count"), 0),
+        n_groups_used=int_value(f, key("expert_group_used_count"), 0),
+        shared_d_ff=int(shared.shape[0]) if shared is not None else 0,
+    )
+    if arch.expert_router_keys:
+        experts = _router_keys(f, arch, key, experts, n_layers, vocab)
+    _check_groups(f, experts)
+    return experts
+
+
+# llama.cpp's expert_gating_func values (LLAMA_EXPERT_GATING_FUNC_TYPE_*); 3 takes the
+# top k logits, then a softmax over those: what gpt-oss's router does.
+_GATING_FUNCS: dict[int, ExpertGating] = {1: "softmax", 2: "sigmoid", 3: "softmax_chosen"}
+
+
+def _router_keys(
+    f: GGUFFile, arch: Architecture, key: _Key, experts: Experts, n_layers: int, vocab: int
+) -> Experts:
+    """``experts`` as the file's router keys say (DeepSeek's): gating, norm and scale."""
+    func = int_value(f, key("expert_gating_func"), 0)
+    if func == 0:
+        gating = arch.unkeyed_gating(n_layers, vocab) if arch.unkeyed_gating else arch.expert_gating
+    elif func in _GATING_FUNCS:
+        gating = _GATING_FUNCS[func]
+    else:
+        raise UnsupportedArchitecture(f"{f.path.name}: expert_gating_func {func} is not supported")
+    scale = float_value(f, key("expert_weights_scale"), 0.0)
+    return replace(
+        experts,
+        gating=gating,
+        normalize=bool(f.value_or(key("expert_weights_norm"), False)),
+        scale=scale if scale != 0 else 1.0,  # 0: not set (llama.cpp scales by neither 0 nor 1)
+        selection_bias=True,
     )
 
 
+def _check_groups(f: GGUFFile, e: Experts) -> None:
+    """Groups as llama.cpp asserts them, and enough experts in the groups kept."""
+    if not e.grouped:
+        return
+    per_group = e.n_experts // e.n_groups
+    if (
+        e.n_groups >= e.n_experts
+        or e.n_experts % e.n_groups
+        or not 0 < e.n_groups_used < e.n_groups
+        or e.n_used > e.n_groups_used * per_group
+    ):
+        raise ModelFileError(
+            f"{f.path.name}: {e.n_used} of {e.n_experts} experts in {e.n_groups} groups, "
+            f"{e.n_groups_used} used, do not route"
+        )
+
+
 def _dense_ff(f: GGUFFile, key: _Key, experts: Experts | None) -> int:
-    """The width of the layers' dense feed-forward: a shared expert's where a mixture has
-    one (its key, else its tensor), 0 where a mixture has none."""
-    if experts is None:
+    """The width of the layers' dense feed-forward: the file's ``feed_forward_length`` for a
+    dense model or one whose leading layers are dense (DeepSeek's), else a shared expert's
+    where a mixture has one (its key, else its tensor), 0 where a mixture has none."""
+    if experts is None or int_value(f, key("leading_dense_block_count"), 0) > 0:
         return int_value(f, key("feed_forward_length"))
     if f.has(key("expert_shared_feed_forward_length")):
         return int_value(f, key("expert_shared_feed_forward_length"))
-    shared = next((t for n, t in f.tensors.items() if n.endswith(".ffn_down_shexp.weight")), None)
-    return int(shared.shape[0]) if shared is not None else 0
+    return experts.shared_d_ff
 
 
 def _read_rope(f: GGUFFile, arch: Architecture, key: _Key, head_dim: int) -> Rope:

@@ -68,6 +68,7 @@ class ExpertWeights(Generic[W]):
     gate_bias: FloatArray | None = None  # [n_experts, d_ff]
     up_bias: FloatArray | None = None  # [n_experts, d_ff]
     down_bias: FloatArray | None = None  # [n_experts, d]
+    selection_bias: FloatArray | None = None  # [n_experts]: added to choose, not to weigh
 
 
 @dataclass(frozen=True)
@@ -203,9 +204,9 @@ def _load_block(r: _Readers[W], spec: ModelSpec, i: int) -> LayerWeights[W]:
             bias.setflags(write=False)
     moe = spec.experts is not None and r.has(p + "ffn_gate_inp.weight")
     gate_up, w_down = (
-        _dense_ffn(r, spec, p + "ffn_{}_shexp.weight")
+        _dense_ffn(r, spec, p + "ffn_{}_shexp.weight", _shared_ff(spec))
         if moe
-        else _dense_ffn(r, spec, p + "ffn_{}.weight", required=True)
+        else _dense_ffn(r, spec, p + "ffn_{}.weight", spec.d_ff, required=True)
     )
     post = spec.post_norms
     return LayerWeights(
@@ -227,12 +228,18 @@ def _load_block(r: _Readers[W], spec: ModelSpec, i: int) -> LayerWeights[W]:
     )
 
 
+def _shared_ff(spec: ModelSpec) -> int:
+    """A mixture's shared experts' width (the dense layers' where the file names none)."""
+    return spec.experts.shared_d_ff if spec.experts and spec.experts.shared_d_ff else spec.d_ff
+
+
 def _dense_ffn(
-    r: _Readers[W], spec: ModelSpec, name: str, required: bool = False
+    r: _Readers[W], spec: ModelSpec, name: str, ff: int, required: bool = False
 ) -> tuple[tuple[W, ...], W | None]:
-    """The dense feed-forward (or a mixture's shared expert) named by ``name.format(part)``:
-    its gate/up matrices and down matrix; none where it is not ``required`` and absent."""
-    d, ff = spec.d_model, spec.d_ff
+    """The dense feed-forward (or a mixture's shared expert) of width ``ff`` named by
+    ``name.format(part)``: its gate/up matrices and down matrix; none where it is not
+    ``required`` and absent."""
+    d = spec.d_model
     if not required and not r.has(name.format("down")):
         return (), None
     if spec.fused_gate_up:
@@ -247,6 +254,7 @@ def _load_experts(r: _Readers[W], spec: ModelSpec, p: str) -> ExpertWeights[W]:
     apart, or one ``ffn_gate_up_exps`` of [gate | up] rows)."""
     assert spec.experts is not None  # the caller checked
     d, e, ff = spec.d_model, spec.experts.n_experts, spec.experts.d_ff
+    biased = spec.experts.selection_bias
     if r.has(p + "ffn_gate_up_exps.weight"):
         gate_up = tuple((m,) for m in r.experts(p + "ffn_gate_up_exps.weight", (e, 2 * ff, d)))
     else:
@@ -261,6 +269,7 @@ def _load_experts(r: _Readers[W], spec: ModelSpec, p: str) -> ExpertWeights[W]:
         gate_bias=r.optional(p + "ffn_gate_exps.bias", (e, ff)),
         up_bias=r.optional(p + "ffn_up_exps.bias", (e, ff)),
         down_bias=r.optional(p + "ffn_down_exps.bias", (e, d)),
+        selection_bias=r.optional(p + "exp_probs_b.bias", (e,)) if biased else None,
     )
 
 

@@ -16,8 +16,9 @@ from meshnet.model.rope import RopeStyle
 FfnActivation = Literal["silu", "gelu", "swiglu_oai"]  # gelu: the tanh approximation
 # How a mixture of experts turns router logits into the chosen experts' weights:
 # "softmax": a softmax over every expert, the top k kept (Mixtral, Qwen MoE);
-# "softmax_chosen": the top k logits, then a softmax over those alone (gpt-oss).
-ExpertGating = Literal["softmax", "softmax_chosen"]
+# "softmax_chosen": the top k logits, then a softmax over those alone (gpt-oss);
+# "sigmoid": each expert's own sigmoid, the top k kept (DeepSeek-V3, GLM-4.7-Lite).
+ExpertGating = Literal["softmax", "softmax_chosen", "sigmoid"]
 
 
 @dataclass(frozen=True)
@@ -56,3 +57,8 @@ class Architecture:
     expert_gating: ExpertGating = "softmax"
     expert_weights_norm: bool = False  # the chosen experts' weights divided by their sum
     ffn_norm_name: str = "ffn_norm"  # the tensor of the norm before the feed-forward
+    # The file's expert_gating_func, expert_weights_norm and expert_weights_scale keys and
+    # each layer's ``exp_probs_b`` selection bias say how the router weighs (DeepSeek);
+    # ``unkeyed_gating(n_layers, vocab)``: the gating of a file without the gating key.
+    expert_router_keys: bool = False
+    unkeyed_gating: Callable[[int, int], ExpertGating] | None = None
