@@ -68,6 +68,86 @@ def test_a_mixture_without_its_experts_is_a_model_file_error(tmp_path: Path) -> 
         read_spec(open_gguf(path))
 
 
+def test_deepseek2_reads_latent_attention_and_its_router_from_the_file(tmp_path: Path) -> None:
+    lite, v3 = _spec("deepseek2-lite", tmp_path), _spec("deepseek3", tmp_path)
+    assert lite.mla is not None and v3.mla is not None
+    widths = (lite.mla.q_rank, lite.mla.kv_rank, lite.mla.nope_dim, lite.mla.rope_dim)
+    assert widths == (0, 32, 32, 16)
+    assert lite.mla.v_dim == 24 and v3.mla.q_rank == 32
+    # the cache: one kv head of [c | k_pe]; the scale: the key head's width before absorption
+    assert (lite.n_kv_heads, lite.head_dim, lite.rope.dim) == (1, 48, 16)
+    assert lite.attn_scale == pytest.approx(48**-0.5) and lite.rope.style == "pairs"
+    assert lite.d_ff == 96 and lite.experts is not None and lite.experts.shared_d_ff == 64
+    assert lite.experts.gating == "softmax" and not lite.experts.normalize
+    assert lite.experts.scale == 1.0 and not lite.experts.grouped
+    e = v3.experts
+    assert e is not None and (e.gating, e.normalize, e.scale) == ("sigmoid", True, 2.5)
+    assert (e.n_groups, e.n_groups_used, e.shared_d_ff) == (4, 2, 32) and e.selection_bias
+    # YaRN x4 with mscale_all_dim 0.707: the rope's magnitude cancelled to 1 (the kernel's
+    # 1 + 0.1 ln 4 undone), the scores scaled by DeepSeek's mscale^2 / sqrt(48)
+    assert v3.rope.yarn is not None and v3.rope.yarn.log_multiplier == pytest.approx(0.707)
+    assert v3.rope.yarn.attn_factor == pytest.approx(1 / (1 + 0.1 * np.log(4.0)))
+    mscale = 1 + 0.1 * 0.707 * np.log(4.0)
+    assert v3.attn_scale == pytest.approx(mscale**2 / 48**0.5, rel=1e-6)
+
+
+def test_the_deepseek2_gating_without_its_key_is_softmax_but_sigmoid_for_glm_lite() -> None:
+    from meshnet.model.arch.deepseek2 import unkeyed_gating
+
+    assert unkeyed_gating(27, 102400) == "softmax"
+    assert unkeyed_gating(47, 154880) == "sigmoid"
+
+
+def _mla(path: Path, **keys: object) -> Path:
+    mla = {"attention.head_count_kv": 1, "attention.kv_lora_rank": 32, "rope.dimension_count": 8}
+    mla |= {"attention.key_length": 40, "attention.value_length": 32}
+    mla |= {"attention.key_length_mla": 24, "attention.value_length_mla": 16}
+    return _minimal(path, "deepseek2", **(mla | keys))
+
+
+def test_deepseek2_variants_it_cannot_run_are_refused_by_name(tmp_path: Path) -> None:
+    legacy = _minimal(tmp_path / "legacy.gguf", "deepseek2", **{"attention.kv_lora_rank": 32})
+    with pytest.raises(UnsupportedArchitecture, match="legacy fused attn_kv_b"):
+        read_spec(open_gguf(legacy))
+    path = _mla(tmp_path / "softplus.gguf", expert_count=4, expert_used_count=2)
+    path = _with_experts(path, expert_gating_func=4)
+    with pytest.raises(UnsupportedArchitecture, match="expert_gating_func 4"):
+        read_spec(open_gguf(path))
+    bad = _mla(tmp_path / "bad.gguf", **{"attention.value_length": 40})
+    with pytest.raises(ModelFileError, match="one kv head"):
+        read_spec(open_gguf(bad))
+
+
+def test_yarn_log_multiplier_is_refused_where_the_family_does_not_read_it(tmp_path: Path) -> None:
+    keys = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4}
+    keys |= {"rope.scaling.yarn_log_multiplier": 1}
+    path = _minimal(tmp_path / "q.gguf", "qwen2", **keys)
+    with pytest.raises(UnsupportedArchitecture, match="yarn_log_multiplier"):
+        read_spec(open_gguf(path))
+
+
+def _with_experts(path: Path, **keys: int) -> Path:
+    """``path`` written again with 3-D expert tensors (4 experts) and ``keys``."""
+    f = open_gguf(path)
+    arch = str(f.value("general.architecture"))
+    out = path.with_suffix(".experts.gguf")
+    w = gguf.GGUFWriter(str(out), arch)
+    for name, field in gguf.GGUFReader(str(path)).fields.items():
+        if name.startswith(arch + "."):
+            w.add_uint32(name, int(field.contents()))  # type: ignore[arg-type]
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_eos_token_id(2)
+    for key, value in keys.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+    w.add_tensor("blk.0.ffn_down_exps.weight", np.zeros((4, 64, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
 def _minimal(path: Path, arch: str, **keys: object) -> Path:
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(2)
@@ -89,7 +169,7 @@ def _minimal(path: Path, arch: str, **keys: object) -> Path:
     return path
 
 
-@pytest.mark.parametrize("arch", ["mamba", "gptneox", "deepseek2"])
+@pytest.mark.parametrize("arch", ["mamba", "gptneox", "deepseek"])
 def test_an_unsupported_family_is_refused_by_name(tmp_path: Path, arch: str) -> None:
     with pytest.raises(UnsupportedArchitecture, match=repr(arch)):
         read_spec(open_gguf(_minimal(tmp_path / "m.gguf", arch)))

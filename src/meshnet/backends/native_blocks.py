@@ -72,11 +72,13 @@ _ACTIVATIONS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
 
 
 def _handle(spec: ModelSpec, layer: int, w: LayerWeights[QuantMatrix]) -> Handle:
-    """``ValueError`` for a block the kernels do not run: routers beyond softmax /
-    softmax-over-the-chosen, unscaled, ungrouped, unbiased take the Python block, exact
-    through the same row kernels."""
+    """``ValueError`` for a block the kernels do not run: latent attention (DeepSeek's)
+    and routers beyond softmax / softmax-over-the-chosen, unscaled, ungrouped, unbiased
+    take the Python block, exact through the same row kernels."""
     native = quant.NATIVE
     assert native is not None
+    if w.mla is not None:
+        raise ValueError("the native block has no latent attention")
     if w.experts is not None and not _native_router(spec, w.experts):
         raise ValueError("the native block has no such router")
     vectors = (

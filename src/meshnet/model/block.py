@@ -1,6 +1,6 @@
 """One decoder block in numpy, for every supported family, reading like the math.
 
-The family's differences (Q/K/V biases, per-head Q/K norms, rotary layout,
+The family's differences (latent attention, Q/K/V biases, per-head Q/K norms, rotary layout,
 post-norms, the FFN's activation, attention scale / soft-cap / window) come
 from ``ModelSpec`` and the block's weights; how a matrix is multiplied and how
 a batch's sequences attend are the caller's (the reference backend: float32
@@ -15,6 +15,7 @@ from typing import TypeVar
 import numpy as np
 
 from meshnet.model.experts import mixture
+from meshnet.model.latent_attention import latent_attention
 from meshnet.model.layers import gated, rms_norm, sigmoid
 from meshnet.model.rope import rotate
 from meshnet.model.spec import ModelSpec
@@ -37,8 +38,36 @@ def forward_block(
     attend: Attend,
 ) -> np.ndarray:
     """x [T, d] after the block; cos, sin [T, rope pairs] of the rows' positions."""
-    t, eps, hd = x.shape[0], spec.rms_eps, spec.head_dim
+    eps = spec.rms_eps
     h = rms_norm(x, w.attn_norm, eps)  # [T, d]
+    if w.mla is not None:
+        heads = latent_attention(spec, w.mla, h, cos, sin, matmul, attend)  # [T, H * v]
+    else:
+        heads = _attention(spec, w, h, cos, sin, matmul, attend)  # [T, H * hd]
+    out = matmul(heads, w.wo)  # [T, d]
+    if w.wo_bias is not None:
+        out = out + w.wo_bias
+    if w.post_attn_norm is not None:
+        out = rms_norm(out, w.post_attn_norm, eps)
+    x = x + out
+    h = rms_norm(x, w.ffn_norm, eps)
+    out = feed_forward(spec, w, h, matmul)  # [T, d]
+    if w.post_ffn_norm is not None:
+        out = rms_norm(out, w.post_ffn_norm, eps)
+    return x + out  # [T, d]
+
+
+def _attention(
+    spec: ModelSpec,
+    w: LayerWeights[W],
+    h: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    matmul: Matmul[W],
+    attend: Attend,
+) -> np.ndarray:
+    """Grouped-query attention's heads [T, H * hd] of normed rows h [T, d]."""
+    t, eps, hd = h.shape[0], spec.rms_eps, spec.head_dim
     qkv = _project(h, w.qkv, matmul)  # [T, q + 2 kv]
     if w.qkv_bias is not None:
         qkv = qkv + w.qkv_bias
@@ -50,17 +79,7 @@ def forward_block(
         q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
     q = rotate(q, cos, sin, spec.rope.style)
     k = rotate(k, cos, sin, spec.rope.style)
-    out = matmul(attend(q, k, v), w.wo)  # [T, d]
-    if w.wo_bias is not None:
-        out = out + w.wo_bias
-    if w.post_attn_norm is not None:
-        out = rms_norm(out, w.post_attn_norm, eps)
-    x = x + out
-    h = rms_norm(x, w.ffn_norm, eps)
-    out = feed_forward(spec, w, h, matmul)  # [T, d]
-    if w.post_ffn_norm is not None:
-        out = rms_norm(out, w.post_ffn_norm, eps)
-    return x + out  # [T, d]
+    return attend(q, k, v)
 
 
 def feed_forward(

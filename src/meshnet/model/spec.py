@@ -17,9 +17,11 @@ from meshnet.model.arch import Architecture, FfnActivation, Shape, architecture
 from meshnet.model.arch.base import ExpertGating
 from meshnet.model.gguf_file import GGUFFile
 from meshnet.model.metadata import float_value, int_value, optional_int
+from meshnet.model.mla import Mla, read_mla
 from meshnet.model.rope import Rope
 from meshnet.model.yarn import Yarn, resolved_attn_factor
 
+F32 = np.float32
 _Key = Callable[[str], str]  # a key under the architecture's prefix
 _SCALINGS = frozenset({"none", "linear", "yarn"})  # rope.scaling.type values we compute exactly
 
@@ -57,6 +59,7 @@ class ModelSpec:
     qkv_bias: bool  # the Q/K/V projections add biases
     experts: Experts | None = None  # the mixture of experts of the layers that have one
     ffn_norm_name: str = "ffn_norm"  # the pre-feed-forward norm's tensor (gpt-oss names it apart)
+    mla: Mla | None = None  # multi-head latent attention (``head_dim`` is then its cache width)
 
     @property
     def is_moe(self) -> bool:
@@ -118,19 +121,18 @@ def read_spec(f: GGUFFile) -> ModelSpec:
     n_kv_heads = int_value(f, key("attention.head_count_kv"), n_heads)
     if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
         raise ModelFileError(f"{f.path.name}: inconsistent heads ({n_heads} / {n_kv_heads} kv)")
-    default_hd = d_model // n_heads if d_model % n_heads == 0 else 0
-    head_dim = int_value(f, key("attention.key_length"), default_hd)
-    if head_dim <= 0 or int_value(f, key("attention.value_length"), head_dim) != head_dim:
-        raise ModelFileError(f"{f.path.name}: keys and values must have one positive head width")
+    mla = read_mla(f, name) if arch.mla else None
+    head_dim = mla.cache_dim if mla is not None else _head_dim(f, key, d_model, n_heads)
     n_layers = int_value(f, key("block_count"))
     if n_layers <= 0:
         raise ModelFileError(f"{f.path.name}: block_count must be positive")
-    shape = Shape(n_layers, d_model, n_heads, head_dim)
     tensors = f.tensors
     vocab = tensors.get("token_embd.weight")
     if vocab is None:
         raise ModelFileError(f"{f.path.name}: tensor 'token_embd.weight' is missing")
     rope = _read_rope(f, arch, key, head_dim)
+    key_dim = mla.key_dim if mla is not None else head_dim
+    shape = _shape(f, arch, key, Shape(n_layers, d_model, n_heads, key_dim), rope)
     window, windowed = _read_windows(f, arch, key, n_layers)
     experts = _read_experts(f, arch, key, n_layers, int(vocab.shape[1]))
     return ModelSpec(
@@ -163,6 +165,34 @@ def read_spec(f: GGUFFile) -> ModelSpec:
         qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         experts=experts,
         ffn_norm_name=arch.ffn_norm_name,
+        mla=mla,
+    )
+
+
+def _head_dim(f: GGUFFile, key: _Key, d_model: int, n_heads: int) -> int:
+    """One head's width: ``attention.key_length``, else ``d / n_heads``; values the same."""
+    default_hd = d_model // n_heads if d_model % n_heads == 0 else 0
+    head_dim = int_value(f, key("attention.key_length"), default_hd)
+    if head_dim <= 0 or int_value(f, key("attention.value_length"), head_dim) != head_dim:
+        raise ModelFileError(f"{f.path.name}: keys and values must have one positive head width")
+    return head_dim
+
+
+def _shape(f: GGUFFile, arch: Architecture, key: _Key, shape: Shape, rope: Rope) -> Shape:
+    """``shape`` with the rope's scale and magnitude, as the attention scale reads them
+    (llama.cpp's ``freq_scale`` and ``cparams.yarn_attn_factor``). Without YaRN a family
+    whose scale reads the magnitude (DeepSeek's) takes 1: a file that sets another is
+    refused by name, as meshnet's rotary would not scale by it."""
+    attn_factor = rope.yarn.attn_factor if rope.yarn is not None else 1.0
+    if rope.yarn is None and arch.yarn_log_multiplier:
+        for name in ("yarn_attn_factor", "attn_factor"):
+            if float_value(f, key(f"rope.scaling.{name}"), 1.0) != 1.0:
+                raise UnsupportedArchitecture(
+                    f"{f.path.name}: rope.scaling.{name} without YaRN is not supported"
+                )
+    log_mul = rope.yarn.log_multiplier if rope.yarn is not None else 0.0
+    return replace(
+        shape, freq_scale=rope.scale, attn_factor=attn_factor, yarn_log_multiplier=log_mul
     )
 
 
@@ -276,21 +306,23 @@ def _read_rope(f: GGUFFile, arch: Architecture, key: _Key, head_dim: int) -> Rop
     if "blk.0.rope_factors_long.weight" in f.tensors:
         raise UnsupportedArchitecture(f"{f.path.name}: LongRoPE factors are not supported")
     base = float(f.value_or(key("rope.freq_base"), 10000.0))
-    yarn = _read_yarn(f, key, scale) if scaling == "yarn" else None
+    yarn = _read_yarn(f, arch, key, scale) if scaling == "yarn" else None
     return Rope(arch.rope_style, dim, base, scale, factors, yarn)
 
 
-def _read_yarn(f: GGUFFile, key: _Key, freq_scale: float) -> Yarn:
+def _read_yarn(f: GGUFFile, arch: Architecture, key: _Key, freq_scale: float) -> Yarn:
     """YaRN's parameters as llama.cpp resolves them for a context that sets none of its
     own: the ramp over ``rope.scaling.original_context_length`` (else the training
     context), ``ext_factor`` 1 and betas 32 / 1 unless the file's ``yarn_*`` keys say
     otherwise, the magnitude from the factor (``yarn.resolved_attn_factor``).
-    ``yarn_log_multiplier`` (DeepSeek's magnitude rule, read per family) is refused."""
+    ``yarn_log_multiplier`` (DeepSeek's magnitude rule) is read where the family reads it
+    and refused by name elsewhere."""
 
     def number(name: str, default: float) -> float:
         return float_value(f, key(f"rope.scaling.{name}"), default)
 
-    if number("yarn_log_multiplier", 0.0) != 0:
+    log_mul = F32(number("yarn_log_multiplier", 0.0)) / F32(0.1)  # the converter's 0.1 undone
+    if log_mul != 0 and not arch.yarn_log_multiplier:
         raise UnsupportedArchitecture(f"{f.path.name}: YaRN's yarn_log_multiplier is not supported")
     orig = int_value(f, key("rope.scaling.original_context_length"), 0)
     orig = orig or int_value(f, key("context_length"), 2048)
@@ -299,8 +331,9 @@ def _read_yarn(f: GGUFFile, key: _Key, freq_scale: float) -> Yarn:
     ext = number("yarn_ext_factor", -1.0)
     ext = 1.0 if ext < 0 else ext  # negative: not set (llama.cpp: 1 for YaRN)
     attn = number("yarn_attn_factor", 1.0)
-    attn = resolved_attn_factor(freq_scale, ext, attn, number("attn_factor", 1.0))
-    return Yarn(orig, ext, attn, number("yarn_beta_fast", 32.0), number("yarn_beta_slow", 1.0))
+    attn = resolved_attn_factor(freq_scale, ext, attn, number("attn_factor", 1.0), log_mul != 0)
+    fast, slow = number("yarn_beta_fast", 32.0), number("yarn_beta_slow", 1.0)
+    return Yarn(orig, ext, attn, fast, slow, float(log_mul))
 
 
 def _local_rope(f: GGUFFile, arch: Architecture, key: _Key, rope: Rope) -> Rope:

@@ -72,6 +72,19 @@ class ExpertWeights(Generic[W]):
 
 
 @dataclass(frozen=True)
+class MlaWeights(Generic[W]):
+    """One layer's multi-head latent attention (``model/mla.py``): H heads, ``r`` the
+    kv latent's width, ``p`` the rotary part's, ``n`` a head's no-rotary part's."""
+
+    q: tuple[W, ...]  # (attn_q [H (n + p), d],) or (attn_q_a [q_rank, d], attn_q_b)
+    q_norm: FloatArray | None  # [q_rank]: RMSNorm of the query latent; None with attn_q
+    kv_a: W  # [r + p, d]: the latent c and the shared k_pe of a row
+    kv_norm: FloatArray  # [r]: RMSNorm of c
+    k_b: tuple[W, ...]  # per head [r, n]: a query head's no-rotary part into the latent
+    v_b: tuple[W, ...]  # per head [v, r]: the latent's output into a value head
+
+
+@dataclass(frozen=True)
 class LayerWeights(Generic[W]):
     """One transformer block. Matrices are ``[out, in]`` so that ``y = x @ W.T``.
 
@@ -96,6 +109,7 @@ class LayerWeights(Generic[W]):
     sinks: FloatArray | None = None  # [H]: each query head's attention sink logit
     experts: ExpertWeights[W] | None = None
     shared_gate: FloatArray | None = None  # [d]
+    mla: MlaWeights[W] | None = None  # latent attention in place of ``qkv`` (then empty)
 
 
 @dataclass(frozen=True)
@@ -185,23 +199,12 @@ class _Readers(Generic[W]):
 
 
 def _load_block(r: _Readers[W], spec: ModelSpec, i: int) -> LayerWeights[W]:
-    d, q_width, kv_width, hd = spec.d_model, spec.q_width, spec.kv_width, spec.head_dim
+    d, hd = spec.d_model, spec.head_dim
     p = f"blk.{i}."
-    widths = (q_width, kv_width, kv_width)
-    if spec.fused_qkv:
-        qkv: tuple[W, ...] = (r.matrix(p + "attn_qkv.weight", (sum(widths), d)),)
-    else:
-        qkv = tuple(
-            r.matrix(p + f"attn_{n}.weight", (w, d)) for n, w in zip("qkv", widths, strict=True)
-        )
-    bias = None
-    if spec.qkv_bias:
-        if spec.fused_qkv:
-            bias = r.vector(p + "attn_qkv.bias", sum(widths))
-        else:
-            parts = [r.vector(p + f"attn_{n}.bias", w) for n, w in zip("qkv", widths, strict=True)]
-            bias = np.concatenate(parts)
-            bias.setflags(write=False)
+    mla = _load_mla(r, spec, p) if spec.mla is not None else None
+    qkv, bias = _load_qkv(r, spec, p) if mla is None else ((), None)
+    # attn_output's input: the query heads, or latent attention's value heads
+    o_width = spec.q_width if spec.mla is None else spec.n_heads * spec.mla.v_dim
     moe = spec.experts is not None and r.has(p + "ffn_gate_inp.weight")
     gate_up, w_down = (
         _dense_ffn(r, spec, p + "ffn_{}_shexp.weight", _shared_ff(spec))
@@ -212,7 +215,7 @@ def _load_block(r: _Readers[W], spec: ModelSpec, i: int) -> LayerWeights[W]:
     return LayerWeights(
         attn_norm=r.vector(p + "attn_norm.weight", d),
         qkv=qkv,
-        wo=r.matrix(p + "attn_output.weight", (d, q_width)),
+        wo=r.matrix(p + "attn_output.weight", (d, o_width)),
         ffn_norm=r.vector(p + spec.ffn_norm_name + ".weight", d),
         gate_up=gate_up,
         w_down=w_down,
@@ -225,6 +228,49 @@ def _load_block(r: _Readers[W], spec: ModelSpec, i: int) -> LayerWeights[W]:
         sinks=r.optional(p + "attn_sinks.weight", (spec.n_heads,)),
         experts=_load_experts(r, spec, p) if moe else None,
         shared_gate=r.optional(p + "ffn_gate_inp_shexp.weight", (d,)) if moe else None,
+        mla=mla,
+    )
+
+
+def _load_qkv(r: _Readers[W], spec: ModelSpec, p: str) -> tuple[tuple[W, ...], FloatArray | None]:
+    """A layer's Q/K/V matrices (three, or one fused) and their biases where it has them."""
+    d, kv_width = spec.d_model, spec.kv_width
+    widths = (spec.q_width, kv_width, kv_width)
+    qkv: tuple[W, ...]
+    if spec.fused_qkv:
+        qkv = (r.matrix(p + "attn_qkv.weight", (sum(widths), d)),)
+    else:
+        qkv = tuple(
+            r.matrix(p + f"attn_{n}.weight", (w, d)) for n, w in zip("qkv", widths, strict=True)
+        )
+    if not spec.qkv_bias:
+        return qkv, None
+    if spec.fused_qkv:
+        return qkv, r.vector(p + "attn_qkv.bias", sum(widths))
+    parts = [r.vector(p + f"attn_{n}.bias", w) for n, w in zip("qkv", widths, strict=True)]
+    bias = np.concatenate(parts)
+    bias.setflags(write=False)
+    return qkv, bias
+
+
+def _load_mla(r: _Readers[W], spec: ModelSpec, p: str) -> MlaWeights[W]:
+    """A layer's latent attention: its query path (direct or through the query latent),
+    the kv latent's projection and norm, and the per-head k_b / v_b of its 3-D tensors."""
+    m = spec.mla
+    assert m is not None  # the caller checked
+    d, heads, q_out = spec.d_model, spec.n_heads, spec.n_heads * m.key_dim
+    if m.q_rank:
+        q = (r.matrix(p + "attn_q_a.weight", (m.q_rank, d)),)
+        q += (r.matrix(p + "attn_q_b.weight", (q_out, m.q_rank)),)
+    else:
+        q = (r.matrix(p + "attn_q.weight", (q_out, d)),)
+    return MlaWeights(
+        q=q,
+        q_norm=r.vector(p + "attn_q_a_norm.weight", m.q_rank) if m.q_rank else None,
+        kv_a=r.matrix(p + "attn_kv_a_mqa.weight", (m.cache_dim, d)),
+        kv_norm=r.vector(p + "attn_kv_a_norm.weight", m.kv_rank),
+        k_b=r.experts(p + "attn_k_b.weight", (heads, m.kv_rank, m.nope_dim)),
+        v_b=r.experts(p + "attn_v_b.weight", (heads, m.v_dim, m.kv_rank)),
     )
 
 

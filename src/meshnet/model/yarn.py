@@ -14,7 +14,7 @@ Everything is float32 in llama.cpp's order of operations (ggml-cpu ``rope_yarn``
 rounding each time: at positions in the tens of thousands one rounding of the angle
 is thousandths of a radian, so the same roundings are what makes the tables llama.cpp's.
 ggml is built with FMA and GCC's default contraction, so its ``a * b + c`` are fused:
-the blend and the ``1 + 0.1 ln`` magnitudes here are too (``_fma32``; the unfused
+the blend and the ``1 + 0.1 ln`` magnitudes here are too (``fma32``; the unfused
 blend moved 1 ulp of the angle in a third of the ramp's pairs). pow and log are
 evaluated in float64 and rounded once; cos and sin too, which differs from glibc's
 ``cosf``/``sinf`` (not correctly rounded) by 1 ulp in about 1% of the entries.
@@ -41,24 +41,33 @@ class Yarn:
     attn_factor: float = 1.0  # magnitude before YaRN's own (llama.cpp's yarn_attn_factor)
     beta_fast: float = 32.0  # pairs turning more often than this keep their angle
     beta_slow: float = 1.0  # pairs turning less often than this are fully interpolated
+    log_multiplier: float = 0.0  # DeepSeek's mscale_all_dim (the attention scale's); 0: none
 
 
 def resolved_attn_factor(
-    freq_scale: float, ext_factor: float, yarn_attn_factor: float, rope_attn_factor: float
+    freq_scale: float,
+    ext_factor: float,
+    yarn_attn_factor: float,
+    rope_attn_factor: float,
+    deepseek_log_multiplier: bool = False,
 ) -> float:
-    """llama.cpp's ``cparams.yarn_attn_factor`` for a file without ``yarn_log_multiplier``.
+    """llama.cpp's ``cparams.yarn_attn_factor``.
 
     With a blend (``ext_factor != 0``) it is ``get_mscale(factor) / (1 + 0.1 ln factor)``,
     about 1, so that the kernel's own ``1 + 0.1 ln(1 / freq_scale)`` is the magnitude
     (llama.cpp PR 17945); without, the file's ``yarn_attn_factor``. Either way times the
-    file's ``rope.scaling.attn_factor``. float32 throughout, as there.
+    file's ``rope.scaling.attn_factor``. float32 throughout, as there. A DeepSeek-V2 file
+    with ``yarn_log_multiplier`` (``deepseek_log_multiplier``) has ``mscale`` equal to its
+    ``mscale_all_dim`` there, so ``get_mscale`` is divided by itself: 1 (the attention
+    scale carries DeepSeek's magnitude instead: ``arch/deepseek2.py``).
     """
     attn = F32(yarn_attn_factor)
     if ext_factor != 0:
         factor = F32(1.0) / F32(freq_scale)
         log_factor = F32(math.log(float(factor)))
-        mscale = F32(1.0) if factor <= 1 else _fma32(F32(0.1), log_factor, F32(1.0))
-        cancel = F32(1.0) / _fma32(F32(0.1), log_factor, F32(1.0))
+        plain = factor <= 1 or deepseek_log_multiplier
+        mscale = F32(1.0) if plain else fma32(F32(0.1), log_factor, F32(1.0))
+        cancel = F32(1.0) / fma32(F32(0.1), log_factor, F32(1.0))
         attn = mscale * cancel
     return float(attn * F32(rope_attn_factor))
 
@@ -102,9 +111,9 @@ def yarn_tables(
         low, high = corr_dims(dim, base, yarn)
         y = (np.arange(pairs).astype(F32) - low) / max(F32(0.001), high - low)  # [pairs]
         mix = (F32(1.0) - np.minimum(F32(1.0), np.maximum(F32(0.0), y))) * F32(yarn.ext_factor)
-        angles = _fma32(interp, F32(1.0) - mix, extrap * mix)  # interp (1 - mix) + extrap mix
+        angles = fma32(interp, F32(1.0) - mix, extrap * mix)  # interp (1 - mix) + extrap mix
         log_inverse = F32(math.log(float(F32(1.0) / scale)))
-        mscale = mscale * _fma32(F32(0.1), log_inverse, F32(1.0))
+        mscale = mscale * fma32(F32(0.1), log_inverse, F32(1.0))
     else:
         angles = interp
     wide = angles.astype(np.float64)
@@ -113,7 +122,7 @@ def yarn_tables(
     return cos, sin
 
 
-def _fma32(a: ArrayLike, b: ArrayLike, c: ArrayLike) -> Any:
+def fma32(a: ArrayLike, b: ArrayLike, c: ArrayLike) -> Any:
     """float32 ``a * b + c`` rounded once, as an FMA instruction gives it.
 
     The product of two float32 is exact in float64; the float64 sum's own error is

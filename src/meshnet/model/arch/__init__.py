@@ -6,7 +6,17 @@ Adding a family is its module and one line here.
 from __future__ import annotations
 
 from meshnet.errors import UnsupportedArchitecture
-from meshnet.model.arch import gemma, gpt_oss, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe
+from meshnet.model.arch import (
+    deepseek2,
+    gemma,
+    gpt_oss,
+    llama,
+    phi3,
+    qwen2,
+    qwen2moe,
+    qwen3,
+    qwen3moe,
+)
 from meshnet.model.arch.base import Architecture, FfnActivation, Shape
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -21,6 +31,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         qwen2moe.ARCH,
         qwen3moe.ARCH,
         gpt_oss.ARCH,
+        deepseek2.ARCH,
     )
 }
 

@@ -28,7 +28,10 @@ class Shape:
     n_layers: int
     d_model: int
     n_heads: int
-    head_dim: int
+    head_dim: int  # a key head's width (multi-head latent attention: before absorption)
+    freq_scale: float = 1.0  # the rope's position scale (1 / its scaling factor)
+    attn_factor: float = 1.0  # the rope's magnitude factor as llama.cpp resolves it
+    yarn_log_multiplier: float = 0.0  # DeepSeek's mscale_all_dim (rope.scaling.yarn_log_multiplier)
 
 
 def inverse_sqrt_head_dim(shape: Shape) -> float:
@@ -62,3 +65,5 @@ class Architecture:
     # ``unkeyed_gating(n_layers, vocab)``: the gating of a file without the gating key.
     expert_router_keys: bool = False
     unkeyed_gating: Callable[[int, int], ExpertGating] | None = None
+    mla: bool = False  # multi-head latent attention (``model/mla.py``)
+    yarn_log_multiplier: bool = False  # reads rope.scaling.yarn_log_multiplier (DeepSeek)
