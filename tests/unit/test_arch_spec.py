@@ -113,6 +113,12 @@ def test_deepseek2_variants_it_cannot_run_are_refused_by_name(tmp_path: Path) ->
     path = _with_experts(path, expert_gating_func=4)
     with pytest.raises(UnsupportedArchitecture, match="expert_gating_func 4"):
         read_spec(open_gguf(path))
+    mistral = _mla(tmp_path / "temperature.gguf", **{"attention.temperature_scale": 1})
+    with pytest.raises(UnsupportedArchitecture, match="temperature"):
+        read_spec(open_gguf(mistral))
+    mtp = _mla(tmp_path / "mtp.gguf", nextn_predict_layers=1)
+    with pytest.raises(UnsupportedArchitecture, match="nextn_predict_layers"):
+        read_spec(open_gguf(mtp))
     bad = _mla(tmp_path / "bad.gguf", **{"attention.value_length": 40})
     with pytest.raises(ModelFileError, match="one kv head"):
         read_spec(open_gguf(bad))

@@ -45,7 +45,8 @@ class Mla:
 def read_mla(f: GGUFFile, prefix: str) -> Mla:
     """The file's latent attention; ``UnsupportedArchitecture`` for a file with the legacy
     fused ``attn_kv_b`` (converted before llama.cpp split it), which llama.cpp runs
-    decompressed and meshnet does not run; ``ModelFileError`` for inconsistent widths."""
+    decompressed and meshnet does not run, or with Mistral-Large's per-position query
+    temperature; ``ModelFileError`` for inconsistent widths."""
     name = f.path.name
 
     def key(k: str) -> int:
@@ -54,6 +55,10 @@ def read_mla(f: GGUFFile, prefix: str) -> Mla:
     if "blk.0.attn_kv_b.weight" in f.tensors or not f.has(f"{prefix}.attention.key_length_mla"):
         raise UnsupportedArchitecture(
             f"{name}: the legacy fused attn_kv_b (no attn_k_b / attn_v_b) is not supported"
+        )
+    if f.value_or(f"{prefix}.attention.temperature_scale", 0):
+        raise UnsupportedArchitecture(
+            f"{name}: attention temperature scaling (attention.temperature_scale) is not supported"
         )
     rope = key("rope.dimension_count")
     q_rank = key("attention.q_lora_rank") if "blk.0.attn_q_a.weight" in f.tensors else 0

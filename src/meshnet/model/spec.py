@@ -126,6 +126,10 @@ def read_spec(f: GGUFFile) -> ModelSpec:
     n_layers = int_value(f, key("block_count"))
     if n_layers <= 0:
         raise ModelFileError(f"{f.path.name}: block_count must be positive")
+    if int_value(f, key("nextn_predict_layers"), 0):  # llama.cpp reads it for every family
+        raise UnsupportedArchitecture(
+            f"{f.path.name}: multi-token prediction blocks (nextn_predict_layers) are not supported"
+        )
     tensors = f.tensors
     vocab = tensors.get("token_embd.weight")
     if vocab is None:
