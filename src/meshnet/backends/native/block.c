@@ -148,8 +148,9 @@ static int project_qkv(const block_t *b, const float *h, Py_ssize_t T, float *qk
 }
 
 /* The floats of the feed-forward part of forward_block's scratch, after h [T, d]. */
-static Py_ssize_t ffn_scratch_floats(const block_t *b, Py_ssize_t T) {
-    const Py_ssize_t moe = b->moe == NULL ? 0 : T * b->d + moe_scratch_floats(b->moe, T, b->d);
+static Py_ssize_t ffn_scratch_floats(const block_t *b, Py_ssize_t T, int threads) {
+    const Py_ssize_t moe =
+        b->moe == NULL ? 0 : T * b->d + moe_scratch_floats(b->moe, T, b->d, threads);
     return T * (3 * b->d_ff + b->d) + moe;
 }
 
@@ -191,7 +192,7 @@ int forward_block(const block_t *b, float *x, Py_ssize_t T, const float *cos, co
     /* h | qkv | q | k | v | attn | o, then the feed-forward's scratch and output reuse
      * what follows h */
     const Py_ssize_t front = T * (d + width + qw + 2 * kw + qw + d);
-    const Py_ssize_t ffn = T * 2 * d + ffn_scratch_floats(b, T);
+    const Py_ssize_t ffn = T * 2 * d + ffn_scratch_floats(b, T, threads);
     scratch_t *scratch = scratch_of_thread();
     if (scratch == NULL) return -1;
     float *buf = scratch_take(scratch, (front > ffn ? front : ffn) * sizeof(float) + 32);

@@ -6,6 +6,7 @@
  * summed by its weights in the order of its choice, whatever other rows share them.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -14,16 +15,35 @@
 /* llama.cpp clamps the sum of the chosen weights to float16's smallest normal. */
 #define MIN_WEIGHT_SUM 6.103515625e-5f
 
+/* Batches of at most this many rows take their experts a thread each (one parallel
+ * region a layer) rather than every thread on each expert in turn (three regions an
+ * expert): a decode step's experts are too small to share, and each region's barrier
+ * costs a token dearly on a busy machine. The bits are the same either way. */
+#define EXPERT_PARALLEL_ROWS 16
+
+/* One thread's room for an expert's rows: in, out [T, d], gate/up [T, 2 d_ff], act. */
+typedef struct {
+    float *x, *y, *gu, *act;
+} work_t;
+
 /* How moe_rows cuts its scratch (sizes in floats; ints take a float's room). */
 typedef struct {
-    float *logits;   /* [T, n_experts] */
-    float *weights;  /* [T, n_used] */
-    int *choice;     /* [T, n_used] expert ids, best first */
-    int *order;      /* [T * n_used] (row * n_used + slot), grouped by expert */
-    float *slots;    /* [T, n_used, d] each chosen expert's output of each row */
-    float *x, *y;    /* [T, d] an expert's rows in, out */
-    float *gu, *act; /* [T, 2 d_ff], [T, d_ff] */
+    float *logits;  /* [T, n_experts] */
+    float *weights; /* [T, n_used] */
+    int *choice;    /* [T, n_used] expert ids, best first */
+    int *order;     /* [T * n_used] (row * n_used + slot), grouped by expert */
+    float *slots;   /* [T, n_used, d] each chosen expert's output of each row */
+    float *work;    /* per thread: work_floats */
 } moe_scratch_t;
+
+static Py_ssize_t work_floats(const moe_t *m, Py_ssize_t T, Py_ssize_t d) {
+    return T * (2 * d + 3 * m->d_ff);
+}
+
+static work_t work_of(const moe_t *m, Py_ssize_t T, Py_ssize_t d, float *base) {
+    work_t w = {base, base + T * d, base + 2 * T * d, base + 2 * T * d + T * 2 * m->d_ff};
+    return w;
+}
 
 static moe_scratch_t cut_scratch(const moe_t *m, Py_ssize_t T, Py_ssize_t d, float *base) {
     const Py_ssize_t k = m->n_used;
@@ -33,16 +53,13 @@ static moe_scratch_t cut_scratch(const moe_t *m, Py_ssize_t T, Py_ssize_t d, flo
     s.choice = (int *)(s.weights + T * k);
     s.order = s.choice + T * k;
     s.slots = (float *)(s.order + T * k);
-    s.x = s.slots + T * k * d;
-    s.y = s.x + T * d;
-    s.gu = s.y + T * d;
-    s.act = s.gu + T * 2 * m->d_ff;
+    s.work = s.slots + T * k * d;
     return s;
 }
 
-Py_ssize_t moe_scratch_floats(const moe_t *m, Py_ssize_t T, Py_ssize_t d) {
+Py_ssize_t moe_scratch_floats(const moe_t *m, Py_ssize_t T, Py_ssize_t d, int threads) {
     const Py_ssize_t k = m->n_used;
-    return T * (m->n_experts + 3 * k + k * d + 2 * d + 3 * m->d_ff);
+    return T * (m->n_experts + 3 * k + k * d) + (threads > 1 ? threads : 1) * work_floats(m, T, d);
 }
 
 /* Softmax of v [n] in place, the largest subtracted first. */
@@ -81,6 +98,21 @@ static void choose(const moe_t *m, float *scores, int *choice, float *weights) {
     }
 }
 
+/* Expert e's feed-forward of the n rows its (row * n_used + slot) pairs name, each output
+ * into its row's slot. */
+static int run_expert(const moe_t *m, int e, const int *pairs, Py_ssize_t n, const float *h,
+                      Py_ssize_t d, const work_t *w, float *slots, int threads, int wide) {
+    const int k = m->n_used;
+    for (Py_ssize_t i = 0; i < n; i++)
+        memcpy(w->x + i * d, h + (pairs[i] / k) * d, d * sizeof(float));
+    if (ffn_rows(&m->experts[e], m->d_ff, m->act, w->x, n, d, w->gu, w->act, w->y, threads,
+                 wide) < 0)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        memcpy(slots + (Py_ssize_t)pairs[i] * d, w->y + i * d, d * sizeof(float));
+    return 0;
+}
+
 int moe_rows(const moe_t *m, const float *h, Py_ssize_t T, Py_ssize_t d, float *scratch,
              float *out, int threads, int wide) {
     const int k = m->n_used, E = m->n_experts;
@@ -104,17 +136,34 @@ int moe_rows(const moe_t *m, const float *h, Py_ssize_t T, Py_ssize_t d, float *
     memcpy(fill, start, (size_t)E * sizeof(int));
     for (Py_ssize_t i = 0; i < T * k; i++) s.order[fill[s.choice[i]]++] = (int)i;
     free(fill);
-    int status = 0;
-    for (int e = 0; e < E && status == 0; e++) {
-        const Py_ssize_t n = start[e + 1] - start[e];
-        if (n == 0) continue;
-        const int *pairs = s.order + start[e];
-        for (Py_ssize_t i = 0; i < n; i++)
-            memcpy(s.x + i * d, h + (pairs[i] / k) * d, d * sizeof(float));
-        status = ffn_rows(&m->experts[e], m->d_ff, m->act, s.x, n, d, s.gu, s.act, s.y, threads, wide);
-        for (Py_ssize_t i = 0; status == 0 && i < n; i++)
-            memcpy(s.slots + (Py_ssize_t)pairs[i] * d, s.y + i * d, d * sizeof(float));
+    /* the experts some row chose, in id order */
+    int *used = malloc((size_t)E * sizeof(int));
+    if (used == NULL) {
+        free(start);
+        return -1;
     }
+    int n_used = 0;
+    for (int e = 0; e < E; e++)
+        if (start[e + 1] > start[e]) used[n_used++] = e;
+    int status = 0;
+    if (T <= EXPERT_PARALLEL_ROWS && threads > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(min : status)
+        for (int i = 0; i < n_used; i++) {
+            const work_t w = work_of(m, T, d, s.work + omp_get_thread_num() * work_floats(m, T, d));
+            const int e = used[i];
+            const int r = run_expert(m, e, s.order + start[e], start[e + 1] - start[e], h, d,
+                                     &w, s.slots, 1, wide);
+            status = r < status ? r : status;
+        }
+    } else {
+        const work_t w = work_of(m, T, d, s.work);
+        for (int i = 0; i < n_used && status == 0; i++) {
+            const int e = used[i];
+            status = run_expert(m, e, s.order + start[e], start[e + 1] - start[e], h, d, &w,
+                                s.slots, threads, wide);
+        }
+    }
+    free(used);
     free(start);
     if (status < 0) return -1;
     for (Py_ssize_t t = 0; t < T; t++) { /* the experts' outputs weighted, summed in order */

@@ -216,8 +216,8 @@ typedef struct {
     int act; /* the experts' activation (ACT_*) */
 } moe_t;
 
-/* The floats of scratch moe_rows needs for T rows of width d. */
-Py_ssize_t moe_scratch_floats(const moe_t *m, Py_ssize_t T, Py_ssize_t d);
+/* The floats of scratch moe_rows needs for T rows of width d on ``threads`` threads. */
+Py_ssize_t moe_scratch_floats(const moe_t *m, Py_ssize_t T, Py_ssize_t d, int threads);
 
 /* out [T, d] = the mixture's output for the normed rows h [T, d]. Each row's result is a
  * function of its own values alone: rows are grouped by expert so an expert's weights are
