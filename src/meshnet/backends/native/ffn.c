@@ -33,7 +33,8 @@ static inline __m256 silu256(__m256 g) {
 static inline __m256 swiglu_oai256(__m256 g, __m256 u) {
     const __m256 limit = _mm256_set1_ps(7.0f), one = _mm256_set1_ps(1.0f);
     const __m256 x = _mm256_min_ps(g, limit);
-    const __m256 y = _mm256_max_ps(_mm256_min_ps(u, limit), _mm256_sub_ps(_mm256_setzero_ps(), limit));
+    const __m256 y =
+        _mm256_max_ps(_mm256_min_ps(u, limit), _mm256_sub_ps(_mm256_setzero_ps(), limit));
     const __m256 e = exp256(_mm256_mul_ps(_mm256_set1_ps(-1.702f), x));
     return _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_add_ps(y, one));
 }

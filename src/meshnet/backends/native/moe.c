@@ -59,7 +59,8 @@ static moe_scratch_t cut_scratch(const moe_t *m, Py_ssize_t T, Py_ssize_t d, flo
 
 Py_ssize_t moe_scratch_floats(const moe_t *m, Py_ssize_t T, Py_ssize_t d, int threads) {
     const Py_ssize_t k = m->n_used;
-    return T * (m->n_experts + 3 * k + k * d) + (threads > 1 ? threads : 1) * work_floats(m, T, d);
+    const Py_ssize_t workers = threads > 1 ? threads : 1;
+    return T * (m->n_experts + 3 * k + k * d) + workers * work_floats(m, T, d);
 }
 
 /* Softmax of v [n] in place, the largest subtracted first. */
@@ -142,14 +143,15 @@ int moe_rows(const moe_t *m, const float *h, Py_ssize_t T, Py_ssize_t d, float *
         free(start);
         return -1;
     }
-    int n_used = 0;
+    int active = 0;
     for (int e = 0; e < E; e++)
-        if (start[e + 1] > start[e]) used[n_used++] = e;
+        if (start[e + 1] > start[e]) used[active++] = e;
     int status = 0;
     if (T <= EXPERT_PARALLEL_ROWS && threads > 1) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(min : status)
-        for (int i = 0; i < n_used; i++) {
-            const work_t w = work_of(m, T, d, s.work + omp_get_thread_num() * work_floats(m, T, d));
+        for (int i = 0; i < active; i++) {
+            float *mine = s.work + omp_get_thread_num() * work_floats(m, T, d);
+            const work_t w = work_of(m, T, d, mine);
             const int e = used[i];
             const int r = run_expert(m, e, s.order + start[e], start[e + 1] - start[e], h, d,
                                      &w, s.slots, 1, wide);
@@ -157,7 +159,7 @@ int moe_rows(const moe_t *m, const float *h, Py_ssize_t T, Py_ssize_t d, float *
         }
     } else {
         const work_t w = work_of(m, T, d, s.work);
-        for (int i = 0; i < n_used && status == 0; i++) {
+        for (int i = 0; i < active && status == 0; i++) {
             const int e = used[i];
             status = run_expert(m, e, s.order + start[e], start[e + 1] - start[e], h, d, &w,
                                 s.slots, threads, wide);
