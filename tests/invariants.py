@@ -5,7 +5,8 @@ split == unsplit, cached decode == full recompute, batched == alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +55,25 @@ def assert_split_batched_chunked_identical(
     for i, token in enumerate(follow):
         both = whole.forward(np.asarray([3 + i, token]), [other, mine], [1, 1])
         assert np.array_equal(both[1], cached[i + 1])
+
+
+def banned_greedy(
+    chain: ShardChain, recorded: Mapping[str, Any]
+) -> tuple[list[int], list[np.ndarray]]:
+    """As many greedy ids as a recorded llama.cpp oracle has steps, from its prompt, over
+    the vocabulary less its banned ids, and each step's log-probs over the whole."""
+    prompt, banned = recorded["prompt_ids"], recorded["banned_ids"]
+    kv = chain.new_sequence()
+    logits = chain.forward(np.asarray(prompt), [kv], [len(prompt)])[0]
+    ids, logprobs = [], []
+    for _ in recorded["steps"]:
+        wide = logits.astype(np.float64)
+        top = wide.max()
+        logprobs.append(wide - (top + np.log(np.exp(wide - top).sum())))
+        wide[np.asarray(banned)] = -np.inf
+        ids.append(int(np.argmax(wide)))
+        logits = chain.forward(np.asarray([ids[-1]]), [kv], [1])[0]
+    return ids, logprobs
 
 
 def solo_and_batched_ids(

@@ -11,14 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from invariants import assert_split_batched_chunked_identical, step_logits
+from invariants import assert_split_batched_chunked_identical, banned_greedy, step_logits
 from tinyarch import CASES, write_arch_gguf
 
-from meshnet.engine.local import LocalModel, load_local_model
+from meshnet.engine.local import load_local_model
 
 ORACLE = json.loads((Path(__file__).parents[1] / "fixtures" / "arch_oracle.json").read_text())
 MARGIN = 1e-3  # greedy ids are compared up to the first step whose top two are this close
@@ -36,29 +35,11 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return name, path, recorded
 
 
-def _greedy_with_logprobs(model: LocalModel, recorded: dict[str, Any]) -> tuple[list[int], list]:  # type: ignore[type-arg]
-    """Greedy ids over the unbanned vocabulary, and each step's log-probs (of the whole)."""
-    banned = np.asarray(recorded["banned_ids"])
-    chain = model.chain
-    kv = chain.new_sequence()
-    prompt = recorded["prompt_ids"]
-    logits = chain.forward(np.asarray(prompt), [kv], [len(prompt)])[0]
-    ids, logprobs = [], []
-    for _ in recorded["steps"]:
-        wide = logits.astype(np.float64)
-        top = wide.max()
-        logprobs.append(wide - (top + np.log(np.exp(wide - top).sum())))
-        wide[banned] = -np.inf
-        ids.append(int(np.argmax(wide)))
-        logits = chain.forward(np.asarray([ids[-1]]), [kv], [1])[0]
-    return ids, logprobs
-
-
 @pytest.mark.parametrize("backend", ["numpy", "fast"])
 def test_greedy_ids_and_top_logprobs_match_llamacpp(case: tuple, backend: str) -> None:  # type: ignore[type-arg]
     name, path, recorded = case
     model = load_local_model(path, backend=backend)
-    ids, logprobs = _greedy_with_logprobs(model, recorded)
+    ids, logprobs = banned_greedy(model.chain, recorded)
     tolerance = LOGPROB_TOLERANCE.get(name, 1e-4)
     banned = set(recorded["banned_ids"])
     for step, (theirs, mine, lp) in enumerate(zip(recorded["steps"], ids, logprobs, strict=True)):

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from invariants import assert_split_batched_chunked_identical, step_logits
+from invariants import assert_split_batched_chunked_identical, banned_greedy, step_logits
 
-from meshnet.engine.local import LocalModel, load_local_model
+from meshnet.engine.local import load_local_model
 from meshnet.model.gguf_file import open_gguf
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
@@ -35,23 +35,6 @@ def case(request: pytest.FixtureRequest) -> tuple[Path, dict[str, Any]]:
     recorded = ORACLE["cases"][name]
     assert hashlib.sha256(path.read_bytes()).hexdigest() == recorded["sha256"]
     return path, recorded
-
-
-def _greedy(model: LocalModel, recorded: dict[str, Any]) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy ids over the unbanned vocabulary, and each step's log-probs (of the whole)."""
-    banned = np.asarray(recorded["banned_ids"])
-    chain, prompt = model.chain, recorded["prompt_ids"]
-    kv = chain.new_sequence()
-    logits = chain.forward(np.asarray(prompt), [kv], [len(prompt)])[0]
-    ids, logprobs = [], []
-    for _ in recorded["steps"]:
-        wide = logits.astype(np.float64)
-        top = wide.max()
-        logprobs.append(wide - (top + np.log(np.exp(wide - top).sum())))
-        wide[banned] = -np.inf
-        ids.append(int(np.argmax(wide)))
-        logits = chain.forward(np.asarray([ids[-1]]), [kv], [1])[0]
-    return ids, logprobs
 
 
 def _compared_steps(recorded: dict[str, Any], steps: str = "steps") -> int:
@@ -80,7 +63,7 @@ def test_greedy_ids_and_logprobs_match_llamacpp_on_the_dequantized_weights(
     case: tuple[Path, dict[str, Any]], backend: str
 ) -> None:
     path, recorded = case
-    ids, logprobs = _greedy(load_local_model(path, backend=backend), recorded)
+    ids, logprobs = banned_greedy(load_local_model(path, backend=backend).chain, recorded)
     steps = _compared_steps(recorded)
     assert steps >= 4, "the oracle's prompt reaches a near tie too soon to tell anything"
     compared = zip(recorded["steps"][:steps], ids[:steps], logprobs[:steps], strict=True)
@@ -94,7 +77,7 @@ def test_q8_backend_gives_llamacpps_ids_on_the_quantized_file(
     case: tuple[Path, dict[str, Any]],
 ) -> None:
     path, recorded = case
-    ids, _ = _greedy(load_local_model(path, backend="q8"), recorded)
+    ids, _ = banned_greedy(load_local_model(path, backend="q8").chain, recorded)
     steps = _compared_steps(recorded, "quantized_steps")
     assert steps >= 2, "llama.cpp's run reaches a near tie too soon to tell anything"
     assert ids[:steps] == [s["id"] for s in recorded["quantized_steps"][:steps]]
