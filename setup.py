@@ -12,7 +12,16 @@ setup(
             "meshnet.backends._native",
             [
                 f"src/meshnet/backends/native/{name}.c"
-                for name in ("module", "matmul", "dequant", "attention", "block", "ffn", "moe", "q8")
+                for name in (
+                    "module",
+                    "matmul",
+                    "dequant",
+                    "attention",
+                    "block",
+                    "ffn",
+                    "moe",
+                    "q8",
+                )
             ],
             depends=[
                 "src/meshnet/backends/native/native.h",
