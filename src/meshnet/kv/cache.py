@@ -10,12 +10,13 @@ The cache holds what its tokens need, never the context's length: the first
 reservation is exactly its positions (at least ``GRANULE``), and a growth
 leaves a little room past what it needs, so that appending one token at a
 time copies the cache only now and then. That room is an eighth of the
-positions, at least ``GRANULE`` and at most ``MAX_ROOM_BYTES``: doubling (as
-before) let a cache hold up to twice its tokens, and a node whose KV budget
-counts capacity refused a session's next token with half of it unused. A
-growth copy costs a few positions a token, far below what attending over the
-cache reads. Growth replaces one layer's arrays at a time, so it briefly holds
-one layer twice, not the whole cache.
+positions, at least ``GRANULE``: doubling (as before) let a cache hold up to
+twice its tokens, and a node whose KV budget counts capacity refused a
+session's next token with half of it unused. Room geometric in the length keeps
+the copying amortised O(1) (a fixed cap on it, tried before, made a long
+prompt's chunked prefill copy the whole cache every chunk). Growth replaces one
+layer's arrays at a time, so it briefly holds one layer twice, not the whole
+cache.
 """
 
 from __future__ import annotations
@@ -23,8 +24,19 @@ from __future__ import annotations
 import numpy as np
 
 GRANULE = 64  # positions: the least capacity, and the least room a growth leaves
-MAX_ROOM_BYTES = 8 << 20  # the most a growth leaves unused past what it needs
 _ROOM_FRACTION = 8  # a growth leaves room for 1/8 of the positions needed
+
+
+def grown_capacity(capacity: int, need: int) -> int:
+    """The capacity, in positions, of a cache of ``capacity`` once it holds ``need``:
+    unchanged when they fit, exactly the need on a first reservation (at least
+    ``GRANULE``), else the need plus an eighth of it (at least ``GRANULE``). The room is
+    geometric so that growing to any length copies a bounded multiple of it."""
+    if need <= capacity:
+        return capacity
+    if capacity == 0:
+        return max(GRANULE, need)
+    return need + max(need // _ROOM_FRACTION, GRANULE)
 
 
 class SequenceKV:
@@ -62,15 +74,7 @@ class SequenceKV:
         return (self._next_capacity(n_new) - self._capacity) * self.per_position
 
     def _next_capacity(self, n_new: int) -> int:
-        """The capacity after ``reserve(n_new)``: unchanged when the positions fit, exactly
-        what a first reservation needs (at least ``GRANULE``), else the need plus room."""
-        need = self.length + n_new
-        if need <= self._capacity:
-            return self._capacity
-        if self._capacity == 0:
-            return max(GRANULE, need)
-        most = max(GRANULE, MAX_ROOM_BYTES // self.per_position)
-        return need + min(max(need // _ROOM_FRACTION, GRANULE), most)
+        return grown_capacity(self._capacity, self.length + n_new)
 
     def reserve(self, n_new: int) -> None:
         """Make room for ``n_new`` positions after ``length``."""
