@@ -82,3 +82,27 @@ def test_a_step_running_ahead_is_handed_its_input_now_or_when_it_comes() -> None
     box.put(("s", 2, 5), x())  # filed: nobody waits for it any more
     assert got == [("now", 2), ("later", 3)]
     assert box.take(("s", 2, 5), 0.01, lambda: True).shape == (1, 4)
+
+
+def test_inputs_relayed_after_their_stream_ended_give_way_to_live_ones() -> None:
+    """A cancelled generation's previous hop may still have inputs on the wire when this
+    hop's stream ends; they must not fill the box and refuse every later generation."""
+    box = Mailbox(max_entries=2, max_bytes=1 << 20)
+    box.drop("gone", 1)
+    box.put(("gone", 1, 7), x())  # came after the drop: filed, but first to go
+    box.put(("gone", 1, 8), x())
+    box.put(("live", 1, 0), x())
+    box.put(("live", 1, 1), x())
+    with pytest.raises(Overloaded):  # live inputs are still bounded
+        box.put(("live", 1, 2), x())
+    assert box.take(("live", 1, 0), 0.01, lambda: True).shape == (1, 4)
+
+
+def test_a_reopened_epoch_keeps_inputs_that_came_before_its_stream() -> None:
+    box = Mailbox(max_entries=1, max_bytes=1 << 20)
+    box.drop("s", 1)  # one turn of a kept session ended
+    box.opened("s", 1)  # the next turn's stream is open again
+    box.put(("s", 1, 4), x(2))
+    with pytest.raises(Overloaded):  # not a leftover: it is not pushed out
+        box.put(("t", 1, 0), x())
+    assert box.take(("s", 1, 4), 0.01, lambda: True).shape == (2, 4)

@@ -10,7 +10,9 @@ answers it unless it is refused. The receiver files the input in its
 hands it to a hop running ahead (``when``) the moment it comes; inputs can
 arrive before or after that step. The mailbox is bounded in entries
 and bytes, and inputs nobody took expire, so a peer cannot make a node hold
-memory it did not ask for.
+memory it did not ask for. Inputs that come after their stream ended (a
+cancelled generation's previous hop had them on the wire) are the first to go
+when the box is full, so they cannot refuse the generations that follow.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # how often a waiting step checks that its call is still wanted
 _NO_LINK_S = 60.0  # a next hop whose relay port failed is relayed to by stream meanwhile
+_ENDED_KEPT = 4096  # ended streams remembered (for their late inputs) at most
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Mailbox:
         self.ttl_s = ttl_s
         self._letters: dict[RelayKey, _Letter] = {}
         self._waiters: dict[RelayKey, Callable[[np.ndarray], None]] = {}
+        self._ended: dict[tuple[str, int], float] = {}  # (session, epoch) -> stream's end
         self._bytes = 0
         self._cond = threading.Condition()
         self.delivered = 0  # inputs taken by their steps
@@ -85,7 +89,9 @@ class Mailbox:
             old = self._letters.pop(key, None)
             if old is not None:  # sent again (a retried relay): the newest counts
                 self._bytes -= old.x.nbytes
-            if len(self._letters) >= self.max_entries or self._bytes + x.nbytes > self.max_bytes:
+            if self._full(x.nbytes):
+                self._drop_leftovers()
+            if self._full(x.nbytes):
                 raise Overloaded(f"relay mailbox full ({len(self._letters)} inputs waiting)")
             self._letters[key] = _Letter(x, time.monotonic())
             self._bytes += x.nbytes
@@ -124,18 +130,40 @@ class Mailbox:
             self.delivered += 1
         deliver(letter.x)
 
+    def opened(self, session_id: str, epoch: int) -> None:
+        """A stream of the session's epoch is open (again: a kept session's next turn):
+        its inputs are wanted, not leftovers of an ended stream."""
+        with self._cond:
+            self._ended.pop((session_id, epoch), None)
+
     def drop(self, session_id: str, epoch: int) -> None:
         """Forget the inputs of a session's epoch and the steps waiting for them (its
-        stream ended)."""
+        stream ended); inputs for it that come later are leftovers."""
         with self._cond:
+            self._ended.pop((session_id, epoch), None)
+            self._ended[(session_id, epoch)] = time.monotonic()
+            while len(self._ended) > _ENDED_KEPT:
+                del self._ended[next(iter(self._ended))]
             for key in [k for k in self._letters if k[:2] == (session_id, epoch)]:
                 self._bytes -= self._letters.pop(key).x.nbytes
             for key in [k for k in self._waiters if k[:2] == (session_id, epoch)]:
                 del self._waiters[key]
 
+    def _full(self, more_bytes: int) -> bool:
+        return len(self._letters) >= self.max_entries or self._bytes + more_bytes > self.max_bytes
+
+    def _drop_leftovers(self) -> None:
+        for key in [k for k in self._letters if k[:2] in self._ended]:
+            self._bytes -= self._letters.pop(key).x.nbytes
+
     def _expire(self, now: float) -> None:
         for key in [k for k, v in self._letters.items() if now - v.arrived > self.ttl_s]:
             self._bytes -= self._letters.pop(key).x.nbytes
+        while self._ended:
+            first = next(iter(self._ended))
+            if now - self._ended[first] <= self.ttl_s:
+                break
+            del self._ended[first]
 
 
 class RelaySender:

@@ -163,6 +163,7 @@ class NodeService(pb_grpc.NodeServicer):
         # However the call ends (the driver cancels it, the connection drops), the
         # session's KV and queued steps go at once, not when this handler next wakes.
         sid, epoch = opened.session_id, opened.epoch
+        self.mailbox.opened(sid, epoch)
         if not opened.keep:
             context.add_callback(lambda: self.engine.release(sid, epoch))
         shard = self.engine.shard
