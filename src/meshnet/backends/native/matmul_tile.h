@@ -280,8 +280,16 @@ static inline __attribute__((always_inline)) TARGET void FN(ftile)(const job_t *
         for (int t = 0; t < TT; t++) acc[v][t] = ZERO();
     for (Py_ssize_t b = 0; b < nb; b++) {
         for (int v = 0; v < RV; v++) {
+            const Py_ssize_t first = (v0 + v) * LANES;
+            if (type == F32 && first + LANES <= w->rows) { /* no unpacking: turned at once */
+                const float *src = (const float *)w->packed + first * cols + b * QK;
+                for (int r = 0; r < LANES; r += 8)
+                    for (int c = 0; c < QK; c += 8)
+                        transpose8(src + r * cols + c, cols, &wb[v][c][r], LANES);
+                continue;
+            }
             for (int l = 0; l < LANES; l++) {
-                const Py_ssize_t row = (v0 + v) * LANES + l;
+                const Py_ssize_t row = first + l;
                 if (row < w->rows) dequant_block(type, w->packed + row * stride, b, rowwise[l]);
                 else memset(rowwise[l], 0, sizeof(rowwise[l]));
             }
