@@ -1,7 +1,7 @@
 """The one exception tree of meshnet.
 
 Every error a user or a peer can cause is one of these. Each class carries a
-stable ``kind`` string (used in logs, API errors and, later, the ledger), says
+stable ``kind`` string (used in logs, API errors and the ledger), says
 whether retrying elsewhere can help, and names the HTTP status it maps to at
 the API edge::
 
@@ -37,7 +37,7 @@ the API edge::
         ├── WorkerDeath              worker-death
         └── VerificationFailed       verification-failed
 
-Capacity shortfalls are return values, not exceptions (see DESIGN.md §4).
+Capacity shortfalls are return values, not exceptions (see docs/design.md §8).
 """
 
 from __future__ import annotations

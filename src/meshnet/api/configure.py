@@ -1,6 +1,6 @@
 """``POST /admin/nodes/{node_id}/configure``: one tier of a node's live configuration.
 
-The body names exactly one tier (DESIGN.md §7, node/configure.py):
+The body names exactly one tier (docs/design.md §11, node/configure.py):
 
 - ``t1`` — limits, applied at once: ``max_streams``, ``max_queued_steps``, ``log_level``;
 - ``t2`` — batching, applied at the node's next step boundary with no prompt half-run:

@@ -1,4 +1,4 @@
-"""Live configuration of a node, in three tiers (DESIGN.md §7), checked before anything moves.
+"""Live configuration of a node, in three tiers, checked before anything moves (docs/design.md §11).
 
 - **T1** (``Limits``) applies at once: Forward streams held at once, steps queued
   before ``overloaded``, the process's log level. A node has no sampling

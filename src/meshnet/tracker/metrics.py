@@ -55,7 +55,7 @@ class MeshEvent:
     at: float  # wall clock
     what: str  # "failover" | "node-down"
     node_id: str  # the node that failed
-    kind: str  # the failure kind (DESIGN.md §6)
+    kind: str  # the failure kind (docs/design.md §10)
     detail: str = ""  # what took its place, when known
 
     def as_json(self) -> dict[str, object]:
