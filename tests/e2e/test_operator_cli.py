@@ -73,6 +73,10 @@ def test_sessions(mesh: LocalMesh, capsys: pytest.CaptureFixture[str]) -> None:
     assert "STATE" in table and "running now:" in table and "GENERATION" in table
     answer = json.loads(_run(capsys, mesh, "sessions", "--json"))
     assert sum(answer["sessions"].values()) >= 1 and answer["generations"] == []
+    (listed,) = answer["listed"]  # the one session the fixture opened, found by the listing
+    assert listed["state"] == "idle" and listed["model"] == "tiny"
+    assert listed["id"] in table
+    assert json.loads(_run(capsys, mesh, "sessions", "--json", "--state", "parked"))["listed"] == []
 
 
 def test_ledger(mesh: LocalMesh, capsys: pytest.CaptureFixture[str]) -> None:

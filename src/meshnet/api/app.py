@@ -20,6 +20,7 @@ from meshnet.api import (
     models,
     openai,
     sessions,
+    watch,
 )
 from meshnet.api.auth import TrackerAuth
 from meshnet.api.body_limit import BodyLimit
@@ -28,6 +29,7 @@ from meshnet.api.state import SessionServices
 from meshnet.errors import HeartbeatLost
 from meshnet.tracker.bench_store import BenchStore
 from meshnet.tracker.billing import Settlement
+from meshnet.tracker.events import EventLog
 from meshnet.tracker.loops import LoopHealth
 from meshnet.tracker.model_admin import ModelAdmin
 from meshnet.tracker.placement import Placement
@@ -35,6 +37,8 @@ from meshnet.tracker.retention import Retention
 from meshnet.tracker.route_bench import RouteBench
 from meshnet.tracker.served import ServedModel, ServedModels
 from meshnet.tracker.service import Tracker
+from meshnet.tracker.session_list import SessionList
+from meshnet.tracker.state_watch import StateWatch
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +72,9 @@ def create_app(
     placement = served.first.placement
     model_admin = model_admin or ModelAdmin(served)
     tracker.metrics.served = lambda: [m.tracker for m in served]  # every model's, scraped
+    events = EventLog()
+    state_watch = StateWatch(services.sessions.store, tracker.store, events)
+    watching = watch.Watching(events, SessionList(tracker.store.db, served.first_name))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -78,6 +85,7 @@ def create_app(
             asyncio.create_task(tracker.ledger.run_forever()),
             asyncio.create_task(model_admin.run_forever()),  # every model's placement
             asyncio.create_task(settlement.run_forever()),
+            asyncio.create_task(state_watch.run_forever()),
         ]
         if retention is not None:
             loops.append(asyncio.create_task(retention.run_forever()))
@@ -101,6 +109,7 @@ def create_app(
     app.state.model_admin = model_admin
     app.state.sessions = services
     app.state.auth = auth
+    app.state.watching = watching
     app.state.route_bench = route_bench or RouteBench(tracker, BenchStore(tracker.store.db))
     app.state.loops = [
         sweeper,
@@ -108,6 +117,7 @@ def create_app(
         services.sessions.policy_health,
         placement.health,
         settlement.health,
+        state_watch.health,
         *([retention.health] if retention is not None else []),
     ]
     install_error_handlers(app)
@@ -116,6 +126,7 @@ def create_app(
     app.include_router(openai.router)
     app.include_router(sessions.router)
     app.include_router(admin.router)
+    app.include_router(watch.router)
     app.include_router(configure.router)
     app.include_router(benchmarks.router)
     app.include_router(mesh.router)

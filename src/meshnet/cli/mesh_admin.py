@@ -40,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         _add_common(p)
         if show is show_ledger:
             _add_ledger_flags(p)
+        if show is show_sessions:
+            _add_session_flags(p)
         p.set_defaults(run=_runner(show))
         if show is show_models:
             model_actions.add_parsers(p, _add_common, _runner)
@@ -80,6 +82,13 @@ def _add_ledger_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node", help="only this node's attempts (with --records)")
     p.add_argument("--generation", help="only this generation's (session's) attempts")
     p.add_argument("--limit", type=int, default=100, help="attempts listed, oldest first")
+
+
+def _add_session_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state", action="append", default=[], help="list sessions in this state")
+    p.add_argument("--model", help="list sessions on this model")
+    p.add_argument("--tenant", help="list sessions this tenant owns")
+    p.add_argument("--limit", type=int, default=20, help="sessions listed at most (20)")
 
 
 def admin_token(args: argparse.Namespace, env: Mapping[str, str]) -> str:
@@ -146,7 +155,29 @@ def show_sessions(admin: AdminClient, args: argparse.Namespace) -> tuple[dict[st
         for g in running
     ]
     generations = render(["GENERATION", "EPOCH", "ROUTE", "RECOVERIES"], rows)
-    return answer, f"{by_state}\n\nrunning now:\n{generations}"
+    listed = _listed_sessions(admin, args)
+    answer["listed"] = listed
+    table = render(
+        ["SESSION", "STATE", "MODEL", "TENANT", "TOKENS", "TURNS"],
+        [[s["id"], s["state"], s["model"], s["tenant"], s["tokens"], s["turns"]] for s in listed],
+    )
+    return answer, f"{by_state}\n\nrunning now:\n{generations}\n\nsessions:\n{table}"
+
+
+def _listed_sessions(admin: AdminClient, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Up to ``--limit`` sessions matching the filters, a page at a time."""
+    wanted = {"state": ",".join(args.state), "model": args.model, "tenant": args.tenant}
+    filters = {k: v for k, v in wanted.items() if v}
+    listed: list[dict[str, Any]] = []
+    after = ""
+    while len(listed) < args.limit:
+        page = min(500, args.limit - len(listed))
+        answer = admin.get("/admin/sessions", **filters, after=after, limit=page)
+        listed += answer["sessions"]
+        if answer["next"] is None:
+            break
+        after = answer["next"]
+    return listed[: args.limit]
 
 
 def show_ledger(admin: AdminClient, args: argparse.Namespace) -> tuple[dict[str, Any], str]:

@@ -212,6 +212,10 @@ class SessionStore:
         )
         return parse_rows(rows, _session, "session")
 
+    def states(self) -> dict[str, str]:
+        """Every session's state by id (ended ones too, until retention purges them)."""
+        return {str(r[0]): str(r[1]) for r in self._db.query("SELECT id, state FROM sessions")}
+
     def set_state(
         self, session_id: str, state: SessionState, when: tuple[SessionState, ...]
     ) -> bool:
