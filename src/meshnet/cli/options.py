@@ -202,6 +202,13 @@ def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
         ),
         p.add_argument("--max-recoveries", type=int, default=8, help="failovers per generation"),
         p.add_argument(
+            "--route-wait",
+            type=float,
+            default=15.0,
+            help="seconds a failover waits for a failed range to be served again (a node "
+            "restarting, a heal) before its generation fails",
+        ),
+        p.add_argument(
             "--replicas",
             type=replica_count,
             default=1,
@@ -250,7 +257,8 @@ def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
             "--queue-wait",
             type=float,
             default=1.0,
-            help="seconds a request waits for capacity before its 429",
+            help="seconds a request waits for capacity (or for a complete route) before its "
+            "429 (503)",
         ),
         p.add_argument("--park-after", type=float, default=300.0, help="idle seconds; 0: never"),
         p.add_argument(

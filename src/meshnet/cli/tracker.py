@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
                 step_timeout_s=args.step_timeout,
                 generation_timeout_s=args.generation_timeout,
                 max_recoveries=args.max_recoveries,
+                route_wait_s=args.route_wait,
                 relay=args.relay,
                 autorun=args.autorun,
             ),

@@ -4,8 +4,11 @@ briefly in a bounded queue or is told to come back (``Overloaded``, 429 + Retry-
 The tracker holds at most ``max_in_flight`` generations, and a node at most as many
 streams as it says it can hold (its heartbeat's ``max_streams``, or
 ``node_streams``). A request that finds no room waits, up to ``queue_wait_s``,
-for a generation to end; at most ``max_queued`` wait at once. Reserving is
-synchronous on the event loop, so two requests can never both take the last slot.
+for a generation to end; at most ``max_queued`` wait at once. One that finds no
+complete route (``NoRoute``: a node restarting, a range being healed) waits the
+same way for one to appear, looking again every ``route_poll_s``, before its
+503. Reserving is synchronous on the event loop, so two requests can never both
+take the last slot.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from meshnet.errors import Overloaded
+from meshnet.errors import NoRoute, Overloaded
 from meshnet.tracker.registry import NodeId, NodeRecord
 
 T = TypeVar("T")
@@ -29,7 +32,8 @@ class AdmissionConfig:
     max_in_flight: int = 64  # generations this tracker drives at once
     node_streams: int = 32  # streams per node when the node does not say
     max_queued: int = 256  # requests waiting for room; more get 429 at once
-    queue_wait_s: float = 1.0  # how long one waits before its 429
+    queue_wait_s: float = 1.0  # how long one waits before its 429 (or 503: no route)
+    route_poll_s: float = 0.25  # how often one waiting for a route looks again
 
     @property
     def retry_after_s(self) -> int:
@@ -82,15 +86,16 @@ class Admission:
         return Overloaded(f"{why}; try again shortly", retry_after_s=self.config.retry_after_s)
 
     async def acquire(self, attempt: Callable[[], T]) -> T:
-        """``attempt()`` (which reserves), waiting in the queue while it is ``Overloaded``.
-
-        Raises its last ``Overloaded`` when the queue is full or the wait ran out.
+        """``attempt()`` (which reserves), waiting in the queue while it is ``Overloaded``
+        or finds ``NoRoute``. Raises its last refusal when the queue is full or the wait
+        ran out.
         """
         try:
             return attempt()
-        except Overloaded:
+        except (Overloaded, NoRoute) as e:
             if self._waiting >= self.config.max_queued:
                 raise
+            routeless = isinstance(e, NoRoute)
         deadline = time.monotonic() + self.config.queue_wait_s
         self._waiting += 1
         try:
@@ -98,7 +103,9 @@ class Admission:
                 self._freed.clear()
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return attempt()  # one last try; its Overloaded is the answer
+                    return attempt()  # one last try; its refusal is the answer
+                if routeless:  # nothing tells of a node's return: look again soon
+                    left = min(left, self.config.route_poll_s)
                 try:
                     async with asyncio.timeout(left):
                         await self._freed.wait()
@@ -106,9 +113,10 @@ class Admission:
                     pass
                 try:
                     return attempt()
-                except Overloaded:
+                except (Overloaded, NoRoute) as e:
                     if time.monotonic() >= deadline:
                         raise
+                    routeless = isinstance(e, NoRoute)
         finally:
             self._waiting -= 1
 

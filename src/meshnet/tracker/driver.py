@@ -119,6 +119,11 @@ class DriverLimits:
     open_timeout_s: float = 10.0
     generation_timeout_s: float = 600.0  # whole generation, also the streams' gRPC deadline
     max_recoveries: int = 8  # failovers one generation may take
+    # A failed span nothing serves now (its only node restarting, a heal loading) is
+    # waited for this long, looked for again every route_poll_s, before the generation
+    # fails: a mesh under churn answers late rather than not at all.
+    route_wait_s: float = 15.0
+    route_poll_s: float = 0.25
     fence_timeout_s: float = 60.0  # how long a failed node is sent its fence
     relay: bool = True  # hops send activations to each other; False: all through the driver
     autorun: bool = True  # a route's hops run their decode steps ahead by themselves
@@ -722,6 +727,29 @@ class RouteDriver:
 
     # --- failover -----------------------------------------------------------------
 
+    async def _replacement(
+        self,
+        gen: Generation,
+        route: Route,
+        failed: Hop | None,
+        error: MeshnetError,
+        fabric: Fabric,
+    ) -> Reroute:
+        """The fabric's new route; while it has none, asked again every ``route_poll_s``
+        for up to ``route_wait_s`` (a node coming back, a replica, a heal), then the
+        failure, saying no replacement was found."""
+        deadline = time.monotonic() + self.limits.route_wait_s
+        while True:
+            try:
+                return await fabric.reroute(route, failed, error)
+            except NoRoute as e:
+                if gen.verdict is not None:
+                    raise gen.verdict from None
+                if time.monotonic() >= deadline:
+                    message = f"{error.message}; no replacement: {e.message}"
+                    raise type(error)(message, node_id=error.node_id) from None
+            await asyncio.sleep(self.limits.route_poll_s)
+
     async def _fail_over(self, gen: Generation, error: MeshnetError, fabric: Fabric) -> None:
         """Move the generation to a new epoch on a route without the failed node, or raise.
 
@@ -740,11 +768,7 @@ class RouteDriver:
                 raise error
             gen.failovers += 1
             pending.failures[error.node_id] = error.kind
-            try:
-                reroute = await fabric.reroute(route, failed, error)
-            except NoRoute as e:
-                message = f"{error.message}; no replacement: {e.message}"
-                raise type(error)(message, node_id=error.node_id) from None
+            reroute = await self._replacement(gen, route, failed, error, fabric)
             survivors = {
                 hop_key(link.hop): link
                 for link in gen.links

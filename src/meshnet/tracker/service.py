@@ -269,7 +269,8 @@ class Tracker:
                 if not e.node_id:
                     raise
                 last = e
-                if await self._node_failed(e.node_id, e.kind):
+                met_at = next((h.address for h in route if h.node_id == e.node_id), "")
+                if await self._node_failed(e.node_id, e.kind, met_at):
                     if named is not None:
                         raise NoRoute(f"node {e.node_id} of the named route failed: {e}") from None
                     continue  # a dead or misbehaving node: route around it
@@ -385,7 +386,7 @@ class Tracker:
         span = failed.layers
         if error.kind in _DEAD_KINDS:
             exclude = frozenset({failed.node_id})
-            if not await self._node_failed(failed.node_id, error.kind):
+            if not await self._node_failed(failed.node_id, error.kind, failed.address):
                 # Slow, not gone: a replica takes the span if there is one, else it does.
                 chain = self._replicas(span, exclude, backend) or self._replicas(
                     span, frozenset(), backend
@@ -417,7 +418,7 @@ class Tracker:
         if (
             failed is not None
             and error.kind in _DEAD_KINDS
-            and await self._node_failed(failed.node_id, error.kind)
+            and await self._node_failed(failed.node_id, error.kind, failed.address)
         ):
             raise NoRoute(f"node {failed.node_id} of the named route is down")
         if not self.usable(route):
@@ -516,17 +517,24 @@ class Tracker:
         for gen in self.generations():
             gen.node_lost(node_id, verdict)
 
-    async def _node_failed(self, node_id: str, kind: str) -> bool:
+    async def _node_failed(self, node_id: str, kind: str, met_at: str = "") -> bool:
         """Mark a node that failed a call down; True when it was. A timeout or silence
         is first checked by a probe: a node that answers is slow, not gone, and stays up.
         A broken stream (the node answered a probe on a fresh connection) is no verdict
-        on the node: its channel is dialled afresh, it stays up."""
+        on the node: its channel is dialled afresh, it stays up. ``met_at``: the address
+        the failure came from; a node registered at another address since is a new
+        process, which the old one's failure says nothing about (it stays up)."""
         if not node_id:
             return False
         if kind == VerificationFailed.kind:
             return True  # quarantined already (NodeTrust.quarantine)
         node = self.store.node(node_id)
         address = node.address if node is not None else None
+        if met_at and address and address != met_at:
+            log.info(
+                "node %s failed (%s) at %s, but it runs at %s now", node_id, kind, met_at, address
+            )
+            return False
         if kind == StreamReset.kind:
             log.info("node %s: its stream broke but it answers; dialling it afresh", node_id)
             if address:
