@@ -15,9 +15,11 @@ import httpx
 import pytest
 from conftest import MeshFactory
 from faults import nodes, wait_until_up
+from solo import solo_completion_ids
 from streams import Streamed, serving, stream_completion
 from verification_views import ledger, wait_state
 
+from meshnet.engine.local import load_local_model
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
 
@@ -48,6 +50,16 @@ def _ids(mesh: LocalMesh, body: dict[str, Any]) -> list[int]:
     r = httpx.post(f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers, timeout=120)
     assert r.status_code == 200, r.text
     return list(r.json()["meshnet"]["ids"])
+
+
+@pytest.mark.parametrize("layout", ["0:4", "0:2,2:4"], ids=["one-node", "two-nodes"])
+def test_the_mesh_gives_the_in_process_ids(
+    mesh_factory: MeshFactory, long_tiny: Path, layout: str
+) -> None:
+    """The last hop samples with the controls as the in-process engine does; a node
+    holding every layer runs its steps by itself (autorun), carrying the ids on."""
+    mesh = mesh_factory(layout, model=long_tiny)
+    assert _ids(mesh, CONTROLLED) == solo_completion_ids(load_local_model(long_tiny), CONTROLLED)
 
 
 def test_a_failover_mid_generation_with_penalties_gives_the_same_ids(
