@@ -266,3 +266,14 @@ def test_completions_echo_starts_with_the_prompt(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(echo=True, logprobs=1, **kwargs)
     assert isinstance(e.value.body, dict) and e.value.body["param"] == "echo"
+
+
+def test_ignore_eos_goes_on_past_the_end_of_the_answer(client: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = _chat(client, messages=ask, max_tokens=16, temperature=0)
+    assert answer.choices[0].finish_reason == "stop"
+    longer = _chat(
+        client, messages=ask, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert longer.choices[0].finish_reason == "length" and len(_ids(longer)) == 16
+    assert _ids(longer)[: len(_ids(answer))] == _ids(answer)

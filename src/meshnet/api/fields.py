@@ -24,8 +24,8 @@ from meshnet.errors import UnsupportedField
 
 Endpoint = Literal["chat", "text"]
 
-# Both endpoints; ``top_k``, ``repetition_penalty``, ``min_p`` and ``meshnet`` are
-# meshnet's own (llama.cpp and vLLM take the first three too).
+# Both endpoints; ``top_k``, ``repetition_penalty``, ``min_p``, ``ignore_eos`` and
+# ``meshnet`` are meshnet's own (llama.cpp and vLLM take the first four too).
 _COMMON = frozenset(
     {
         "model",
@@ -35,6 +35,7 @@ _COMMON = frozenset(
         "top_p",
         "top_k",
         "min_p",
+        "ignore_eos",
         "repetition_penalty",
         "presence_penalty",
         "frequency_penalty",

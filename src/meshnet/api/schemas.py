@@ -87,6 +87,7 @@ class _Sampling(_Lenient):
     presence_penalty: float = Field(default=0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
     frequency_penalty: float = Field(default=0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    ignore_eos: bool = False
     # token id (as a JSON key) -> added to its logit
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
@@ -142,6 +143,7 @@ class _Sampling(_Lenient):
             frequency_penalty=self.frequency_penalty,
             logit_bias=tuple(bias),
             min_p=self.min_p,
+            ignore_eos=self.ignore_eos,
         )
 
     @property

@@ -71,7 +71,7 @@ class RequestState:
         """Record a token sampled elsewhere (the route's last node); the text it made final."""
         self.ids.append(token)
         delta = ""
-        if token in self._eog:
+        if token in self._eog and not self.params.ignore_eos:
             self.finish = "stop"
         else:
             delta = self._stream.push(token)

@@ -54,6 +54,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence of a generated id
     logit_bias: tuple[tuple[int, float], ...] = ()  # (id, added to its logit), ids ascending
     min_p: float = 0.0  # 0 means no cut; else drop ids under min_p x the likeliest's p
+    ignore_eos: bool = False  # an end-of-generation id does not stop (max_tokens, stop do)
 
     def __post_init__(self) -> None:
         checks = [
