@@ -159,6 +159,15 @@ def test_an_image_part_is_a_400_naming_it(client: openai.OpenAI) -> None:
     assert "image_url" in body["message"]
 
 
+def test_a_message_field_the_template_cannot_render_is_a_400_naming_it(
+    client: openai.OpenAI,
+) -> None:
+    named = [{"role": "user", "content": "Hi", "name": "ada"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, messages=named, max_tokens=2)
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == "messages.0.name"
+
+
 def test_embeddings_and_other_missing_paths_are_openai_404s(
     client: openai.OpenAI, mesh: LocalMesh
 ) -> None:

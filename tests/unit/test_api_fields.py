@@ -26,6 +26,7 @@ def test_each_field_is_in_one_list_only(endpoint: Any) -> None:
         {"model": "m", "messages": [], "user": "u", "metadata": {}, "store": True},
         {"model": "m", "response_format": {"type": "text"}, "modalities": ["text"]},
         {"model": "m", "tools": None, "reasoning_effort": None},  # null asks for nothing
+        {"messages": [{"role": "assistant", "content": "x", "refusal": None}]},
     ],
 )
 def test_what_asks_for_nothing_passes(body: dict[str, Any]) -> None:
@@ -42,6 +43,12 @@ def test_what_asks_for_nothing_passes(body: dict[str, Any]) -> None:
         ("chat", {"temprature": 0.2}, "temprature"),
         ("text", {"suffix": "x"}, "suffix"),
         ("text", {"top_logprobs": 2}, "top_logprobs"),  # chat only
+        ("chat", {"messages": [{"role": "user", "content": "x", "name": "a"}]}, "messages.0.name"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "1"}]},
+            "messages.1.tool_call_id",
+        ),
     ],
 )
 def test_a_refused_or_unknown_field_is_named(

@@ -11,8 +11,13 @@ without meaning, or refused. Nothing is silently ignored.
 - any other field is refused the same way, as unknown: a misspelt control is a
   400, never a default.
 
-``REFUSED_FOR_NOW`` are the fields another piece of work makes honoured (tool
-calls, structured outputs, reasoning): they move out of it as they land.
+The same holds for each chat message's fields (``MESSAGE_*``): ``role`` and
+``content`` are honoured, anything else is refused with ``param``
+``messages.N.field``.
+
+``REFUSED_FOR_NOW`` and ``MESSAGE_REFUSED_FOR_NOW`` are the fields another piece
+of work makes honoured (tool calls, structured outputs, reasoning): they move out
+of them as they land.
 """
 
 from __future__ import annotations
@@ -106,16 +111,43 @@ REFUSED: Mapping[str, Refusal] = {
 }
 
 
+MESSAGE_HONOURED = frozenset({"role", "content"})
+
+MESSAGE_REFUSED_FOR_NOW: Mapping[str, Refusal] = {
+    "tool_calls": ("tool calls are not supported yet", _never),
+    "tool_call_id": ("tool calls are not supported yet", _never),
+    "reasoning_content": ("reasoning is not supported yet", _never),
+}
+
+MESSAGE_REFUSED: Mapping[str, Refusal] = {
+    **MESSAGE_REFUSED_FOR_NOW,
+    "name": ("participant names are not rendered by the chat template", _never),
+    "function_call": ("the deprecated functions API is not supported", _never),
+    "audio": ("audio is not supported", _never),
+    "refusal": ("refusals are not rendered by the chat template", _never),
+}
+
+
 def check_fields(endpoint: Endpoint, body: Mapping[str, Any]) -> None:
-    """Raise ``UnsupportedField`` naming the first field of ``body`` that ``endpoint``
-    neither honours nor may accept without meaning."""
-    honoured = HONOURED[endpoint]
-    for name, value in body.items():
-        if name in honoured or name in MEANINGLESS or value is None:
+    """Raise ``UnsupportedField`` naming the first field of ``body`` (or of one of its
+    chat messages) that ``endpoint`` neither honours nor may accept without meaning."""
+    _check(body, HONOURED[endpoint] | MEANINGLESS, REFUSED, "")
+    messages = body.get("messages")
+    if endpoint == "chat" and isinstance(messages, list):
+        for i, message in enumerate(messages):
+            if isinstance(message, dict):
+                _check(message, MESSAGE_HONOURED, MESSAGE_REFUSED, f"messages.{i}.")
+
+
+def _check(
+    fields: Mapping[str, Any], taken: frozenset[str], refused: Mapping[str, Refusal], at: str
+) -> None:
+    for name, value in fields.items():
+        if name in taken or value is None:
             continue  # null asks for nothing: OpenAI's clients send it for "not given"
-        refusal = REFUSED.get(name)
+        refusal = refused.get(name)
         if refusal is None:
-            raise UnsupportedField(f"unknown field {name!r} is not supported", name)
+            raise UnsupportedField(f"unknown field '{at}{name}' is not supported", at + name)
         reason, asks_nothing = refusal
         if not asks_nothing(value):
-            raise UnsupportedField(f"{name}: {reason}", name)
+            raise UnsupportedField(f"{at}{name}: {reason}", at + name)
