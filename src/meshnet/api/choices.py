@@ -106,6 +106,13 @@ async def merged(choices: Sequence[Choice]) -> AsyncGenerator[tuple[int, Event],
     for choice in choices:
         yield choice.index, choice.first
     live = [c for c in choices if not isinstance(c.first, DoneEvent)]
+    if len(live) == 1:  # one choice (the usual): its events as they are, no task between
+        try:
+            async for event in live[0].events:
+                yield live[0].index, event
+        finally:
+            await _stop([], choices)
+        return
     queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue(
         maxsize=4 * max(len(live), 1)
     )
