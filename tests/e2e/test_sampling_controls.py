@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import MeshFactory
-from faults import nodes, wait_until_up
+from faults import nodes, wait_kv_idle, wait_until_up
 from solo import solo_completion_ids
 from streams import Streamed, serving, stream_completion
 from verification_views import ledger, wait_state
@@ -118,3 +118,20 @@ def test_a_last_hop_that_ignores_the_penalties_is_caught(
     node = wait_state(mesh, "cheater", "quarantined")
     assert "sampled other ids" in node["down_reason"], node
     assert not any(r["billable"] for r in ledger(mesh, "cheater"))
+
+
+def test_n_choices_equal_solo_runs_and_a_hang_up_frees_them_all(
+    mesh_factory: MeshFactory, long_tiny: Path
+) -> None:
+    mesh = mesh_factory("0:2,2:4", model=long_tiny)
+    body = {**CONTROLLED, "max_tokens": 40}
+    r = httpx.post(
+        f"{mesh.url}/v1/completions", json={**body, "n": 3}, headers=mesh.api_headers, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    for i, choice in enumerate(choices):
+        assert choice["meshnet"]["ids"] == _ids(mesh, {**body, "seed": body["seed"] + i})
+    streamed = stream_completion(mesh, {**CONTROLLED, "n": 3}, lambda n, s: n == 15)
+    assert streamed.hung_up and streamed.final is None
+    wait_kv_idle(mesh, ["node-0", "node-1"], within_s=10.0)
