@@ -123,6 +123,7 @@ def test_fields_that_ask_for_nothing_pass(client: openai.OpenAI) -> None:
         ("logit_bias", {"12": 101}),
         ("logit_bias", {"999999": 1}),
         ("logit_bias", {"the": 1}),
+        ("logit_bias", {"07": 1}),
         ("n", 0),
         ("n", 17),
     ],

@@ -108,9 +108,9 @@ class _Sampling(_Lenient):
     @classmethod
     def _bias_entries(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (bias or {}).items():
-            if not key.isdigit() or len(key) > 9:
+            if not (key.isascii() and key.isdigit()) or len(key) > 9 or str(int(key)) != key:
                 raise ValueError(f"{key!r} is not a token id")
-            if abs(value) > LOGIT_BIAS_LIMIT:
+            if not abs(value) <= LOGIT_BIAS_LIMIT:  # NaN too
                 raise ValueError(f"the bias of {key} must be in [-100, 100]")
         return bias
 
