@@ -13,6 +13,7 @@ the API edge::
     │   └── LayerRangeError          layer-range-invalid      no         400
     ├── TokenizerError               tokenizer-invalid        no         400
     ├── RequestError                 bad-request              no         400
+    │   ├── UnsupportedField         unsupported-parameter    no         400
     │   ├── Unauthenticated          unauthenticated          no         401
     │   ├── PermissionDenied         permission-denied        no         403
     │   ├── ModelNotFound            model-not-found          no         404
@@ -104,6 +105,19 @@ class RequestError(MeshnetError):
 
     kind = "bad-request"
     http_status = 400
+
+    def __init__(self, message: str, node_id: str = "", param: str | None = None) -> None:
+        super().__init__(message, node_id)
+        self.param = param  # the request field at fault (OpenAI's error ``param``)
+
+
+class UnsupportedField(RequestError):
+    """A request field this API does not honour: refused, never silently ignored."""
+
+    kind = "unsupported-parameter"
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message, param=param)
 
 
 class ModelNotFound(RequestError):

@@ -23,6 +23,8 @@ cheating).
   off), so that the next hop's rows differ from the verifier's;
 - ``sample``: computes honestly, but as a last hop picks the id after the sampler's
   (calibration samples nothing, so AFTER counts picks, not forwards);
+- ``unpenalised``: computes honestly, but as a last hop samples as if the request
+  asked for no presence / frequency penalty and no logit bias (AFTER is ignored);
 - ``silent``: computes honestly, but sends no commitment of what it computes after its
   AFTER forwards (no check could reach its work).
 """
@@ -92,16 +94,26 @@ def patch(cheat: str, after: int) -> None:
         return dataclasses.replace(shard, layers=layers)  # claims the whole range
 
     class Sampler(service.Sampler):
-        def sample(self, logits: np.ndarray, history: Any) -> int:
-            honest = super().sample(logits, history)
+        def sample(self, logits: np.ndarray, history: Any, *, generated_from: int) -> int:
+            honest = super().sample(logits, history, generated_from=generated_from)
             calls[0] += 1
             return honest if calls[0] <= after else (honest + 1) % len(logits)
+
+    class Unpenalised(service.Sampler):
+        def __init__(self, params: Any, draws: int = 0) -> None:
+            plain = dataclasses.replace(
+                params, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=()
+            )
+            super().__init__(plain, draws)
 
     def chunks(work: Any) -> list[Any]:
         return _honest_chunks(work) if calls[0] <= after else []
 
     if cheat == "sample":
         service.Sampler = Sampler  # type: ignore[misc]
+        return
+    if cheat == "unpenalised":
+        service.Sampler = Unpenalised  # type: ignore[misc]
         return
     if cheat == "silent":
         service._chunks = chunks  # what a step's answer commits to

@@ -28,5 +28,11 @@ def _params(body: dict[str, Any]) -> SamplingParams:
         max_tokens=body["max_tokens"],
         temperature=body.get("temperature", 1.0),
         top_p=body.get("top_p", 1.0),
+        top_k=body.get("top_k", 0),
+        repetition_penalty=body.get("repetition_penalty", 1.0),
         seed=body.get("seed"),
+        presence_penalty=body.get("presence_penalty", 0.0),
+        frequency_penalty=body.get("frequency_penalty", 0.0),
+        logit_bias=tuple(sorted((int(k), v) for k, v in body.get("logit_bias", {}).items())),
+        min_p=body.get("min_p", 0.0),
     )

@@ -125,7 +125,7 @@ def test_admin_nodes_lists_what_a_operator_needs(
         ({"messages": [{"role": "user", "content": "x"}]}, 400, "bad-request"),
         ({"model": "tiny", "messages": "nope"}, 400, "bad-request"),
         (
-            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2},
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 17},
             400,
             "bad-request",
         ),

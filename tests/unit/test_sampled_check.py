@@ -17,6 +17,18 @@ START = 32  # the chunk checked: positions [32, 64), whose picks are ids 40..64
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=32, temperature=0.9, top_p=0.9, repetition_penalty=1.2, seed=7)
+OPENAI = SamplingParams(  # OpenAI's controls: penalties over the generated ids, a bias, min-p
+    max_tokens=32,
+    temperature=0.8,
+    presence_penalty=1.5,
+    frequency_penalty=2.0,
+    logit_bias=((3, 5.0), (17, -100.0)),
+    min_p=0.05,
+    seed=11,
+)
+GREEDY_BIASED = SamplingParams(max_tokens=32, frequency_penalty=2.0, logit_bias=((5, 4.0),))
+CASES = [GREEDY, SEEDED, OPENAI, GREEDY_BIASED]
+CASE_IDS = ["greedy", "seeded-penalised", "openai-controls", "greedy-biased"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +43,9 @@ def _generate(model: TrustedModel, params: SamplingParams, wrong_at: int = -1) -
     end = model.spec.n_layers
     for draws in range(25):
         logits = model.logits_of(model.boundary_rows(np.asarray(ids), end)[-1])
-        pick = Sampler(params, 0 if params.greedy else draws).sample(logits, ids)
+        pick = Sampler(params, 0 if params.greedy else draws).sample(
+            logits, ids, generated_from=PROMPT
+        )
         ids.append((pick + 1) % len(logits) if len(ids) == wrong_at else pick)
     return ids
 
@@ -50,14 +64,14 @@ def _claim(
     return SpanClaim("last", "g", layers, START, digest, tuple(ids[:end]), (), sampled)
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded-penalised"])
+@pytest.mark.parametrize("params", CASES, ids=CASE_IDS)
 def test_honest_picks_pass(trusted: TrustedModel, params: SamplingParams) -> None:
     ids = _generate(trusted, params)
     verdict = check_span(trusted, _claim(trusted, ids, params))
     assert verdict.passed, verdict.detail
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded-penalised"])
+@pytest.mark.parametrize("params", CASES, ids=CASE_IDS)
 def test_a_last_hop_that_picks_another_id_fails_though_its_rows_are_honest(
     trusted: TrustedModel, params: SamplingParams
 ) -> None:
@@ -65,6 +79,19 @@ def test_a_last_hop_that_picks_another_id_fails_though_its_rows_are_honest(
     verdict = check_span(trusted, _claim(trusted, ids, params))
     assert not verdict.passed
     assert "position 50" in verdict.detail and "sampled other ids" in verdict.detail
+
+
+@pytest.mark.parametrize("params", [OPENAI, GREEDY_BIASED], ids=["seeded", "greedy"])
+def test_a_last_hop_that_ignores_the_penalties_and_bias_fails(
+    trusted: TrustedModel, params: SamplingParams
+) -> None:
+    plain = SamplingParams(
+        max_tokens=32, temperature=params.temperature, min_p=params.min_p, seed=params.seed
+    )
+    ids = _generate(trusted, plain)  # what a node sampling without them picks
+    assert ids != _generate(trusted, params)
+    verdict = check_span(trusted, _claim(trusted, ids, params))
+    assert not verdict.passed and "sampled other ids" in verdict.detail
 
 
 def test_a_pick_another_node_made_is_not_held_against_this_one(trusted: TrustedModel) -> None:

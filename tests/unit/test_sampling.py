@@ -16,12 +16,12 @@ LOGITS = [rng.standard_normal(500).astype(np.float32) for _ in range(40)]
 
 def _draw(params: SamplingParams) -> list[int]:
     s = Sampler(params)
-    return [s.sample(lg, []) for lg in LOGITS]
+    return [s.sample(lg, [], generated_from=0) for lg in LOGITS]
 
 
 def test_greedy_is_argmax_with_lowest_id_on_ties() -> None:
     logits = np.array([0.0, 3.0, 1.0, 3.0], np.float32)
-    assert Sampler(SamplingParams()).sample(logits, []) == 1
+    assert Sampler(SamplingParams()).sample(logits, [], generated_from=0) == 1
 
 
 def test_same_seed_same_tokens_and_other_seed_other_tokens() -> None:
@@ -41,7 +41,7 @@ def test_top_k_keeps_only_the_k_best() -> None:
     s = Sampler(p)
     logits = LOGITS[0]
     best3 = set(np.argsort(-logits)[:3].tolist())
-    assert {s.sample(logits, []) for _ in range(200)} <= best3
+    assert {s.sample(logits, [], generated_from=0) for _ in range(200)} <= best3
 
 
 def test_nucleus_keeps_the_smallest_set_reaching_top_p() -> None:
@@ -56,7 +56,10 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p() -> None:
 def test_sampling_follows_the_distribution() -> None:
     logits = np.log(np.array([0.7, 0.2, 0.1], np.float32))
     s = Sampler(SamplingParams(temperature=1.0, seed=0))
-    counts = np.bincount([s.sample(logits, []) for _ in range(4000)], minlength=3) / 4000
+    counts = (
+        np.bincount([s.sample(logits, [], generated_from=0) for _ in range(4000)], minlength=3)
+        / 4000
+    )
     assert np.allclose(counts, [0.7, 0.2, 0.1], atol=0.03)
 
 
@@ -65,7 +68,7 @@ def test_repetition_penalty_makes_seen_tokens_less_likely() -> None:
     out = apply_repetition_penalty(scores, [0, 1, 1], 2.0)
     assert out.tolist() == [1.0, -2.0, 1.0]
     s = Sampler(SamplingParams(repetition_penalty=3.0))
-    assert s.sample(np.array([2.0, 1.0], np.float32), [0]) == 1
+    assert s.sample(np.array([2.0, 1.0], np.float32), [0], generated_from=0) == 1
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from meshnet.api import (
     health,
     mesh,
     metrics,
+    missing,
     models,
     openai,
     sessions,
@@ -134,6 +135,7 @@ def create_app(
     app.include_router(metrics.admin)
     app.include_router(dashboard.page)
     app.include_router(dashboard.admin)
+    app.include_router(missing.router)  # last: only what no other route takes
     return app
 
 

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from meshnet.errors import MeshnetError
+from meshnet.errors import MeshnetError, RequestError
 from meshnet.tracker.database import unavailable
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ def retry_headers(e: MeshnetError) -> dict[str, str]:
 
 
 def error_body(e: MeshnetError) -> dict[str, Any]:
-    return _body(http_status(e), e.message, e.kind)
+    param = e.param if isinstance(e, RequestError) else None
+    return _body(http_status(e), e.message, e.kind, param)
 
 
 def _body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:

@@ -1,22 +1,33 @@
 """Request bodies of the public API, parsed at the edge into typed values.
 
-OpenAI clients send fields we do not use (``user``…); those are ignored, but
-every field we do use is validated, and values we cannot honour (``n > 1``) are
-refused with 400 rather than silently changed.
+Which fields of the OpenAI endpoints are honoured, accepted without meaning or
+refused is ``api/fields.py``'s contract, checked before anything else; every
+field honoured is validated here (a value out of range is a 400 naming it).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from meshnet.api.fields import Endpoint, check_fields
+from meshnet.errors import RequestError
 from meshnet.model.logprobs import MAX_TOP_LOGPROBS
+from meshnet.model.penalties import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, PENALTY_LIMIT
 from meshnet.model.sampling import MAX_STOP_STRINGS, SamplingParams
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 1024
 DEFAULT_MAX_TOKENS = 256
+MAX_CHOICES = 16  # n: each choice is a generation of its own on the mesh
 
 
 class _Lenient(BaseModel):
@@ -25,7 +36,25 @@ class _Lenient(BaseModel):
 
 class ChatMessageIn(_Lenient):
     role: Literal["system", "user", "assistant", "tool"]
+    # A string, or a list of content parts: text parts are joined with "\n" (as vLLM
+    # does); a part of any other type (an image, audio, a file) is refused, named.
     content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _joined_parts(cls, content: Any) -> Any:
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content part type {kind!r} is not supported, only 'text'")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ValueError("a text content part needs its 'text' string")
+            texts.append(text)
+        return "\n".join(texts)
 
 
 class StreamOptions(_Lenient):
@@ -46,6 +75,8 @@ class MeshnetOptions(BaseModel):
 
 
 class _Sampling(_Lenient):
+    endpoint: ClassVar[Endpoint]
+
     model: str = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -53,19 +84,35 @@ class _Sampling(_Lenient):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    presence_penalty: float = Field(default=0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    frequency_penalty: float = Field(default=0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    ignore_eos: bool = False
+    # token id (as a JSON key) -> added to its logit
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     meshnet: MeshnetOptions | None = None
 
-    @field_validator("n")
+    @model_validator(mode="before")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n = 1 is supported")
-        return n
+    def _field_policy(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_fields(cls.endpoint, data)  # UnsupportedField: a 400 naming the field
+        return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_entries(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 9 or str(int(key)) != key:
+                raise ValueError(f"{key!r} is not a token id")
+            if not abs(value) <= LOGIT_BIAS_LIMIT:  # NaN too
+                raise ValueError(f"the bias of {key} must be in [-100, 100]")
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -74,10 +121,16 @@ class _Sampling(_Lenient):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         return stop
 
-    def sampling(self) -> SamplingParams:
-        """The sampling contract's parameters; ``RequestError`` if they are inconsistent."""
+    def sampling(self, vocab_size: int) -> SamplingParams:
+        """The sampling contract's parameters for a model of ``vocab_size`` ids;
+        ``RequestError`` if they are inconsistent."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         max_tokens = self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
+        bias = sorted((int(k), v) for k, v in (self.logit_bias or {}).items())
+        if bias and bias[-1][0] >= vocab_size:
+            raise RequestError(
+                f"logit_bias: token ids must be below {vocab_size}", param="logit_bias"
+            )
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -86,7 +139,17 @@ class _Sampling(_Lenient):
             repetition_penalty=self.repetition_penalty,
             seed=self.seed,
             stop=stop,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=tuple(bias),
+            min_p=self.min_p,
+            ignore_eos=self.ignore_eos,
         )
+
+    @property
+    def echo_prompt(self) -> bool:
+        """Whether each choice's text starts with the prompt (``echo``, completions only)."""
+        return False
 
     @property
     def route(self) -> list[str] | None:
@@ -104,6 +167,8 @@ class _Sampling(_Lenient):
 
 
 class ChatCompletionRequest(_Sampling):
+    endpoint = "chat"
+
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -127,8 +192,30 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    endpoint = "text"
+
     prompt: str | list[int] = Field(...)
     logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy API's bound
+    echo: bool = False
+    best_of: int | None = None  # only as many as n: ranking choices is not supported
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_prompt_logprobs(cls, echo: bool, info: ValidationInfo) -> bool:
+        if echo and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs (the prompt's log-probabilities) is not supported")
+        return echo
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        if best_of is not None and best_of != info.data.get("n"):
+            raise ValueError("best_of other than n (ranking choices) is not supported")
+        return best_of
+
+    @property
+    def echo_prompt(self) -> bool:
+        return self.echo
 
     @property
     def top_logprobs_wanted(self) -> int:

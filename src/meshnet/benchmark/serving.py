@@ -20,9 +20,8 @@ processes used more than a little of them meanwhile (``quiet``); figures come
 from the undisturbed measurements, and are marked where none was. Every figure
 is the rate at which a client sees streamed tokens after the first
 (``streams``): sampling, the HTTP edge and every hop included. Greedy, the
-same prompts and ``max_tokens`` on both sides; llama-server is told
-``ignore_eos`` and the prompts are ones meshnet does not end early, so both
-decode the same positions (a side that stopped short is reported).
+same prompts and ``max_tokens`` on both sides; both are told ``ignore_eos``,
+so both decode the same positions (a side that stopped short is reported).
 """
 
 from __future__ import annotations

@@ -65,8 +65,8 @@ def end_to_end_tok_s(records: Sequence[StreamRecord]) -> float:
 
 
 def completion_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """A greedy streamed completion of exactly ``max_tokens`` where the server honours
-    ``ignore_eos`` (llama-server does; servers that do not ignore the field)."""
+    """A greedy streamed completion of exactly ``max_tokens``: both servers (meshnet,
+    llama-server) honour ``ignore_eos``."""
     return {
         "model": model,
         "prompt": prompt,

@@ -64,13 +64,14 @@ class RequestState:
 
     def take(self, logits: np.ndarray) -> str:
         """Sample from logits [vocab], record the token, return text made final by it."""
-        return self.push(self._sampler.sample(logits, self.history))
+        history = self.history
+        return self.push(self._sampler.sample(logits, history, generated_from=len(self.prompt_ids)))
 
     def push(self, token: int) -> str:
         """Record a token sampled elsewhere (the route's last node); the text it made final."""
         self.ids.append(token)
         delta = ""
-        if token in self._eog:
+        if token in self._eog and not self.params.ignore_eos:
             self.finish = "stop"
         else:
             delta = self._stream.push(token)

@@ -1,5 +1,6 @@
-"""The sampling contract: greedy, or temperature / top-k / top-p / repetition
-penalty drawn from a per-request seeded generator.
+"""The sampling contract: greedy, or temperature / top-k / top-p / min-p drawn from a
+per-request seeded generator, after the repetition, presence and frequency penalties
+and the logit bias (model/penalties.py) adjust the logits.
 
 Given the same logits and the same parameters, the same tokens come out:
 the generator draws exactly one uniform per sampled (non-greedy) step and
@@ -7,7 +8,13 @@ all arithmetic after the logits is float64 in a fixed order. Since logits
 do not depend on the route split or batch composition, neither do tokens.
 So a request's whole random state is its seed and the number of uniforms
 drawn: a sampler anywhere (the route's last node, its replacement after a
-failover) continues a request exactly from those two numbers.
+failover) continues a request exactly from those two numbers. The penalties'
+state is the ids seen (prompt and generated, and where the generated ones
+start), which travel with every step: nothing else to carry or rebuild.
+
+The order, fixed: repetition penalty (on the raw logits), presence and frequency
+penalties, logit bias; then greedy takes the largest score, or the scores are
+divided by the temperature, cut by min-p, then by top-k and top-p, and sampled.
 """
 
 from __future__ import annotations
@@ -19,6 +26,14 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from meshnet.errors import RequestError
+from meshnet.model.penalties import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGIT_BIAS,
+    PENALTY_LIMIT,
+    apply_logit_bias,
+    apply_min_p,
+    apply_presence_frequency,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -35,6 +50,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 means none; >1 discourages seen tokens
     seed: int | None = None  # None: a fresh random seed per request
     stop: tuple[str, ...] = field(default=())  # stop strings, excluded from the text
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from each generated id
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence of a generated id
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (id, added to its logit), ids ascending
+    min_p: float = 0.0  # 0 means no cut; else drop ids under min_p x the likeliest's p
+    ignore_eos: bool = False  # an end-of-generation id does not stop (max_tokens, stop do)
 
     def __post_init__(self) -> None:
         checks = [
@@ -50,9 +70,26 @@ class SamplingParams:
                 f"stop strings must have 1 to {MAX_STOP_LENGTH} characters",
             ),
         ]
-        for ok, message in checks:
+        for ok, message in checks + self._openai_checks():
             if not ok:
                 raise RequestError(message)
+
+    def _openai_checks(self) -> list[tuple[bool, str]]:
+        ids = [token for token, _ in self.logit_bias]
+        return [
+            (abs(self.presence_penalty) <= PENALTY_LIMIT, "presence_penalty must be in [-2, 2]"),
+            (abs(self.frequency_penalty) <= PENALTY_LIMIT, "frequency_penalty must be in [-2, 2]"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (len(ids) <= MAX_LOGIT_BIAS, f"logit_bias holds at most {MAX_LOGIT_BIAS} ids"),
+            (
+                ids == sorted(set(ids)) and all(i >= 0 for i in ids),
+                "logit_bias ids: distinct, >= 0, ascending",
+            ),
+            (
+                all(abs(v) <= LOGIT_BIAS_LIMIT for _, v in self.logit_bias),
+                "logit_bias values must be in [-100, 100]",
+            ),
+        ]
 
     @property
     def greedy(self) -> bool:
@@ -60,7 +97,17 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        return self.repetition_penalty != 1.0
+        """Whether a pick depends on the ids seen before it (they travel with each step)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether any penalty or bias changes the logits before the pick."""
+        return self.penalised or bool(self.logit_bias)
 
     def seeded(self) -> SamplingParams:
         """These parameters with a seed fixed (a fresh random one when none was given)."""
@@ -78,20 +125,19 @@ class Sampler:
         # a node makes for every stream's every token.
         self._rng: np.random.Generator | None = None
 
-    def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
-        """The next token from logits [vocab]; ``history`` is prompt + generated ids."""
+    def sample(self, logits: np.ndarray, history: Sequence[int], *, generated_from: int) -> int:
+        """The next token from logits [vocab]; ``history`` is prompt + generated ids, the
+        generated ones from index ``generated_from`` (what presence and frequency count)."""
         p = self.params
-        penalised = p.penalised and bool(history)
-        if p.greedy and not penalised:
+        if p.greedy and not p.adjusted:
             return int(np.argmax(logits))  # float32 -> float64 is exact: same pick, no copy
-        scores = logits.astype(np.float64)
-        if penalised:
-            scores = apply_repetition_penalty(scores, history, p.repetition_penalty)
+        scores = adjust(logits.astype(np.float64), p, history, generated_from)
         if p.greedy:
             return int(np.argmax(scores))  # first of equal maxima: lowest id
         u = self._generator().random()
         self.draws += 1
-        return pick(scores / p.temperature, p.top_k, p.top_p, u)
+        scores = apply_min_p(scores / p.temperature, p.min_p)
+        return pick(scores, p.top_k, p.top_p, u)
 
     def _generator(self) -> np.random.Generator:
         """The request's generator, advanced past the uniforms already drawn."""
@@ -102,6 +148,23 @@ class Sampler:
                 bits.advance(self.draws)  # one 64-bit output per uniform
             self._rng = np.random.Generator(bits)
         return self._rng
+
+
+def adjust(
+    scores: np.ndarray, p: SamplingParams, history: Sequence[int], generated_from: int
+) -> np.ndarray:
+    """``scores`` [vocab] float64 after the penalties and the bias, in the contract's order."""
+    if p.repetition_penalty != 1.0 and history:
+        scores = apply_repetition_penalty(scores, history, p.repetition_penalty)
+    if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+        generated = history[max(generated_from, 0) :]
+        if generated:
+            scores = apply_presence_frequency(
+                scores, generated, p.presence_penalty, p.frequency_penalty
+            )
+    if p.logit_bias:
+        scores = apply_logit_bias(scores, p.logit_bias)
+    return scores
 
 
 def apply_repetition_penalty(

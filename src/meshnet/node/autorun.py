@@ -94,6 +94,7 @@ def next_step(
         after.draws = step.draws + (0 if sampling.greedy else 1)
         if sampling.penalised:
             after.history.extend([*step.history, sampled])
+            after.generated_from = step.generated_from
     if sampled is not None and not step.relayed:
         after.input.CopyFrom(codec.encode(np.asarray([sampled], dtype=np.int64)))
     else:

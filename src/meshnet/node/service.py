@@ -50,7 +50,13 @@ from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.relay import Mailbox, RelaySender
 from meshnet.node.relay_wire import Ask
 from meshnet.node.scheduler import StepWork
-from meshnet.node.step_input import array_input, rows_checked, step_history, tensor_input
+from meshnet.node.step_input import (
+    array_input,
+    logit_bias,
+    rows_checked,
+    step_history,
+    tensor_input,
+)
 from meshnet.node.wire import CONTROL_TIMEOUT_S, MAX_SESSION_ID, fail, remaining_s
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
@@ -280,7 +286,9 @@ class NodeService(pb_grpc.NodeServicer):
             """On the loop, as the step's forward ends: relay the output (the
             last hop: sample, and relay the token) to the next hop at once."""
             if sampling is not None:
-                handed.token = Sampler(sampling, step.draws).sample(out[-1], ready.history)
+                handed.token = Sampler(sampling, step.draws).sample(
+                    out[-1], ready.history, generated_from=step.generated_from
+                )
                 out = np.asarray([handed.token], dtype=np.int64)
             relay(step, out)
             handed.relayed = True
@@ -412,6 +420,10 @@ class NodeService(pb_grpc.NodeServicer):
                 top_p=p.top_p,
                 repetition_penalty=p.repetition_penalty,
                 seed=p.seed % 2**63,
+                presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty,
+                min_p=p.min_p,
+                logit_bias=logit_bias(p.logit_bias, shard.spec.vocab_size),
             )
         except RequestError as e:
             raise MalformedBundle(f"bad sampling parameters: {e.message}") from None
@@ -488,7 +500,9 @@ class NodeService(pb_grpc.NodeServicer):
             return pb.ForwardResponse(result=result)
         logits = out[-1]
         if token is None:
-            token = Sampler(sampling, step.draws).sample(logits, ready.history)
+            token = Sampler(sampling, step.draws).sample(
+                logits, ready.history, generated_from=step.generated_from
+            )
         if o.sampling.logprobs:  # a log-softmax over the vocabulary: only when asked
             lp = token_logprobs(logits, token, o.sampling.top_logprobs)
             sampled = pb.Sampled(

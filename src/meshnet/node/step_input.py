@@ -3,17 +3,19 @@
 An input comes in its ``Step`` message, in a ``RelayStream`` frame, or off the
 relay port as an array; each is held to the same limits (dtype, rank, rows up to
 a context, the model's width, finite values, token ids in the vocabulary) and
-refused with ``MalformedBundle`` otherwise. So is the history a repetition
-penalty looks at.
+refused with ``MalformedBundle`` otherwise. So are the history the penalties
+look at and an Open's logit bias.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cache
 
 import numpy as np
 
 from meshnet.errors import MalformedBundle
+from meshnet.model.penalties import MAX_LOGIT_BIAS
 from meshnet.model.shard import Shard
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
@@ -67,3 +69,14 @@ def step_history(step: pb.Step, context_length: int, vocab_size: int) -> list[in
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
         raise MalformedBundle(f"history ids must be in [0, {vocab_size})")
     return ids
+
+
+def logit_bias(entries: Mapping[int, float], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """An Open's logit bias as the sampler takes it (ids ascending), checked: at most
+    ``MAX_LOGIT_BIAS`` ids, all in the vocabulary (values are checked by the sampler's
+    parameters)."""
+    if len(entries) > MAX_LOGIT_BIAS:
+        raise MalformedBundle(f"a logit bias of {len(entries)} ids, at most {MAX_LOGIT_BIAS}")
+    if any(token >= vocab_size for token in entries):
+        raise MalformedBundle(f"logit bias ids must be in [0, {vocab_size})")
+    return tuple(sorted((int(t), float(v)) for t, v in entries.items()))

@@ -49,7 +49,14 @@ class Open(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., resume: _Optional[bool] = ..., keep: _Optional[bool] = ..., rewind: _Optional[bool] = ..., rewind_tokens: _Optional[int] = ..., rewind_steps: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., next_address: _Optional[str] = ..., next_node_id: _Optional[str] = ..., next_token: _Optional[str] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "top_logprobs", "logprobs")
+    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "top_logprobs", "logprobs", "presence_penalty", "frequency_penalty", "min_p", "logit_bias")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +64,10 @@ class Sampling(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -64,10 +75,14 @@ class Sampling(_message.Message):
     seed: int
     top_logprobs: int
     logprobs: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    min_p: float
+    logit_bias: _containers.ScalarMap[int, float]
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("step", "input", "timeout_ms", "replay", "draws", "history", "relayed", "forward", "rows", "autorun_until")
+    __slots__ = ("step", "input", "timeout_ms", "replay", "draws", "history", "relayed", "forward", "rows", "autorun_until", "generated_from")
     STEP_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +93,7 @@ class Step(_message.Message):
     FORWARD_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     AUTORUN_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_FROM_FIELD_NUMBER: _ClassVar[int]
     step: int
     input: Tensor
     timeout_ms: int
@@ -88,7 +104,8 @@ class Step(_message.Message):
     forward: bool
     rows: int
     autorun_until: int
-    def __init__(self, step: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., replay: _Optional[bool] = ..., draws: _Optional[int] = ..., history: _Optional[_Iterable[int]] = ..., relayed: _Optional[bool] = ..., forward: _Optional[bool] = ..., rows: _Optional[int] = ..., autorun_until: _Optional[int] = ...) -> None: ...
+    generated_from: int
+    def __init__(self, step: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., replay: _Optional[bool] = ..., draws: _Optional[int] = ..., history: _Optional[_Iterable[int]] = ..., relayed: _Optional[bool] = ..., forward: _Optional[bool] = ..., rows: _Optional[int] = ..., autorun_until: _Optional[int] = ..., generated_from: _Optional[int] = ...) -> None: ...
 
 class Extend(_message.Message):
     __slots__ = ("until",)

@@ -672,6 +672,7 @@ class RouteDriver:
                 timeout_ms=max(1, int(budget * 1000)),
                 draws=gen.draws if link.samples else 0,
                 history=gen.history if link.samples else (),
+                generated_from=gen.first_sampled if link.samples else 0,
                 **fields,
             )
         )

@@ -174,6 +174,10 @@ def _sampling(gen: Generation) -> pb.Sampling:
         seed=p.seed or 0,
         top_logprobs=max(gen.top_logprobs, 0),
         logprobs=gen.top_logprobs >= 0,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        min_p=p.min_p,
+        logit_bias=dict(p.logit_bias),
     )
 
 

@@ -58,7 +58,7 @@ def check_sampled(
             return f"a sampled id at position {q} outside the chunk"
         row = logits[p - row_start]
         if not exact:
-            if not params.greedy or params.penalised:
+            if not params.greedy or params.adjusted:
                 continue  # a pick from near-equal probabilities may differ here
             best = float(row.max())
             if float(row[token]) >= best - GREEDY_TOLERANCE * max(abs(best), 1.0):
@@ -67,7 +67,7 @@ def check_sampled(
         draws = 0 if params.greedy else q - sampled.first
         if draws < 0:
             return f"a sampled id at position {q}, before the generation's first"
-        pick = Sampler(params, draws).sample(row, history[:q])
+        pick = Sampler(params, draws).sample(row, history[:q], generated_from=sampled.first)
         if pick != token:
             return f"position {q}: sampled {token}, the verifier's sampler picks {pick}"
     return ""
