@@ -31,6 +31,7 @@ the API edge::
     ├── Cancelled                    cancelled                no         499
     ├── KVImportFailed               kv-import-failed         yes        502
     ├── DatabaseUnavailable          database-unavailable     yes        503
+    ├── SchemaTooNew                 schema-too-new           no         503
     └── NodeFailure                  (kind of the failure)    yes        502
         ├── DeadlineExceeded         deadline-exceeded
         ├── HeartbeatLost            heartbeat-lost
@@ -251,6 +252,14 @@ class DatabaseUnavailable(MeshnetError):
 
     kind = "database-unavailable"
     retryable = True
+    http_status = 503
+
+
+class SchemaTooNew(MeshnetError):
+    """The tracker's database was migrated by a newer meshnet than this one: this
+    tracker would write rows that schema does not expect, so it does not start."""
+
+    kind = "schema-too-new"
     http_status = 503
 
 

@@ -13,6 +13,7 @@ import pytest
 from meshnet.tracker import billing
 from meshnet.tracker.database import Database, open_database
 from meshnet.tracker.ledger import AttemptStatus, LedgerRecord, LedgerSpool
+from meshnet.tracker.migrations import migrate
 from meshnet.tracker.store import Store
 from meshnet.tracker.work_checks import SpanCheck
 
@@ -142,8 +143,9 @@ def test_a_ledger_made_by_an_older_version_gains_the_commitments_column(tmp_path
         )
     db = open_database(path)
     try:
+        assert migrate(db) == [1]
         store = Store(db)
-        Store(db)  # a second start finds the column there
+        assert migrate(db) == []  # a second start finds the column there
         store.record_attempts([work("new", "a", (0, 4), (0, 2))], NOW)
         assert [(r.generation_id, r.commitments) for r in store.ledger()] == [
             ("old", b""),

@@ -104,13 +104,6 @@ class Database(Tx):
                 if statement:
                     tx.run(statement)
 
-    def ensure_column(self, table: str, column: str, declaration: str) -> None:
-        """Add ``column`` to a ``table`` an older version made without it (idempotent)."""
-        if self.dialect == "postgresql":  # safe against a second tracker doing it too
-            self.run(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {declaration}")
-        elif not [r for r in self.query(f"PRAGMA table_info({table})") if r[1] == column]:
-            self.run(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
-
 
 def unavailable(e: BaseException) -> DatabaseUnavailable | None:
     """The typed error for a fault of the database or its disk; None for anything else

@@ -21,6 +21,7 @@ from meshnet.model.info import load_model_info
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.database import Database, open_database
 from meshnet.tracker.driver import DriverLimits, RouteDriver
+from meshnet.tracker.migrations import migrate
 from meshnet.tracker.model_admin import ModelAdmin
 from meshnet.tracker.model_turns import ModelTurns
 from meshnet.tracker.outbox import Outbox, OutboxConfig
@@ -83,7 +84,9 @@ def tracker_auth(cfg: TrackerProcessConfig, db: Database, keys: MeshKeys) -> Tra
 
 def serve(cfg: TrackerProcessConfig) -> int:
     model = load_model_info(cfg.model_path)
-    store = Store(open_database(cfg.database or cfg.data_dir / "tracker.db"))
+    db = open_database(cfg.database or cfg.data_dir / "tracker.db")
+    migrate(db)  # before any table is opened: an older table is brought up to date
+    store = Store(db)
     keys = MeshKeys(mesh_secret(cfg))
     channels = ChannelPool(keys)
     driver = RouteDriver(channels, model.fingerprint, model.spec, model.tokenizer, cfg.driver)

@@ -75,7 +75,6 @@ class Store:
     def __init__(self, db: Database) -> None:
         self._db = db
         db.create_schema(_SCHEMA)
-        db.ensure_column("ledger", "commitments", "TEXT NOT NULL DEFAULT ''")  # older tables
         work_checks.create_schema(db)
         billing.create_schema(db)
 
