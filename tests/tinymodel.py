@@ -45,6 +45,7 @@ class TinyConfig:
     role_types: dict[str, QT] = field(default_factory=dict)
     # strings of metadata beside the tiny vocabulary: a header as large as a real one's
     header_strings: int = 0
+    chat_template: str = CHATML
 
 
 def byte_tokens() -> list[str]:
@@ -86,7 +87,7 @@ def write_tiny_gguf(path: Path, cfg: TinyConfig = TinyConfig()) -> Path:
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
-    add_tokenizer(w)
+    add_tokenizer(w, cfg.chat_template)
     if cfg.header_strings:
         w.add_array("meshnet.test.padding", [f"{i:024d}" for i in range(cfg.header_strings)])
 
@@ -115,8 +116,8 @@ def write_tiny_gguf(path: Path, cfg: TinyConfig = TinyConfig()) -> Path:
     return path
 
 
-def add_tokenizer(w: gguf.GGUFWriter) -> None:
-    """The tiny byte-level BPE vocabulary, ChatML template, bos 1 / eos 2."""
+def add_tokenizer(w: gguf.GGUFWriter, chat_template: str = CHATML) -> None:
+    """The tiny byte-level BPE vocabulary, a chat template (ChatML), bos 1 / eos 2."""
     tokens, types = vocabulary()
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -126,7 +127,7 @@ def add_tokenizer(w: gguf.GGUFWriter) -> None:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
+    w.add_chat_template(chat_template)
 
 
 def finish(w: gguf.GGUFWriter) -> None:

@@ -14,6 +14,7 @@ the API edge::
     ├── TokenizerError               tokenizer-invalid        no         400
     ├── RequestError                 bad-request              no         400
     │   ├── UnsupportedField         unsupported-parameter    no         400
+    │   ├── FieldError               bad-request              no         400
     │   ├── Unauthenticated          unauthenticated          no         401
     │   ├── PermissionDenied         permission-denied        no         403
     │   ├── ModelNotFound            model-not-found          no         404
@@ -119,6 +120,14 @@ class UnsupportedField(RequestError):
 
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message, param=param)
+
+
+class FieldError(RequestError):
+    """A request field's value cannot be honoured as given (a schema the grammar engine
+    refuses); ``param`` names the field, as OpenAI's error object does."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}", param=param)
 
 
 class ModelNotFound(RequestError):

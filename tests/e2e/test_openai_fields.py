@@ -14,7 +14,6 @@ import openai
 import pytest
 from conftest import MeshFactory
 
-from meshnet.api.fields import REFUSED_FOR_NOW
 from meshnet.local_mesh import LocalMesh
 
 pytestmark = pytest.mark.bundled
@@ -46,11 +45,6 @@ def _ids(response: Any) -> list[int]:
 
 
 REFUSED_CHAT: list[tuple[str, Any]] = [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "auto"),
-    ("parallel_tool_calls", True),
-    ("response_format", {"type": "json_object"}),
-    ("reasoning_effort", "low"),
     ("functions", [{"name": "f", "parameters": {}}]),
     ("function_call", "auto"),
     ("audio", {"voice": "alloy", "format": "wav"}),
@@ -73,16 +67,6 @@ def test_each_refused_chat_field_is_a_400_naming_it(
     assert isinstance(error, dict) and error["param"] == field, error
     assert error["code"] == "unsupported-parameter" and error["type"] == "invalid_request_error"
     assert field in error["message"]
-
-
-def test_the_fields_still_to_land_are_refused(client: openai.OpenAI) -> None:
-    assert set(REFUSED_FOR_NOW) == {
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "response_format",
-        "reasoning_effort",
-    }
 
 
 @pytest.mark.parametrize(

@@ -15,9 +15,10 @@ The same holds for each chat message's fields (``MESSAGE_*``): ``role`` and
 ``content`` are honoured, anything else is refused with ``param``
 ``messages.N.field``.
 
-``REFUSED_FOR_NOW`` and ``MESSAGE_REFUSED_FOR_NOW`` are the fields another piece
-of work makes honoured (tool calls, structured outputs, reasoning): they move out
-of them as they land.
+Tool calls, structured outputs and reasoning (``tools``, ``tool_choice``,
+``parallel_tool_calls``, ``response_format``, ``reasoning_effort``; a message's
+``tool_calls``, ``tool_call_id`` and ``reasoning_content``) are honoured:
+docs/structured-outputs.md.
 """
 
 from __future__ import annotations
@@ -55,9 +56,12 @@ _COMMON = frozenset(
     }
 )
 
+# Structured outputs, tools and reasoning: docs/structured-outputs.md.
+_CHAT_ONLY = {"tools", "tool_choice", "parallel_tool_calls", "reasoning_effort"}
+
 HONOURED: Mapping[Endpoint, frozenset[str]] = {
-    "chat": _COMMON | {"messages", "top_logprobs"},
-    "text": _COMMON | {"prompt", "echo", "best_of"},  # best_of: only equal to n
+    "chat": _COMMON | {"messages", "top_logprobs", "response_format"} | _CHAT_ONLY,
+    "text": _COMMON | {"prompt", "echo", "best_of", "response_format"},  # best_of: = n
 }
 
 MEANINGLESS = frozenset(
@@ -71,10 +75,6 @@ MEANINGLESS = frozenset(
         "prediction",  # predicted output: a latency hint, the answer is the same
     }
 )
-
-
-def _is_text_format(value: Any) -> bool:
-    return isinstance(value, dict) and value == {"type": "text"}
 
 
 def _is_text_only(value: Any) -> bool:
@@ -91,16 +91,7 @@ def _never(value: Any) -> bool:
 
 Refusal = tuple[str, Callable[[Any], bool]]  # why, and which values ask for nothing
 
-REFUSED_FOR_NOW: Mapping[str, Refusal] = {
-    "tools": ("tool calls are not supported yet", _never),
-    "tool_choice": ("tool calls are not supported yet", _never),
-    "parallel_tool_calls": ("tool calls are not supported yet", _never),
-    "response_format": ("only {'type': 'text'} is supported yet", _is_text_format),
-    "reasoning_effort": ("reasoning controls are not supported yet", _never),
-}
-
 REFUSED: Mapping[str, Refusal] = {
-    **REFUSED_FOR_NOW,
     "functions": ("the deprecated functions API is not supported; nor are tools", _never),
     "function_call": ("the deprecated functions API is not supported; nor are tools", _never),
     "audio": ("audio output is not supported", _never),
@@ -111,16 +102,9 @@ REFUSED: Mapping[str, Refusal] = {
 }
 
 
-MESSAGE_HONOURED = frozenset({"role", "content"})
-
-MESSAGE_REFUSED_FOR_NOW: Mapping[str, Refusal] = {
-    "tool_calls": ("tool calls are not supported yet", _never),
-    "tool_call_id": ("tool calls are not supported yet", _never),
-    "reasoning_content": ("reasoning is not supported yet", _never),
-}
+MESSAGE_HONOURED = frozenset({"role", "content", "tool_calls", "tool_call_id", "reasoning_content"})
 
 MESSAGE_REFUSED: Mapping[str, Refusal] = {
-    **MESSAGE_REFUSED_FOR_NOW,
     "name": ("participant names are not rendered by the chat template", _never),
     "function_call": ("the deprecated functions API is not supported", _never),
     "audio": ("audio is not supported", _never),

@@ -24,6 +24,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -31,14 +32,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from meshnet.api.caller import AnyCaller, Caller, Meter
+from meshnet.api.chat_reply import ChatReply
 from meshnet.api.choices import Choice, choice_params, finish_all, merged, open_choices
 from meshnet.api.errors import error_body
 from meshnet.api.logprobs import LogprobShape
 from meshnet.api.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from meshnet.api.state import models_of
-from meshnet.errors import MeshnetError, RequestError
-from meshnet.model.chat import ChatMessage
+from meshnet.api.structured import constraint_of
+from meshnet.api.tools import ChatPlan, plan_chat
+from meshnet.errors import FieldError, MeshnetError, RequestError
 from meshnet.model.info import ModelInfo
+from meshnet.model.sampling import SamplingParams
 from meshnet.tracker.driver import DoneEvent, TokenEvent
 from meshnet.tracker.routes import Route, route_json
 from meshnet.tracker.service import Tracker
@@ -54,14 +58,29 @@ async def chat_completions(
 ) -> JSONResponse | StreamingResponse:
     tracker = models_of(request).for_request(body.model).tracker  # 404 when not served
     named = _named_route(tracker, body, caller)
-    messages = [ChatMessage(m.role, m.content) for m in body.messages]
-    prompt_ids = await run_in_threadpool(_chat_ids, tracker.model, messages)  # not on the loop
+    plan = await run_in_threadpool(_plan, tracker.model, body)  # not on the loop
+    prompt_ids = await run_in_threadpool(_chat_ids, tracker.model, plan)
     meters = _admit(caller, request, len(prompt_ids), body.n)
-    return await _complete(tracker, body, prompt_ids, "chat", meters, named, caller.billed_to)
+    return await _complete(tracker, body, prompt_ids, "chat", meters, named, caller.billed_to, plan)
 
 
-def _chat_ids(model: ModelInfo, messages: list[ChatMessage]) -> list[int]:
-    return model.tokenizer.encode(model.template.render(messages, add_generation_prompt=True))
+def _plan(model: ModelInfo, body: ChatCompletionRequest) -> ChatPlan:
+    """How the request is rendered and its reply read (tools, reasoning; api/tools.py)."""
+    messages = [m.message() for m in body.messages]
+    return plan_chat(
+        messages,
+        body.tools,
+        body.tool_choice,
+        body.parallel_tool_calls,
+        body.reasoning_effort,
+        model.template,
+        model.tokenizer,
+    )
+
+
+def _chat_ids(model: ModelInfo, plan: ChatPlan) -> list[int]:
+    text = model.template.render(plan.messages, add_generation_prompt=True, **plan.variables)
+    return model.tokenizer.encode(text)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -109,11 +128,17 @@ async def _complete(
     slots: Sequence[Meter],
     named: Route | None,
     tenant: str,
+    plan: ChatPlan | None = None,
 ) -> JSONResponse | StreamingResponse:
     """Run the request's choices (on the ``named`` route, if any), each under its
-    ``slots`` entry, which ends with it however it ends; their work is billed to ``tenant``."""
+    ``slots`` entry, which ends with it however it ends; their work is billed to ``tenant``.
+    A chat's ``plan`` says how its reply is read (tool calls, reasoning) and what it
+    forces."""
     try:
-        params = choice_params(body.sampling(tracker.model.spec.vocab_size), body.n)
+        forced = plan.grammar if plan is not None else None
+        sampling = body.sampling(tracker.model.spec.vocab_size)
+        sampling = await _constrained(tracker, body, sampling, len(prompt_ids), forced)
+        params = choice_params(sampling, body.n)
         echo = await _echo(tracker, body, prompt_ids)
     except BaseException:
         for slot in slots:
@@ -124,7 +149,11 @@ async def _complete(
     top = body.top_logprobs_wanted
     choices = await open_choices(tracker, prompt_ids, params, top, named, slots, tenant)
     shape = LogprobShape(kind, tracker.model.tokenizer)
+    shaped = plan if plan is not None and plan.shapes_reply else None
     reply = _Reply(kind, tracker.model.name, choices, shape, echo)
+    if shaped is not None:
+        constrained = sampling.constraint is not None
+        reply.parts = {c.index: ChatReply(shaped, constrained) for c in choices}
     if body.stream:
         return StreamingResponse(
             _sse(reply, merged(choices), body.include_usage),
@@ -135,6 +164,24 @@ async def _complete(
     if any(done is None for done in dones):
         raise MeshnetError("the generation ended without a result")
     return JSONResponse(reply.whole([d for d in dones if d is not None]))
+
+
+async def _constrained(
+    tracker: Tracker, body: _Sampling, params: SamplingParams, start: int, forced: str | None
+) -> SamplingParams:
+    """``params`` with the grammar the request's ``response_format`` asks for, or the
+    ``forced`` calls' grammar, over the ids sampled after the prompt's ``start`` ids
+    (compiled off the event loop)."""
+    grammar = body.response_format.grammar() if body.response_format is not None else None
+    if grammar is not None and forced is not None:
+        raise FieldError("response_format", "cannot be combined with a forced tool_choice")
+    param = "response_format" if grammar is not None else "tools"
+    grammar = grammar or forced
+    if grammar is None:
+        return params
+    tokenizer = await run_in_threadpool(lambda: tracker.model.grammar_tokenizer)
+    constraint = await run_in_threadpool(constraint_of, grammar, tokenizer, start, param)
+    return replace(params, constraint=constraint)
 
 
 async def _echo(tracker: Tracker, body: _Sampling, prompt_ids: list[int]) -> str:
@@ -162,6 +209,8 @@ class _Reply:
         self.id = f"{prefix}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        # a chat reply split into content, reasoning and calls, per choice (else all content)
+        self.parts: dict[int, ChatReply] = {}
 
     def _meta(self, index: int) -> dict[str, Any]:
         started = self.started[index]
@@ -188,8 +237,12 @@ class _Reply:
     def _choice(self, index: int, done: DoneEvent) -> dict[str, Any]:
         lp = self.shape.of(done.logprobs)
         if self.kind == "chat":
-            message = {"role": "assistant", "content": done.text}
-            choice = {"index": index, "finish_reason": done.finish_reason, "message": message}
+            message: dict[str, Any] = {"role": "assistant", "content": done.text}
+            finish: str = done.finish_reason
+            if index in self.parts:
+                message, called = self.parts[index].message(done.text)
+                finish = "tool_calls" if called else finish
+            choice = {"index": index, "finish_reason": finish, "message": message}
         else:
             text = self.echo + done.text
             choice = {"index": index, "text": text, "finish_reason": done.finish_reason}
@@ -216,10 +269,13 @@ class _Reply:
         meta: dict[str, Any],
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
+        parts: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text is not None:
+            if parts is not None:
+                delta.update(parts)
+            elif text is not None:
                 delta["content"] = text
             choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
         else:
@@ -233,10 +289,20 @@ class _Reply:
 
     def token_chunk(self, index: int, event: TokenEvent) -> dict[str, Any]:
         lp = self.shape.of((event.logprobs,)) if event.logprobs is not None else None
-        return self.chunk(index, event.text, None, {"ids": [event.token_id]}, logprobs=lp)
+        part = self.parts.get(index)
+        parts = _merged(part.grow(event.text)) if part is not None else None
+        meta = {"ids": [event.token_id]}
+        return self.chunk(index, event.text, None, meta, logprobs=lp, parts=parts)
 
-    def final_chunk(self, index: int, done: DoneEvent) -> dict[str, Any]:
-        return self.chunk(index, None, done.finish_reason, self._final_meta(index, done))
+    def final_chunks(self, index: int, done: DoneEvent) -> list[dict[str, Any]]:
+        """A choice's last chunks: what its end settles (calls), then the finish."""
+        part = self.parts.get(index)
+        if part is None:
+            return [self.chunk(index, None, done.finish_reason, self._final_meta(index, done))]
+        deltas, called = part.end(done.text)
+        out = [self.chunk(index, None, None, {}, parts=d) for d in deltas]
+        finish = "tool_calls" if called else done.finish_reason
+        return [*out, self.chunk(index, None, finish, self._final_meta(index, done), parts={})]
 
     def usage_chunk(self, dones: Sequence[DoneEvent]) -> dict[str, Any]:
         return {**self._envelope(self.obj), "choices": [], "usage": usage(dones)}
@@ -256,7 +322,8 @@ async def _sse(
                 yield _data(reply.token_chunk(index, event))
             else:
                 dones[index] = event
-                yield _data(reply.final_chunk(index, event))
+                for chunk in reply.final_chunks(index, event):
+                    yield _data(chunk)
         if include_usage:
             yield _data(reply.usage_chunk([dones[i] for i in sorted(dones)]))
     except MeshnetError as e:
@@ -267,6 +334,15 @@ async def _sse(
     finally:
         await events.aclose()  # a client that hung up frees the routes at once
     yield "data: [DONE]\n\n"
+
+
+def _merged(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Deltas of different parts as one (a chunk's delta may carry several)."""
+    out: dict[str, Any] = {}
+    for d in deltas:
+        for key, value in d.items():
+            out[key] = out.get(key, "") + value
+    return out
 
 
 def _data(obj: dict[str, Any]) -> str:

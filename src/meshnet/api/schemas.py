@@ -19,10 +19,14 @@ from pydantic import (
 )
 
 from meshnet.api.fields import Endpoint, check_fields
+from meshnet.api.structured import ResponseFormat
+from meshnet.api.tools import MAX_TOOLS, ToolCallIn, ToolChoice, ToolSpec
 from meshnet.errors import RequestError
+from meshnet.model.chat import ChatMessage
 from meshnet.model.logprobs import MAX_TOP_LOGPROBS
 from meshnet.model.penalties import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, PENALTY_LIMIT
 from meshnet.model.sampling import MAX_STOP_STRINGS, SamplingParams
+from meshnet.model.tool_syntax import ToolCall
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 1024
@@ -38,7 +42,35 @@ class ChatMessageIn(_Lenient):
     role: Literal["system", "user", "assistant", "tool"]
     # A string, or a list of content parts: text parts are joined with "\n" (as vLLM
     # does); a part of any other type (an image, audio, a file) is refused, named.
-    content: str = Field(max_length=MAX_PROMPT_CHARS)
+    content: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    name: str | None = Field(default=None, max_length=256)
+    reasoning_content: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+
+    @model_validator(mode="after")
+    def _complete(self) -> ChatMessageIn:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (an assistant's may be null with tool_calls)")
+        return self
+
+    def message(self) -> ChatMessage:
+        calls = tuple(
+            ToolCall(c.function.name, c.function.arguments, c.id) for c in self.tool_calls or ()
+        )
+        name = self.name if self.role == "tool" and self.name else ""
+        return ChatMessage(
+            self.role,
+            self.content,
+            calls,
+            self.tool_call_id or "",
+            name,
+            self.reasoning_content if self.role == "assistant" and self.reasoning_content else "",
+        )
 
     @field_validator("content", mode="before")
     @classmethod
@@ -95,6 +127,7 @@ class _Sampling(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    response_format: ResponseFormat | None = None  # structured outputs (api/structured.py)
     meshnet: MeshnetOptions | None = None
 
     @model_validator(mode="before")
@@ -172,6 +205,10 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolSpec] | None = Field(default=None, max_length=MAX_TOOLS)  # api/tools.py
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -181,7 +218,7 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _bounded_prompt(self) -> ChatCompletionRequest:
-        total = sum(len(m.content) for m in self.messages)
+        total = sum(len(m.content or "") + len(m.reasoning_content or "") for m in self.messages)
         if total > MAX_PROMPT_CHARS:
             raise ValueError(f"the messages hold {total} characters, at most {MAX_PROMPT_CHARS}")
         return self

@@ -14,6 +14,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cached_property
 from typing import Any
 
 import jinja2
@@ -22,7 +23,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from meshnet.errors import RequestError, TokenizerError
 from meshnet.model.gguf_file import GGUFFile
+from meshnet.model.reply_format import ReplyFormat, reply_format_of
 from meshnet.model.tokenizer import TextTokenizer
+from meshnet.model.tool_syntax import ToolCall
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -37,7 +40,41 @@ _CHATML = (
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
-    content: str
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str = ""  # a tool message: the call it answers
+    name: str = ""  # a tool message: the function that answered
+    reasoning_content: str = ""  # an assistant's reasoning (Qwen3's template renders it)
+
+    def as_template_value(self) -> dict[str, Any]:
+        """The message as Hugging Face templates read it: the content a string, each
+        call's arguments an object (templates write them with ``tojson``)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": _arguments(c.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        if self.reasoning_content:
+            out["reasoning_content"] = self.reasoning_content
+        return out
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as an object when they are JSON text of one, else the text."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def parse_messages(raw: Any) -> list[ChatMessage]:
@@ -62,16 +99,34 @@ class ChatTemplate:
     """A compiled chat template and the special strings it may refer to."""
 
     template: jinja2.Template
+    source: str  # the template's text: what it renders and how replies are read
     bos_token: str
     eos_token: str
     # The tokenizer adds BOS / EOS to a prompt itself: render() drops the template's own.
     adds_bos: bool = False
     adds_eos: bool = False
 
-    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+    @cached_property
+    def reply_format(self) -> ReplyFormat:
+        """How this template's replies carry reasoning and tool calls."""
+        user = [ChatMessage("user", "x")]
+        try:
+            prompt = self.render_text(user, True)
+            base = self.render_text(user, False)
+        except RequestError:
+            prompt = base = ""
+        return reply_format_of(self.source, prompt.removeprefix(base))
+
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
         """The prompt text to encode: the template's text without the BOS (EOS) it would
-        double, as llama.cpp's chat code strips them when the tokenizer adds its own."""
-        text = self.render_text(messages, add_generation_prompt)
+        double, as llama.cpp's chat code strips them when the tokenizer adds its own.
+        ``extra``: more variables (``tools``, ``reasoning_effort``) for the template."""
+        text = self.render_text(messages, add_generation_prompt, **extra)
         if self.adds_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token) :]
         if self.adds_eos and self.eos_token and text.endswith(self.eos_token):
@@ -79,15 +134,16 @@ class ChatTemplate:
         return text
 
     def render_text(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
         """The template's output as ``transformers``' ``apply_chat_template`` renders it."""
         try:
             return self.template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=[m.as_template_value() for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **extra,
             )
         except jinja2.TemplateError as e:
             raise RequestError(f"the chat template rejected these messages: {e}") from None
@@ -105,6 +161,7 @@ def load_chat_template(f: GGUFFile, tokenizer: TextTokenizer) -> ChatTemplate:
     bos = tokenizer.bos_id
     return ChatTemplate(
         template=template,
+        source=source,
         bos_token=(tokenizer.codec.id_to_token(bos) or "") if bos is not None else "",
         eos_token=tokenizer.codec.id_to_token(tokenizer.eos_id) or "",
         adds_bos=tokenizer.add_bos and bos is not None,

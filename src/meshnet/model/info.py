@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+
+import llguidance
 
 from meshnet.model.bundled import bundled_model_path
 from meshnet.model.chat import ChatTemplate, load_chat_template
 from meshnet.model.gguf_file import GGUFFile, open_gguf
+from meshnet.model.grammar_vocab import grammar_tokenizer
 from meshnet.model.spec import ModelSpec, read_spec
 from meshnet.model.tokenizer import TOKENIZER_ARRAYS, TextTokenizer, load_tokenizer
 
@@ -25,6 +29,12 @@ class ModelInfo:
     spec: ModelSpec
     tokenizer: TextTokenizer
     template: ChatTemplate
+
+    @cached_property
+    def grammar_tokenizer(self) -> llguidance.LLTokenizer:
+        """The grammar engine's view of the vocabulary (built at first use, ~1 s for a
+        large one; two threads at once may both build it, to the same effect)."""
+        return grammar_tokenizer(self.tokenizer, self.spec.vocab_size)
 
 
 def load_model_info(path: str | os.PathLike[str] | None = None) -> ModelInfo:

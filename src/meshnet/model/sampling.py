@@ -22,6 +22,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,6 +35,9 @@ from meshnet.model.penalties import (
     apply_min_p,
     apply_presence_frequency,
 )
+
+if TYPE_CHECKING:
+    from meshnet.model.constraint import Constraint
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -55,6 +59,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (id, added to its logit), ids ascending
     min_p: float = 0.0  # 0 means no cut; else drop ids under min_p x the likeliest's p
     ignore_eos: bool = False  # an end-of-generation id does not stop (max_tokens, stop do)
+    # A grammar the sampled ids must follow (model/constraint.py); None: any id
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -109,6 +115,11 @@ class SamplingParams:
         """Whether any penalty or bias changes the logits before the pick."""
         return self.penalised or bool(self.logit_bias)
 
+    @property
+    def sees_history(self) -> bool:
+        """Whether a pick depends on the ids before it (a sampling hop is sent them)."""
+        return self.penalised or self.constraint is not None
+
     def seeded(self) -> SamplingParams:
         """These parameters with a seed fixed (a fresh random one when none was given)."""
         return self if self.seed is not None else replace(self, seed=secrets.randbits(63))
@@ -129,6 +140,8 @@ class Sampler:
         """The next token from logits [vocab]; ``history`` is prompt + generated ids, the
         generated ones from index ``generated_from`` (what presence and frequency count)."""
         p = self.params
+        if p.constraint is not None:  # the grammar's refused ids go before anything else
+            logits = p.constraint.apply(logits, history)
         if p.greedy and not p.adjusted:
             return int(np.argmax(logits))  # float32 -> float64 is exact: same pick, no copy
         scores = adjust(logits.astype(np.float64), p, history, generated_from)

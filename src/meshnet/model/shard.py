@@ -39,6 +39,7 @@ class Shard:
     layers: LayerRange
     backend: Backend
     fingerprint: str  # sha256 of the GGUF file
+    source: str = ""  # the GGUF's path, when read from one (its tokenizer is there)
 
     @property
     def is_first(self) -> bool:
@@ -87,7 +88,7 @@ def load_shard(
         compute = Q8Backend(spec, load_q8_weights(f, spec, layers))
     else:
         raise ModelError(f"backend {backend!r} is not available (have: {', '.join(BACKENDS)})")
-    shard = Shard(spec, layers, compute, f.fingerprint())
+    shard = Shard(spec, layers, compute, f.fingerprint(), str(f.path))
     settle()  # the read and repacked copies of the tensors go back to the system now
     warm_up(shard)
     return shard

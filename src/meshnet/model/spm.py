@@ -122,7 +122,7 @@ class SpmCodec:
             if not 0 <= i < n:
                 continue
             text = self.tokens[i]
-            byte = _byte_value(text)
+            byte = byte_value(text)
             if byte is not None:
                 pending.append(byte)
                 continue
@@ -167,7 +167,7 @@ def spm_codec(
     )
 
 
-def _byte_value(token: str) -> int | None:
+def byte_value(token: str) -> int | None:
     """The byte a ``<0xXX>`` token stands for, as the tokenizers library's ByteFallback
     reads one (Rust's u8::from_str_radix: two hex digits, or a + and one)."""
     if len(token) != 6 or not token.startswith("<0x") or token[5] != ">":

@@ -92,7 +92,7 @@ def next_step(
     )
     if sampled is not None and sampling is not None:
         after.draws = step.draws + (0 if sampling.greedy else 1)
-        if sampling.penalised:
+        if sampling.sees_history:
             after.history.extend([*step.history, sampled])
             after.generated_from = step.generated_from
     if sampled is not None and not step.relayed:

@@ -43,6 +43,7 @@ from meshnet.model.shard import Shard
 from meshnet.node.autorun import Inbox, Posted, Run, next_step
 from meshnet.node.configure import Configurator, StreamLimit
 from meshnet.node.engine import EngineStats, NodeEngine, OpenedSlot
+from meshnet.node.grammar import GrammarTokenizers
 from meshnet.node.head_assist import HeadAssist, HeadAssists
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.kv_service import KVService
@@ -120,6 +121,7 @@ class NodeService(pb_grpc.NodeServicer):
         self._relays = threading.BoundedSemaphore(_MAX_RELAY_STREAMS)  # from previous hops
         self._rings = _Tally()  # ring runs under way on this hop
         self.kv = KVService(engine, gate, offers)
+        self.grammars = GrammarTokenizers()  # for a constrained sampling hop
         self.configurator = Configurator(
             engine, identity.model_dirs, identity.model_path, engine.config.max_streams
         )
@@ -424,6 +426,7 @@ class NodeService(pb_grpc.NodeServicer):
                 frequency_penalty=p.frequency_penalty,
                 min_p=p.min_p,
                 logit_bias=logit_bias(p.logit_bias, shard.spec.vocab_size),
+                constraint=self.grammars.constraint(p, shard),
             )
         except RequestError as e:
             raise MalformedBundle(f"bad sampling parameters: {e.message}") from None

@@ -44,7 +44,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import grpc
@@ -62,6 +62,7 @@ from meshnet.errors import (
     ShardMismatch,
     VerificationFailed,
 )
+from meshnet.model.constraint import check_pick
 from meshnet.model.logprobs import TokenLogprobs
 from meshnet.model.sampling import SamplingParams
 from meshnet.model.spec import ModelSpec
@@ -201,7 +202,10 @@ class RouteDriver:
     ) -> Generation:
         """A generation of ``params`` (its seed fixed now: a failover must not change it)."""
         deadline = time.monotonic() + self.limits.generation_timeout_s
-        return Generation(generation_id, route, deadline, params.seeded(), top_logprobs)
+        params = params.seeded()
+        if params.constraint is not None:  # a matcher of its own: choices never share one
+            params = replace(params, constraint=params.constraint.at(params.constraint.start))
+        return Generation(generation_id, route, deadline, params, top_logprobs)
 
     async def open(self, gen: Generation) -> None:
         """Open the generation's first epoch on every hop; raise the first hop's failure."""
@@ -247,10 +251,17 @@ class RouteDriver:
             while True:
                 if gen.verdict is not None:  # cancelled while no step was waiting
                     raise gen.verdict
-                if gen.params.penalised:
+                if gen.params.sees_history:
                     gen.history = state.history
                 try:
                     sampled = await self._advance(gen, step)
+                    if gen.params.constraint is not None:  # never an id outside the grammar
+                        check_pick(
+                            gen.params.constraint,
+                            state.history,
+                            sampled.token,
+                            gen.links[-1].node_id,
+                        )
                 except MeshnetError as e:
                     self._claim(gen, state.history, final=True)  # these links are going
                     await self._fail_over(gen, e, fabric)

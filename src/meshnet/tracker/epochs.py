@@ -178,6 +178,8 @@ def _sampling(gen: Generation) -> pb.Sampling:
         frequency_penalty=p.frequency_penalty,
         min_p=p.min_p,
         logit_bias=dict(p.logit_bias),
+        grammar=p.constraint.grammar if p.constraint is not None else "",
+        grammar_start=p.constraint.start if p.constraint is not None else 0,
     )
 
 

@@ -101,7 +101,7 @@ class Generation:
     verdict: MeshnetError | None = None  # set when cancelled from outside
     ready_at: float | None = None  # time.monotonic() when every hop held the history
     draws: int = 0  # uniforms the request's generator has drawn: its position
-    history: list[int] = field(default_factory=list)  # ids a repetition penalty sees
+    history: list[int] = field(default_factory=list)  # ids a penalty or a grammar sees
     first_sampled: int = 0  # position of the first id this generation sampled
     sampled_by: dict[int, str] = field(default_factory=dict)  # position -> node that picked it
 

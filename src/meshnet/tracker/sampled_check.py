@@ -19,10 +19,11 @@ tolerance of the largest passes (near-ties may fall either way there).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from meshnet.errors import MeshnetError
 from meshnet.model.sampling import Sampler, SamplingParams
 
 # A greedy pick on a backend that is not exact passes when its logit is at most this
@@ -57,6 +58,11 @@ def check_sampled(
         if not (row_start <= p < row_start + len(logits)) or q > len(history) or q < 1:
             return f"a sampled id at position {q} outside the chunk"
         row = logits[p - row_start]
+        if params.constraint is not None:  # the pick was made from the grammar's ids only
+            try:
+                row = params.constraint.apply(row, history[:q])
+            except MeshnetError as e:
+                return f"position {q}: {e.message}"
         if not exact:
             if not params.greedy or params.adjusted:
                 continue  # a pick from near-equal probabilities may differ here
@@ -67,7 +73,9 @@ def check_sampled(
         draws = 0 if params.greedy else q - sampled.first
         if draws < 0:
             return f"a sampled id at position {q}, before the generation's first"
-        pick = Sampler(params, draws).sample(row, history[:q], generated_from=sampled.first)
+        pick = Sampler(replace(params, constraint=None), draws).sample(
+            row, history[:q], generated_from=sampled.first
+        )
         if pick != token:
             return f"position {q}: sampled {token}, the verifier's sampler picks {pick}"
     return ""
