@@ -48,9 +48,16 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one answer may take")
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--model", help="GGUF file (default: the bundled model)")
+    p.add_argument("--up-args", default="", help='more `meshnet up` flags, e.g. "--queue-wait 10"')
+    p.add_argument("--keep", action="store_true", help="keep the meshes' data and logs")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    if args.keep:
+        tmp = tempfile.mkdtemp(prefix="churn-")
+        print(f"data and logs in {tmp}")
         shares = [_run(args, Path(tmp) / f"run{i}") for i in range(args.runs)]
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            shares = [_run(args, Path(tmp) / f"run{i}") for i in range(args.runs)]
     print(f"exact share per run: {', '.join(f'{s:.1%}' for s in shares)} (goal >= {GOAL:.0%})")
     print(f"worst run / goal: {min(shares) / GOAL:.3f}x")
 
@@ -60,6 +67,7 @@ def _run(args: argparse.Namespace, data_dir: Path) -> float:
     cmd = [sys.executable, "-m", "meshnet.cli.main", "up", "--layout", args.layout]
     cmd += ["--port", str(port), "--data-dir", str(data_dir)]
     cmd += ["--model", args.model] if args.model else []
+    cmd += args.up_args.split()
     url = f"http://127.0.0.1:{port}"
     log = (data_dir.parent / f"{data_dir.name}.log").open("wb")
     up = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -93,7 +101,9 @@ def _run(args: argparse.Namespace, data_dir: Path) -> float:
             up.kill()
         log.close()
     exact = sum(o == e for o, e in zip(outcomes, expected, strict=True))
-    errors = Counter(o for o in outcomes if isinstance(o, str))
+    errors = Counter(o.split(":")[0] for o in outcomes if isinstance(o, str))
+    for first in {o.split(":")[0]: o for o in outcomes if isinstance(o, str)}.values():
+        print(f"  e.g. {first[:300]}")
     print(
         f"{args.requests} requests, {args.concurrency} at a time, {len(kills)} kills "
         f"({', '.join(kills)}): {exact} exact, errors {dict(errors)}"
@@ -129,7 +139,8 @@ def _ask(url: str, api: dict[str, str], body: dict[str, Any], timeout: float) ->
     if r.status_code == 200:
         return list(r.json()["meshnet"]["ids"])
     try:
-        return f"{r.status_code} {r.json()['error']['code']}"
+        error = r.json()["error"]
+        return f"{r.status_code} {error['code']}: {error['message']}"
     except (ValueError, KeyError, TypeError):
         return f"{r.status_code} untyped"
 

@@ -25,7 +25,7 @@ BODY: dict[str, Any] = {
     "temperature": 0.7,
     "seed": 3,
 }
-WAITS = ["--route-wait", "60", "--queue-wait", "60"]
+WAITS = ["--route-wait", "60"]
 
 
 @pytest.fixture(scope="module")

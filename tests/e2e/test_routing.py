@@ -54,7 +54,8 @@ def _route_ids(r: httpx.Response) -> list[str]:
 def test_dead_node_is_routed_around_then_503_with_reason(
     mesh_factory: MeshFactory, tiny_path: Path
 ) -> None:
-    mesh = mesh_factory("0:2,0:2,2:4", model=tiny_path)
+    # A request waits --route-wait for a complete route before its 503 (tests/e2e/test_churn.py)
+    mesh = mesh_factory("0:2,0:2,2:4", model=tiny_path, tracker_args=["--route-wait", "1"])
     first = _chat(mesh)
     assert first.status_code == 200, first.text
     _wait_idle(mesh)  # equal loads: the planner picks node-0 again

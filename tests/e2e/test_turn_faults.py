@@ -115,11 +115,11 @@ def check_delivered_once(
 def test_a_node_stalled_past_its_heartbeat_timeout_delays_a_turn_and_fails_nothing(
     mesh_factory: MeshFactory, chat_tiny: Path
 ) -> None:
-    """What made the tracker-kill test count 4 attempts on a loaded machine, on purpose:
-    the only node of a span stops answering mid-turn, is marked down, and the turn's
-    attempt fails; the next attempts find no route until it is back. They are waits,
-    not failures: the turn is delivered once it is (with ``--turn-attempts 3`` the old
-    outbox failed it), one attempt at a time, billed once."""
+    """The only node of a span stops answering mid-turn and is marked down: there is no
+    route until it is back. That is a wait, not a failure: the attempt's failover waits
+    for the span to be served again (``--route-wait``) and replays it, or a later attempt
+    finds the route; either way the turn is delivered once (with ``--turn-attempts 3`` an
+    older outbox failed it), billed once, positions of earlier turns not billed again."""
     mesh = mesh_factory("0:2,2:4", model=chat_tiny, tracker_args=[*QUIET, "--turn-attempts", "3"])
     ref, want, sid = start_reference(mesh)
     client = RetryingClient(mesh, sid, "stalled")
@@ -133,7 +133,6 @@ def test_a_node_stalled_past_its_heartbeat_timeout_delays_a_turn_and_fails_nothi
         node.send_signal(signal.SIGCONT)
     thread.join(timeout=120)
     got = check_delivered_once(mesh, client, ref, want, sid)
-    assert got["attempts"] >= 2  # the one the stall failed, then one or more after
     failed = [r for r in ledger(mesh, got["turn_id"]) if r["status"] == "failed"]
     assert failed and {r["node_id"] for r in failed} == {"node-1"}, failed
 

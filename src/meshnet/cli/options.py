@@ -206,7 +206,8 @@ def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
             type=float,
             default=15.0,
             help="seconds a failover waits for a failed range to be served again (a node "
-            "restarting, a heal) before its generation fails",
+            "restarting, a heal) before its generation fails, and a new request for a "
+            "complete route before its 503",
         ),
         p.add_argument(
             "--replicas",
@@ -257,8 +258,7 @@ def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
             "--queue-wait",
             type=float,
             default=1.0,
-            help="seconds a request waits for capacity (or for a complete route) before its "
-            "429 (503)",
+            help="seconds a request waits for capacity before its 429",
         ),
         p.add_argument("--park-after", type=float, default=300.0, help="idle seconds; 0: never"),
         p.add_argument(

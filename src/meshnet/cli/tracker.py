@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
                     max_in_flight=args.max_in_flight,
                     max_queued=args.max_queued,
                     queue_wait_s=args.queue_wait,
+                    route_wait_s=args.route_wait,
                 ),
             ),
             driver=DriverLimits(

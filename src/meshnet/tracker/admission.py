@@ -6,9 +6,9 @@ streams as it says it can hold (its heartbeat's ``max_streams``, or
 ``node_streams``). A request that finds no room waits, up to ``queue_wait_s``,
 for a generation to end; at most ``max_queued`` wait at once. One that finds no
 complete route (``NoRoute``: a node restarting, a range being healed) waits the
-same way for one to appear, looking again every ``route_poll_s``, before its
-503. Reserving is synchronous on the event loop, so two requests can never both
-take the last slot.
+same way, up to ``route_wait_s`` (a restart takes seconds), for one to appear,
+looking again every ``route_poll_s``, before its 503. Reserving is synchronous
+on the event loop, so two requests can never both take the last slot.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ class AdmissionConfig:
     max_in_flight: int = 64  # generations this tracker drives at once
     node_streams: int = 32  # streams per node when the node does not say
     max_queued: int = 256  # requests waiting for room; more get 429 at once
-    queue_wait_s: float = 1.0  # how long one waits before its 429 (or 503: no route)
+    queue_wait_s: float = 1.0  # how long one waits for capacity before its 429
+    route_wait_s: float = 15.0  # how long one waits for a complete route before its 503
     route_poll_s: float = 0.25  # how often one waiting for a route looks again
 
     @property
@@ -96,11 +97,12 @@ class Admission:
             if self._waiting >= self.config.max_queued:
                 raise
             routeless = isinstance(e, NoRoute)
-        deadline = time.monotonic() + self.config.queue_wait_s
+        start = time.monotonic()
         self._waiting += 1
         try:
             while True:
                 self._freed.clear()
+                deadline = start + self._wait_s(routeless)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return attempt()  # one last try; its refusal is the answer
@@ -114,11 +116,14 @@ class Admission:
                 try:
                     return attempt()
                 except (Overloaded, NoRoute) as e:
-                    if time.monotonic() >= deadline:
-                        raise
                     routeless = isinstance(e, NoRoute)
+                    if time.monotonic() >= start + self._wait_s(routeless):
+                        raise
         finally:
             self._waiting -= 1
+
+    def _wait_s(self, routeless: bool) -> float:
+        return self.config.route_wait_s if routeless else self.config.queue_wait_s
 
     def _give_back(self, r: Reservation) -> None:
         self.in_flight -= 1

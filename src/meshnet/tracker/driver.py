@@ -220,6 +220,7 @@ class RouteDriver:
         """
         gen.links, _ = await self.epochs.open(gen, gen.route, {}, held)
         if all((link.positions, link.steps) == held for link in gen.links):
+            gen.billed_from = held[0]
             return True
         for link in gen.links:
             link.close()

@@ -92,6 +92,9 @@ class Generation:
     session_id: str = ""  # what the nodes key the KV by; the generation id when empty
     keep: bool = False  # the nodes keep the KV after the generation (a session's turn)
     first_step: int = 0  # steps of the session before this generation
+    # Positions below this were computed (and billed) by the session's earlier turns on
+    # every hop: a failover that recomputes them is the mesh's cost, not billed again.
+    billed_from: int = 0
     links: list[HopLink] = field(default_factory=list)
     ring: Ring | None = None  # the readers of ``links`` while they run round a ring
     inputs: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)  # layer -> step -> x
@@ -148,8 +151,8 @@ class Generation:
                 node_id=link.node_id,
                 layer_start=link.hop.layers.start,
                 layer_end=link.hop.layers.end,
-                token_start=link.first_position,
-                token_end=link.positions,
+                token_start=max(link.first_position, self.billed_from),
+                token_end=max(link.positions, self.billed_from),
                 status=status,
                 kind=kind,
                 commitments=commitments.encode(
