@@ -1,0 +1,245 @@
+"""A node's copy of the tensors it serves: fetched by range, checked, resumable.
+
+A node serving ``[start, end)`` of a model it does not have whole keeps
+``shards/<fingerprint>/<start>-<end>.gguf``: a sparse file of the model's full
+length holding the original header and, at their own offsets, only the tensors
+that range reads (``RemoteHeader.needed``). It is a valid GGUF for what the
+loader reads of that range, so a restarted node opens it as it is; the rest of
+its length is holes, which take no disk.
+
+While it is fetched it is ``NAME.partial`` beside ``NAME.state.json`` (which
+tensors are checked, how far the others got). The header and each tensor are
+checked against the signed manifest's BLAKE3 before the tensor counts as
+fetched; a tensor that fails is fetched again (``cfg.attempts`` times, then
+``HashMismatch``). A fetch that stops (a dropped source after its retries:
+``FetchFailed``; the process killed) resumes from the state; a hash that never
+matches or a full disk (``DiskFull``, also checked before the first byte)
+removes the partial file and its state. The final name appears only whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import blake3
+
+from meshnet.errors import DiskFull, HashMismatch, ModelSourceError
+from meshnet.layer_range import LayerRange
+from meshnet.model.gguf_header import parse_layout
+from meshnet.model_source.config import SourceConfig
+from meshnet.model_source.files import check_room, disk_errors, sync_dir
+from meshnet.model_source.header import RemoteHeader
+from meshnet.model_source.manifest import Manifest, TensorHash
+from meshnet.model_source.progress import OnBytes
+from meshnet.model_source.ranged import read_range, stream_range
+from meshnet.model_source.remote import RemoteModel, hf_headers
+from meshnet.model_source.tracker_source import single_file
+
+log = logging.getLogger(__name__)
+_HASH_READ = 1 << 22
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    path: Path  # a GGUF the loader opens for ``layers``
+    fingerprint: str  # the whole model's sha256 (not this file's)
+    layers: LayerRange
+    fetched_bytes: int = 0  # read from the network by this call
+
+
+def shard_path(cfg: SourceConfig, fingerprint: str, layers: LayerRange) -> Path:
+    return cfg.cache_dir / "shards" / fingerprint[:32] / f"{layers.start}-{layers.end}.gguf"
+
+
+@dataclass
+class _State:
+    digest: str  # the manifest's: a state of another manifest is discarded
+    header: bool = False
+    done: dict[str, int] = field(default_factory=dict)  # tensor -> bytes written
+    verified: set[str] = field(default_factory=set)
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        body = {**self.__dict__, "verified": sorted(self.verified)}
+        tmp.write_text(json.dumps(body))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path, digest: str) -> _State:
+        try:
+            raw = json.loads(path.read_text())
+            state = cls(raw["digest"], bool(raw["header"]), dict(raw["done"]), set(raw["verified"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return cls(digest)
+        return state if state.digest == digest else cls(digest)
+
+
+def fetch_shard(
+    model: RemoteModel,
+    manifest: Manifest,
+    layers: LayerRange,
+    cfg: SourceConfig,
+    progress: OnBytes | None = None,
+) -> LocalShard:
+    """The local shard of ``layers``: as kept, or fetched now (see the module)."""
+    path = shard_path(cfg, manifest.fingerprint, layers)
+    if path.is_file():
+        return LocalShard(path, manifest.fingerprint, layers)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.with_name(path.name + ".lock")):
+        if path.is_file():  # another process fetched it meanwhile
+            return LocalShard(path, manifest.fingerprint, layers)
+        fetch = _Fetch(model, manifest, layers, cfg, path, progress)
+        try:
+            fetch.run()
+        except (HashMismatch, DiskFull):
+            fetch.discard()
+            raise
+        return LocalShard(path, manifest.fingerprint, layers, fetch.fetched)
+
+
+@contextlib.contextmanager
+def _locked(lock: Path) -> Iterator[None]:
+    """One fetch of a shard at a time on this machine (nodes of one ``meshnet up``)."""
+    with lock.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+class _Fetch:
+    """One fetch of one shard file; ``run`` once."""
+
+    def __init__(
+        self,
+        model: RemoteModel,
+        manifest: Manifest,
+        layers: LayerRange,
+        cfg: SourceConfig,
+        path: Path,
+        progress: OnBytes | None,
+    ) -> None:
+        self.file = single_file(model)
+        self.headers = hf_headers(model, cfg)
+        self.manifest, self.layers, self.cfg, self.path = manifest, layers, cfg, path
+        self.progress = progress
+        self.partial = path.with_name(path.name + ".partial")
+        self.state_path = path.with_name(path.name + ".state.json")
+        self.fetched = 0
+
+    def run(self) -> None:
+        if self.file.size != self.manifest.size:
+            raise ModelSourceError(f"{self.file.name}: its size is not the manifest's")
+        state = _State.load(self.state_path, self.manifest.digest())
+        if not self.partial.is_file():
+            state = _State(self.manifest.digest())
+        with disk_errors(self.path), self._open() as fh:
+            header = self._header(fh, state)
+            todo = self._tensors(header)
+            check_room(self.path.parent, sum(t.nbytes - state.done.get(t.name, 0) for t in todo))
+            for t in todo:
+                if t.name not in state.verified:
+                    self._tensor(fh, t, state)
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.partial.replace(self.path)
+        self.state_path.unlink(missing_ok=True)
+        sync_dir(self.path.parent)
+
+    def discard(self) -> None:
+        self.partial.unlink(missing_ok=True)
+        self.state_path.unlink(missing_ok=True)
+
+    def _open(self) -> BinaryIO:
+        if not self.partial.is_file():
+            with self.partial.open("wb") as fh:
+                fh.truncate(self.manifest.size)  # sparse: only what is written takes disk
+        return self.partial.open("r+b")
+
+    def _header(self, fh: BinaryIO, state: _State) -> RemoteHeader:
+        n = self.manifest.header_bytes
+        for _ in range(self.cfg.attempts):
+            if state.header:
+                fh.seek(0)
+                raw = fh.read(n)
+            else:
+                raw = read_range(self.file.url, 0, n, self.headers, self.cfg)
+                self._count(len(raw))
+            if blake3.blake3(raw).hexdigest() == self.manifest.header_blake3:
+                break
+            log.warning("%s: the header does not match the manifest; fetching it again", self.path)
+            state.header = False
+        else:
+            raise HashMismatch(f"{self.file.name}: the header never matched the manifest")
+        if not state.header:
+            fh.seek(0)
+            fh.write(raw)
+            state.header = True
+            state.save(self.state_path)
+        return RemoteHeader(raw, parse_layout(raw, self.file.name))
+
+    def _tensors(self, header: RemoteHeader) -> list[TensorHash]:
+        """The manifest's entries of the tensors ``layers`` reads, checked against the
+        (checked) header's own offsets and sizes."""
+        known, spans = self.manifest.by_name(), header.spans()
+        out = []
+        for name in header.needed(self.layers):
+            t = known.get(name)
+            if t is None or (t.offset, t.nbytes) != spans[name]:
+                raise ModelSourceError(f"{self.file.name}: the manifest disagrees on {name!r}")
+            out.append(t)
+        return out
+
+    def _tensor(self, fh: BinaryIO, t: TensorHash, state: _State) -> None:
+        for attempt in range(1, self.cfg.attempts + 1):
+            self._download(fh, t, state)
+            if self._hash(fh, t) == t.blake3:
+                state.verified.add(t.name)
+                state.save(self.state_path)
+                return
+            log.warning("%s: tensor %s failed its hash (try %d); fetching it again",
+                        self.path.name, t.name, attempt)  # fmt: skip
+            state.done[t.name] = 0
+        raise HashMismatch(f"{self.file.name}: tensor {t.name!r} never matched its manifest hash")
+
+    def _download(self, fh: BinaryIO, t: TensorHash, state: _State) -> None:
+        def sink(offset: int, data: bytes) -> None:
+            fh.seek(offset)
+            fh.write(data)
+            self._count(len(data))
+
+        pos = t.offset + state.done.get(t.name, 0)
+        while pos < t.end:
+            end = min(t.end, pos + self.cfg.chunk_bytes)
+            stream_range(self.file.url, pos, end, self.headers, self.cfg, sink)
+            pos = end
+            state.done[t.name] = pos - t.offset
+            state.save(self.state_path)
+
+    def _hash(self, fh: BinaryIO, t: TensorHash) -> str:
+        fh.flush()
+        h = blake3.blake3()
+        fh.seek(t.offset)
+        left = t.nbytes
+        while left:
+            data = fh.read(min(left, _HASH_READ))
+            if not data:
+                break
+            h.update(data)
+            left -= len(data)
+        return str(h.hexdigest())
+
+    def _count(self, n: int) -> None:
+        self.fetched += n
+        if self.progress is not None:
+            self.progress(n)
