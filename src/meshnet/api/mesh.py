@@ -1,4 +1,5 @@
-"""The control plane nodes talk to: registration and heartbeats, each signed by the node.
+"""The control plane nodes talk to: registration, heartbeats and model manifests, each
+signed by the node.
 
 A node speaks only for itself: the id it registers or heartbeats as must be the
 one whose key signed the request, so no registration can take over another
@@ -7,14 +8,18 @@ node's id or address.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Path, Query, Request
 
-from meshnet.api.auth import CallingNode, require_same_node
-from meshnet.api.state import tracker_serving
+from meshnet.api.auth import CallingNode, auth_of, require_same_node
+from meshnet.api.state import models_of, tracker_serving
+from meshnet.auth.signing import manifest_mac
+from meshnet.errors import NotFound
 from meshnet.mesh_messages import MAX_ID, Heartbeat, HeartbeatReply, NodeAnnouncement
+from meshnet.model_source.reference import MAX_REF_CHARS
 from meshnet.tracker.service import Tracker
 
 log = logging.getLogger(__name__)
@@ -43,6 +48,22 @@ async def heartbeat(
     known = tracker.heartbeat(node_id, body)
     _note_metrics_port(tracker, node_id, body.metrics_port)
     return HeartbeatReply(known=known).model_dump()
+
+
+@router.get("/mesh/manifest")
+async def manifest(
+    request: Request, caller: CallingNode, ref: str = Query(min_length=1, max_length=MAX_REF_CHARS)
+) -> dict[str, Any]:
+    """The manifest of per-tensor hashes of the served model named by ``ref`` (as the
+    tracker was given it), signed for the calling node with its key: the node checks
+    every tensor it fetches against it (``model_source.shard_store``)."""
+    for served in models_of(request):
+        info = served.info
+        if info.ref == ref and info.manifest_json is not None:
+            digest = hashlib.sha256(info.manifest_json.encode()).hexdigest()
+            key = auth_of(request).keys.node_key(caller)
+            return {"manifest": info.manifest_json, "mac": manifest_mac(key, caller, digest)}
+    raise NotFound("the tracker serves no model by that reference")
 
 
 def _note_metrics_port(tracker: Tracker, node_id: str, port: int | None) -> None:

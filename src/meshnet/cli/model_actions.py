@@ -31,11 +31,15 @@ def add_parsers(models: argparse.ArgumentParser, add_common: AddCommon, runner: 
     """The subcommands of ``meshnet models`` (without one it lists the models)."""
     sub = models.add_subparsers(dest="action", metavar="{serve,replace,release}")
     serve = sub.add_parser("serve", help="serve another model on empty nodes")
-    serve.add_argument("path", help="the GGUF file, as the tracker sees it")
+    serve.add_argument(
+        "path", help="the GGUF file as the tracker sees it, or hf:ORG/REPO[:QUANT], a URL"
+    )
     _placement_flags(serve)
     replace = sub.add_parser("replace", help="serve a model in place of NAME, then release NAME")
     replace.add_argument("name")
-    replace.add_argument("path", help="the new GGUF file, as the tracker sees it")
+    replace.add_argument(
+        "path", help="the new GGUF file as the tracker sees it, or hf:ORG/REPO[:QUANT], a URL"
+    )
     _placement_flags(replace)
     _drain_flag(replace)
     release = sub.add_parser("release", help="stop serving NAME and empty its nodes")

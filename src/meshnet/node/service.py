@@ -47,6 +47,7 @@ from meshnet.node.head_assist import HeadAssist, HeadAssists
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.kv_service import KVService
 from meshnet.node.model_dirs import ModelDirs
+from meshnet.node.model_fetch import NodeModels
 from meshnet.node.relay import Mailbox, RelaySender
 from meshnet.node.relay_wire import Ask
 from meshnet.node.scheduler import StepWork
@@ -80,6 +81,7 @@ class NodeIdentity:
     node_id: str
     model_path: str | None  # the model loaded at start, if any
     model_dirs: ModelDirs  # where Configure may load models from
+    models: NodeModels | None = None  # fetches models given by reference (None: refused)
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,11 @@ class NodeService(pb_grpc.NodeServicer):
         self._rings = _Tally()  # ring runs under way on this hop
         self.kv = KVService(engine, gate, offers)
         self.configurator = Configurator(
-            engine, identity.model_dirs, identity.model_path, engine.config.max_streams
+            engine,
+            identity.model_dirs,
+            identity.model_path,
+            engine.config.max_streams,
+            identity.models,
         )
 
     def close(self) -> None:

@@ -1,0 +1,136 @@
+"""``meshnet up --model hf:ORG/REPO:QUANT`` against a local hub (``tests/hub_server.py``):
+the real processes resolve the reference with the real ``huggingface_hub`` client, each
+node fetches only its layers' tensors, and the mesh answers as the file does in one
+process. Nothing reaches the internet: ``HF_ENDPOINT`` is the local hub."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from hub_models import N_LAYERS, Q4, Q8, REPO, write_hub
+from hub_server import HubServer
+
+from meshnet.auth.credentials import CREDENTIALS_FILE, read_user_credentials
+from meshnet.engine.generate import generate
+from meshnet.engine.local import load_local_model
+from meshnet.local_mesh import free_port
+from meshnet.model.sampling import SamplingParams
+
+PROMPT = "the cat sat on"
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
+    with HubServer(write_hub(tmp_path_factory.mktemp("hub"))) as server:
+        yield server
+
+
+def _env(hub: HubServer, tmp: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "OPENBLAS_NUM_THREADS": "1",
+        "HF_ENDPOINT": hub.url,
+        "HF_HUB_CACHE": str(tmp / "hf"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "MESHNET_CACHE": str(tmp / "cache"),
+    }
+
+
+def _meshnet(*args: str) -> list[str]:
+    return [sys.executable, "-m", "meshnet.cli.main", *args]
+
+
+def _solo_text(path: Path, max_tokens: int) -> str:
+    model = load_local_model(path)
+    ids = model.tokenizer.encode(PROMPT)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return generate(model.chain, model.tokenizer, ids, params).text
+
+
+def test_up_serves_a_hub_reference_each_node_fetching_only_its_layers(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    port = free_port()
+    half = N_LAYERS // 2
+    up = subprocess.Popen(
+        _meshnet(
+            "up",
+            "--model",
+            f"hf:{REPO}:Q4_K_M",
+            "--layout",
+            f"0:{half},{half}:{N_LAYERS}",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(tmp_path / "mesh"),
+            "--threads",
+            "1",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(hub, tmp_path),
+    )
+    try:
+        assert up.stdout is not None
+        line, deadline = "", time.monotonic() + 180
+        while "meshnet API at" not in line and time.monotonic() < deadline:
+            line = up.stdout.readline()
+            assert line or up.poll() is None, "meshnet up exited early"
+        key = read_user_credentials(tmp_path / "mesh" / CREDENTIALS_FILE).api_key
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=120,
+            json={"model": "tiny-Q4_K_M", "prompt": PROMPT, "max_tokens": 12, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == _solo_text(hub.root / REPO / Q4, 12)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=60)
+        if up.stdout is not None:
+            up.stdout.close()
+    size = (hub.root / REPO / Q4).stat().st_size
+    # `up` read the file once to plan and hash it; the tracker found that in the cache.
+    assert hub.sent["up"] == size and hub.sent["tracker"] == 0
+    for node in ("node-0", "node-1"):
+        assert 0 < hub.sent[node] < 0.6 * size, (node, hub.sent[node], size)
+
+
+def test_a_missing_quantization_is_a_typed_error_naming_the_files(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    done = subprocess.run(
+        _meshnet("generate", "--model", f"hf:{REPO}:Q5_K_S", "--prompt", "hi"),
+        capture_output=True,
+        text=True,
+        env=_env(hub, tmp_path),
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "model-ref-not-found" in done.stderr
+    assert Q4 in done.stderr and Q8 in done.stderr
+
+
+def test_generate_runs_a_hub_file_as_the_same_file_by_path(hub: HubServer, tmp_path: Path) -> None:
+    def text(model: str) -> str:
+        done = subprocess.run(
+            _meshnet("generate", "--model", model, "--prompt", PROMPT, "--max-tokens", "8"),
+            capture_output=True,
+            text=True,
+            env=_env(hub, tmp_path),
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert text(f"hf:{REPO}/{Q8}") == text(str(hub.root / REPO / Q8))
