@@ -21,7 +21,8 @@ from hub_server import HubServer
 from meshnet.auth.credentials import CREDENTIALS_FILE, read_user_credentials
 from meshnet.engine.generate import generate
 from meshnet.engine.local import load_local_model
-from meshnet.local_mesh import free_port
+from meshnet.layer_range import LayerRange
+from meshnet.local_mesh import LocalMesh, free_port
 from meshnet.model.sampling import SamplingParams
 
 PROMPT = "the cat sat on"
@@ -33,15 +34,18 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
         yield server
 
 
-def _env(hub: HubServer, tmp: Path) -> dict[str, str]:
+def _hub_env(hub: HubServer, tmp: Path) -> dict[str, str]:
+    """The local hub as the hub, and caches of the test's own."""
     return {
-        **os.environ,
-        "OPENBLAS_NUM_THREADS": "1",
         "HF_ENDPOINT": hub.url,
         "HF_HUB_CACHE": str(tmp / "hf"),
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "MESHNET_CACHE": str(tmp / "cache"),
     }
+
+
+def _env(hub: HubServer, tmp: Path) -> dict[str, str]:
+    return {**os.environ, "OPENBLAS_NUM_THREADS": "1", **_hub_env(hub, tmp)}
 
 
 def _meshnet(*args: str) -> list[str]:
@@ -134,3 +138,36 @@ def test_generate_runs_a_hub_file_as_the_same_file_by_path(hub: HubServer, tmp_p
         return done.stdout
 
     assert text(f"hf:{REPO}/{Q8}") == text(str(hub.root / REPO / Q8))
+
+
+def test_admin_serve_of_a_reference_loads_it_on_empty_nodes(
+    hub: HubServer, tmp_path: Path, tiny_path: Path
+) -> None:
+    mesh = LocalMesh(
+        data_dir=tmp_path / "mesh",
+        model=str(tiny_path),
+        extra_env=_hub_env(hub, tmp_path),
+        tracker_args=["--replicas", "0"],
+    )
+    try:
+        mesh.start([LayerRange(0, 4), None, None])
+        body = {"path": f"hf:{REPO}:Q8_0", "nodes": 2}
+        r = httpx.post(
+            f"{mesh.url}/admin/models", json=body, headers=mesh.admin_headers, timeout=300
+        )
+        assert r.status_code == 201, r.text
+        served = r.json()
+        assert served["name"] == "tiny-Q8_0" and served["complete"]
+        r = httpx.post(
+            f"{mesh.url}/v1/completions",
+            headers=mesh.api_headers,
+            timeout=120,
+            json={"model": "tiny-Q8_0", "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == _solo_text(hub.root / REPO / Q8, 8)
+    finally:
+        mesh.stop()
+    size = (hub.root / REPO / Q8).stat().st_size
+    fetched = [hub.sent[n] for n in ("node-1", "node-2")]
+    assert all(0 < n < 0.75 * size for n in fetched), (fetched, size)

@@ -24,6 +24,7 @@ from meshnet.model_source.whole import local_model_path
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.database import Database, open_database
 from meshnet.tracker.driver import DriverLimits, RouteDriver
+from meshnet.tracker.manifests import ManifestBook
 from meshnet.tracker.migrations import migrate
 from meshnet.tracker.model_admin import ModelAdmin
 from meshnet.tracker.model_turns import ModelTurns
@@ -90,9 +91,10 @@ def tracker_auth(cfg: TrackerProcessConfig, db: Database, keys: MeshKeys) -> Tra
 
 def serve(cfg: TrackerProcessConfig) -> int:
     source = cfg.source or source_config("tracker")
+    manifests = ManifestBook()  # what nodes fetching a referenced model are given
 
     def load_info(path: str | None) -> ModelInfo:
-        return model_info(path, source)
+        return manifests.note(model_info(path, source))
 
     model = load_info(cfg.model_path)
     db = open_database(cfg.database or cfg.data_dir / "tracker.db")
@@ -136,6 +138,7 @@ def serve(cfg: TrackerProcessConfig) -> int:
     app = create_app(
         tracker, services, auth, retention, placement=placement, model_admin=model_admin
     )
+    app.state.manifests = manifests
     names = ", ".join(m.name for m in served)
     log.info("tracker serving %s on http://%s:%d", names, cfg.host, cfg.port)
     try:
