@@ -4,6 +4,7 @@ refused, and that a stopped fetch resumes."""
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +15,7 @@ from hub_models import N_LAYERS, Q4, Q8, REPO, write_hub
 from hub_server import HubServer
 
 from meshnet.backends.base import BatchEntry
-from meshnet.errors import FetchFailed, HashMismatch, ModelRefNotFound, ModelSourceError
+from meshnet.errors import DiskFull, FetchFailed, HashMismatch, ModelRefNotFound, ModelSourceError
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.shard import load_shard_file
@@ -175,3 +176,19 @@ def test_a_split_model_is_refused_by_name(tmp_path: Path) -> None:
 
         parts = tuple(RemoteFile(f"m-0000{i}-of-00002.gguf", "u", 1, None, None) for i in (1, 2))
         single_file(RemoteModel(parse_ref("hf:a/b"), parts, None))
+
+
+def test_a_full_disk_is_typed_and_leaves_nothing(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref = f"hf:{REPO}:Q4_K_M"
+    manifest = tracker_model(ref, _cfg(hub, tmp_path, "tracker")).manifest
+    cfg = _cfg(hub, tmp_path, "node-d")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr("shutil.disk_usage", lambda _: usage(1 << 20, 1 << 20, 1000))
+    layers = LayerRange(0, 2)
+    with pytest.raises(DiskFull):
+        fetch_shard(locate(parse_ref(ref), cfg), manifest, layers, cfg)
+    path = shard_path(cfg, manifest.fingerprint, layers)
+    assert not [p for p in path.parent.iterdir() if not p.name.endswith(".lock")]
+    assert hub.sent["node-d"] < 64 << 10  # the header at most: refused before the tensors
