@@ -19,7 +19,7 @@ from meshnet.model_source.remote import RemoteModel
 def store_dir(cfg: SourceConfig, model: RemoteModel) -> Path:
     """The cache folder of one model's bytes (named by its sha256, else URL and ETag)."""
     key = hashlib.sha256(model.key.encode()).hexdigest()[:32]
-    return cfg.cache_dir / "models" / key
+    return cfg.cache_dir / "sources" / key
 
 
 def atomic_write(path: Path, data: bytes) -> None:

@@ -202,8 +202,7 @@ class _Fetch:
 
     def _tensor(self, fh: BinaryIO, t: TensorHash, state: _State) -> None:
         for attempt in range(1, self.cfg.attempts + 1):
-            self._download(fh, t, state)
-            if self._hash(fh, t) == t.blake3:
+            if self._download(fh, t, state) == t.blake3:
                 state.verified.add(t.name)
                 state.save(self.state_path)
                 return
@@ -212,34 +211,40 @@ class _Fetch:
             state.done[t.name] = 0
         raise HashMismatch(f"{self.file.name}: tensor {t.name!r} never matched its manifest hash")
 
-    def _download(self, fh: BinaryIO, t: TensorHash, state: _State) -> None:
+    def _download(self, fh: BinaryIO, t: TensorHash, state: _State) -> str:
+        """Fetch what ``t`` lacks; the BLAKE3 of all its bytes: of the part written before
+        (a resumed fetch), read back, then of the rest as it arrives."""
+        h = blake3.blake3()
+        pos = t.offset + state.done.get(t.name, 0)
+        _hash_back(fh, t.offset, pos, h)
+
         def sink(offset: int, data: bytes) -> None:
             fh.seek(offset)
             fh.write(data)
+            h.update(data)
             self._count(len(data))
 
-        pos = t.offset + state.done.get(t.name, 0)
         while pos < t.end:
             end = min(t.end, pos + self.cfg.chunk_bytes)
             stream_range(self.file.url, pos, end, self.headers, self.cfg, sink)
             pos = end
             state.done[t.name] = pos - t.offset
             state.save(self.state_path)
-
-    def _hash(self, fh: BinaryIO, t: TensorHash) -> str:
-        fh.flush()
-        h = blake3.blake3()
-        fh.seek(t.offset)
-        left = t.nbytes
-        while left:
-            data = fh.read(min(left, _HASH_READ))
-            if not data:
-                break
-            h.update(data)
-            left -= len(data)
         return str(h.hexdigest())
 
     def _count(self, n: int) -> None:
         self.fetched += n
         if self.progress is not None:
             self.progress(n)
+
+
+def _hash_back(fh: BinaryIO, start: int, end: int, h: blake3.blake3) -> None:
+    """Feed ``h`` the bytes ``[start, end)`` already in ``fh``."""
+    fh.flush()
+    fh.seek(start)
+    while start < end:
+        data = fh.read(min(end - start, _HASH_READ))
+        if not data:
+            break
+        h.update(data)
+        start += len(data)
