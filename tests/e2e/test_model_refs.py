@@ -64,6 +64,7 @@ def test_up_serves_a_hub_reference_each_node_fetching_only_its_layers(
 ) -> None:
     port = free_port()
     half = N_LAYERS // 2
+    before = dict(hub.sent)
     up = subprocess.Popen(
         _meshnet(
             "up",
@@ -105,9 +106,10 @@ def test_up_serves_a_hub_reference_each_node_fetching_only_its_layers(
             up.stdout.close()
     size = (hub.root / REPO / Q4).stat().st_size
     # `up` read the file once to plan and hash it; the tracker found that in the cache.
-    assert hub.sent["up"] == size and hub.sent["tracker"] == 0
+    sent = {k: v - before.get(k, 0) for k, v in hub.sent.items()}
+    assert sent["up"] == size and sent.get("tracker", 0) == 0
     for node in ("node-0", "node-1"):
-        assert 0 < hub.sent[node] < 0.6 * size, (node, hub.sent[node], size)
+        assert 0 < sent[node] < 0.6 * size, (node, sent[node], size)
 
 
 def test_a_missing_quantization_is_a_typed_error_naming_the_files(
@@ -143,6 +145,7 @@ def test_generate_runs_a_hub_file_as_the_same_file_by_path(hub: HubServer, tmp_p
 def test_admin_serve_of_a_reference_loads_it_on_empty_nodes(
     hub: HubServer, tmp_path: Path, tiny_path: Path
 ) -> None:
+    before = dict(hub.sent)
     mesh = LocalMesh(
         data_dir=tmp_path / "mesh",
         model=str(tiny_path),
@@ -169,5 +172,46 @@ def test_admin_serve_of_a_reference_loads_it_on_empty_nodes(
     finally:
         mesh.stop()
     size = (hub.root / REPO / Q8).stat().st_size
-    fetched = [hub.sent[n] for n in ("node-1", "node-2")]
+    fetched = [hub.sent[n] - before.get(n, 0) for n in ("node-1", "node-2")]
     assert all(0 < n < 0.75 * size for n in fetched), (fetched, size)
+
+
+def test_a_second_node_fetches_its_range_from_the_first_not_the_hub(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    half = N_LAYERS // 2
+    mesh = LocalMesh(
+        data_dir=tmp_path / "mesh",
+        model=f"hf:{REPO}:Q4_K_M",
+        extra_env=_hub_env(hub, tmp_path),
+        tracker_args=["--replicas", "0"],
+    )
+
+    def node(name: str, layers: LayerRange) -> None:
+        mesh.start_node(name, layers, extra=["--model-cache", str(tmp_path / name)])
+
+    try:
+        mesh.start_tracker()
+        node("first", LayerRange(0, half))
+        mesh.wait_ready(expected_nodes=1, timeout_s=120, need_route=False)
+        node("second", LayerRange(0, half))
+        node("tail", LayerRange(half, N_LAYERS))
+        mesh.wait_ready(expected_nodes=3, timeout_s=120)
+        r = httpx.post(
+            f"{mesh.url}/v1/completions",
+            headers=mesh.api_headers,
+            timeout=120,
+            json={"model": "tiny-Q4_K_M", "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == _solo_text(hub.root / REPO / Q4, 8)
+        held = httpx.get(f"{mesh.url}/admin/inventory", headers=mesh.admin_headers, timeout=10)
+        assert held.status_code == 200, held.text
+        ranges = {n["node_id"]: [s["layers"] for s in n["shards"]] for n in held.json()["nodes"]}
+        assert ranges["first"] == [[0, half]] and ranges["second"] == [[0, half]]
+    finally:
+        mesh.stop()
+    size = (hub.root / REPO / Q4).stat().st_size
+    assert 0.3 * size < hub.sent["first"] < 0.6 * size
+    assert hub.sent["second"] == 0  # every byte, header included, from the first node
+    assert (tmp_path / "second" / "shards").is_dir()

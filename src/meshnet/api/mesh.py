@@ -15,16 +15,21 @@ from typing import Any
 from fastapi import APIRouter, Path, Query, Request
 
 from meshnet.api.auth import CallingNode, auth_of, require_same_node
-from meshnet.api.state import models_of, tracker_serving
+from meshnet.api.inventory import inventory_of
+from meshnet.api.state import models_of, tracker_of, tracker_serving
 from meshnet.auth.signing import manifest_mac
 from meshnet.errors import NotFound
 from meshnet.mesh_messages import MAX_ID, Heartbeat, HeartbeatReply, NodeAnnouncement
+from meshnet.model_source.manifest import parse_manifest
+from meshnet.model_source.peers import scope
 from meshnet.model_source.reference import MAX_REF_CHARS
+from meshnet.tracker.registry import NodeState
 from meshnet.tracker.service import Tracker
 
 log = logging.getLogger(__name__)
 
 router = APIRouter()
+MAX_PEERS = 16  # peers a fetching node is told of
 
 
 @router.post("/mesh/nodes")
@@ -32,6 +37,7 @@ async def register(body: NodeAnnouncement, request: Request, caller: CallingNode
     require_same_node(caller, body.node_id)
     tracker = tracker_serving(request, body.fingerprint)
     tracker.register(body)
+    inventory_of(request).note(body.node_id, body.holdings)
     _note_metrics_port(tracker, body.node_id, body.metrics_port)
     return {"registered": body.node_id}
 
@@ -46,6 +52,7 @@ async def heartbeat(
     require_same_node(caller, node_id)
     tracker = tracker_serving(request, body.fingerprint)
     known = tracker.heartbeat(node_id, body)
+    inventory_of(request).note(node_id, body.holdings)
     _note_metrics_port(tracker, node_id, body.metrics_port)
     return HeartbeatReply(known=known).model_dump()
 
@@ -65,8 +72,31 @@ async def manifest(
     if text is None:
         raise NotFound("the tracker serves no model by that reference")
     digest = hashlib.sha256(text.encode()).hexdigest()
-    key = auth_of(request).keys.node_key(caller)
-    return {"manifest": text, "mac": manifest_mac(key, caller, digest)}
+    keys = auth_of(request).keys
+    return {
+        "manifest": text,
+        "mac": manifest_mac(keys.node_key(caller), caller, digest),
+        "peers": _peers(request, caller, parse_manifest(text).fingerprint),
+    }
+
+
+def _peers(request: Request, caller: str, fingerprint: str) -> list[dict[str, Any]]:
+    """The up nodes (the caller left out) holding shards of ``fingerprint``, each with a
+    token that lets the caller read them over that node's bulk port."""
+    tracker = tracker_of(request)
+    up = {
+        n.node_id for n in tracker.store.nodes() if n.state is NodeState.UP and n.node_id != caller
+    }
+    keys = auth_of(request).keys
+    return [
+        {
+            "node_id": h.node_id,
+            "address": h.bulk_address,
+            "layers": [h.shard.layer_start, h.shard.layer_end],
+            "token": keys.peer(h.node_id, caller, "pull", scope(fingerprint)),
+        }
+        for h in inventory_of(request).holders(fingerprint, up)[:MAX_PEERS]
+    ]
 
 
 def _note_metrics_port(tracker: Tracker, node_id: str, port: int | None) -> None:

@@ -115,6 +115,11 @@ def declare_node_setup(p: ArgumentTarget) -> list[argparse.Action]:
             help="a directory the tracker may load models from (repeatable; --model's is included)",
         ),
         p.add_argument(
+            "--model-cache",
+            help="where models given by reference are fetched to and served to peers from "
+            "(default: $MESHNET_CACHE, else ~/.cache/meshnet)",
+        ),
+        p.add_argument(
             "--node-key-file",
             help=f"this node's credential (or ${NODE_KEY_ENV}; `meshnet credentials node-key`)",
         ),

@@ -39,13 +39,19 @@ class RemoteHeader:
             raise ModelFileError(f"the header has no {arch}.block_count")
         return n
 
+    @property
+    def tied_head(self) -> bool:
+        return all(i.name != "output.weight" for i in self.layout.infos)
+
+    def holds(self, name: str, layers: LayerRange) -> bool:
+        """Whether a node serving ``layers`` reads the tensor ``name``."""
+        return range_holds(name, layers, self.n_layers, self.tied_head)
+
     def needed(self, layers: LayerRange) -> list[str]:
         """The tensors a node serving ``layers`` reads, in file order."""
         layers.check_within(self.n_layers)
-        names = {i.name for i in self.layout.infos}
-        tied = "output.weight" not in names
-        spans = self.spans()
-        held = [n for n in names if range_holds(n, layers, self.n_layers, tied)]
+        spans, tied = self.spans(), self.tied_head
+        held = [n for n in spans if range_holds(n, layers, self.n_layers, tied)]
         return sorted(held, key=lambda n: spans[n][0])
 
 

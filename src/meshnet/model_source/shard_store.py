@@ -24,7 +24,7 @@ import fcntl
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -38,10 +38,9 @@ from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.files import check_room, disk_errors, sync_dir
 from meshnet.model_source.header import RemoteHeader
 from meshnet.model_source.manifest import Manifest, TensorHash
+from meshnet.model_source.peers import Peer, PeerRefused
 from meshnet.model_source.progress import OnBytes
-from meshnet.model_source.ranged import read_range, stream_range
-from meshnet.model_source.remote import RemoteModel, hf_headers
-from meshnet.model_source.tracker_source import single_file
+from meshnet.model_source.sources import Hub, Source, Sources
 
 log = logging.getLogger(__name__)
 _HASH_READ = 1 << 22
@@ -53,10 +52,15 @@ class LocalShard:
     fingerprint: str  # the whole model's sha256 (not this file's)
     layers: LayerRange
     fetched_bytes: int = 0  # read from the network by this call
+    from_peers: int = 0  # of which from peers, not the hub
 
 
 def shard_path(cfg: SourceConfig, fingerprint: str, layers: LayerRange) -> Path:
-    return cfg.cache_dir / "shards" / fingerprint[:32] / f"{layers.start}-{layers.end}.gguf"
+    return shards_dir(cfg) / fingerprint / f"{layers.start}-{layers.end}.gguf"
+
+
+def shards_dir(cfg: SourceConfig) -> Path:
+    return cfg.cache_dir / "shards"
 
 
 @dataclass
@@ -83,13 +87,16 @@ class _State:
 
 
 def fetch_shard(
-    model: RemoteModel,
+    hub: Hub,
     manifest: Manifest,
     layers: LayerRange,
     cfg: SourceConfig,
     progress: OnBytes | None = None,
+    peers: Sequence[Peer] = (),
 ) -> LocalShard:
-    """The local shard of ``layers``: as kept, or fetched now (see the module)."""
+    """The local shard of ``layers``: as kept, or fetched now (see the module), from
+    ``peers`` holding its parts first (each part from the first that gives bytes
+    matching their hash), then from the hub (located only when a part needs it)."""
     path = shard_path(cfg, manifest.fingerprint, layers)
     if path.is_file():
         return LocalShard(path, manifest.fingerprint, layers)
@@ -97,13 +104,15 @@ def fetch_shard(
     with _locked(path.with_name(path.name + ".lock")):
         if path.is_file():  # another process fetched it meanwhile
             return LocalShard(path, manifest.fingerprint, layers)
-        fetch = _Fetch(model, manifest, layers, cfg, path, progress)
+        fetch = _Fetch(Sources(hub, list(peers), manifest, cfg), manifest, layers, cfg, path)
+        fetch.progress = progress
         try:
             fetch.run()
         except (HashMismatch, DiskFull):
             fetch.discard()
             raise
-        return LocalShard(path, manifest.fingerprint, layers, fetch.fetched)
+        got = fetch.sources
+        return LocalShard(path, manifest.fingerprint, layers, got.fetched, got.from_peers)
 
 
 @contextlib.contextmanager
@@ -122,24 +131,19 @@ class _Fetch:
 
     def __init__(
         self,
-        model: RemoteModel,
+        sources: Sources,
         manifest: Manifest,
         layers: LayerRange,
         cfg: SourceConfig,
         path: Path,
-        progress: OnBytes | None,
     ) -> None:
-        self.file = single_file(model)
-        self.headers = hf_headers(model, cfg)
+        self.sources = sources
         self.manifest, self.layers, self.cfg, self.path = manifest, layers, cfg, path
-        self.progress = progress
+        self.progress: OnBytes | None = None
         self.partial = path.with_name(path.name + ".partial")
         self.state_path = path.with_name(path.name + ".state.json")
-        self.fetched = 0
 
     def run(self) -> None:
-        if self.file.size != self.manifest.size:
-            raise ModelSourceError(f"{self.file.name}: its size is not the manifest's")
         state = _State.load(self.state_path, self.manifest.digest())
         if not self.partial.is_file():
             state = _State(self.manifest.digest())
@@ -149,7 +153,7 @@ class _Fetch:
             check_room(self.path.parent, sum(t.nbytes - state.done.get(t.name, 0) for t in todo))
             for t in todo:
                 if t.name not in state.verified:
-                    self._tensor(fh, t, state)
+                    self._tensor(fh, t, state, header)
             fh.flush()
             os.fsync(fh.fileno())
         self.partial.replace(self.path)
@@ -168,25 +172,30 @@ class _Fetch:
 
     def _header(self, fh: BinaryIO, state: _State) -> RemoteHeader:
         n = self.manifest.header_bytes
-        for _ in range(self.cfg.attempts):
-            if state.header:
-                fh.seek(0)
-                raw = fh.read(n)
-            else:
-                raw = read_range(self.file.url, 0, n, self.headers, self.cfg)
-                self._count(len(raw))
-            if blake3.blake3(raw).hexdigest() == self.manifest.header_blake3:
-                break
-            log.warning("%s: the header does not match the manifest; fetching it again", self.path)
-            state.header = False
-        else:
-            raise HashMismatch(f"{self.file.name}: the header never matched the manifest")
-        if not state.header:
+        raw = b""
+        if state.header:
+            fh.seek(0)
+            raw = fh.read(n)
+        if blake3.blake3(raw).hexdigest() != self.manifest.header_blake3:
+            raw = self._fetch_header(n)
             fh.seek(0)
             fh.write(raw)
             state.header = True
             state.save(self.state_path)
-        return RemoteHeader(raw, parse_layout(raw, self.file.name))
+        return RemoteHeader(raw, parse_layout(raw, self.path.name))
+
+    def _fetch_header(self, n: int) -> bytes:
+        for source in self.sources.order(None):
+            try:
+                raw = self.sources.read(source, 0, n)
+                self._counted(len(raw))
+            except PeerRefused as e:
+                self.sources.drop(source, e)
+                continue
+            if blake3.blake3(raw).hexdigest() == self.manifest.header_blake3:
+                return raw
+            self.sources.mismatch(source, "the header")
+        raise HashMismatch(f"{self.path.name}: the header never matched the manifest")
 
     def _tensors(self, header: RemoteHeader) -> list[TensorHash]:
         """The manifest's entries of the tensors ``layers`` reads, checked against the
@@ -196,24 +205,29 @@ class _Fetch:
         for name in header.needed(self.layers):
             t = known.get(name)
             if t is None or (t.offset, t.nbytes) != spans[name]:
-                raise ModelSourceError(f"{self.file.name}: the manifest disagrees on {name!r}")
+                raise ModelSourceError(f"{self.path.name}: the manifest disagrees on {name!r}")
             out.append(t)
         return out
 
-    def _tensor(self, fh: BinaryIO, t: TensorHash, state: _State) -> None:
-        for attempt in range(1, self.cfg.attempts + 1):
-            if self._download(fh, t, state) == t.blake3:
+    def _tensor(self, fh: BinaryIO, t: TensorHash, state: _State, header: RemoteHeader) -> None:
+        for source in self.sources.order(lambda peer: header.holds(t.name, peer.layers)):
+            try:
+                digest = self._download(fh, t, state, source)
+            except PeerRefused as e:
+                self.sources.drop(source, e)
+                state.done[t.name] = 0
+                continue
+            if digest == t.blake3:
                 state.verified.add(t.name)
                 state.save(self.state_path)
                 return
-            log.warning("%s: tensor %s failed its hash (try %d); fetching it again",
-                        self.path.name, t.name, attempt)  # fmt: skip
+            self.sources.mismatch(source, f"tensor {t.name}")
             state.done[t.name] = 0
-        raise HashMismatch(f"{self.file.name}: tensor {t.name!r} never matched its manifest hash")
+        raise HashMismatch(f"{self.path.name}: tensor {t.name!r} never matched its manifest hash")
 
-    def _download(self, fh: BinaryIO, t: TensorHash, state: _State) -> str:
-        """Fetch what ``t`` lacks; the BLAKE3 of all its bytes: of the part written before
-        (a resumed fetch), read back, then of the rest as it arrives."""
+    def _download(self, fh: BinaryIO, t: TensorHash, state: _State, source: Source) -> str:
+        """Fetch what ``t`` lacks from ``source``; the BLAKE3 of all its bytes: of the part
+        written before (a resumed fetch), read back, then of the rest as it arrives."""
         h = blake3.blake3()
         pos = t.offset + state.done.get(t.name, 0)
         _hash_back(fh, t.offset, pos, h)
@@ -222,18 +236,17 @@ class _Fetch:
             fh.seek(offset)
             fh.write(data)
             h.update(data)
-            self._count(len(data))
+            self._counted(len(data))
 
         while pos < t.end:
             end = min(t.end, pos + self.cfg.chunk_bytes)
-            stream_range(self.file.url, pos, end, self.headers, self.cfg, sink)
+            self.sources.stream(source, pos, end, sink)
             pos = end
             state.done[t.name] = pos - t.offset
             state.save(self.state_path)
         return str(h.hexdigest())
 
-    def _count(self, n: int) -> None:
-        self.fetched += n
+    def _counted(self, n: int) -> None:
         if self.progress is not None:
             self.progress(n)
 

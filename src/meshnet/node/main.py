@@ -205,7 +205,9 @@ def serve(cfg: NodeConfig) -> int:
     )
     listen_host = cfg.listen.rsplit(":", 1)[0].strip("[]")
     host = cfg.advertise_host or listen_host
-    offers = KVOffers(listen_host, host)  # node-to-node KV moves go over this bulk port
+    # Node-to-node KV moves go over this bulk port, and peers' reads of our shards.
+    offers = KVOffers(listen_host, host, shards=models.serve_peer)
+    models.bulk_address = offers.address
     start_dir = [] if is_reference(model_path) else [Path(model_path).parent]
     dirs = ModelDirs.of([*cfg.model_dirs, *start_dir])
     identity = NodeIdentity(cfg.node_id, model_path, dirs, models)
@@ -231,6 +233,7 @@ def serve(cfg: NodeConfig) -> int:
         service.stats,
         cfg.heartbeat_s,
         metrics_port=scrape.port if scrape is not None else None,
+        holdings=models.holdings,
     )
     announcer.start()
     # What the node holds for its life (the shard, the tokenizer's vocabulary, the
