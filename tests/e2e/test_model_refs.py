@@ -19,6 +19,7 @@ from hub_models import N_LAYERS, Q4, Q8, REPO, write_hub
 from hub_server import HubServer
 
 from meshnet.auth.credentials import CREDENTIALS_FILE, read_user_credentials
+from meshnet.cli.main import main
 from meshnet.engine.generate import generate
 from meshnet.engine.local import load_local_model
 from meshnet.layer_range import LayerRange
@@ -177,7 +178,7 @@ def test_admin_serve_of_a_reference_loads_it_on_empty_nodes(
 
 
 def test_a_second_node_fetches_its_range_from_the_first_not_the_hub(
-    hub: HubServer, tmp_path: Path
+    hub: HubServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     half = N_LAYERS // 2
     mesh = LocalMesh(
@@ -209,9 +210,31 @@ def test_a_second_node_fetches_its_range_from_the_first_not_the_hub(
         assert held.status_code == 200, held.text
         ranges = {n["node_id"]: [s["layers"] for s in n["shards"]] for n in held.json()["nodes"]}
         assert ranges["first"] == [[0, half]] and ranges["second"] == [[0, half]]
+        _models_shows_and_prunes(mesh, tmp_path / "first", capsys)
     finally:
         mesh.stop()
     size = (hub.root / REPO / Q4).stat().st_size
     assert 0.3 * size < hub.sent["first"] < 0.6 * size
     assert hub.sent["second"] == 0  # every byte, header included, from the first node
     assert (tmp_path / "second" / "shards").is_dir()
+
+
+def _models_shows_and_prunes(
+    mesh: LocalMesh, cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``meshnet models`` lists what each node holds; ``meshnet models prune`` removes a
+    shard no node serves and keeps the served one."""
+    admin = ["--url", mesh.url, "--admin-token", mesh.credentials.admin_token]
+    capsys.readouterr()
+    assert main(["models", *admin]) == 0
+    shown = capsys.readouterr().out
+    assert "held on disk" in shown
+    assert [line.split()[:3] for line in shown.splitlines() if line.startswith("first")] == [
+        ["first", "tiny-Q4_K_M", f"0:{N_LAYERS // 2}"]
+    ]
+    (served,) = (cache / "shards").glob("*/*.gguf")
+    stale = served.with_name("0-1.gguf")
+    stale.write_bytes(b"GGUF")
+    assert main(["models", "prune", *admin, "--model-cache", str(cache)]) == 0
+    assert "removed 1 file(s)" in capsys.readouterr().out
+    assert served.is_file() and not stale.exists()
