@@ -12,18 +12,15 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from meshnet.api.auth import require_admin
-from meshnet.api.state import models_of
+from meshnet.api.state import models_of, tracker_of
 from meshnet.tracker.inventory import Inventory
 
 admin = APIRouter(dependencies=[Depends(require_admin)])
 
 
 def inventory_of(request: Request) -> Inventory:
-    """The app's inventory (made on first use where the app was built without one)."""
-    state = request.app.state
-    if getattr(state, "inventory", None) is None:
-        state.inventory = Inventory()
-    return state.inventory  # type: ignore[no-any-return]
+    """The tracker's inventory (every served model's tracker shares it)."""
+    return tracker_of(request).inventory
 
 
 @admin.get("/admin/inventory")

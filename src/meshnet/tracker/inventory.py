@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import HeldShard, Holdings
 
 MAX_NODES = 4096  # nodes remembered; the oldest report goes past it
@@ -50,4 +51,13 @@ class Inventory:
             out += [
                 Holder(node_id, h.bulk_address, s) for s in h.shards if s.fingerprint == fingerprint
             ]
+        return out
+
+    def spans(self, fingerprint: str) -> dict[str, set[LayerRange]]:
+        """Node id -> the spans of ``fingerprint`` it holds on disk."""
+        out: dict[str, set[LayerRange]] = {}
+        for node_id, h in self.nodes().items():
+            for s in h.shards:
+                if s.fingerprint == fingerprint:
+                    out.setdefault(node_id, set()).add(LayerRange(s.layer_start, s.layer_end))
         return out
