@@ -192,3 +192,22 @@ def test_a_full_disk_is_typed_and_leaves_nothing(
     path = shard_path(cfg, manifest.fingerprint, layers)
     assert not [p for p in path.parent.iterdir() if not p.name.endswith(".lock")]
     assert hub.sent["node-d"] < 64 << 10  # the header at most: refused before the tensors
+
+
+def test_a_wider_range_fetches_only_what_it_adds(hub: HubServer, tmp_path: Path) -> None:
+    ref = f"hf:{REPO}:Q4_K_M"
+    manifest = tracker_model(ref, _cfg(hub, tmp_path, "tracker")).manifest
+    cfg = _cfg(hub, tmp_path, "node-w")
+    model = locate(parse_ref(ref), cfg)
+    fetch_shard(model, manifest, LayerRange(0, 4), cfg)
+    before = hub.sent["node-w"]
+    wider = fetch_shard(model, manifest, LayerRange(0, 6), cfg)
+    added = hub.sent["node-w"] - before
+    by_name = manifest.by_name()
+    blk = [t for t in manifest.tensors if t.name.startswith(("blk.4.", "blk.5."))]
+    assert added == wider.fetched_bytes == sum(t.nbytes for t in blk)
+    assert wider.from_disk >= sum(by_name[f"blk.{i}.ffn_up.weight"].nbytes for i in range(4))
+    x = np.array([4, 8, 15])
+    assert np.array_equal(
+        _forward(wider.path, LayerRange(0, 6), x), _forward(_file(hub), LayerRange(0, 6), x)
+    )

@@ -41,6 +41,7 @@ from meshnet.model_source.manifest import Manifest, TensorHash
 from meshnet.model_source.peers import Peer, PeerRefused
 from meshnet.model_source.progress import OnBytes
 from meshnet.model_source.sources import Hub, Source, Sources
+from meshnet.model_source.sources import LocalShard as DiskShard
 
 log = logging.getLogger(__name__)
 _HASH_READ = 1 << 22
@@ -53,6 +54,7 @@ class LocalShard:
     layers: LayerRange
     fetched_bytes: int = 0  # read from the network by this call
     from_peers: int = 0  # of which from peers, not the hub
+    from_disk: int = 0  # copied from the model's other shards on this machine
 
 
 def shard_path(cfg: SourceConfig, fingerprint: str, layers: LayerRange) -> Path:
@@ -104,7 +106,9 @@ def fetch_shard(
     with _locked(path.with_name(path.name + ".lock")):
         if path.is_file():  # another process fetched it meanwhile
             return LocalShard(path, manifest.fingerprint, layers)
-        fetch = _Fetch(Sources(hub, list(peers), manifest, cfg), manifest, layers, cfg, path)
+        local = _local_shards(cfg, manifest.fingerprint, layers)
+        sources = Sources(hub, list(peers), manifest, cfg, local)
+        fetch = _Fetch(sources, manifest, layers, cfg, path)
         fetch.progress = progress
         try:
             fetch.run()
@@ -112,7 +116,23 @@ def fetch_shard(
             fetch.discard()
             raise
         got = fetch.sources
-        return LocalShard(path, manifest.fingerprint, layers, got.fetched, got.from_peers)
+        return LocalShard(
+            path, manifest.fingerprint, layers, got.fetched, got.from_peers, got.from_disk
+        )
+
+
+def _local_shards(cfg: SourceConfig, fingerprint: str, layers: LayerRange) -> list[Source]:
+    """The model's other whole shard files on this machine, most overlapping first."""
+    folder = shards_dir(cfg) / fingerprint
+    found: list[tuple[int, Path, LayerRange]] = []
+    for f in folder.glob("*-*.gguf") if folder.is_dir() else []:
+        start, _, end = f.name.removesuffix(".gguf").partition("-")
+        if start.isdigit() and end.isdigit() and int(start) < int(end):
+            other = LayerRange(int(start), int(end))
+            if other != layers:
+                overlap = min(other.end, layers.end) - max(other.start, layers.start)
+                found.append((-overlap, f, other))
+    return [DiskShard(f, other) for _, f, other in sorted(found)]
 
 
 @contextlib.contextmanager
@@ -210,7 +230,7 @@ class _Fetch:
         return out
 
     def _tensor(self, fh: BinaryIO, t: TensorHash, state: _State, header: RemoteHeader) -> None:
-        for source in self.sources.order(lambda peer: header.holds(t.name, peer.layers)):
+        for source in self.sources.order(lambda layers: header.holds(t.name, layers)):
             try:
                 digest = self._download(fh, t, state, source)
             except PeerRefused as e:
