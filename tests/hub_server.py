@@ -23,6 +23,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -43,6 +44,7 @@ class HubServer:
         self.requests: list[tuple[str, str, str | None]] = []  # (client, path, range)
         self._corrupt: Counter[tuple[str, int]] = Counter()
         self._cut: int | None = None
+        self._pause_s = 0.0
         self._lock = threading.Lock()
         self._sha: dict[Path, str] = {}
         self._http = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -72,6 +74,10 @@ class HubServer:
         """End each response after ``n`` more body bytes (None: serve whole)."""
         with self._lock:
             self._cut = n
+
+    def throttle(self, seconds: float) -> None:
+        """Wait ``seconds`` before each 64 KiB of a file body (0: none): a slow link."""
+        self._pause_s = seconds
 
     def sha256(self, path: Path) -> str:
         if path not in self._sha:
@@ -195,6 +201,8 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                     for o in flips:
                         if pos <= o < pos + len(chunk):
                             chunk[o - pos] ^= 0xFF
+                    if hub._pause_s:
+                        time.sleep(hub._pause_s)
                     allowed = hub._take_cut(len(chunk))
                     self.wfile.write(chunk[:allowed])
                     with hub._lock:

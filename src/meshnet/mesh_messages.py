@@ -45,11 +45,23 @@ class HeldShard(Frozen):
     bytes: int = Field(ge=0)  # on disk
 
 
+class FetchProgress(Frozen):
+    """A fetch of a range of a model by reference under way on a node."""
+
+    ref: str = Field(min_length=1, max_length=2048)  # as the node was told it
+    layer_start: int = Field(ge=0)
+    layer_end: int = Field(ge=1)
+    done_bytes: int = Field(ge=0)
+    total_bytes: int = Field(ge=0)
+    bytes_per_s: float = Field(ge=0.0)
+
+
 class Holdings(Frozen):
-    """Where a node serves shards to peers, and which it holds."""
+    """Where a node serves shards to peers, which it holds, and what it is fetching."""
 
     bulk_address: str | None = Field(default=None, max_length=256)  # host:port
     shards: list[HeldShard] = Field(default_factory=list, max_length=MAX_HELD)
+    fetching: FetchProgress | None = None
 
 
 class NodeAnnouncement(Frozen):

@@ -11,7 +11,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -156,10 +158,24 @@ def test_admin_serve_of_a_reference_loads_it_on_empty_nodes(
     try:
         mesh.start([LayerRange(0, 4), None, None])
         body = {"path": f"hf:{REPO}:Q8_0", "nodes": 2}
-        r = httpx.post(
-            f"{mesh.url}/admin/models", json=body, headers=mesh.admin_headers, timeout=300
-        )
+        hub.throttle(0.05)  # a slow link: the fetch is seen under way
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                served_later = pool.submit(
+                    httpx.post,
+                    f"{mesh.url}/admin/models",
+                    json=body,
+                    headers=mesh.admin_headers,
+                    timeout=300,
+                )
+                progress = _fetch_seen(mesh, served_later)
+                hub.throttle(0)
+                r = served_later.result()
+        finally:
+            hub.throttle(0)
         assert r.status_code == 201, r.text
+        assert progress["ref"] == f"hf:{REPO}:Q8_0"
+        assert 0 < progress["done_bytes"] <= progress["total_bytes"]
         served = r.json()
         assert served["name"] == "tiny-Q8_0" and served["complete"]
         r = httpx.post(
@@ -238,3 +254,14 @@ def _models_shows_and_prunes(
     assert main(["models", "prune", *admin, "--model-cache", str(cache)]) == 0
     assert "removed 1 file(s)" in capsys.readouterr().out
     assert served.is_file() and not stale.exists()
+
+
+def _fetch_seen(mesh: LocalMesh, serving: Future[httpx.Response]) -> dict[str, Any]:
+    """A node's fetch progress as ``/admin/nodes`` shows it, polled while the serve runs."""
+    while not serving.done():
+        r = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers, timeout=10)
+        for n in r.json()["nodes"]:
+            if n["fetching"] and n["fetching"]["done_bytes"] > 0:
+                return dict(n["fetching"])
+        time.sleep(0.05)
+    raise AssertionError(f"no fetch seen under way: {serving.result().text}")

@@ -30,6 +30,7 @@ async def inventory(request: Request) -> dict[str, Any]:
         {
             "node_id": node_id,
             "bulk_address": held.bulk_address,
+            "fetching": held.fetching.model_dump() if held.fetching else None,
             "shards": [
                 {
                     "fingerprint": s.fingerprint,

@@ -39,7 +39,7 @@ from meshnet.model_source.files import check_room, disk_errors, sync_dir
 from meshnet.model_source.header import RemoteHeader
 from meshnet.model_source.manifest import Manifest, TensorHash
 from meshnet.model_source.peers import Peer, PeerRefused
-from meshnet.model_source.progress import OnBytes
+from meshnet.model_source.progress import ProgressBar
 from meshnet.model_source.sources import Hub, Source, Sources
 from meshnet.model_source.sources import LocalShard as DiskShard
 
@@ -93,7 +93,7 @@ def fetch_shard(
     manifest: Manifest,
     layers: LayerRange,
     cfg: SourceConfig,
-    progress: OnBytes | None = None,
+    progress: ProgressBar | None = None,
     peers: Sequence[Peer] = (),
 ) -> LocalShard:
     """The local shard of ``layers``: as kept, or fetched now (see the module), from
@@ -159,7 +159,7 @@ class _Fetch:
     ) -> None:
         self.sources = sources
         self.manifest, self.layers, self.cfg, self.path = manifest, layers, cfg, path
-        self.progress: OnBytes | None = None
+        self.progress: ProgressBar | None = None
         self.partial = path.with_name(path.name + ".partial")
         self.state_path = path.with_name(path.name + ".state.json")
 
@@ -170,7 +170,12 @@ class _Fetch:
         with disk_errors(self.path), self._open() as fh:
             header = self._header(fh, state)
             todo = self._tensors(header)
-            check_room(self.path.parent, sum(t.nbytes - state.done.get(t.name, 0) for t in todo))
+            left = sum(
+                t.nbytes - state.done.get(t.name, 0) for t in todo if t.name not in state.verified
+            )
+            check_room(self.path.parent, left)
+            if self.progress is not None:
+                self.progress.plan(left)
             for t in todo:
                 if t.name not in state.verified:
                     self._tensor(fh, t, state, header)

@@ -29,7 +29,7 @@ from meshnet.auth.node_http import NodeAuth
 from meshnet.auth.signing import require_peer, verify_call, verify_manifest
 from meshnet.errors import FetchFailed, MeshnetError, ModelSourceError, PermissionDenied
 from meshnet.layer_range import LayerRange
-from meshnet.mesh_messages import Holdings
+from meshnet.mesh_messages import FetchProgress, Holdings
 from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.inventory import held_shards
 from meshnet.model_source.manifest import Manifest, parse_manifest
@@ -55,6 +55,7 @@ class NodeModels:
         self._node_id, self._key, self.cfg = node_id, key, cfg
         self.bulk_address: str | None = None  # where peers read our shards (set once bound)
         self._held: tuple[float, Holdings] | None = None
+        self._fetching: tuple[str, LayerRange, ProgressBar] | None = None
         self._lock = threading.Lock()
 
     def shard(self, ref: str, layers: LayerRange) -> LocalShard:
@@ -63,17 +64,19 @@ class NodeModels:
         kept = shard_path(self.cfg, manifest.fingerprint, layers)
         if kept.is_file():
             return LocalShard(kept, manifest.fingerprint, layers)
-        bar = ProgressBar(f"{ref} {layers}", manifest.size) if self.cfg.progress else None
+        bar = ProgressBar(f"{ref} {layers}", manifest.size, draw=self.cfg.progress)
         started = time.monotonic()
+        with self._lock:
+            self._fetching = (ref, layers, bar)
         try:
             shard = fetch_shard(
                 lambda: locate(parse_ref(ref), self.cfg), manifest, layers, self.cfg, bar, peers
             )
         finally:
-            if bar is not None:
-                bar.close()
-        with self._lock:
-            self._held = None  # report the new shard at the next beat
+            bar.close()
+            with self._lock:
+                self._fetching = None
+                self._held = None  # report the new shard at the next beat
         log.info(
             "fetched layers %s of %s: %d of its %d bytes (%d from peers) in %.1f s",
             layers, ref, shard.fetched_bytes, manifest.size, shard.from_peers,
@@ -98,13 +101,26 @@ class NodeModels:
         return parse_manifest(text), peers
 
     def holdings(self) -> Holdings:
-        """What heartbeats report: the bulk port and the whole shards in the cache."""
+        """What heartbeats report: the bulk port, the whole shards in the cache, and the
+        fetch under way (its bytes done and to do, its rate)."""
         now = time.monotonic()
         with self._lock:
             if self._held is None or now - self._held[0] > _HOLDINGS_TTL_S:
                 held = held_shards(self.cfg) if self.bulk_address else []
                 self._held = (now, Holdings(bulk_address=self.bulk_address, shards=held))
-            return self._held[1]
+            held_now, fetching = self._held[1], self._fetching
+        if fetching is None:
+            return held_now
+        ref, layers, bar = fetching
+        progress = FetchProgress(
+            ref=ref,
+            layer_start=layers.start,
+            layer_end=layers.end,
+            done_bytes=bar.done,
+            total_bytes=bar.total,
+            bytes_per_s=bar.rate(now),
+        )
+        return held_now.model_copy(update={"fetching": progress})
 
     def serve_peer(self, conn: socket.socket) -> None:
         """Answer a peer's request for shard bytes on the bulk port (``model_source.peers``)."""
