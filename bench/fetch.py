@@ -11,7 +11,9 @@ writes into ~/.cache/meshnet/models/) from the local hub of the tests
 - the tracker: the whole file read once as a stream, hashed (sha256 and every
   tensor's BLAKE3) into the manifest;
 - ``--nodes`` nodes, the layers split by bytes as ``meshnet up`` splits them: each
-  fetches only its range's tensors, each checked against the manifest.
+  fetches only its range's tensors, each checked against the manifest;
+- one more node fetching the first node's range from it (its bulk port, a peer
+  token), not from the hub.
 
 Prints, per node, the bytes fetched (counted at the server) against the file, and each
 fetch rate against the peer's. Run on the machine alone: the figures are rates.
@@ -31,13 +33,20 @@ sys.path.insert(0, str(REPO / "tests"))
 import httpx  # noqa: E402
 from hub_server import HubServer  # noqa: E402
 
+from meshnet.auth.keys import new_secret  # noqa: E402
+from meshnet.auth.mesh_keys import MeshKeys  # noqa: E402
+from meshnet.layer_range import LayerRange  # noqa: E402
 from meshnet.model.info import load_model_info  # noqa: E402
 from meshnet.model.layer_bytes import model_layer_bytes  # noqa: E402
 from meshnet.model_source.config import SourceConfig  # noqa: E402
+from meshnet.model_source.manifest import Manifest  # noqa: E402
+from meshnet.model_source.peers import Peer, scope  # noqa: E402
 from meshnet.model_source.reference import parse_ref  # noqa: E402
 from meshnet.model_source.remote import locate  # noqa: E402
 from meshnet.model_source.shard_store import fetch_shard  # noqa: E402
 from meshnet.model_source.tracker_source import tracker_model  # noqa: E402
+from meshnet.node.kv_offers import KVOffers  # noqa: E402
+from meshnet.node.model_fetch import NodeModels  # noqa: E402
 
 DEFAULT = Path.home() / ".cache/meshnet/models/llama3.2-1b-synthetic-s0-Q4_K_M.gguf"
 
@@ -94,6 +103,34 @@ def run(hub: HubServer, model: Path, nodes: int, tmp: Path) -> None:
             f"file; {shard.fetched_bytes / seconds / 1e6:.1f} MB/s checked, "
             f"{shard.fetched_bytes / seconds / link:.2f} x the peer"
         )
+    from_peer(hub, ref, tm.manifest, ranges[0], tmp, link)
+
+
+def from_peer(
+    hub: HubServer, ref: str, manifest: Manifest, layers: LayerRange, tmp: Path, link: float
+) -> None:
+    """node-0's range fetched again by another node, from node-0's bulk port."""
+    keys = MeshKeys(new_secret())
+    holder = NodeModels(
+        "http://unused", "node-0", keys.node_key("node-0"), _cfg(hub, tmp, "node-0")
+    )
+    offers = KVOffers("127.0.0.1", "127.0.0.1", shards=holder.serve_peer)
+    try:
+        token = keys.peer("node-0", "node-p", "pull", scope(manifest.fingerprint))
+        peer = Peer("node-0", offers.address, layers, token)
+        cfg = _cfg(hub, tmp, "node-p")
+        t0 = time.perf_counter()
+        shard = fetch_shard(
+            lambda: locate(parse_ref(ref), cfg), manifest, layers, cfg, None, [peer]
+        )
+        seconds = time.perf_counter() - t0
+    finally:
+        offers.close()
+    print(
+        f"node-p layers {layers} from node-0's bulk port: {shard.from_peers / 1e6:.1f} MB from "
+        f"the peer, {hub.sent['node-p']} B from the hub; {shard.from_peers / seconds / 1e6:.1f} "
+        f"MB/s checked, {shard.from_peers / seconds / link:.2f} x the plain GET"
+    )
 
 
 if __name__ == "__main__":
