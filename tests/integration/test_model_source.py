@@ -17,6 +17,7 @@ from hub_server import HubServer
 from meshnet.backends.base import BatchEntry
 from meshnet.errors import DiskFull, FetchFailed, HashMismatch, ModelRefNotFound, ModelSourceError
 from meshnet.layer_range import LayerRange
+from meshnet.local_mesh import free_port
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.shard import load_shard_file
 from meshnet.model_source.config import SourceConfig
@@ -211,3 +212,16 @@ def test_a_wider_range_fetches_only_what_it_adds(hub: HubServer, tmp_path: Path)
     assert np.array_equal(
         _forward(wider.path, LayerRange(0, 6), x), _forward(_file(hub), LayerRange(0, 6), x)
     )
+
+
+def test_a_tracker_without_its_source_serves_what_its_cache_kept(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    ref = f"hf:{REPO}:Q4_K_M"
+    cfg = _cfg(hub, tmp_path, "tracker-k")
+    first = tracker_model(ref, cfg)
+    gone = replace(cfg, endpoint=f"http://127.0.0.1:{free_port()}", attempts=1)
+    again = tracker_model(ref, gone)
+    assert again.manifest == first.manifest and again.path == first.path
+    with pytest.raises(FetchFailed):
+        tracker_model(f"hf:{REPO}:Q8_0", gone)  # never kept: nothing to fall back on

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import blake3
 
-from meshnet.errors import HashMismatch, ModelSourceError
+from meshnet.errors import FetchFailed, HashMismatch, ModelSourceError
 from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.files import atomic_write, sparse_partial, store_dir
 from meshnet.model_source.header import fetch_header
@@ -43,15 +43,39 @@ class TrackerModel:
 
 
 def tracker_model(text: str, cfg: SourceConfig, progress: OnBytes | None = None) -> TrackerModel:
-    """The tracker's view of the model ``text`` references (see the module)."""
-    model = locate(parse_ref(text), cfg)
+    """The tracker's view of the model ``text`` references (see the module). When the
+    source cannot be reached (``FetchFailed``: no network, ``HF_HUB_OFFLINE``), what the
+    cache kept for the same reference is taken."""
+    try:
+        model = locate(parse_ref(text), cfg)
+    except FetchFailed:
+        kept = _kept(text, cfg)
+        if kept is None:
+            raise
+        return kept
     f = single_file(model)
     folder = store_dir(cfg, model)
     manifest_path, path = folder / "manifest.json", folder / f.name.rsplit("/", 1)[-1]
-    if manifest_path.is_file() and path.is_file():
-        return TrackerModel(text, path, parse_manifest(manifest_path.read_bytes()))
-    manifest = _build(model, f, path, cfg, progress)
-    atomic_write(manifest_path, manifest.to_json().encode())
+    if not (manifest_path.is_file() and path.is_file()):
+        manifest = _build(model, f, path, cfg, progress)
+        atomic_write(manifest_path, manifest.to_json().encode())
+    atomic_write(_ref_index(text, cfg), str(path.relative_to(cfg.cache_dir)).encode())
+    return TrackerModel(text, path, parse_manifest(manifest_path.read_bytes()))
+
+
+def _ref_index(text: str, cfg: SourceConfig) -> Path:
+    """Where the cache notes which kept model a reference last resolved to."""
+    return cfg.cache_dir / "refs" / hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _kept(text: str, cfg: SourceConfig) -> TrackerModel | None:
+    try:
+        path = cfg.cache_dir / _ref_index(text, cfg).read_text().strip()
+        manifest = parse_manifest((path.parent / "manifest.json").read_bytes())
+    except (OSError, ModelSourceError):
+        return None
+    if not path.is_file() or path.parent.parent != cfg.cache_dir / "sources":
+        return None
     return TrackerModel(text, path, manifest)
 
 
