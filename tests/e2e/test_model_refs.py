@@ -5,13 +5,15 @@ process. Nothing reaches the internet: ``HF_ENDPOINT`` is the local hub."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,14 @@ from meshnet.engine.generate import generate
 from meshnet.engine.local import load_local_model
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh, free_port
+from meshnet.model.gguf_file import open_gguf
 from meshnet.model.sampling import SamplingParams
+from meshnet.model_source.config import SourceConfig
+from meshnet.model_source.manifest import TensorHash
+from meshnet.model_source.reference import parse_ref
+from meshnet.model_source.remote import locate
+from meshnet.model_source.shard_store import fetch_shard
+from meshnet.model_source.tracker_source import tracker_model
 
 PROMPT = "the cat sat on"
 
@@ -265,3 +274,73 @@ def _fetch_seen(mesh: LocalMesh, serving: Future[httpx.Response]) -> dict[str, A
                 return dict(n["fetching"])
         time.sleep(0.05)
     raise AssertionError(f"no fetch seen under way: {serving.result().text}")
+
+
+def test_a_node_killed_mid_fetch_resumes_where_it_stopped(hub: HubServer, tmp_path: Path) -> None:
+    half = N_LAYERS // 2
+    cache = tmp_path / "solo"
+    mesh = LocalMesh(
+        data_dir=tmp_path / "mesh",
+        model=f"hf:{REPO}:Q4_K_M",
+        extra_env=_hub_env(hub, tmp_path),
+        tracker_args=["--replicas", "0"],
+    )
+    whole = fetch_size(hub, tmp_path, LayerRange(0, half))
+    largest = max(t.nbytes for t in whole.tensors)
+    before = hub.sent["solo"]
+    try:
+        mesh.start_tracker()
+        mesh.wait_ready(expected_nodes=0, timeout_s=120, need_route=False)
+        hub.throttle(0.2)  # slow enough to be caught midway
+        try:
+            mesh.start_node("solo", LayerRange(0, half), extra=["--model-cache", str(cache)])
+            state = _verified_midway(cache, lambda names: _bytes(whole, names) > 2 * largest)
+            mesh.kill_node("solo")
+        finally:
+            hub.throttle(0)
+        cut = hub.sent["solo"] - before
+        mesh.start_node("solo", LayerRange(0, half), extra=["--model-cache", str(cache)])
+        mesh.start_node("tail", LayerRange(half, N_LAYERS), extra=["--model-cache", str(cache)])
+        mesh.wait_ready(expected_nodes=2, timeout_s=120)
+    finally:
+        mesh.stop()
+    resumed = hub.sent["solo"] - before - cut
+    # The restarted node fetched none of what was checked before the kill.
+    assert resumed < whole.needed - _bytes(whole, state) + largest
+    assert cut + resumed < whole.needed + largest  # not fetched twice
+
+
+def _verified_midway(cache: Path, enough: Callable[[list[str]], bool]) -> list[str]:
+    """The tensors a fetch under way has checked, once they are ``enough``."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for state in cache.glob("shards/*/*.state.json"):
+            try:
+                verified = json.loads(state.read_text())["verified"]
+            except (OSError, ValueError):
+                continue
+            if enough(verified):
+                return list(verified)
+        time.sleep(0.02)
+    raise AssertionError("the fetch was never seen midway")
+
+
+@dataclass(frozen=True)
+class _Needed:
+    needed: int  # the header and the range's tensors
+    tensors: tuple[TensorHash, ...]
+
+
+def fetch_size(hub: HubServer, tmp: Path, layers: LayerRange) -> _Needed:
+    """What a fetch of ``layers`` reads, from a clean fetch of its own."""
+    ref = f"hf:{REPO}:Q4_K_M"
+    cfg = SourceConfig(cache_dir=tmp / "clean", client="clean", endpoint=hub.url)
+    manifest = tracker_model(ref, cfg).manifest
+    shard = fetch_shard(locate(parse_ref(ref), cfg), manifest, layers, cfg)
+    header = open_gguf(shard.path)
+    kept = tuple(t for t in manifest.tensors if t.name in header.tensors and t.nbytes)
+    return _Needed(shard.fetched_bytes, kept)
+
+
+def _bytes(needed: _Needed, names: list[str]) -> int:
+    return sum(t.nbytes for t in needed.tensors if t.name in names)
