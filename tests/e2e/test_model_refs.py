@@ -236,6 +236,7 @@ def test_a_second_node_fetches_its_range_from_the_first_not_the_hub(
         ranges = {n["node_id"]: [s["layers"] for s in n["shards"]] for n in held.json()["nodes"]}
         assert ranges["first"] == [[0, half]] and ranges["second"] == [[0, half]]
         _models_shows_and_prunes(mesh, tmp_path / "first", capsys)
+        _widened_from_disk_and_peers(mesh, tmp_path / "second", half)
     finally:
         mesh.stop()
     size = (hub.root / REPO / Q4).stat().st_size
@@ -344,3 +345,20 @@ def fetch_size(hub: HubServer, tmp: Path, layers: LayerRange) -> _Needed:
 
 def _bytes(needed: _Needed, names: list[str]) -> int:
     return sum(t.nbytes for t in needed.tensors if t.name in names)
+
+
+def _widened_from_disk_and_peers(mesh: LocalMesh, cache: Path, half: int) -> None:
+    """``second`` reconfigured from ``[0, half)`` to ``[0, half + 2)``: its layers below
+    ``half`` come from its own shard, the two more from ``tail`` (a peer), and its old
+    shard file is dropped."""
+    (old,) = (cache / "shards").glob("*/*.gguf")
+    body = {"t3": {"layer_start": 0, "layer_end": half + 2}}
+    r = httpx.post(
+        f"{mesh.url}/admin/nodes/second/configure",
+        json=body,
+        headers=mesh.admin_headers,
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.json()["applied"], r.text
+    assert [p.name for p in (cache / "shards").glob("*/*.gguf")] == [f"0-{half + 2}.gguf"]
+    assert not old.exists()

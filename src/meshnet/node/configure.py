@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from meshnet.errors import MalformedBundle, MeshnetError, Overloaded, RequestError
@@ -264,8 +265,10 @@ class Configurator:
                 self._models.manifest(change.model_path)
                 return self._answer(change, False, f"checked: {change.model_path} is served")
             local = self._models.shard(change.model_path, change.layers)
+            fetched: Path | None = local.path
             f = open_gguf(local.path, local.fingerprint)
         else:
+            fetched = None
             f = open_gguf(self._dirs.resolve(change.model_path))
         spec = read_spec(f)
         change.layers.check_within(spec.n_layers)
@@ -281,6 +284,8 @@ class Configurator:
         del f  # the header's values go (a large vocabulary is tens of MB of strings)
         settle()  # and the memory they held goes back to the system
         ended = _drained(self._engine.swap(shard))
+        if self._models is not None:
+            self._models.serving(fetched)  # what the node served before is dropped
         if keeps:
             detail = f"reloaded {change.layers}; sessions' KV parked on the node, {ended} lost"
         else:

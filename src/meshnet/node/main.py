@@ -193,6 +193,7 @@ def serve(cfg: NodeConfig) -> int:
         if is_reference(model_path):
             shard = models.shard(model_path, cfg.layers)
             engine.load(str(shard.path), cfg.layers, shard.fingerprint).result()
+            models.serving(shard.path)
         else:
             engine.load(model_path, cfg.layers).result()
     gate = NodeGate(cfg.node_key)

@@ -56,6 +56,7 @@ class NodeModels:
         self.bulk_address: str | None = None  # where peers read our shards (set once bound)
         self._held: tuple[float, Holdings] | None = None
         self._fetching: tuple[str, LayerRange, ProgressBar] | None = None
+        self._serving: Path | None = None  # the shard file this node loaded last
         self._lock = threading.Lock()
 
     def shard(self, ref: str, layers: LayerRange) -> LocalShard:
@@ -83,6 +84,19 @@ class NodeModels:
             time.monotonic() - started,
         )  # fmt: skip
         return shard
+
+    def serving(self, path: Path | None) -> None:
+        """The node now serves ``path`` (None: a local file, or nothing): the shard file
+        it served before is dropped, its range no longer served here. Every process
+        copies what it loads out of the file, so one that still serves that range (a
+        node of this machine sharing the cache) goes on; a peer asking for it falls
+        back to the others or the hub."""
+        with self._lock:
+            old, self._serving = self._serving, path
+            self._held = None
+        if old is not None and old != path:
+            old.unlink(missing_ok=True)
+            log.info("dropped %s: this node no longer serves that range", old)
 
     def manifest(self, ref: str) -> Manifest:
         """The tracker's manifest of ``ref``, its signature checked with this node's key."""
