@@ -24,7 +24,7 @@ from meshnet.layer_range import LayerRange
 
 MAGIC = b"meshnet-shard-v1"  # 16 bytes: never a random KV ticket (2^-128)
 MAX_REQUEST = 4096
-MAX_LENGTH = 64 << 20  # one request's bytes
+MAX_LENGTH = 16 << 20  # one request's bytes (a fetcher asks for cfg.chunk_bytes, 8 MiB)
 _OK, _REFUSED = 0, 1
 _TIMEOUT_S = 30.0
 _LEN = struct.Struct("<I")
