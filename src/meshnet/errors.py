@@ -10,7 +10,12 @@ the API edge::
     │   ├── ModelFileError           model-file-invalid       no         400
     │   ├── UnsupportedArchitecture  unsupported-architecture no         400
     │   ├── UnsupportedTensorType    unsupported-tensor-type  no         400
-    │   └── LayerRangeError          layer-range-invalid      no         400
+    │   ├── LayerRangeError          layer-range-invalid      no         400
+    │   └── ModelSourceError         model-source-invalid     no         400
+    │       ├── ModelRefNotFound     model-ref-not-found      no         404
+    │       ├── DiskFull             disk-full                no         507
+    │       ├── HashMismatch         hash-mismatch            no         502
+    │       └── FetchFailed          fetch-failed             yes        502
     ├── TokenizerError               tokenizer-invalid        no         400
     ├── RequestError                 bad-request              no         400
     │   ├── UnsupportedField         unsupported-parameter    no         400
@@ -93,6 +98,45 @@ class LayerRangeError(ModelError):
     """A layer range is empty, reversed or outside the model's layers."""
 
     kind = "layer-range-invalid"
+
+
+class ModelSourceError(ModelError):
+    """A model reference (``hf:ORG/REPO[:QUANT]``, ``hf:ORG/REPO/FILE``, an ``https://``
+    URL) cannot be resolved or fetched (``meshnet.model_source``)."""
+
+    kind = "model-source-invalid"
+
+
+class ModelRefNotFound(ModelSourceError):
+    """The repository, file or quantization a reference names is not there; the message
+    names the files there are."""
+
+    kind = "model-ref-not-found"
+    http_status = 404
+
+
+class DiskFull(ModelSourceError):
+    """No room on the disk for what a fetch needs; nothing half-written is left."""
+
+    kind = "disk-full"
+    http_status = 507
+
+
+class HashMismatch(ModelSourceError):
+    """Fetched bytes do not match the signed manifest's hash, however often fetched
+    again; nothing half-written is left."""
+
+    kind = "hash-mismatch"
+    http_status = 502
+
+
+class FetchFailed(ModelSourceError):
+    """The source did not answer after the bounded retries; what was fetched and
+    checked is kept, and the next fetch resumes from there."""
+
+    kind = "fetch-failed"
+    retryable = True
+    http_status = 502
 
 
 class TokenizerError(MeshnetError):

@@ -31,6 +31,39 @@ class NodeLoad(Frozen):
     relayed: int = Field(default=0, ge=0)  # steps whose input came from the previous hop
 
 
+MAX_HELD = 64  # shards one node reports holding
+
+
+class HeldShard(Frozen):
+    """A layer range of a model a node holds on disk, whole and checked
+    (``model_source.shard_store``): what peers may fetch from it, and what placement
+    may load there without a fetch."""
+
+    fingerprint: str = Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")
+    layer_start: int = Field(ge=0)
+    layer_end: int = Field(ge=1)
+    bytes: int = Field(ge=0)  # on disk
+
+
+class FetchProgress(Frozen):
+    """A fetch of a range of a model by reference under way on a node."""
+
+    ref: str = Field(min_length=1, max_length=2048)  # as the node was told it
+    layer_start: int = Field(ge=0)
+    layer_end: int = Field(ge=1)
+    done_bytes: int = Field(ge=0)
+    total_bytes: int = Field(ge=0)
+    bytes_per_s: float = Field(ge=0.0)
+
+
+class Holdings(Frozen):
+    """Where a node serves shards to peers, which it holds, and what it is fetching."""
+
+    bulk_address: str | None = Field(default=None, max_length=256)  # host:port
+    shards: list[HeldShard] = Field(default_factory=list, max_length=MAX_HELD)
+    fetching: FetchProgress | None = None
+
+
 class NodeAnnouncement(Frozen):
     """A node registering (or re-registering) with the tracker."""
 
@@ -44,6 +77,7 @@ class NodeAnnouncement(Frozen):
     pid: int = Field(ge=0)
     load: NodeLoad
     metrics_port: int | None = Field(default=None, ge=1, le=65535)  # its /metrics, if served
+    holdings: Holdings = Field(default_factory=Holdings)
 
 
 class Heartbeat(Frozen):
@@ -52,6 +86,7 @@ class Heartbeat(Frozen):
     layer_start: int = Field(ge=0)
     layer_end: int = Field(ge=0)
     metrics_port: int | None = Field(default=None, ge=1, le=65535)  # its /metrics, if served
+    holdings: Holdings = Field(default_factory=Holdings)
 
 
 class HeartbeatReply(Frozen):

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from node_records import node_record
 
 from meshnet.layer_range import LayerRange
+from meshnet.tracker.inventory import Inventory
 from meshnet.tracker.placement import (
     Load,
     LoadResult,
@@ -38,6 +39,14 @@ def test_a_covered_mesh_needs_nothing() -> None:
 def test_the_span_a_dead_node_served_goes_to_an_empty_node() -> None:
     nodes = [node("a", "0:2"), node("b", "2:4", up=False), node("e")]
     assert plan(nodes) == [("e", "2:4")]
+
+
+def test_an_empty_node_holding_the_span_on_disk_loads_it_first() -> None:
+    nodes = [node("a", "0:2"), node("b", "2:4", up=False), node("e"), node("f")]
+    assert plan(nodes) == [("e", "2:4")]
+    on_disk = {"f": {LayerRange(2, 4)}, "e": {LayerRange(0, 2)}}
+    assert plan(nodes, on_disk=on_disk) == [("f", "2:4")]
+    assert plan(nodes, on_disk=on_disk, avoid={"f"}) == [("e", "2:4")]
 
 
 def test_without_an_empty_node_nothing_is_planned() -> None:
@@ -112,6 +121,7 @@ class _FakeTracker:
         self.heal_lock = asyncio.Lock()
         self.model = SimpleNamespace(fingerprint=FP, spec=SimpleNamespace(n_layers=4))
         self.config = SimpleNamespace(replicas=replicas)
+        self.inventory = Inventory()
         self.store = SimpleNamespace(
             nodes=lambda: sorted(self.nodes.values(), key=lambda n: n.node_id)
         )

@@ -36,7 +36,9 @@ async def list_nodes(request: Request) -> dict[str, Any]:
         checks = sum(v.capacity.checks[n.node_id] for v in checking if v.capacity is not None)
         trusted = n.node_id in first.trusted_nodes
         more = {"trusted": trusted, "calibrations": calibrations, "trusted_checks": checks}
-        nodes.append({**node_json(n), **more})
+        held = first.inventory.nodes().get(n.node_id)
+        fetching = held.fetching.model_dump() if held and held.fetching else None
+        nodes.append({**node_json(n), **more, "fetching": fetching})
     return {"nodes": nodes}
 
 

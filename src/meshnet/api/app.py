@@ -15,6 +15,7 @@ from meshnet.api import (
     configure,
     dashboard,
     health,
+    inventory,
     mesh,
     metrics,
     missing,
@@ -131,6 +132,7 @@ def create_app(
     app.include_router(configure.router)
     app.include_router(benchmarks.router)
     app.include_router(mesh.router)
+    app.include_router(inventory.admin)
     app.include_router(health.router)
     app.include_router(metrics.admin)
     app.include_router(dashboard.page)

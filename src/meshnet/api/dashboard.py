@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from meshnet.api.auth import require_admin
 from meshnet.api.state import models_of, tracker_of
 from meshnet.errors import DatabaseUnavailable, MeshnetError, NotFound
+from meshnet.mesh_messages import Holdings
 from meshnet.tracker.metrics import counter_total, layer_replicas, session_counts
 from meshnet.tracker.registry import NodeRecord, node_json
 from meshnet.tracker.routes import route_json
@@ -101,6 +102,7 @@ def _gauge_value(gauge: Gauge) -> float:
 
 def _stored(tracker: Tracker, trackers: list[Tracker]) -> dict[str, Any]:
     nodes = tracker.store.nodes()
+    held = tracker.inventory.nodes()
     now = time.time()
     try:
         sessions: dict[str, int] | None = session_counts(tracker.store)
@@ -108,7 +110,10 @@ def _stored(tracker: Tracker, trackers: list[Tracker]) -> dict[str, Any]:
         sessions = None
     return {
         "models": [_model(t, nodes) for t in trackers],
-        "nodes": [_node(n, now, tracker.metrics.scrape_targets.port(n.node_id)) for n in nodes],
+        "nodes": [
+            _node(n, now, tracker.metrics.scrape_targets.port(n.node_id), held.get(n.node_id))
+            for n in nodes
+        ],
         "sessions": sessions,
     }
 
@@ -131,9 +136,13 @@ def _model(tracker: Tracker, nodes: list[NodeRecord]) -> dict[str, Any]:
     }
 
 
-def _node(n: NodeRecord, now: float, metrics_port: int | None) -> dict[str, Any]:
+def _node(
+    n: NodeRecord, now: float, metrics_port: int | None, held: Holdings | None
+) -> dict[str, Any]:
     return {
         **node_json(n),
         "heartbeat_age_s": round(max(0.0, now - n.last_seen), 2),
         "metrics_port": metrics_port,  # its /metrics server, as it said (None: not said)
+        # a range of a model by reference it is fetching (None: none)
+        "fetching": held.fetching.model_dump() if held and held.fetching else None,
     }

@@ -1,4 +1,5 @@
-"""The control plane nodes talk to: registration and heartbeats, each signed by the node.
+"""The control plane nodes talk to: registration, heartbeats and model manifests, each
+signed by the node.
 
 A node speaks only for itself: the id it registers or heartbeats as must be the
 one whose key signed the request, so no registration can take over another
@@ -7,19 +8,28 @@ node's id or address.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Path, Query, Request
 
-from meshnet.api.auth import CallingNode, require_same_node
-from meshnet.api.state import tracker_serving
+from meshnet.api.auth import CallingNode, auth_of, require_same_node
+from meshnet.api.inventory import inventory_of
+from meshnet.api.state import models_of, tracker_of, tracker_serving
+from meshnet.auth.signing import manifest_mac
+from meshnet.errors import NotFound
 from meshnet.mesh_messages import MAX_ID, Heartbeat, HeartbeatReply, NodeAnnouncement
+from meshnet.model_source.manifest import parse_manifest
+from meshnet.model_source.peers import scope
+from meshnet.model_source.reference import MAX_REF_CHARS
+from meshnet.tracker.registry import NodeState
 from meshnet.tracker.service import Tracker
 
 log = logging.getLogger(__name__)
 
 router = APIRouter()
+MAX_PEERS = 16  # peers a fetching node is told of
 
 
 @router.post("/mesh/nodes")
@@ -27,6 +37,7 @@ async def register(body: NodeAnnouncement, request: Request, caller: CallingNode
     require_same_node(caller, body.node_id)
     tracker = tracker_serving(request, body.fingerprint)
     tracker.register(body)
+    inventory_of(request).note(body.node_id, body.holdings)
     _note_metrics_port(tracker, body.node_id, body.metrics_port)
     return {"registered": body.node_id}
 
@@ -41,8 +52,51 @@ async def heartbeat(
     require_same_node(caller, node_id)
     tracker = tracker_serving(request, body.fingerprint)
     known = tracker.heartbeat(node_id, body)
+    inventory_of(request).note(node_id, body.holdings)
     _note_metrics_port(tracker, node_id, body.metrics_port)
     return HeartbeatReply(known=known).model_dump()
+
+
+@router.get("/mesh/manifest")
+async def manifest(
+    request: Request, caller: CallingNode, ref: str = Query(min_length=1, max_length=MAX_REF_CHARS)
+) -> dict[str, Any]:
+    """The manifest of per-tensor hashes of the served model named by ``ref`` (as the
+    tracker was given it), signed for the calling node with its key: the node checks
+    every tensor it fetches against it (``model_source.shard_store``)."""
+    book = getattr(request.app.state, "manifests", None)
+    text = book.get(ref) if book is not None else None
+    for served in models_of(request) if text is None else ():
+        if served.info.ref == ref:
+            text = served.info.manifest_json
+    if text is None:
+        raise NotFound("the tracker serves no model by that reference")
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    keys = auth_of(request).keys
+    return {
+        "manifest": text,
+        "mac": manifest_mac(keys.node_key(caller), caller, digest),
+        "peers": _peers(request, caller, parse_manifest(text).fingerprint),
+    }
+
+
+def _peers(request: Request, caller: str, fingerprint: str) -> list[dict[str, Any]]:
+    """The up nodes (the caller left out) holding shards of ``fingerprint``, each with a
+    token that lets the caller read them over that node's bulk port."""
+    tracker = tracker_of(request)
+    up = {
+        n.node_id for n in tracker.store.nodes() if n.state is NodeState.UP and n.node_id != caller
+    }
+    keys = auth_of(request).keys
+    return [
+        {
+            "node_id": h.node_id,
+            "address": h.bulk_address,
+            "layers": [h.shard.layer_start, h.shard.layer_end],
+            "token": keys.peer(h.node_id, caller, "pull", scope(fingerprint)),
+        }
+        for h in inventory_of(request).holders(fingerprint, up)[:MAX_PEERS]
+    ]
 
 
 def _note_metrics_port(tracker: Tracker, node_id: str, port: int | None) -> None:

@@ -157,3 +157,16 @@ def verify_request(
     _fresh(stamp, time.time() if now is None else now)
     if not same(mac, _mac(key, "node", method.upper(), path, stamp, body_digest(body))):
         raise Unauthenticated("the request's signature does not check out")
+
+
+def manifest_mac(key: str, node_id: str, digest: str) -> str:
+    """The tracker's signature of a model manifest (``model_source.manifest``: its
+    ``digest``) for node ``node_id``, under that node's key: the node checks it with
+    its own key, so a manifest from anywhere else is refused."""
+    return _mac(key, "manifest", node_id, digest)
+
+
+def verify_manifest(key: str, node_id: str, digest: str, mac: str) -> None:
+    """``Unauthenticated`` unless ``mac`` is the tracker's ``manifest_mac`` of ``digest``."""
+    if not same(mac, manifest_mac(key, node_id, digest)):
+        raise Unauthenticated("the model manifest's signature does not check out")

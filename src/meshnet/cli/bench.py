@@ -24,6 +24,7 @@ from meshnet.benchmark.engine import bench_engine, warm_up
 from meshnet.benchmark.figures import Throughput
 from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp, peer_isa
 from meshnet.cli.mesh_admin import ADMIN_TOKEN_ENV, admin_token
+from meshnet.cli.model_ref import MODEL_HELP, whole_model
 from meshnet.cli.options import positive_duration, positive_int
 from meshnet.engine.local import load_local_model
 from meshnet.errors import MeshnetError, error_for_kind
@@ -38,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="prefill and decode throughput, with llama.cpp ratios; "
         "with --route, a tracker's route benchmark",
     )
-    p.add_argument("--model", help="GGUF file (default: the bundled model)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS)
     p.add_argument("--prompt-tokens", type=int, default=100)
     p.add_argument(
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         return run_routes(args)
     batches = [int(b) for b in args.batches.split(",") if b]
     set_threads(args.threads)
-    model = load_local_model(args.model, backend=args.backend)
+    model = load_local_model(whole_model(args.model), backend=args.backend)
     bin_dir = None if args.no_peer else find_llamacpp(args.llamacpp)
     warm_up(model)
     our_rounds: list[Throughput] = []

@@ -15,6 +15,7 @@ import json
 import sys
 from typing import Any
 
+from meshnet.cli.model_ref import MODEL_HELP, whole_model
 from meshnet.engine.generate import Generation, generate
 from meshnet.engine.local import LocalModel, load_local_model
 from meshnet.errors import RequestError
@@ -25,7 +26,7 @@ from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("generate", help="generate text in this process")
-    p.add_argument("--model", help="GGUF file (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
     )
-    model = load_local_model(args.model, split=args.split, backend=args.backend)
+    model = load_local_model(whole_model(args.model), split=args.split, backend=args.backend)
     prompt_ids = _prompt_ids(model, args)
     if args.json:
         result = generate(model.chain, model.tokenizer, prompt_ids, params)

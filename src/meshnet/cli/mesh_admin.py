@@ -241,7 +241,17 @@ def show_models(admin: AdminClient, args: argparse.Namespace) -> tuple[dict[str,
         for m in models
     ]
     headers = ["MODEL", "LAYERS", "MIN REPLICAS", "ROUTE", "SHA256", "STATE"]
-    return {"models": models}, render(headers, rows)
+    held = admin.get("/admin/inventory").get("nodes") or []
+    held_rows = [
+        [n["node_id"], s["model"] or s["fingerprint"][:12], _layers(s["layers"]), size(s["bytes"])]
+        for n in held
+        for s in n["shards"]
+    ]
+    table = render(headers, rows)
+    if held_rows:
+        table += "\n\nheld on disk (models by reference):\n"
+        table += render(["NODE", "MODEL", "LAYERS", "DISK"], held_rows)
+    return {"models": models, "inventory": held}, table
 
 
 def _layers(span: list[int] | None) -> str:

@@ -7,6 +7,9 @@
   finish, ``--drain`` seconds at most) and its nodes are emptied; NAME leads to
   the new model from then on.
 - ``release NAME`` — NAME takes no new request, drains, and its nodes are emptied.
+- ``prune`` — on a node's machine: remove the shards of models by reference in the
+  cache (``--model-cache``) that no node of the mesh serves now, and unfinished
+  fetches (``--dry-run``: only list them).
 
 Each prints the tracker's answer about the model (``--json``: as it came).
 """
@@ -15,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from meshnet.client import AdminClient
 from meshnet.errors import MeshnetError, RequestError
 from meshnet.layer_range import LayerRange
+from meshnet.model_source.config import SourceConfig, default_cache_dir
+from meshnet.model_source.inventory import prune
 
 _LOAD_TIMEOUT_S = 900.0  # a serve answers once every node has loaded its range
 
@@ -29,19 +35,29 @@ Runner = Callable[[Callable[[AdminClient, argparse.Namespace], tuple[dict[str, A
 
 def add_parsers(models: argparse.ArgumentParser, add_common: AddCommon, runner: Runner) -> None:
     """The subcommands of ``meshnet models`` (without one it lists the models)."""
-    sub = models.add_subparsers(dest="action", metavar="{serve,replace,release}")
+    sub = models.add_subparsers(dest="action", metavar="{serve,replace,release,prune}")
     serve = sub.add_parser("serve", help="serve another model on empty nodes")
-    serve.add_argument("path", help="the GGUF file, as the tracker sees it")
+    serve.add_argument(
+        "path", help="the GGUF file as the tracker sees it, or hf:ORG/REPO[:QUANT], a URL"
+    )
     _placement_flags(serve)
     replace = sub.add_parser("replace", help="serve a model in place of NAME, then release NAME")
     replace.add_argument("name")
-    replace.add_argument("path", help="the new GGUF file, as the tracker sees it")
+    replace.add_argument(
+        "path", help="the new GGUF file as the tracker sees it, or hf:ORG/REPO[:QUANT], a URL"
+    )
     _placement_flags(replace)
     _drain_flag(replace)
     release = sub.add_parser("release", help="stop serving NAME and empty its nodes")
     release.add_argument("name")
     _drain_flag(release)
-    for p, act in ((serve, serve_model), (replace, replace_model), (release, release_model)):
+    prune = sub.add_parser("prune", help="free the disk of shards no node serves now")
+    prune.add_argument(
+        "--model-cache", help="the nodes' cache (default: $MESHNET_CACHE, else ~/.cache/meshnet)"
+    )
+    prune.add_argument("--dry-run", action="store_true", help="list, remove nothing")
+    acts = ((serve, serve_model), (replace, replace_model), (release, release_model))
+    for p, act in (*acts, (prune, prune_shards)):
         add_common(p, inner=True)
         p.set_defaults(run=runner(act))
 
@@ -108,6 +124,23 @@ def replace_model(admin: AdminClient, args: argparse.Namespace) -> tuple[dict[st
 def release_model(admin: AdminClient, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     answer = admin.send("DELETE", f"/admin/models/{args.name}", drain_s=args.drain)
     return answer, f"{answer['name']}: {answer['state']}; its nodes are emptied once it drains"
+
+
+def prune_shards(admin: AdminClient, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Remove the cache's shards that no node the tracker knows serves now."""
+    cache = Path(args.model_cache) if args.model_cache else default_cache_dir()
+    keep = {
+        (n["fingerprint"], LayerRange(*n["layers"]))
+        for n in admin.get("/admin/nodes").get("nodes", [])
+        if n.get("layers") and n.get("fingerprint")
+    }
+    cfg = SourceConfig(cache_dir=cache)
+    freed = sum(s.disk_bytes for s in prune(cfg, keep, dry_run=True))
+    files = [str(s.path) for s in prune(cfg, keep, dry_run=args.dry_run)]
+    verb = "would remove" if args.dry_run else "removed"
+    lines = [f"{verb} {len(files)} file(s), {freed} bytes on disk, from {cache}"]
+    lines += [f"  {f}" for f in files]
+    return {"removed": files, "dry_run": args.dry_run, "freed_bytes": freed}, "\n".join(lines)
 
 
 def describe(model: dict[str, Any]) -> str:

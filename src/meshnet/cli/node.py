@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from meshnet.cli.options import add_options, declare_node_options, declare_node_setup
+from meshnet.model_source.config import SourceConfig, default_cache_dir
 from meshnet.node.engine import EngineConfig
 from meshnet.node.main import NodeConfig, new_node_id, serve
+from meshnet.node.model_fetch import progress_wanted
 from meshnet.node.preflight import check_credential
 
 
@@ -46,6 +49,11 @@ def node_config(args: argparse.Namespace, node_id: str, key: str) -> NodeConfig:
         metrics_port=args.metrics_port,
         relay_port=args.relay_port,
         head_assist=args.head_assist == "on",
+        source=SourceConfig(
+            cache_dir=Path(args.model_cache) if args.model_cache else default_cache_dir(),
+            client=node_id,
+            progress=progress_wanted(),
+        ),
         engine=EngineConfig(
             kv_budget_bytes=int(args.kv_budget_mb * 1024 * 1024),
             max_batch_tokens=args.max_batch_tokens,

@@ -97,7 +97,11 @@ def declare_node_setup(p: ArgumentTarget) -> list[argparse.Action]:
             type=int,
             help="port the tracker should dial (behind NAT or a proxy)",
         ),
-        p.add_argument("--model", help="GGUF file (default: the bundled model)"),
+        p.add_argument(
+            "--model",
+            help="GGUF file, or hf:ORG/REPO[:QUANT], hf:ORG/REPO/FILE, an https:// URL: "
+            "only the tensors of --layers are fetched (default: the bundled model)",
+        ),
         layers.add_argument("--layers", type=LayerRange.parse, help="START:END, half-open"),
         layers.add_argument(
             "--empty", action="store_true", help="load nothing; wait for Configure"
@@ -109,6 +113,11 @@ def declare_node_setup(p: ArgumentTarget) -> list[argparse.Action]:
             action="append",
             default=[],
             help="a directory the tracker may load models from (repeatable; --model's is included)",
+        ),
+        p.add_argument(
+            "--model-cache",
+            help="where models given by reference are fetched to and served to peers from "
+            "(default: $MESHNET_CACHE, else ~/.cache/meshnet)",
         ),
         p.add_argument(
             "--node-key-file",

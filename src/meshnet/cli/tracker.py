@@ -24,8 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--model",
         action="append",
-        help="a GGUF file to serve (repeatable: each is served, routed by the requests' "
-        "model; the first is the sessions' default; default: the bundled model)",
+        help="a GGUF file, or hf:ORG/REPO[:QUANT], hf:ORG/REPO/FILE, an https:// URL, to serve "
+        "(repeatable: each is served, routed by the requests' model; the first is the "
+        "sessions' default; default: the bundled model). A reference is read once as a "
+        "stream: the tracker keeps its header and the manifest of its tensors' hashes",
     )
     p.add_argument(
         "--mesh-secret-file",

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshnet.auth.credentials import CREDENTIALS_FILE
+from meshnet.cli.model_ref import MODEL_HELP, header_info
 from meshnet.cli.options import (
     add_options,
     declare_node_options,
@@ -33,7 +34,6 @@ from meshnet.cli.table import size
 from meshnet.client import stream_chat
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh, parse_layout, split_threads
-from meshnet.model.info import load_model_info
 from meshnet.model.layer_bytes import LayerBytes, model_layer_bytes
 from meshnet.node.main import available_cores
 from meshnet.supervisor import Backoff, Child, Supervisor
@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     shape.add_argument("--layout", help='e.g. "0:10,10:20,20:30" ("empty" for an empty node)')
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--data-dir", type=Path, help="default: a new temporary directory")
-    p.add_argument("--model", help="GGUF file (default: the bundled model)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--once", metavar="MESSAGE", help="send one chat, print it, and stop")
     p.add_argument(
         "--restart-max",
@@ -118,7 +118,7 @@ def layout_lines(layout: list[LayerRange | None], sizes: LayerBytes) -> list[str
 
 
 def run(args: argparse.Namespace) -> int:
-    info = load_model_info(args.model)
+    info = header_info(args.model, "up")
     sizes = model_layer_bytes(info.file, info.spec)
     layout = plan_layout(args, sizes)
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="meshnet-"))

@@ -69,6 +69,11 @@ class GGUFFile:
                 raise ModelFileError(f"{self.path.name}: tensor {t.name!r} is truncated")
         return out
 
+    def known_fingerprint(self, fingerprint: str) -> None:
+        """Take ``fingerprint`` as the model's sha256: the file here is not the whole
+        model (``model_source`` keeps only a range's tensors, or only the header)."""
+        self._fingerprint = fingerprint
+
     def fingerprint(self) -> str:
         """The sha256 of the whole file, hex: the model's identity on the mesh."""
         if self._fingerprint is None:
@@ -76,8 +81,9 @@ class GGUFFile:
         return self._fingerprint
 
 
-def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
-    """Parse ``path`` as GGUF; raise ``ModelFileError`` if it is missing, corrupt or truncated."""
+def open_gguf(path: str | os.PathLike[str], fingerprint: str | None = None) -> GGUFFile:
+    """Parse ``path`` as GGUF; raise ``ModelFileError`` if it is missing, corrupt or truncated.
+    ``fingerprint``: see ``GGUFFile.known_fingerprint``."""
     p = Path(path)
     if not p.is_file():
         raise ModelFileError(f"{p}: no such model file")
@@ -89,7 +95,7 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     header = parse_header(mapped, p.name)
     _release_pages(mapped)
     # The tensors' views keep the map open for as long as they live.
-    return GGUFFile(path=p, metadata=header.metadata, tensors=header.tensors)
+    return GGUFFile(p, header.metadata, header.tensors, fingerprint)
 
 
 def _release_pages(mapped: mmap.mmap) -> None:

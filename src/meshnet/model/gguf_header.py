@@ -69,6 +69,21 @@ _ITEM_TYPES: dict[QT, np.dtype[Any]] = {
 }
 
 
+class HeaderTruncated(ModelFileError):
+    """The bytes end before the header does: of a file read in part (a header fetched by
+    range requests), read more; of a whole file, it is truncated."""
+
+
+@dataclass(frozen=True)
+class HeaderLayout:
+    """The header without tensor data: metadata, tensor descriptors (offsets from
+    ``data_start``) and where the data section starts; what a remote header gives."""
+
+    metadata: dict[str, Any]
+    infos: list[TensorInfo]
+    data_start: int
+
+
 @dataclass(frozen=True)
 class GGUFHeader:
     """What a GGUF header says: its metadata and its tensors (views into the map)."""
@@ -88,7 +103,7 @@ class _Cursor:
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or self.pos + n > self.size:
-            raise ModelFileError(
+            raise HeaderTruncated(
                 f"{self.name}: {what} at byte {self.pos} needs {n} bytes, "
                 f"the file has {self.size - self.pos} left: truncated or corrupt"
             )
@@ -118,6 +133,13 @@ class _Cursor:
 
 def parse_header(buf: Buffer, name: str) -> GGUFHeader:
     """Parse the GGUF in ``buf`` (the whole file, mapped); ``name`` is used in errors."""
+    layout = parse_layout(buf, name)
+    return GGUFHeader(layout.metadata, _tensors(buf, name, layout.infos, layout.data_start))
+
+
+def parse_layout(buf: Buffer, name: str) -> HeaderLayout:
+    """Parse the header at the start of ``buf``, which may end anywhere after it (a
+    file's first bytes); ``HeaderTruncated`` when it ends inside the header."""
     c = _Cursor(buf, name)
     c.need(4, "magic")
     if bytes(buf[:4]) != _MAGIC:
@@ -141,7 +163,9 @@ def parse_header(buf: Buffer, name: str) -> GGUFHeader:
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise ModelFileError(f"{name}: general.alignment {alignment!r} is not a power of two")
     data_start = -(-c.pos // alignment) * alignment
-    return GGUFHeader(metadata, _tensors(buf, name, infos, data_start))
+    for info in infos:
+        _byte_count(name, info)  # a type of no size, or rows of partial blocks: refused here
+    return HeaderLayout(metadata, infos, data_start)
 
 
 def _value_type(c: _Cursor, key: str) -> VT:
@@ -198,7 +222,7 @@ def _strings(c: _Cursor, count: int, key: str) -> StringTable:
     except struct.error:  # not even a length field left
         pass
     if len(lengths) != count:
-        raise ModelFileError(
+        raise HeaderTruncated(
             f"{c.name}: string {len(lengths)} of {key!r} runs past the end: truncated"
         )
     first = c.pos
@@ -228,14 +252,14 @@ def _gather(
 
 
 @dataclass(frozen=True)
-class _TensorInfo:
+class TensorInfo:
     name: str
     dims: tuple[int, ...]  # innermost first, as GGUF lists them
     qtype: QT
     offset: int  # from the start of the data section
 
 
-def _tensor_info(c: _Cursor) -> _TensorInfo:
+def _tensor_info(c: _Cursor) -> TensorInfo:
     name = c.string("tensor name")
     n_dims = c.u32(f"dimension count of {name!r}")
     if not 1 <= n_dims <= _MAX_DIMS:
@@ -246,11 +270,11 @@ def _tensor_info(c: _Cursor) -> _TensorInfo:
         qtype = QT(raw_type)
     except ValueError:
         raise ModelFileError(f"{c.name}: tensor {name!r} has unknown type {raw_type}") from None
-    return _TensorInfo(name, dims, qtype, c.u64(f"offset of {name!r}"))
+    return TensorInfo(name, dims, qtype, c.u64(f"offset of {name!r}"))
 
 
 def _tensors(
-    buf: Buffer, name: str, infos: list[_TensorInfo], data_start: int
+    buf: Buffer, name: str, infos: list[TensorInfo], data_start: int
 ) -> dict[str, gguf.ReaderTensor]:
     """Descriptors whose ``data`` views the map, after checking each lies inside the file."""
     size = len(buf)
@@ -279,7 +303,12 @@ def _tensors(
     return out
 
 
-def _byte_count(name: str, info: _TensorInfo) -> int:
+def byte_count(info: TensorInfo) -> int:
+    """The bytes of the tensor ``info`` describes (checked by ``parse_layout``)."""
+    return _byte_count("", info)
+
+
+def _byte_count(name: str, info: TensorInfo) -> int:
     sizes = gguf.GGML_QUANT_SIZES.get(info.qtype)
     if sizes is None:
         raise ModelFileError(f"{name}: tensor {info.name!r} has type {info.qtype.name} of no size")
@@ -293,7 +322,7 @@ def _byte_count(name: str, info: _TensorInfo) -> int:
     return n // block * type_size
 
 
-def _view(raw: np.ndarray, info: _TensorInfo) -> np.ndarray:
+def _view(raw: np.ndarray, info: TensorInfo) -> np.ndarray:
     """The tensor's bytes shaped as ``gguf.GGUFReader`` shapes them (outermost first)."""
     np_dims = tuple(reversed(info.dims))
     item = _ITEM_TYPES.get(info.qtype)

@@ -29,6 +29,10 @@ class ModelInfo:
     spec: ModelSpec
     tokenizer: TextTokenizer
     template: ChatTemplate
+    # A model by reference (``model_source``): what it was named by, and its manifest of
+    # per-tensor hashes (JSON) that nodes fetch against; None for a local file.
+    ref: str | None = None
+    manifest_json: str | None = None
 
     @cached_property
     def grammar_tokenizer(self) -> llguidance.LLTokenizer:
@@ -37,17 +41,27 @@ class ModelInfo:
         return grammar_tokenizer(self.tokenizer, self.spec.vocab_size)
 
 
-def load_model_info(path: str | os.PathLike[str] | None = None) -> ModelInfo:
-    """Read the metadata of the GGUF at ``path`` (the bundled model when None)."""
+def load_model_info(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    fingerprint: str | None = None,
+    name: str | None = None,
+) -> ModelInfo:
+    """Read the metadata of the GGUF at ``path`` (the bundled model when None).
+    ``fingerprint``: the model's sha256 when ``path`` is not the whole file (a
+    tracker's sparse copy of a referenced model), else it is computed; ``name``:
+    the served name (default: the file name less ``.gguf``)."""
     p = Path(path) if path is not None else bundled_model_path()
     f = open_gguf(p)
+    if fingerprint is not None:
+        f.known_fingerprint(fingerprint)
     spec = read_spec(f)
     tokenizer = load_tokenizer(f)
     template = load_chat_template(f, tokenizer)
     f.drop(TOKENIZER_ARRAYS)  # the tokenizer holds what it needs of them
     return ModelInfo(
         file=f,
-        name=p.name.removesuffix(".gguf"),
+        name=name or p.name.removesuffix(".gguf"),
         path=p,
         fingerprint=f.fingerprint(),
         spec=spec,

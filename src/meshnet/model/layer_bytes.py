@@ -105,6 +105,20 @@ def model_layer_bytes(f: GGUFFile, spec: ModelSpec, held: TensorBytes = file_byt
         raise ModelFileError(f"{f.path.name}: {e.message}") from None
 
 
+def range_holds(name: str, layers: LayerRange, n_layers: int, tied_head: bool) -> bool:
+    """Whether a node serving ``layers`` reads the tensor ``name`` (the parts above): what
+    a node fetches of a model it does not have whole (``model_source.shard_store``)."""
+    block = _BLOCK.match(name)
+    if block is not None:
+        return int(block.group(1)) in range(layers.start, layers.end)
+    last = layers.is_last(n_layers)
+    if name.startswith("token_embd."):
+        return layers.is_first() or (last and tied_head)
+    if name.startswith(("output_norm.", "output.")):
+        return last
+    return True
+
+
 def layer_bytes_of(
     sizes: Mapping[str, int], n_layers: int, tied_head: bool, kv_layer_token: int = 0
 ) -> LayerBytes:

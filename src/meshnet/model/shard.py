@@ -94,12 +94,15 @@ def load_shard(
     return shard
 
 
-def load_shard_file(path: str, layers: LayerRange, backend: str = DEFAULT_BACKEND) -> Shard:
+def load_shard_file(
+    path: str, layers: LayerRange, backend: str = DEFAULT_BACKEND, fingerprint: str | None = None
+) -> Shard:
     """``load_shard`` of ``layers`` of the GGUF at ``path``, as a node loads its range:
     the header's values (a 128k-token vocabulary and its merges are tens of MB of
     strings) go before it returns, and the memory they held is handed back, so a node
-    holds its layers and little else."""
-    f = open_gguf(path)
+    holds its layers and little else. ``fingerprint``: the model's sha256 when ``path``
+    holds only the range's tensors (``model_source.shard_store``)."""
+    f = open_gguf(path, fingerprint)
     shard = load_shard(f, read_spec(f), layers, backend)
     del f
     settle()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import httpx
 
 from meshnet.auth.node_http import NodeAuth
-from meshnet.mesh_messages import Heartbeat, HeartbeatReply, NodeAnnouncement, NodeLoad
+from meshnet.mesh_messages import Heartbeat, HeartbeatReply, Holdings, NodeAnnouncement, NodeLoad
 from meshnet.node.engine import EngineStats
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ class Announcer:
         stats: Callable[[], EngineStats],
         interval_s: float = 1.0,
         metrics_port: int | None = None,
+        holdings: Callable[[], Holdings] = Holdings,
     ) -> None:
         self.tracker_url = tracker_url.rstrip("/")
         self.node_id = node_id
@@ -44,6 +45,7 @@ class Announcer:
         self.backend = backend
         self.kv_budget_bytes = kv_budget_bytes
         self.stats = stats
+        self.holdings = holdings  # the shards on disk peers may fetch, told each beat
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="announcer", daemon=True)
@@ -94,7 +96,7 @@ class Announcer:
             backend=self.backend,
             kv_budget_bytes=self.kv_budget_bytes,
             pid=os.getpid(),
-            **_heartbeat(self.stats(), self.metrics_port).model_dump(),
+            **_heartbeat(self.stats(), self.metrics_port, self.holdings()).model_dump(),
         )
         r = http.post(f"{self.tracker_url}/mesh/nodes", json=body.model_dump())
         r.raise_for_status()
@@ -102,7 +104,7 @@ class Announcer:
         return True
 
     def _beat(self, http: httpx.Client) -> bool:
-        body = _heartbeat(self.stats(), self.metrics_port)
+        body = _heartbeat(self.stats(), self.metrics_port, self.holdings())
         r = http.post(
             f"{self.tracker_url}/mesh/nodes/{self.node_id}/heartbeat", json=body.model_dump()
         )
@@ -110,7 +112,7 @@ class Announcer:
         return HeartbeatReply.model_validate(r.json()).known
 
 
-def _heartbeat(s: EngineStats, metrics_port: int | None) -> Heartbeat:
+def _heartbeat(s: EngineStats, metrics_port: int | None, holdings: Holdings) -> Heartbeat:
     """What the node says about itself every beat (and, with more, when registering)."""
     return Heartbeat(
         load=_load(s),
@@ -118,6 +120,7 @@ def _heartbeat(s: EngineStats, metrics_port: int | None) -> Heartbeat:
         layer_start=s.layers.start if s.layers else 0,
         layer_end=s.layers.end if s.layers else 0,
         metrics_port=metrics_port,
+        holdings=holdings,
     )
 
 

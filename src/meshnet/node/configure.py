@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from meshnet.errors import MalformedBundle, MeshnetError, Overloaded, RequestError
@@ -37,12 +38,14 @@ from meshnet.memory import settle
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.shard import load_shard
 from meshnet.model.spec import read_spec
+from meshnet.model_source.reference import is_reference
 from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.wire import CONTROL_TIMEOUT_S, fail
 from meshnet.protocol import meshnet_pb2 as pb
 
 if TYPE_CHECKING:
     from meshnet.node.engine import EngineConfig, NodeEngine
+    from meshnet.node.model_fetch import NodeModels
 
 T = TypeVar("T")
 
@@ -201,11 +204,17 @@ class Configurator:
     """
 
     def __init__(
-        self, engine: NodeEngine, dirs: ModelDirs, start_model: str | None, stream_ceiling: int
+        self,
+        engine: NodeEngine,
+        dirs: ModelDirs,
+        start_model: str | None,
+        stream_ceiling: int,
+        models: NodeModels | None = None,
     ) -> None:
         self._engine = engine
         self._dirs = dirs
         self._start_model = start_model
+        self._models = models  # fetches referenced models' ranges (None: references refused)
         self._stream_ceiling = stream_ceiling
         self._busy = threading.Lock()
 
@@ -249,8 +258,18 @@ class Configurator:
         return reply
 
     def _load(self, change: ShardLoad, check: bool) -> pb.ConfigureResponse:
-        path = self._dirs.resolve(change.model_path)
-        f = open_gguf(path)
+        if is_reference(change.model_path):
+            if self._models is None:
+                raise RequestError("this node fetches no model by reference")
+            if check:  # the manifest, not the tensors: a check moves no weights
+                self._models.manifest(change.model_path)
+                return self._answer(change, False, f"checked: {change.model_path} is served")
+            local = self._models.shard(change.model_path, change.layers)
+            fetched: Path | None = local.path
+            f = open_gguf(local.path, local.fingerprint)
+        else:
+            fetched = None
+            f = open_gguf(self._dirs.resolve(change.model_path))
         spec = read_spec(f)
         change.layers.check_within(spec.n_layers)
         now = self._engine.shard
@@ -265,6 +284,8 @@ class Configurator:
         del f  # the header's values go (a large vocabulary is tens of MB of strings)
         settle()  # and the memory they held goes back to the system
         ended = _drained(self._engine.swap(shard))
+        if self._models is not None:
+            self._models.serving(fetched)  # what the node served before is dropped
         if keeps:
             detail = f"reloaded {change.layers}; sessions' KV parked on the node, {ended} lost"
         else:

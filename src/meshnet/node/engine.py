@@ -197,9 +197,12 @@ class NodeEngine:
             max_streams=self.config.max_streams,
         )
 
-    def load(self, model_path: str, layers: LayerRange) -> Future[Shard]:
-        """Load ``layers`` of the model (tier 3); drops every session's KV."""
-        return self._control(lambda: self._apply_load(model_path, layers))
+    def load(
+        self, model_path: str, layers: LayerRange, fingerprint: str | None = None
+    ) -> Future[Shard]:
+        """Load ``layers`` of the model (tier 3); drops every session's KV. ``fingerprint``:
+        the model's, when ``model_path`` holds only the range (``load_shard_file``)."""
+        return self._control(lambda: self._apply_load(model_path, layers, fingerprint))
 
     def configure_limits(self, limits: Limits) -> Future[EngineConfig]:
         """Tier 1, applied by the loop at once (checked by the caller:
@@ -523,8 +526,8 @@ class NodeEngine:
     def _account(self) -> None:
         self._budget.update(sum(s.kv.nbytes + s.sent_bytes for s in self._slots.values()))
 
-    def _apply_load(self, model_path: str, layers: LayerRange) -> Shard:
-        shard = load_shard_file(model_path, layers, self.config.backend)
+    def _apply_load(self, model_path: str, layers: LayerRange, fingerprint: str | None) -> Shard:
+        shard = load_shard_file(model_path, layers, self.config.backend, fingerprint)
         self._swap_in(shard)
         log.info("loaded layers %s of %s on %s", layers, model_path, shard.backend.name)
         return shard

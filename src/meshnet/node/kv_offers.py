@@ -3,7 +3,9 @@
 A node asked to ``StateOffer`` a session copies its KV and files it here under
 a random ticket; the fetching node connects to the bulk port, sends the
 ticket and reads the stream (``kv.bulk``). A ticket works once, for a minute;
-a connection that sends no valid ticket is closed without a byte.
+a connection that sends no valid ticket is closed without a byte. A connection
+that sends ``model_source.peers.MAGIC`` instead asks for shard bytes: it is handed to
+the ``shards`` handler (``NodeModels.serve_peer``), which checks its peer token.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshnet.kv.bulk import send_stream
+from meshnet.model_source.peers import MAGIC
 from meshnet.protocol import meshnet_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -39,7 +43,13 @@ class _Offer:
 class KVOffers:
     """The bulk port's listener and the offers waiting on it."""
 
-    def __init__(self, host: str, advertise_host: str) -> None:
+    def __init__(
+        self,
+        host: str,
+        advertise_host: str,
+        shards: Callable[[socket.socket], None] | None = None,
+    ) -> None:
+        self._shards = shards  # answers a peer's request for shard bytes (None: refused)
         self._listener = socket.create_server((host, 0))
         self.address = f"{advertise_host}:{self._listener.getsockname()[1]}"
         self._offers: dict[bytes, _Offer] = {}
@@ -86,6 +96,11 @@ class KVOffers:
             try:
                 conn.settimeout(_TICKET_TIMEOUT_S)
                 ticket = _read_ticket(conn)
+                if ticket == MAGIC:
+                    if self._shards is not None:
+                        conn.settimeout(_SEND_TIMEOUT_S)
+                        self._shards(conn)
+                    return
                 with self._lock:
                     offer = self._offers.pop(ticket, None)
                 if offer is None or offer.expires < time.monotonic():
@@ -93,7 +108,7 @@ class KVOffers:
                 conn.settimeout(_SEND_TIMEOUT_S)
                 send_stream(conn, offer.header, offer.payload)
             except OSError as e:
-                log.info("KV bulk transfer ended early: %s", e)
+                log.info("bulk transfer ended early: %s", e)
 
 
 def _read_ticket(conn: socket.socket) -> bytes:

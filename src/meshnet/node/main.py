@@ -23,12 +23,15 @@ from meshnet.backends.kernel_threads import set_threads
 from meshnet.errors import MeshnetError
 from meshnet.layer_range import LayerRange
 from meshnet.model.bundled import bundled_model_path
+from meshnet.model_source.config import SourceConfig, source_config
+from meshnet.model_source.reference import is_reference
 from meshnet.node.announce import Announcer
 from meshnet.node.engine import EngineConfig
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.metrics import MeteredEngine, NodeMetrics
 from meshnet.node.metrics_http import MetricsServer
 from meshnet.node.model_dirs import ModelDirs
+from meshnet.node.model_fetch import NodeModels, progress_wanted
 from meshnet.node.preflight import check_node
 from meshnet.node.relay_socket import RelayListener
 from meshnet.node.service import NodeIdentity, NodeService
@@ -68,6 +71,9 @@ class NodeConfig:
     # As a ring's last hop, share a tied head's multiply with the ring's first hop,
     # trusting its answers (node/head_assist.py): for nodes of one operator.
     head_assist: bool = False
+    # Where models given by reference (hf:ORG/REPO:QUANT, URLs) are fetched to; None:
+    # the default cache (MESHNET_CACHE), named by the node's id at the source.
+    source: SourceConfig | None = None
 
 
 _MAX_RELAY_CONNECTIONS = 8  # previous hops relaying over TCP at once (a thread each)
@@ -181,8 +187,15 @@ def serve(cfg: NodeConfig) -> int:
     engine = MeteredEngine(cfg.engine, metrics)
     engine.start()
     model_path = cfg.model_path or str(bundled_model_path())
+    source = cfg.source or source_config(cfg.node_id, progress=progress_wanted())
+    models = NodeModels(cfg.tracker_url, cfg.node_id, cfg.node_key, source)
     if cfg.layers is not None:
-        engine.load(model_path, cfg.layers).result()
+        if is_reference(model_path):
+            shard = models.shard(model_path, cfg.layers)
+            engine.load(str(shard.path), cfg.layers, shard.fingerprint).result()
+            models.serving(shard.path)
+        else:
+            engine.load(model_path, cfg.layers).result()
     gate = NodeGate(cfg.node_key)
     server = grpc.server(
         futures.ThreadPoolExecutor(
@@ -193,9 +206,12 @@ def serve(cfg: NodeConfig) -> int:
     )
     listen_host = cfg.listen.rsplit(":", 1)[0].strip("[]")
     host = cfg.advertise_host or listen_host
-    offers = KVOffers(listen_host, host)  # node-to-node KV moves go over this bulk port
-    dirs = ModelDirs.of([*cfg.model_dirs, Path(model_path).parent])
-    identity = NodeIdentity(cfg.node_id, model_path, dirs)
+    # Node-to-node KV moves go over this bulk port, and peers' reads of our shards.
+    offers = KVOffers(listen_host, host, shards=models.serve_peer)
+    models.bulk_address = offers.address
+    start_dir = [] if is_reference(model_path) else [Path(model_path).parent]
+    dirs = ModelDirs.of([*cfg.model_dirs, *start_dir])
+    identity = NodeIdentity(cfg.node_id, model_path, dirs, models)
     service = NodeService(identity, engine, gate, offers, head_assist=cfg.head_assist)
     pb_grpc.add_NodeServicer_to_server(service, server)
     metrics.watch(service.stats)
@@ -218,6 +234,7 @@ def serve(cfg: NodeConfig) -> int:
         service.stats,
         cfg.heartbeat_s,
         metrics_port=scrape.port if scrape is not None else None,
+        holdings=models.holdings,
     )
     announcer.start()
     # What the node holds for its life (the shard, the tokenizer's vocabulary, the

@@ -48,6 +48,7 @@ from meshnet.node.head_assist import HeadAssist, HeadAssists
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.kv_service import KVService
 from meshnet.node.model_dirs import ModelDirs
+from meshnet.node.model_fetch import NodeModels
 from meshnet.node.relay import Mailbox, RelaySender
 from meshnet.node.relay_wire import Ask
 from meshnet.node.scheduler import StepWork
@@ -81,6 +82,7 @@ class NodeIdentity:
     node_id: str
     model_path: str | None  # the model loaded at start, if any
     model_dirs: ModelDirs  # where Configure may load models from
+    models: NodeModels | None = None  # fetches models given by reference (None: refused)
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,11 @@ class NodeService(pb_grpc.NodeServicer):
         self.kv = KVService(engine, gate, offers)
         self.grammars = GrammarTokenizers()  # for a constrained sampling hop
         self.configurator = Configurator(
-            engine, identity.model_dirs, identity.model_path, engine.config.max_streams
+            engine,
+            identity.model_dirs,
+            identity.model_path,
+            engine.config.max_streams,
+            identity.models,
         )
 
     def close(self) -> None:

@@ -17,10 +17,14 @@ from meshnet.auth.mesh_keys import MeshKeys
 from meshnet.auth.quotas import QuotaGate
 from meshnet.auth.tenants import DEFAULT_TENANT, Quotas, TenantStore
 from meshnet.errors import NotFound
-from meshnet.model.info import load_model_info
+from meshnet.model.info import ModelInfo
+from meshnet.model_source.config import SourceConfig, source_config
+from meshnet.model_source.info import model_info
+from meshnet.model_source.whole import local_model_path
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.database import Database, open_database
 from meshnet.tracker.driver import DriverLimits, RouteDriver
+from meshnet.tracker.manifests import ManifestBook
 from meshnet.tracker.migrations import migrate
 from meshnet.tracker.model_admin import ModelAdmin
 from meshnet.tracker.model_turns import ModelTurns
@@ -60,6 +64,9 @@ class TrackerProcessConfig:
     # Node ids trusted by configuration: not calibrated, not checked, billed at once, and
     # the verifier's capacity where their ranges fit (tracker/trusted_capacity.py).
     trusted_nodes: frozenset[str] = frozenset()
+    # Where models given by reference (hf:ORG/REPO:QUANT, URLs) are kept; None: the
+    # default cache (MESHNET_CACHE).
+    source: SourceConfig | None = None
 
 
 def mesh_secret(cfg: TrackerProcessConfig) -> str:
@@ -83,7 +90,13 @@ def tracker_auth(cfg: TrackerProcessConfig, db: Database, keys: MeshKeys) -> Tra
 
 
 def serve(cfg: TrackerProcessConfig) -> int:
-    model = load_model_info(cfg.model_path)
+    source = cfg.source or source_config("tracker")
+    manifests = ManifestBook()  # what nodes fetching a referenced model are given
+
+    def load_info(path: str | None) -> ModelInfo:
+        return manifests.note(model_info(path, source))
+
+    model = load_info(cfg.model_path)
     db = open_database(cfg.database or cfg.data_dir / "tracker.db")
     migrate(db)  # before any table is opened: an older table is brought up to date
     store = Store(db)
@@ -93,14 +106,15 @@ def serve(cfg: TrackerProcessConfig) -> int:
     tracker = Tracker(store, model, channels, driver, cfg.tracker)
     tracker.trusted_nodes = cfg.trusted_nodes
     if cfg.verify_rate > 0:
-        tracker.verify(TrustedModel(str(model.path)), cfg.verify_rate, cfg.trusted_nodes)
+        whole = local_model_path(model.ref, source) if model.ref else model.path
+        tracker.verify(TrustedModel(str(whole)), cfg.verify_rate, cfg.trusted_nodes)
         log.info("verification on: calibration, and %.1f%% of chunks re-run", cfg.verify_rate * 100)
     elif cfg.trusted_nodes:
         log.warning("--trusted-node changes nothing while --verify-rate is 0: nothing is checked")
     placement = Placement(tracker)
     served = ServedModels(ServedModel(model, tracker, placement, ""))
     for path in cfg.more_models:
-        info = load_model_info(path)
+        info = load_info(path)
         served.check_new(info)
         other = model_tracker(tracker, info, path)
         served.add(ServedModel(info, other, Placement(other), path))
@@ -119,11 +133,12 @@ def serve(cfg: TrackerProcessConfig) -> int:
         return auth.tenants.purge_orphans(limit) + session_models.purge_orphans(limit)
 
     retention = Retention(store, session_store, snapshots, cfg.retention, purge_session_rows)
-    model_admin = ModelAdmin(served, placement.config, ServedStore(store.db))
+    model_admin = ModelAdmin(served, placement.config, ServedStore(store.db), load_info)
     model_admin.restore()  # what the admin calls served before a restart
     app = create_app(
         tracker, services, auth, retention, placement=placement, model_admin=model_admin
     )
+    app.state.manifests = manifests
     names = ", ".join(m.name for m in served)
     log.info("tracker serving %s on http://%s:%d", names, cfg.host, cfg.port)
     try:

@@ -120,8 +120,10 @@ class ModelAdmin:
         models: ServedModels,
         placement: PlacementConfig | None = None,
         record: ServedStore | None = None,
+        load_info: Callable[[str], ModelInfo] = load_model_info,
     ) -> None:
         self.models = models
+        self._load_info = load_info  # a path or a reference (model_source.info) to its info
         self.record = record  # where the served set is kept across restarts (None: nowhere)
         self._base: Tracker = models.first.tracker  # what every later model's tracker shares
         self._placement = placement or models.first.placement.config
@@ -161,7 +163,7 @@ class ModelAdmin:
             if row.replaced_by is not None or self.models.holds(row.name):
                 continue
             try:
-                info = load_model_info(row.path)
+                info = self._load_info(row.path)
                 self.models.add(self.new_model(info, row.node_path))
             except (MeshnetError, OSError) as e:
                 log.warning("model %s (%s) is not served again: %s", row.name, row.path, e)
@@ -179,7 +181,7 @@ class ModelAdmin:
     async def serve(self, request: ServeRequest) -> ServedModel:
         """Load the model onto its nodes and serve it; the typed reason and nothing
         changed when it cannot (a bad file, a name taken, nodes not empty, a refusal)."""
-        info = await asyncio.to_thread(load_model_info, request.path)
+        info = await asyncio.to_thread(self._load_info, request.path)
         self.models.check_new(info)
         sizes = model_layer_bytes(info.file, info.spec)  # what the admin views report
         node_path = request.node_path or request.path

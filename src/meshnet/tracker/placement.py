@@ -35,7 +35,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -77,13 +77,16 @@ def plan_placement(
     replicas: int,
     held: Set[LayerRange] = frozenset(),
     avoid: Set[NodeId] = frozenset(),
+    on_disk: Mapping[str, Set[LayerRange]] | None = None,
 ) -> list[Load]:
     """The loads that bring every layer range of the model to ``replicas`` up nodes.
 
     ``held``: spans not to load now (backing off after a failure). ``avoid``: empty
-    nodes to use last (their last load failed). Empty nodes are taken in node-id
-    order, each for the span whose least-covered layer has the fewest nodes (then
-    the lowest span), so the result is reproducible.
+    nodes to use last (their last load failed). ``on_disk``: the spans of this model
+    each node holds on disk (a model by reference: ``tracker/inventory.py``). The span
+    whose least-covered layer has the fewest nodes (then the lowest span) is loaded
+    first, by an empty node holding it on disk if one does (it fetches nothing), else
+    by the first empty node in node-id order, so the result is reproducible.
     """
     empty = sorted(
         (n for n in nodes if n.state is NodeState.UP and n.layers is None),
@@ -99,12 +102,16 @@ def plan_placement(
     wanted |= set(_gap_spans(cover, known, len(empty)))
     wanted -= held
     loads: list[Load] = []
-    for node in empty:
+    disk = on_disk or {}
+    while empty:
         short = [(min(cover[i] for i in r), r) for r in wanted]
         short = [(c, r) for c, r in short if c < replicas]
         if not short:
             break
         _, span = min(short)
+        holders = (n for n in empty if span in disk.get(n.node_id, ()) and n.node_id not in avoid)
+        node = next(holders, empty[0])
+        empty.remove(node)
         loads.append(Load(node.node_id, span))
         for i in span:
             cover[i] += 1
@@ -251,7 +258,8 @@ class Placement:
     def _plan(self, nodes: Sequence[NodeRecord], held: Set[LayerRange]) -> list[Load]:
         model, replicas = self.tracker.model, self.tracker.config.replicas
         fingerprint, n_layers = model.fingerprint, model.spec.n_layers
-        return plan_placement(nodes, fingerprint, n_layers, replicas, held, self._avoid)
+        on_disk = self.tracker.inventory.spans(fingerprint)
+        return plan_placement(nodes, fingerprint, n_layers, replicas, held, self._avoid, on_disk)
 
     def _forget(self, needed: Sequence[Load]) -> None:
         """Drop the backoff of spans no longer needed: a later need starts afresh."""

@@ -21,9 +21,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 from meshnet.errors import MeshnetError, ModelNotFound, NotFound, RequestError
 from meshnet.model.info import ModelInfo
+from meshnet.model_source.config import source_config
+from meshnet.model_source.whole import local_model_path
 from meshnet.tracker.driver import RouteDriver
 from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.placement import Placement
@@ -77,10 +80,19 @@ def model_tracker(first: Tracker, info: ModelInfo, node_path: str) -> Tracker:
     tracker.heal_lock = first.heal_lock
     tracker.node_model_path = node_path
     tracker.trusted_nodes = first.trusted_nodes  # trust is tracker-wide too
+    tracker.inventory = first.inventory  # what nodes hold on disk, whatever they serve
     if first.verification is not None:  # verification is tracker-wide: this model's too
         rate = first.verification.rate
-        tracker.verify(TrustedModel(str(info.path)), rate, first.trusted_nodes)
+        tracker.verify(TrustedModel(str(whole_file(info))), rate, first.trusted_nodes)
     return tracker
+
+
+def whole_file(info: ModelInfo) -> Path:
+    """The whole GGUF of ``info`` (the verifier runs every layer): its path, or a model by
+    reference fetched whole (the tracker keeps only its header otherwise)."""
+    if info.ref is None:
+        return info.path
+    return local_model_path(info.ref, source_config("tracker"))
 
 
 class ServedModels:

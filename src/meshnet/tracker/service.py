@@ -47,6 +47,7 @@ from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.driver import DoneEvent, Fabric, Reroute, RouteDriver, TokenEvent
 from meshnet.tracker.generation import Generation
 from meshnet.tracker.hop_link import answers
+from meshnet.tracker.inventory import Inventory
 from meshnet.tracker.ledger import LedgerRecord, LedgerSpool
 from meshnet.tracker.metrics import GenerationMeter, TrackerMetrics
 from meshnet.tracker.placement import LoadResult, configure_span
@@ -136,6 +137,9 @@ class Tracker:
         # The file ``load`` tells nodes to load, as they see it ("": each node's start
         # model); another served model's tracker names its file (tracker/served.py).
         self.node_model_path = ""
+        # The shards of models by reference each node holds on disk (its heartbeats):
+        # placement prefers a node holding a span, a fetching node is told its peers.
+        self.inventory = Inventory()
 
     def _pinned(self) -> list[str] | None:
         """The pinned route, when it is of this model (with several models served, a pin

@@ -99,6 +99,13 @@ function drawCoverage(s) {
       "data-layer": layer, "data-replicas": count }, count)));
 }
 
+function fetching(f) {
+  if (!f) return "";
+  const share = f.total_bytes ? Math.floor((100 * f.done_bytes) / f.total_bytes) : 0;
+  const left = f.bytes_per_s > 0 ? Math.round((f.total_bytes - f.done_bytes) / f.bytes_per_s) : "?";
+  return ` (fetching ${f.layer_start}:${f.layer_end}: ${share}%, ${bytes(f.bytes_per_s)}/s, ${left} s left)`;
+}
+
 function drawNodes(s) {
   const rows = s.nodes.map((n) => {
     const l = n.load;
@@ -109,7 +116,7 @@ function drawNodes(s) {
     const cells = [
       el("td", {}, n.node_id),
       el("td", {}, n.address),
-      el("td", {}, n.layers ? `${n.layers[0]}:${n.layers[1]}` : "empty"),
+      el("td", {}, n.layers ? `${n.layers[0]}:${n.layers[1]}` : "empty", fetching(n.fetching)),
       el("td", {}, state, n.down_reason ? ` (${n.down_reason})` : ""),
       el("td", {}, ago(n.heartbeat_age_s)),
       el("td", { class: "num" }, l.sessions),

@@ -25,6 +25,7 @@ import httpx
 from meshnet.auth.credentials import MESH_SECRET_ENV, NODE_KEY_ENV, node_credential
 from meshnet.errors import MeshnetError
 from meshnet.model.bundled import bundled_model_path
+from meshnet.model_source.reference import is_reference
 from meshnet.node.preflight.host import check_memory, check_park_dir
 from meshnet.node.preflight.model import ModelFacts, check_model, check_model_dirs
 from meshnet.node.preflight.network import check_addresses
@@ -40,15 +41,17 @@ __all__ = ["Check", "Report", "Scope", "Status", "check_credential", "check_node
 def check_node(cfg: NodeConfig, timeout_s: float = 3.0, http: httpx.Client | None = None) -> Report:
     """Every check of ``cfg``'s setup, in the order an operator fixes them; each network
     check within ``timeout_s``. ``http`` talks to the tracker (tests pass a mock transport)."""
-    model_path = Path(cfg.model_path) if cfg.model_path else bundled_model_path()
     checks: list[Check] = [check_model_dirs(cfg.model_dirs)]
     facts: ModelFacts | None = None
     if cfg.layers is None:
         checks.append(skip("model", "an empty node loads what the tracker tells it to"))
+    elif is_reference(cfg.model_path):
+        checks.append(skip("model", f"{cfg.model_path}: its range is fetched and checked at start"))
     else:
+        model_path = Path(cfg.model_path) if cfg.model_path else bundled_model_path()
         model_checks, facts = check_model(model_path, cfg.layers, cfg.engine.backend)
         checks += model_checks
-    if cfg.layers is not None and facts is None:
+    if cfg.layers is not None and facts is None and not is_reference(cfg.model_path):
         checks.append(skip("memory", "the model did not pass its checks"))
     else:
         checks.append(check_memory(facts, cfg.engine.kv_budget_bytes))

@@ -1,0 +1,144 @@
+"""Where a shard's bytes come from: this machine's other shards of the model, the peers
+holding a part, then the hub.
+
+Another whole shard file of the same model in the cache (the range a node served
+before a T3 reconfigure, or another node's of this machine) gives its tensors from
+disk: a reconfigure fetches only what the new range adds.
+
+A peer that refuses, drops the connection or gives bytes that fail their hash is
+not asked again during this fetch; the hub is tried ``cfg.attempts`` times per
+part (each of its range requests retried on its own, ``ranged``). The hub's file
+is located only when a part needs it, so a mesh whose peers hold every part asks
+the hub for nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from meshnet.errors import ModelSourceError
+from meshnet.layer_range import LayerRange
+from meshnet.model_source.config import SourceConfig
+from meshnet.model_source.manifest import Manifest
+from meshnet.model_source.peers import Peer, PeerRefused, read_from_peer
+from meshnet.model_source.ranged import Sink, stream_range
+from meshnet.model_source.remote import RemoteFile, RemoteModel, hf_headers
+from meshnet.model_source.tracker_source import single_file
+
+log = logging.getLogger(__name__)
+
+HUB: Literal["hub"] = "hub"
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """A whole shard file of the model on this machine."""
+
+    path: Path
+    layers: LayerRange
+
+
+Source = LocalShard | Peer | Literal["hub"]
+Hub = RemoteModel | Callable[[], RemoteModel]
+
+
+class Sources:
+    """The sources of one fetch, and the bytes each gave (``fetched``, ``from_peers``)."""
+
+    def __init__(
+        self,
+        hub: Hub,
+        peers: list[Peer],
+        manifest: Manifest,
+        cfg: SourceConfig,
+        local: list[LocalShard] | None = None,
+    ) -> None:
+        self._hub = hub
+        self.local = local or []
+        self._file: tuple[RemoteFile, dict[str, str]] | None = None
+        self.peers, self.manifest, self.cfg = peers, manifest, cfg
+        self.fetched = 0  # from the network
+        self.from_peers = 0  # of which from peers
+        self.from_disk = 0  # copied from local shards
+
+    def order(self, holds: Callable[[LayerRange], bool] | None) -> Iterator[Source]:
+        """The sources to try for one part, in order: local shards and peers holding it
+        (``holds`` of their layers; None: every one), then the hub ``cfg.attempts`` times."""
+        for shard in list(self.local):
+            if shard in self.local and (holds is None or holds(shard.layers)):
+                yield shard
+        for peer in list(self.peers):
+            if peer in self.peers and (holds is None or holds(peer.layers)):
+                yield peer
+        for _ in range(self.cfg.attempts):
+            yield HUB
+
+    def drop(self, source: Source, error: Exception) -> None:
+        if isinstance(source, LocalShard) and source in self.local:
+            log.warning("%s gives no more tensors: %s", source.path, error)
+            self.local.remove(source)
+        if isinstance(source, Peer) and source in self.peers:
+            log.warning("peer %s gives no more shard bytes: %s", source.node_id, error)
+            self.peers.remove(source)
+
+    def mismatch(self, source: Source, what: str) -> None:
+        """``source`` gave bytes of ``what`` that fail their hash."""
+        name = (
+            source.node_id
+            if isinstance(source, Peer)
+            else str(source.path)
+            if isinstance(source, LocalShard)
+            else "the hub"
+        )
+        log.warning("%s of %s from %s failed its hash", what, self.manifest.fingerprint[:12], name)
+        self.drop(source, ModelSourceError("bytes that fail their hash"))
+
+    def read(self, source: Source, start: int, end: int) -> bytes:
+        out = bytearray()
+        self.stream(source, start, end, lambda _, data: out.extend(data))
+        return bytes(out)
+
+    def stream(self, source: Source, start: int, end: int, sink: Sink) -> None:
+        """Hand ``sink`` the bytes ``[start, end)`` from ``source``; ``PeerRefused`` when a
+        peer cannot give them."""
+        if isinstance(source, LocalShard):
+            try:
+                with source.path.open("rb") as fh:
+                    fh.seek(start)
+                    data = fh.read(end - start)
+            except OSError as e:
+                raise PeerRefused(f"{source.path}: {e}") from None
+            if len(data) != end - start:
+                raise PeerRefused(f"{source.path}: short")
+            self.from_disk += len(data)
+            sink(start, data)
+            return
+        if isinstance(source, Peer):
+            try:
+                data = read_from_peer(source, self.manifest.fingerprint, start, end - start)
+            except OSError as e:
+                raise PeerRefused(f"{source.node_id}: {e}") from None
+            self.fetched += len(data)
+            self.from_peers += len(data)
+            sink(start, data)
+            return
+        f, headers = self._hub_file()
+
+        def counted(offset: int, data: bytes) -> None:
+            self.fetched += len(data)
+            sink(offset, data)
+
+        stream_range(f.url, start, end, headers, self.cfg, counted)
+
+    def _hub_file(self) -> tuple[RemoteFile, dict[str, str]]:
+        if self._file is None:
+            model = self._hub if isinstance(self._hub, RemoteModel) else self._hub()
+            f = single_file(model)
+            if f.size != self.manifest.size:
+                raise ModelSourceError(f"{f.name}: its size is not the manifest's")
+            self._file = (f, hf_headers(model, self.cfg))
+        return self._file

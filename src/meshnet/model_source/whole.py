@@ -1,0 +1,92 @@
+"""A referenced model as one whole local file, for what reads every layer in one process
+(``meshnet generate``, ``meshnet bench``, the tracker's verifier).
+
+A hub file goes through ``hf_hub_download`` into the hub's own cache (its
+layout, ``HF_TOKEN``, ``HF_ENDPOINT``; with ``HF_HUB_OFFLINE`` the quantization is
+picked among the files already cached). A plain URL is fetched by ranges into
+meshnet's cache, resumably (``NAME.partial``), and renamed when whole.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from huggingface_hub import constants, hf_hub_download, snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+from meshnet.errors import FetchFailed, ModelRefNotFound
+from meshnet.model_source.config import SourceConfig
+from meshnet.model_source.files import check_room, disk_errors, store_dir, sync_dir
+from meshnet.model_source.progress import OnBytes
+from meshnet.model_source.quant import pick_files
+from meshnet.model_source.ranged import stream_range
+from meshnet.model_source.reference import HubRef, UrlRef, is_reference, parse_ref
+from meshnet.model_source.remote import RemoteModel, hf_headers, locate
+from meshnet.model_source.tracker_source import single_file
+
+
+def local_model_path(text: str, cfg: SourceConfig, progress: OnBytes | None = None) -> Path:
+    """``text`` as a local path: a path as it is, a reference fetched whole first."""
+    if not is_reference(text):
+        return Path(text)
+    ref = parse_ref(text)
+    if isinstance(ref, HubRef) and constants.is_offline_mode():
+        return _cached_hub_file(ref, cfg)
+    model = locate(ref, cfg)
+    f = single_file(model)
+    if isinstance(ref, UrlRef):
+        return _url_file(model, cfg, progress)
+    try:
+        return Path(
+            hf_hub_download(
+                ref.repo,
+                f.name,
+                revision=model.commit,
+                cache_dir=cfg.hf_cache,
+                endpoint=cfg.endpoint,
+                user_agent=cfg.user_agent,
+            )
+        )
+    except HfHubHTTPError as e:
+        raise FetchFailed(f"{ref}: {e}") from None
+
+
+def _cached_hub_file(ref: HubRef, cfg: SourceConfig) -> Path:
+    try:
+        folder = Path(
+            snapshot_download(
+                ref.repo, revision=ref.revision, cache_dir=cfg.hf_cache, local_files_only=True
+            )
+        )
+    except LocalEntryNotFoundError:
+        raise ModelRefNotFound(f"{ref}: HF_HUB_OFFLINE is set and it is not cached") from None
+    names = [str(p.relative_to(folder)) for p in folder.rglob("*.gguf")]
+    if ref.filename is not None:
+        chosen: tuple[str, ...] = (ref.filename,)
+        if ref.filename not in names:
+            raise ModelRefNotFound(f"{ref}: not in the cache (cached: {', '.join(names)})")
+    else:
+        chosen = pick_files(names, ref.quant, ref.repo)
+    return folder / chosen[0]
+
+
+def _url_file(model: RemoteModel, cfg: SourceConfig, progress: OnBytes | None) -> Path:
+    f = model.files[0]
+    path = store_dir(cfg, model) / f.name
+    if path.is_file():
+        return path
+    partial = path.with_name(path.name + ".partial")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    have = partial.stat().st_size if partial.is_file() else 0
+    check_room(path.parent, f.size - have)
+    with disk_errors(path), partial.open("ab") as fh:
+
+        def sink(offset: int, data: bytes) -> None:
+            fh.write(data)
+            if progress is not None:
+                progress(len(data))
+
+        stream_range(f.url, have, f.size, hf_headers(model, cfg), cfg, sink)
+    partial.replace(path)
+    sync_dir(path.parent)
+    return path

@@ -1,0 +1,187 @@
+"""What a node does with model references: fetch its range's tensors, checked; serve
+the shards it holds to peers; report them.
+
+The manifest comes from the node's tracker (``GET /mesh/manifest``), signed with
+this node's key, and is checked before use, with the peers that hold shards of
+the model; the tensors come from those peers first, then from the source (the hub
+or a URL), every one checked against the manifest (``model_source.shard_store``).
+A shard fetched before (same model, same layers) is opened as it is, without a
+byte from the network but the manifest. Peers read this node's shards over its
+bulk port (``serve_peer``) with a token the tracker issued them; its heartbeats
+report them (``holdings``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from meshnet.auth.node_http import NodeAuth
+from meshnet.auth.signing import require_peer, verify_call, verify_manifest
+from meshnet.errors import FetchFailed, MeshnetError, ModelSourceError, PermissionDenied
+from meshnet.layer_range import LayerRange
+from meshnet.mesh_messages import FetchProgress, Holdings
+from meshnet.model_source.config import SourceConfig
+from meshnet.model_source.inventory import held_shards
+from meshnet.model_source.manifest import Manifest, parse_manifest
+from meshnet.model_source.peers import Peer, scope, serve_request
+from meshnet.model_source.progress import ProgressBar
+from meshnet.model_source.reference import parse_ref
+from meshnet.model_source.remote import locate
+from meshnet.model_source.shard_store import LocalShard, fetch_shard, shard_path
+
+log = logging.getLogger(__name__)
+_TRACKER_TRIES = 30  # the tracker may still be starting (``meshnet up`` starts both)
+_TRACKER_WAIT_S = 1.0
+_HOLDINGS_TTL_S = 5.0  # how stale the reported holdings may be (a disk scan each time)
+_MAX_PEERS = 16
+_FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
+
+
+class NodeModels:
+    """Local shards of referenced models for one node. Thread-safe: a call per load."""
+
+    def __init__(self, tracker_url: str, node_id: str, key: str, cfg: SourceConfig) -> None:
+        self._tracker = tracker_url.rstrip("/")
+        self._node_id, self._key, self.cfg = node_id, key, cfg
+        self.bulk_address: str | None = None  # where peers read our shards (set once bound)
+        self._held: tuple[float, Holdings] | None = None
+        self._fetching: tuple[str, LayerRange, ProgressBar] | None = None
+        self._serving: Path | None = None  # the shard file this node loaded last
+        self._lock = threading.Lock()
+
+    def shard(self, ref: str, layers: LayerRange) -> LocalShard:
+        """The local shard of ``layers`` of ``ref``, fetched now when not kept."""
+        manifest, peers = self.manifest_and_peers(ref)
+        kept = shard_path(self.cfg, manifest.fingerprint, layers)
+        if kept.is_file():
+            return LocalShard(kept, manifest.fingerprint, layers)
+        bar = ProgressBar(f"{ref} {layers}", manifest.size, draw=self.cfg.progress)
+        started = time.monotonic()
+        with self._lock:
+            self._fetching = (ref, layers, bar)
+        try:
+            shard = fetch_shard(
+                lambda: locate(parse_ref(ref), self.cfg), manifest, layers, self.cfg, bar, peers
+            )
+        finally:
+            bar.close()
+            with self._lock:
+                self._fetching = None
+                self._held = None  # report the new shard at the next beat
+        log.info(
+            "fetched layers %s of %s: %d of its %d bytes (%d from peers) in %.1f s",
+            layers, ref, shard.fetched_bytes, manifest.size, shard.from_peers,
+            time.monotonic() - started,
+        )  # fmt: skip
+        return shard
+
+    def serving(self, path: Path | None) -> None:
+        """The node now serves ``path`` (None: a local file, or nothing): the shard file
+        it served before is dropped, its range no longer served here. Every process
+        copies what it loads out of the file, so one that still serves that range (a
+        node of this machine sharing the cache) goes on; a peer asking for it falls
+        back to the others or the hub."""
+        with self._lock:
+            old, self._serving = self._serving, path
+            self._held = None
+        if old is not None and old != path:
+            old.unlink(missing_ok=True)
+            log.info("dropped %s: this node no longer serves that range", old)
+
+    def manifest(self, ref: str) -> Manifest:
+        """The tracker's manifest of ``ref``, its signature checked with this node's key."""
+        return self.manifest_and_peers(ref)[0]
+
+    def manifest_and_peers(self, ref: str) -> tuple[Manifest, list[Peer]]:
+        """The manifest (checked) and the peers holding shards of it, as the tracker says."""
+        answer = self._ask(ref)
+        try:
+            text, mac = str(answer["manifest"]), str(answer["mac"])
+            raw_peers = answer.get("peers") or []
+            peers = [_peer(p) for p in raw_peers[:_MAX_PEERS]]
+        except (KeyError, TypeError, ValueError, IndexError, MeshnetError):
+            raise ModelSourceError("the tracker's manifest answer is malformed") from None
+        verify_manifest(self._key, self._node_id, hashlib.sha256(text.encode()).hexdigest(), mac)
+        return parse_manifest(text), peers
+
+    def holdings(self) -> Holdings:
+        """What heartbeats report: the bulk port, the whole shards in the cache, and the
+        fetch under way (its bytes done and to do, its rate)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._held is None or now - self._held[0] > _HOLDINGS_TTL_S:
+                held = held_shards(self.cfg) if self.bulk_address else []
+                self._held = (now, Holdings(bulk_address=self.bulk_address, shards=held))
+            held_now, fetching = self._held[1], self._fetching
+        if fetching is None:
+            return held_now
+        ref, layers, bar = fetching
+        progress = FetchProgress(
+            ref=ref,
+            layer_start=layers.start,
+            layer_end=layers.end,
+            done_bytes=bar.done,
+            total_bytes=bar.total,
+            bytes_per_s=bar.rate(now),
+        )
+        return held_now.model_copy(update={"fetching": progress})
+
+    def serve_peer(self, conn: socket.socket) -> None:
+        """Answer a peer's request for shard bytes on the bulk port (``model_source.peers``)."""
+        serve_request(conn, self._authorize, self._path_of)
+
+    def _authorize(self, token: str, fingerprint: str) -> None:
+        caller = verify_call(self._key, "shard", token)
+        if caller.kind != "peer":
+            raise PermissionDenied("shard bytes go to peers with a token")
+        require_peer(caller, "pull", scope(fingerprint))
+
+    def _path_of(self, fingerprint: str, layers: LayerRange) -> Path:
+        if not _FINGERPRINT.match(fingerprint):
+            raise ModelSourceError("not a fingerprint")
+        return shard_path(self.cfg, fingerprint, layers)
+
+    def _ask(self, ref: str) -> dict[str, object]:
+        auth = NodeAuth(self._node_id, self._key)
+        for attempt in range(1, _TRACKER_TRIES + 1):
+            try:
+                r = httpx.get(
+                    f"{self._tracker}/mesh/manifest", params={"ref": ref}, auth=auth, timeout=30
+                )
+            except httpx.TransportError as e:
+                if attempt == _TRACKER_TRIES:
+                    raise FetchFailed(f"the tracker did not answer for {ref}: {e}") from None
+                time.sleep(_TRACKER_WAIT_S)
+                continue
+            if r.status_code == 404:
+                raise ModelSourceError(f"the tracker serves no model by {ref!r}")
+            if r.status_code != 200:
+                raise FetchFailed(f"the tracker answered {r.status_code} for {ref}'s manifest")
+            body = r.json()
+            if not isinstance(body, dict):
+                raise ModelSourceError("the tracker's manifest answer is malformed")
+            return body
+        raise FetchFailed(f"the tracker did not answer for {ref}")
+
+
+def _peer(raw: Any) -> Peer:
+    layers = LayerRange(int(raw["layers"][0]), int(raw["layers"][1]))
+    address, node_id, token = str(raw["address"]), str(raw["node_id"]), str(raw["token"])
+    if not address or len(address) > 256 or len(token) > 1024:
+        raise ValueError("a malformed peer")
+    return Peer(node_id, address, layers, token)
+
+
+def progress_wanted() -> bool:
+    """Draw fetch progress bars only on a terminal (a log file gets the summary line)."""
+    return sys.stderr.isatty()

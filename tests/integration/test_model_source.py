@@ -1,0 +1,227 @@
+"""Model references against a local hub (``tests/hub_server.py``) with the real
+``huggingface_hub`` client: what is located, what a node fetches of its layers, what is
+refused, and that a stopped fetch resumes."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hub_models import N_LAYERS, Q4, Q8, REPO, write_hub
+from hub_server import HubServer
+
+from meshnet.backends.base import BatchEntry
+from meshnet.errors import DiskFull, FetchFailed, HashMismatch, ModelRefNotFound, ModelSourceError
+from meshnet.layer_range import LayerRange
+from meshnet.local_mesh import free_port
+from meshnet.model.gguf_file import open_gguf
+from meshnet.model.shard import load_shard_file
+from meshnet.model_source.config import SourceConfig
+from meshnet.model_source.reference import parse_ref
+from meshnet.model_source.remote import locate
+from meshnet.model_source.shard_store import fetch_shard, shard_path
+from meshnet.model_source.tracker_source import tracker_model
+from meshnet.model_source.whole import local_model_path
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
+    with HubServer(write_hub(tmp_path_factory.mktemp("hub"))) as server:
+        yield server
+
+
+def _cfg(hub: HubServer, tmp: Path, client: str) -> SourceConfig:
+    return SourceConfig(
+        cache_dir=tmp / f"cache-{client}",
+        client=client,
+        endpoint=hub.url,
+        hf_cache=tmp / "hf",
+        backoff_s=0.01,
+        chunk_bytes=64 << 10,
+    )
+
+
+def _file(hub: HubServer, name: str = Q4) -> Path:
+    return hub.root / REPO / name
+
+
+def test_a_quantization_picks_its_file_and_the_sha256_is_the_hubs(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    model = locate(parse_ref(f"hf:{REPO}:q8_0"), _cfg(hub, tmp_path, "t"))
+    assert [f.name for f in model.files] == [Q8]
+    assert model.files[0].sha256 == hub.sha256(_file(hub, Q8))
+    default = locate(parse_ref(f"hf:{REPO}"), _cfg(hub, tmp_path, "t"))
+    assert [f.name for f in default.files] == [Q4]
+
+
+def test_missing_things_are_typed_errors_naming_the_files_there(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    cfg = _cfg(hub, tmp_path, "t")
+    with pytest.raises(ModelRefNotFound) as quant:
+        locate(parse_ref(f"hf:{REPO}:Q5_K_S"), cfg)
+    assert Q4 in quant.value.message and Q8 in quant.value.message
+    with pytest.raises(ModelRefNotFound) as file:
+        locate(parse_ref(f"hf:{REPO}/nope.gguf"), cfg)
+    assert Q4 in file.value.message
+    with pytest.raises(ModelRefNotFound, match="no such repository"):
+        locate(parse_ref("hf:test/absent"), cfg)
+    with pytest.raises(ModelRefNotFound, match=r"no \.gguf file"):
+        locate(parse_ref("hf:test/empty"), cfg)
+
+
+def test_a_whole_file_lands_in_the_hub_cache_byte_for_byte(hub: HubServer, tmp_path: Path) -> None:
+    path = local_model_path(f"hf:{REPO}:Q4_K_M", _cfg(hub, tmp_path, "whole"))
+    assert path.read_bytes() == _file(hub).read_bytes()
+    assert str(tmp_path / "hf") in str(path)  # huggingface_hub's cache layout
+    url = f"{hub.url}/{REPO}/resolve/main/{Q8}"
+    by_url = local_model_path(url, _cfg(hub, tmp_path, "url"))
+    assert by_url.read_bytes() == _file(hub, Q8).read_bytes()
+
+
+def _forward(path: Path, layers: LayerRange, x: np.ndarray) -> np.ndarray:
+    shard = load_shard_file(str(path), layers, "numpy")
+    return shard.forward(x, [BatchEntry(shard.backend.new_kv(), len(x))])
+
+
+def test_a_node_fetches_only_its_layers_and_computes_as_the_whole_file(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    ref = f"hf:{REPO}:Q4_K_M"
+    tracked = tracker_model(ref, _cfg(hub, tmp_path, "tracker"))
+    size = _file(hub).stat().st_size
+    assert tracked.manifest.fingerprint == hub.sha256(_file(hub))
+    assert hub.sent["tracker"] == size  # read once, as a stream
+    info = open_gguf(tracked.path)
+    assert info.value("llama.block_count") == N_LAYERS  # the header, kept
+    cfg = _cfg(hub, tmp_path, "node-a")
+    model = locate(parse_ref(ref), cfg)
+    half = LayerRange(0, N_LAYERS // 2)
+    shard = fetch_shard(model, tracked.manifest, half, cfg)
+    assert hub.sent["node-a"] == shard.fetched_bytes
+    assert shard.fetched_bytes < 0.6 * size
+    assert shard.path.stat().st_blocks * 512 < 0.7 * size  # sparse: holes take no disk
+    ids = np.array([5, 9, 40, 3])
+    assert np.array_equal(_forward(shard.path, half, ids), _forward(_file(hub), half, ids))
+    again = fetch_shard(model, tracked.manifest, half, cfg)  # kept: read nothing
+    assert again.fetched_bytes == 0 and hub.sent["node-a"] == shard.fetched_bytes
+
+
+def test_a_corrupted_byte_is_refused_by_hash_and_fetched_again(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    ref = f"hf:{REPO}:Q4_K_M"
+    manifest = tracker_model(ref, _cfg(hub, tmp_path, "tracker")).manifest
+    cfg = _cfg(hub, tmp_path, "node-c")
+    layers = LayerRange(N_LAYERS // 2, N_LAYERS)
+    target = manifest.by_name()[f"blk.{N_LAYERS - 1}.ffn_down.weight"]
+    hub.corrupt(f"{REPO}/{Q4}", target.offset + 100)
+    shard = fetch_shard(locate(parse_ref(ref), cfg), manifest, layers, cfg)
+    assert shard.fetched_bytes == hub.sent["node-c"]
+    whole = _file(hub).read_bytes()
+    with shard.path.open("rb") as fh:
+        fh.seek(target.offset)
+        assert fh.read(target.nbytes) == whole[target.offset : target.end]
+    x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
+    assert np.array_equal(_forward(shard.path, layers, x), _forward(_file(hub), layers, x))
+
+
+def test_a_hash_that_never_matches_is_typed_and_leaves_nothing(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    ref = f"hf:{REPO}:Q4_K_M"
+    manifest = tracker_model(ref, _cfg(hub, tmp_path, "tracker")).manifest
+    cfg = replace(_cfg(hub, tmp_path, "node-h"), attempts=2)
+    target = manifest.by_name()["blk.0.attn_q.weight"]
+    hub.corrupt(f"{REPO}/{Q4}", target.offset, times=2)  # each of the two tries
+    layers = LayerRange(0, 1)
+    with pytest.raises(HashMismatch):
+        fetch_shard(locate(parse_ref(ref), cfg), manifest, layers, cfg)
+    path = shard_path(cfg, manifest.fingerprint, layers)
+    assert not [p for p in path.parent.iterdir() if not p.name.endswith(".lock")]
+
+
+def test_an_interrupted_fetch_resumes_where_it_stopped(hub: HubServer, tmp_path: Path) -> None:
+    ref = f"hf:{REPO}:Q4_K_M"
+    manifest = tracker_model(ref, _cfg(hub, tmp_path, "tracker")).manifest
+    cfg = replace(_cfg(hub, tmp_path, "node-r"), attempts=1)
+    layers = LayerRange(0, N_LAYERS // 2)
+    model = locate(parse_ref(ref), cfg)
+    clean = _cfg(hub, tmp_path, "node-clean")
+    needed = fetch_shard(model, manifest, layers, clean).fetched_bytes
+    hub.cut_after(300_000)
+    try:
+        with pytest.raises(FetchFailed):
+            fetch_shard(model, manifest, layers, cfg)
+    finally:
+        hub.cut_after(None)
+    first = hub.sent["node-r"]
+    assert 0 < first <= 300_000
+    shard = fetch_shard(model, manifest, layers, cfg)
+    assert hub.sent["node-r"] == first + shard.fetched_bytes
+    # Nothing fetched twice but what the cut chunk had begun (one chunk at most).
+    assert needed - first <= shard.fetched_bytes < needed - first + cfg.chunk_bytes
+    ids = np.array([7, 1, 2])
+    assert np.array_equal(_forward(shard.path, layers, ids), _forward(_file(hub), layers, ids))
+
+
+def test_a_split_model_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ModelSourceError, match="split GGUF"):
+        from meshnet.model_source.remote import RemoteFile, RemoteModel
+        from meshnet.model_source.tracker_source import single_file
+
+        parts = tuple(RemoteFile(f"m-0000{i}-of-00002.gguf", "u", 1, None, None) for i in (1, 2))
+        single_file(RemoteModel(parse_ref("hf:a/b"), parts, None))
+
+
+def test_a_full_disk_is_typed_and_leaves_nothing(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref = f"hf:{REPO}:Q4_K_M"
+    manifest = tracker_model(ref, _cfg(hub, tmp_path, "tracker")).manifest
+    cfg = _cfg(hub, tmp_path, "node-d")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr("shutil.disk_usage", lambda _: usage(1 << 20, 1 << 20, 1000))
+    layers = LayerRange(0, 2)
+    with pytest.raises(DiskFull):
+        fetch_shard(locate(parse_ref(ref), cfg), manifest, layers, cfg)
+    path = shard_path(cfg, manifest.fingerprint, layers)
+    assert not [p for p in path.parent.iterdir() if not p.name.endswith(".lock")]
+    assert hub.sent["node-d"] < 64 << 10  # the header at most: refused before the tensors
+
+
+def test_a_wider_range_fetches_only_what_it_adds(hub: HubServer, tmp_path: Path) -> None:
+    ref = f"hf:{REPO}:Q4_K_M"
+    manifest = tracker_model(ref, _cfg(hub, tmp_path, "tracker")).manifest
+    cfg = _cfg(hub, tmp_path, "node-w")
+    model = locate(parse_ref(ref), cfg)
+    fetch_shard(model, manifest, LayerRange(0, 4), cfg)
+    before = hub.sent["node-w"]
+    wider = fetch_shard(model, manifest, LayerRange(0, 6), cfg)
+    added = hub.sent["node-w"] - before
+    by_name = manifest.by_name()
+    blk = [t for t in manifest.tensors if t.name.startswith(("blk.4.", "blk.5."))]
+    assert added == wider.fetched_bytes == sum(t.nbytes for t in blk)
+    assert wider.from_disk >= sum(by_name[f"blk.{i}.ffn_up.weight"].nbytes for i in range(4))
+    x = np.array([4, 8, 15])
+    assert np.array_equal(
+        _forward(wider.path, LayerRange(0, 6), x), _forward(_file(hub), LayerRange(0, 6), x)
+    )
+
+
+def test_a_tracker_without_its_source_serves_what_its_cache_kept(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    ref = f"hf:{REPO}:Q4_K_M"
+    cfg = _cfg(hub, tmp_path, "tracker-k")
+    first = tracker_model(ref, cfg)
+    gone = replace(cfg, endpoint=f"http://127.0.0.1:{free_port()}", attempts=1)
+    again = tracker_model(ref, gone)
+    assert again.manifest == first.manifest and again.path == first.path
+    with pytest.raises(FetchFailed):
+        tracker_model(f"hf:{REPO}:Q8_0", gone)  # never kept: nothing to fall back on
