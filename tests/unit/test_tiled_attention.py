@@ -54,9 +54,7 @@ def _run(
 def _reference(q, k, v, window=0, softcap=0.0, sinks=None) -> np.ndarray:  # type: ignore[no-untyped-def]
     keys = k.transpose(1, 0, 2).astype(np.float64)
     values = v.transpose(1, 0, 2).astype(np.float64)
-    out = causal_attention(
-        q.astype(np.float64), keys, values, 0, HD**-0.5, softcap, window, sinks
-    )
+    out = causal_attention(q.astype(np.float64), keys, values, 0, HD**-0.5, softcap, window, sinks)
     return out.reshape(q.shape[0], H * HD)
 
 
@@ -111,3 +109,42 @@ def test_a_long_row_beside_others_gets_its_bits_alone() -> None:
     entries = [(other[0], other[1], 70, 9, 0), (keys, values, length - 1, 1, 9)]
     native.attend(qq, kk, vv, out, entries, 10, H, HKV, HD, 2)
     assert np.array_equal(out[9], alone)
+
+
+@pytest.mark.parametrize("window", [64, 100])
+def test_a_ring_of_the_window_gives_the_bits_of_the_whole_cache(window: int) -> None:
+    length, ring = 700, 256  # the ring goes round twice; it holds window + 65 - 1 and more
+    q, k, v = _inputs(length, window)
+    whole = _run(q, k, v, [65] * 10 + [1] * 50, threads=2, window=window)
+    keys = np.zeros((HKV, ring, HD), np.float32)
+    values = np.zeros((HKV, ring, HD), np.float32)
+    outs, first = [], 0
+    for n in [65] * 10 + [1] * 50:
+        rows = slice(first, first + n)
+        out = np.empty((n, H * HD), np.float32)
+        entry = [(keys, values, first, n, 0, ring)]
+        native.attend(q[rows], k[rows], v[rows], out, entry, n, H, HKV, HD, 2, HD**-0.5, 0, window)
+        outs.append(out)
+        first += n
+    assert np.array_equal(np.concatenate(outs), whole)
+    last = length - 1  # position p is in slot p % ring
+    assert np.array_equal(keys[:, last % ring], k[last])
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        (np.zeros((HKV, 100, HD), np.float32), 200, 1, 100),  # going round: not whole tiles
+        (np.zeros((HKV, 128, HD), np.float32), 200, 80, 128),  # rows reading a slot they write
+        (np.zeros((HKV, 128, HD), np.float32), 0, 1, 64),  # a ring that is not the array
+    ],
+)
+def test_a_ring_that_cannot_hold_the_rows_is_refused(entry) -> None:  # type: ignore[no-untyped-def]
+    keys, first, count, ring = entry
+    q = np.ones((count, H, HD), np.float32)
+    k = np.ones((count, HKV, HD), np.float32)
+    out = np.empty((count, H * HD), np.float32)
+    entries = [(keys, keys.copy(), first, count, 0, ring)]
+    with pytest.raises(ValueError):
+        native.attend(q, k, k, out, entries, count, H, HKV, HD, 2, HD**-0.5, 0, 64)
+    assert not keys.any()

@@ -19,7 +19,7 @@
 
 #include "native.h"
 
-#define TILE 64 /* positions per tile; tiles start at multiples of TILE */
+#define TILE ATTENTION_TILE
 #define ROWS 8  /* a unit's rows of one sequence: they share each key tile */
 
 /* Four keys' dot products with q over hd (a multiple of 8): per key one 8-lane FMA chain,
@@ -156,6 +156,9 @@ static void unit_tiles(const heads_t *sh, const unit_t *u, Py_ssize_t *t0, Py_ss
     *t1 = (last - 1) / TILE + 1;
 }
 
+/* Where position p of s is: slot p, or p % ring in a ring. */
+static inline Py_ssize_t slot(const seq_t *s, Py_ssize_t p) { return s->ring > 0 ? p % s->ring : p; }
+
 /* Row i's positions in tile t, [*a, *b): empty when *a >= *b. */
 static inline void in_tile(const heads_t *sh, const seq_t *s, Py_ssize_t i, Py_ssize_t t,
                            Py_ssize_t *a, Py_ssize_t *b) {
@@ -180,7 +183,7 @@ static void tile_parts(const heads_t *sh, const float *qs, const unit_t *u, Py_s
         for (int x = 0; x < g; x++) {
             const int h = u->kv * g + x;
             const float *q = qs + ((s->row + u->i0 + r) * sh->n_heads + h) * hd;
-            partial(sh, q, keys + a * hd, values + a * hd, (int)(b - a),
+            partial(sh, q, keys + slot(s, a) * hd, values + slot(s, a) * hd, (int)(b - a),
                     parts + (r * g + x) * (Py_ssize_t)(hd + 2));
         }
     }
@@ -217,12 +220,13 @@ static void fresh_unit(const heads_t *sh, const unit_t *u, float *states) {
     for (Py_ssize_t p = 0; p < u->rows * g; p++) fresh(states + p * (sh->hd + 2), sh->hd);
 }
 
-/* Copies the sequence's new rows of k and v ([T, n_kv, hd]) to positions first .. */
+/* Copies the sequence's new rows of k and v ([T, n_kv, hd]) to positions first .. (their
+ * slots). */
 static void store_rows(const seq_t *s, const float *k, const float *v, int n_kv, int hd) {
     for (Py_ssize_t i = 0; i < s->count; i++)
         for (int h = 0; h < n_kv; h++) {
             const Py_ssize_t src = ((s->row + i) * n_kv + h) * hd;
-            const Py_ssize_t dst = (h * s->capacity + s->first + i) * hd;
+            const Py_ssize_t dst = (h * s->capacity + slot(s, s->first + i)) * hd;
             memcpy(s->keys + dst, k + src, hd * sizeof(float));
             memcpy(s->values + dst, v + src, hd * sizeof(float));
         }
@@ -278,35 +282,37 @@ static int by_units(const heads_t *h, const float *q, float *out, const unit_t *
 }
 
 /* Few units with long rows (decode deep in a context): the threads share each unit's
- * tiles, a wave of WAVE tiles per unit at a time, and the folds run in tile order after
- * each wave. */
-#define WAVE 16
+ * tiles, computed into a buffer of partials (every tile at once where they fit in
+ * PARTS_BYTES, else in waves), then folded in tile order. One parallel region per wave:
+ * on a busy host each region's barrier may wait for a thread that lost its core. */
+#define PARTS_BYTES (8 << 20)
 static int by_tiles(const heads_t *h, const float *q, float *out, const unit_t *units,
                     Py_ssize_t count, int threads) {
     const Py_ssize_t pair = h->hd + 2, g = h->n_heads / h->n_kv, per_unit = g * pair;
-    float *states = malloc(count * per_unit * sizeof(float));
-    float *parts = malloc(count * WAVE * per_unit * sizeof(float));
     Py_ssize_t *span = malloc(2 * count * sizeof(Py_ssize_t));
-    int ok = states != NULL && parts != NULL && span != NULL;
-    Py_ssize_t waves = 0;
-    for (Py_ssize_t k = 0; ok && k < count; k++) {
+    if (span == NULL) return -1;
+    Py_ssize_t most = 1; /* tiles of the unit that sees the most */
+    for (Py_ssize_t k = 0; k < count; k++) {
         unit_tiles(h, &units[k], &span[2 * k], &span[2 * k + 1]);
-        fresh_unit(h, &units[k], states + k * per_unit);
-        const Py_ssize_t w = (span[2 * k + 1] - span[2 * k] + WAVE - 1) / WAVE;
-        waves = w > waves ? w : waves;
+        most = span[2 * k + 1] - span[2 * k] > most ? span[2 * k + 1] - span[2 * k] : most;
     }
-    for (Py_ssize_t w = 0; ok && w < waves; w++) {
+    Py_ssize_t wave = PARTS_BYTES / (Py_ssize_t)(count * per_unit * sizeof(float));
+    wave = wave < 16 ? 16 : wave > most ? most : wave;
+    float *states = malloc(count * per_unit * sizeof(float));
+    float *parts = malloc(count * wave * per_unit * sizeof(float));
+    const int ok = states != NULL && parts != NULL;
+    for (Py_ssize_t k = 0; ok && k < count; k++) fresh_unit(h, &units[k], states + k * per_unit);
+    for (Py_ssize_t w0 = 0; ok && w0 < most; w0 += wave) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-        for (Py_ssize_t task = 0; task < count * WAVE; task++) {
-            const Py_ssize_t k = task / WAVE, t = span[2 * k] + w * WAVE + task % WAVE;
-            if (t < span[2 * k + 1])
-                tile_parts(h, q, &units[k], t, parts + task * per_unit);
+        for (Py_ssize_t task = 0; task < count * wave; task++) {
+            const Py_ssize_t k = task / wave, t = span[2 * k] + w0 + task % wave;
+            if (t < span[2 * k + 1]) tile_parts(h, q, &units[k], t, parts + task * per_unit);
         }
         for (Py_ssize_t k = 0; k < count; k++)
-            for (Py_ssize_t x = 0; x < WAVE; x++) {
-                const Py_ssize_t t = span[2 * k] + w * WAVE + x;
+            for (Py_ssize_t x = 0; x < wave; x++) {
+                const Py_ssize_t t = span[2 * k] + w0 + x;
                 if (t < span[2 * k + 1])
-                    fold_tile(h, &units[k], t, parts + (k * WAVE + x) * per_unit,
+                    fold_tile(h, &units[k], t, parts + (k * wave + x) * per_unit,
                               states + k * per_unit);
             }
     }
