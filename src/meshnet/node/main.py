@@ -20,7 +20,7 @@ import numba
 
 from meshnet.auth.grpc_auth import NodeGate
 from meshnet.backends.kernel_threads import set_threads
-from meshnet.errors import MeshnetError
+from meshnet.errors import KVBudgetExhausted, MeshnetError
 from meshnet.layer_range import LayerRange
 from meshnet.model.bundled import bundled_model_path
 from meshnet.node.announce import Announcer
@@ -182,7 +182,12 @@ def serve(cfg: NodeConfig) -> int:
     engine.start()
     model_path = cfg.model_path or str(bundled_model_path())
     if cfg.layers is not None:
-        engine.load(model_path, cfg.layers).result()
+        try:
+            engine.load(model_path, cfg.layers).result()
+        except KVBudgetExhausted as e:  # --ctx past the budget: a setup error, said plainly
+            print(f"meshnet node: {e}", file=sys.stderr)
+            engine.stop()
+            return 2
     gate = NodeGate(cfg.node_key)
     server = grpc.server(
         futures.ThreadPoolExecutor(
