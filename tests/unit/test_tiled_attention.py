@@ -148,3 +148,12 @@ def test_a_ring_that_cannot_hold_the_rows_is_refused(entry) -> None:  # type: ig
     with pytest.raises(ValueError):
         native.attend(q, k, k, out, entries, count, H, HKV, HD, 2, HD**-0.5, 0, 64)
     assert not keys.any()
+
+
+def test_the_reference_in_blocks_of_rows_equals_it_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshnet.model import layers
+
+    q, k, v = _inputs(300, 9)
+    whole = _reference(q, k, v, window=100)
+    monkeypatch.setattr(layers, "ROWS", 64)
+    assert np.allclose(_reference(q, k, v, window=100), whole, atol=1e-12)
