@@ -24,6 +24,7 @@ the API edge::
     │   ├── PermissionDenied         permission-denied        no         403
     │   ├── ModelNotFound            model-not-found          no         404
     │   ├── NotFound                 not-found                no         404
+    │   ├── ContextTooLong           context-too-long         no         400
     │   ├── SessionGone              session-gone             no         410
     │   └── IdempotencyConflict      idempotency-conflict     no         422
     ├── MalformedBundle              malformed-bundle         no         400
@@ -172,6 +173,14 @@ class FieldError(RequestError):
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}", param=param)
+
+
+class ContextTooLong(RequestError):
+    """A prompt (with its max_tokens, or a session with its turn) past the context the
+    mesh serves: the model's trained context or the least ``--ctx`` of its nodes."""
+
+    kind = "context-too-long"
+    http_status = 400
 
 
 class ModelNotFound(RequestError):

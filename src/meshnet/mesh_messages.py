@@ -29,6 +29,7 @@ class NodeLoad(Frozen):
     tokens_per_s: float = Field(default=0.0, ge=0.0)
     max_streams: int = Field(default=0, ge=0)  # Forward streams it can hold; 0: not said
     relayed: int = Field(default=0, ge=0)  # steps whose input came from the previous hop
+    context: int = Field(default=0, ge=0)  # positions a sequence may reach there; 0: not said
 
 
 MAX_HELD = 64  # shards one node reports holding

@@ -133,7 +133,7 @@ def test_admin_nodes_lists_what_a_operator_needs(
         (
             {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6},
             400,
-            "bad-request",
+            "context-too-long",
         ),
         (
             {"model": "other", "messages": [{"role": "user", "content": "x"}]},

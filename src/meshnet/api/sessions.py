@@ -70,10 +70,12 @@ def _usage(request: Request, tenant: Tenant) -> tuple[int, int]:
     """The tenant's sessions not ended, and the bytes of KV they hold."""
     store = sessions_of(request).store
     spec = tracker_of(request).model.spec
-    per_token = 2 * spec.n_layers * spec.kv_width * 4  # keys and values, float32
+    per_layer = 2 * spec.kv_width * 4  # one position's keys and values in a layer, float32
+    windows = [spec.layer_window(layer) for layer in range(spec.n_layers)]
     owned = (store.find(s) for s in auth_of(request).tenants.owned(tenant.id))
     live = [s for s in owned if s is not None and not s.state.terminal]
-    return len(live), sum(s.kv_tokens for s in live) * per_token
+    held = (min(s.kv_tokens, w) if w else s.kv_tokens for s in live for w in windows)
+    return len(live), sum(held) * per_layer  # a windowed layer keeps its window only
 
 
 @router.post("/v1/sessions")

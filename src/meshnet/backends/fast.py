@@ -58,7 +58,13 @@ class FastBackend:
         self.runs_native_blocks = self._native is not None  # every row: one native call per block
 
     def new_kv(self) -> SequenceKV:
-        return SequenceKV(len(self.weights.layers), self.spec.n_kv_heads, self.spec.head_dim)
+        """A sequence's cache: windowed layers keep only their window, as rings where the
+        native kernel reads them."""
+        start = self.weights.layers.start
+        windows = [self.spec.layer_window(start + i) for i in range(len(self.weights.layers))]
+        rings = quant.NATIVE is not None and self.spec.head_dim % 8 == 0
+        n_kv, hd = self.spec.n_kv_heads, self.spec.head_dim
+        return SequenceKV(len(windows), n_kv, hd, windows=windows, rings=rings)
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         if self.weights.embedding is None:
@@ -191,11 +197,11 @@ def _attend_batch(
         return attend_each(layer, batch, q, k, v, one)
     t, n_heads, hd = q.shape
     out = np.empty((t, n_heads * hd), dtype=F32)
-    entries: list[tuple[np.ndarray, np.ndarray, int, int, int]] = []
+    entries: list[tuple[np.ndarray, np.ndarray, int, int, int, int]] = []
     row = 0
     for e in batch:
         keys, values = e.kv.buffers(layer)
-        entries.append((keys, values, e.kv.length, e.n_new, row))
+        entries.append((keys, values, e.kv.length, e.n_new, row, e.kv.ring(layer)))
         row += e.n_new
     threads = kernel_threads()
     n_kv = k.shape[1]

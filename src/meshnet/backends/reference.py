@@ -31,7 +31,11 @@ class ReferenceBackend:
         self.weights = weights
 
     def new_kv(self) -> SequenceKV:
-        return SequenceKV(len(self.weights.layers), self.spec.n_kv_heads, self.spec.head_dim)
+        """A sequence's cache, laid out by position; a windowed layer exports its window."""
+        start = self.weights.layers.start
+        windows = [self.spec.layer_window(start + i) for i in range(len(self.weights.layers))]
+        n_kv, hd = self.spec.n_kv_heads, self.spec.head_dim
+        return SequenceKV(len(windows), n_kv, hd, windows=windows)
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         if self.weights.embedding is None:

@@ -62,6 +62,7 @@ def node_config(args: argparse.Namespace, node_id: str, key: str) -> NodeConfig:
             max_streams=args.max_streams,
             backend=args.backend,
             park_dir=args.park_dir,
+            ctx=max(0, args.ctx),
         ),
     )
 

@@ -142,6 +142,13 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
             "os.sched_getaffinity; `meshnet up` splits them among its nodes)",
         ),
         p.add_argument("--kv-budget-mb", type=float, default=0.0, help="KV budget; 0 = unlimited"),
+        p.add_argument(
+            "--ctx",
+            type=int,
+            default=0,
+            help="positions a sequence may reach on this node (at most the model's trained "
+            "context; checked against --kv-budget-mb at load); 0 = the trained context",
+        ),
         p.add_argument("--max-batch-tokens", type=int, default=512, help="rows per forward"),
         p.add_argument("--prefill-chunk", type=int, default=128, help="prompt rows per forward"),
         p.add_argument("--max-queued-steps", type=int, default=256),

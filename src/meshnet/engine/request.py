@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 
 from meshnet.engine.text import TextStream
-from meshnet.errors import RequestError
+from meshnet.errors import ContextTooLong, RequestError
 from meshnet.model.sampling import Sampler, SamplingParams
 from meshnet.model.spec import ModelSpec
 from meshnet.model.tokenizer import TextTokenizer
@@ -20,16 +20,20 @@ from meshnet.model.tokenizer import TextTokenizer
 FinishReason = Literal["stop", "length"]
 
 
-def check_request(spec: ModelSpec, prompt: Sequence[int], params: SamplingParams) -> None:
-    """Raise ``RequestError`` for an empty prompt, a bad id or one too long for the context."""
+def check_request(
+    spec: ModelSpec, prompt: Sequence[int], params: SamplingParams, context: int = 0
+) -> None:
+    """Raise ``RequestError`` for an empty prompt or a bad id, ``ContextTooLong`` for one
+    too long for ``context`` positions (0: the model's trained context)."""
     if not prompt:
         raise RequestError("the prompt is empty")
     if min(prompt) < 0 or max(prompt) >= spec.vocab_size:
         raise RequestError(f"prompt ids must be in [0, {spec.vocab_size})")
-    if len(prompt) + params.max_tokens > spec.context_length:
-        raise RequestError(
+    limit = context or spec.context_length
+    if len(prompt) + params.max_tokens > limit:
+        raise ContextTooLong(
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-            f"the context length {spec.context_length}"
+            f"the context length {limit}"
         )
 
 

@@ -45,10 +45,13 @@ class KVShape:
     dtype: str  # numpy dtype name, e.g. "float32"
     itemsize: int
     max_tokens: int  # the model's context length
+    windows: tuple[int, ...] = ()  # per layer: its window (0: none); () for none at all
 
     def payload_bytes(self, tokens: int) -> int:
-        layers = self.layer_end - self.layer_start
-        return 2 * layers * self.n_kv_heads * tokens * self.head_dim * self.itemsize
+        """Bytes of ``tokens`` positions: a windowed layer holds only its last window."""
+        windows = self.windows or (0,) * (self.layer_end - self.layer_start)
+        kept = sum(min(tokens, w) if w else tokens for w in windows)
+        return 2 * kept * self.n_kv_heads * self.head_dim * self.itemsize
 
 
 def digest(data: bytes | bytearray | memoryview) -> bytes:

@@ -14,6 +14,7 @@ _GELU_C = F32(np.sqrt(2.0 / np.pi))
 _GELU_A = F32(0.044715)
 _OAI_ALPHA = F32(1.702)
 _OAI_LIMIT = F32(7.0)
+ROWS = 256  # query rows per block of the reference attention
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -42,7 +43,17 @@ def causal_attention(
     ``sinks`` [H] (gpt-oss): head ``h``'s softmax also counts a logit ``sinks[h]``
     that has no value, so a head may attend to little of anything (llama.cpp's
     ``ggml_soft_max_add_sinks``). Returns [n, H * hd].
+
+    Queries go ``ROWS`` at a time, each block over the keys it can see: the scores take
+    ``ROWS x L`` per head, never a long prompt's whole ``n x L``.
     """
+    if q.shape[0] > ROWS:
+        blocks = []
+        for i in range(0, q.shape[0], ROWS):
+            end = first_pos + min(i + ROWS, q.shape[0])
+            block = (q[i : i + ROWS], keys[:, :end], values[:, :end], first_pos + i, scale)
+            blocks.append(causal_attention(*block, softcap, window, sinks))
+        return np.concatenate(blocks)
     n, n_heads, hd = q.shape
     n_kv, length, _ = keys.shape
     g = n_heads // n_kv

@@ -136,4 +136,5 @@ def _load(s: EngineStats) -> NodeLoad:
         tokens_per_s=round(s.tokens_per_s, 2),
         max_streams=s.max_streams,
         relayed=s.relayed,
+        context=s.context,
     )

@@ -53,6 +53,7 @@ from meshnet.node.configure import (
     with_batching,
     with_limits,
 )
+from meshnet.node.context import check_context_budget, served_context
 from meshnet.node.parking import ParkedKV, ParkStore
 from meshnet.node.scheduler import Slot, StepWork, budget_full, check_step_number, plan_batch
 from meshnet.protocol.commitments import RowLog, commits_exactly
@@ -72,6 +73,7 @@ class EngineConfig:
     max_streams: int = 64  # Forward streams held at once; more are refused with overloaded
     backend: str = DEFAULT_BACKEND
     park_dir: str | None = None  # where parked KV goes; None: a fresh temp directory
+    ctx: int = 0  # positions a sequence may reach (``--ctx``); 0: the model's trained context
 
 
 @dataclass
@@ -126,6 +128,7 @@ class EngineStats:
     tokens_per_s: float  # rows per second over recent forwards
     max_streams: int  # Forward streams it holds at once
     relayed: int = 0  # steps whose input came straight from the previous hop
+    context: int = 0  # positions a sequence may reach here (0: empty)
     head_parts: int = 0  # head multiplies the ring's first hop shared in time
     head_parts_late: int = 0  # those it was asked for and this node did itself
 
@@ -195,6 +198,7 @@ class NodeEngine:
             max_batch=self._max_batch,
             tokens_per_s=self._tokens_per_s,
             max_streams=self.config.max_streams,
+            context=served_context(shard, self.config.ctx) if shard else 0,
         )
 
     def load(
@@ -449,6 +453,7 @@ class NodeEngine:
             self.config.prefill_chunk,
             time.monotonic(),
             self._shard is not None and self._shard.backend.decodes_rows_exactly,
+            served_context(self._shard, self.config.ctx) if self._shard else 0,
         )
         for w, error in plan.refused:
             self._pending.remove(w)
@@ -528,6 +533,7 @@ class NodeEngine:
 
     def _apply_load(self, model_path: str, layers: LayerRange, fingerprint: str | None) -> Shard:
         shard = load_shard_file(model_path, layers, self.config.backend, fingerprint)
+        check_context_budget(shard, self.config.ctx, self.config.kv_budget_bytes)
         self._swap_in(shard)
         log.info("loaded layers %s of %s on %s", layers, model_path, shard.backend.name)
         return shard
@@ -657,7 +663,12 @@ class NodeEngine:
             self._drop(session_id)
             slot = self._slots[session_id] = Slot(epoch, kv, rows=rows)
         if resume and rewind is not None:
-            _rewind(slot, *rewind)
+            try:
+                _rewind(slot, *rewind)
+            except CacheMiss:  # a windowed layer's ring no longer holds that far back:
+                self._drop(session_id)  # held as nothing, the tracker replays the log
+                kv, rows = shard.backend.new_kv(), self._row_log(shard, 0)
+                slot = self._slots[session_id] = Slot(epoch, kv, rows=rows)
         self._remember_fence(session_id, epoch)
         return OpenedSlot(slot.kv.length, slot.steps, unparked)
 

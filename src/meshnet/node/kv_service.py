@@ -222,6 +222,7 @@ def kv_shape(shard: Shard) -> KVShape:
         dtype=kv.dtype.name,
         itemsize=kv.dtype.itemsize,
         max_tokens=shard.spec.context_length,
+        windows=kv.windows,
     )
 
 

@@ -20,7 +20,7 @@ import numba
 
 from meshnet.auth.grpc_auth import NodeGate
 from meshnet.backends.kernel_threads import set_threads
-from meshnet.errors import MeshnetError
+from meshnet.errors import KVBudgetExhausted, MeshnetError
 from meshnet.layer_range import LayerRange
 from meshnet.model.bundled import bundled_model_path
 from meshnet.model_source.config import SourceConfig, source_config
@@ -190,12 +190,17 @@ def serve(cfg: NodeConfig) -> int:
     source = cfg.source or source_config(cfg.node_id, progress=progress_wanted())
     models = NodeModels(cfg.tracker_url, cfg.node_id, cfg.node_key, source)
     if cfg.layers is not None:
-        if is_reference(model_path):
-            shard = models.shard(model_path, cfg.layers)
-            engine.load(str(shard.path), cfg.layers, shard.fingerprint).result()
-            models.serving(shard.path)
-        else:
-            engine.load(model_path, cfg.layers).result()
+        try:
+            if is_reference(model_path):
+                shard = models.shard(model_path, cfg.layers)
+                engine.load(str(shard.path), cfg.layers, shard.fingerprint).result()
+                models.serving(shard.path)
+            else:
+                engine.load(model_path, cfg.layers).result()
+        except KVBudgetExhausted as e:  # --ctx past the budget: a setup error, said plainly
+            print(f"meshnet node: {e}", file=sys.stderr)
+            engine.stop()
+            return 2
     gate = NodeGate(cfg.node_key)
     server = grpc.server(
         futures.ThreadPoolExecutor(

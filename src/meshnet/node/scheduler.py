@@ -17,6 +17,7 @@ import numpy as np
 from meshnet.backends.base import HeadSplit
 from meshnet.errors import (
     CacheMiss,
+    ContextTooLong,
     DeadlineExceeded,
     KVBudgetExhausted,
     MalformedBundle,
@@ -113,6 +114,7 @@ def plan_batch(
     prefill_chunk: int,
     now: float,
     replays_batch: bool = True,
+    context: int = 0,
 ) -> BatchPlan:
     """Pick, in queue order, the steps of the next forward within ``max_batch_tokens`` rows.
 
@@ -129,7 +131,7 @@ def plan_batch(
         if chosen and rows + n > max_batch_tokens:
             break
         slot = slots.get(w.session_id)
-        error = _refusal(w, slot, n, growth, loaded, budget, len(slots), now)
+        error = _refusal(w, slot, n, growth, loaded, budget, len(slots), now, context)
         if error is not None:
             refused.append((w, error))
             continue
@@ -185,8 +187,10 @@ def _refusal(
     budget: KVBudget,
     sessions: int,
     now: float,
+    context: int = 0,
 ) -> MeshnetError | None:
-    """Why step ``w`` cannot run ``n`` more rows now, or None when it can."""
+    """Why step ``w`` cannot run ``n`` more rows now, or None when it can (``context``:
+    the positions a sequence may reach here; 0: no limit)."""
     if w.done_rows == 0 and w.deadline is not None and now > w.deadline:
         return DeadlineExceeded("the step's deadline passed in the queue")
     if not loaded:
@@ -195,6 +199,11 @@ def _refusal(
         return CacheMiss(f"no KV for session {w.session_id}")
     if slot.epoch != w.epoch:
         return StaleEpoch(f"session {w.session_id} is at epoch {slot.epoch}, not {w.epoch}")
+    if context and slot.kv.length + n > context:
+        return ContextTooLong(
+            f"session {w.session_id} would reach {slot.kv.length + n} positions; this node "
+            f"serves a context of {context}"
+        )
     if not budget.fits(growth + slot.kv.growth_bytes(n)):
         return budget_full(budget, sessions)
     return None

@@ -161,7 +161,8 @@ class RouteBench:
             for node_ids in request.routes:
                 self.tracker.requested_route(node_ids)
             params = request.params
-            check_request(self.tracker.model.spec, request.prompt_ids, params)
+            limit = self.tracker.context_limit()
+            check_request(self.tracker.model.spec, request.prompt_ids, params, limit)
             model = self.tracker.model
             info = RunInfo(
                 uuid.uuid4().hex,

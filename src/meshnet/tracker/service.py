@@ -151,6 +151,17 @@ class Tracker:
         other = bool(fingerprints) and self.model.fingerprint not in fingerprints
         return None if other else pinned
 
+    def context_limit(self) -> int:
+        """Positions a sequence of this model may reach: its trained context, or less
+        where a routable node serving it says so (``meshnet node --ctx``): the least of
+        them, so that no route a request may take cuts it short."""
+        said = [
+            n.load.context
+            for n in self.store.nodes()
+            if n.routable and n.fingerprint == self.model.fingerprint and n.load.context
+        ]
+        return min([self.model.spec.context_length, *said])
+
     def route(self, backend: str | None = None) -> Route:
         """The pinned route when one is set, else the least-loaded complete chain (on
         ``backend``, when a failover must keep its generation's numerics)."""
@@ -237,7 +248,7 @@ class Tracker:
         ``named``: the route the request named (``requested_route``); the generation
         runs on exactly its nodes, and fails (``NoRoute``) rather than leave them.
         """
-        check_request(self.model.spec, prompt_ids, params)
+        check_request(self.model.spec, prompt_ids, params, self.context_limit())
         t0 = time.monotonic()
         try:
             return await self._start(prompt_ids, params, top_logprobs, named, t0)

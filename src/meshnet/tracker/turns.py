@@ -31,7 +31,7 @@ import grpc
 import numpy as np
 
 from meshnet.auth.signing import PREFIX_KEY
-from meshnet.errors import KVImportFailed, RequestError
+from meshnet.errors import ContextTooLong, KVImportFailed, RequestError
 from meshnet.model.chat import ChatMessage
 from meshnet.model.sampling import SamplingParams
 from meshnet.protocol import meshnet_pb2 as pb
@@ -113,11 +113,11 @@ class TurnRunner:
         params = sampling_params(request)
         ids = self.input_ids(session, request["content"])
         context = session.kv_tokens + len(ids) + params.max_tokens
-        if context > self.tracker.model.spec.context_length:
-            raise RequestError(
+        limit = self.tracker.context_limit()
+        if context > limit:
+            raise ContextTooLong(
                 f"the session holds {session.kv_tokens} tokens; this turn's {len(ids)} and "
-                f"max_tokens {params.max_tokens} exceed the context length "
-                f"{self.tracker.model.spec.context_length}"
+                f"max_tokens {params.max_tokens} exceed the context length {limit}"
             )
         return ids, params
 

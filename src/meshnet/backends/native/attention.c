@@ -1,15 +1,26 @@
 /*
  * Attention for every row of a batch (rows of several sequences, each with its own KV
- * cache) in one call. Each (row, head) pair attends causally over its
- * sequence's positions with one fixed sequence of operations, whatever else is in the
- * batch, how many rows its sequence sends at once or how pairs are split among
- * threads: a row's output is bit-identical alone, batched, or replayed.
+ * cache) in one call, tiled over the keys: memory O(tile) per (row, head) pair, never a
+ * score per visible position.
+ *
+ * The positions are cut into tiles of TILE at fixed boundaries (multiples of TILE). A
+ * pair's result is the left fold, tile by tile in order, of each tile's partial over the
+ * positions the row sees in it (its max m, its total l of e^(s - m), its weighted values
+ * acc): M' = max(M, m), L = L e^(M - M') + l e^(m - M'), A = A e^(M - M') + acc e^(m - M').
+ * A partial depends only on the row's position, its query and the cache, and the fold
+ * only on the partials in order, so a row's output is bit-identical alone, batched,
+ * replayed, in any prefill chunk, and whichever thread computes which tile: one long row
+ * (a decode step deep in a context) spreads its tiles over the threads and folds them
+ * after; the rows of a prompt chunk share each key tile while it is in cache.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "native.h"
+
+#define TILE ATTENTION_TILE
+#define ROWS 8  /* a unit's rows of one sequence: they share each key tile */
 
 /* Four keys' dot products with q over hd (a multiple of 8): per key one 8-lane FMA chain,
  * then the fixed horizontal sum; four chains side by side only to hide FMA latency. */
@@ -35,116 +46,300 @@ static inline float dot(const float *q, const float *k, int hd) {
     return hsum256(acc);
 }
 
-/* scores[0 .. n) <- their softmax weights: e^(s - max) in 8-lane chunks (each lane's
- * result its own), their total summed lane j % 8 then folded, each weight e / total.
- * A ``sink`` (NULL: none) is one more logit with no weight of its own: it joins the max
- * after the scores, and e^(sink - max) the folded total (llama.cpp's order). */
-static void softmax(float *scores, Py_ssize_t n, const float *sink) {
+/* One pair's partial over the n (1 .. TILE) positions whose keys and values start at
+ * ``keys``, ``values``: part[0] = m, part[1] = l, part[2 ..] = acc [hd]. Scores are
+ * q . k * scale, soft-capped when the family says so; e^(s - m) in 8-lane chunks (each
+ * lane's result its own), l summed lane j % 8 then folded, acc one FMA chain per element
+ * over the positions in order. */
+static void partial(const heads_t *sh, const float *q, const float *keys, const float *values,
+                    int n, float *part) {
+    const int hd = sh->hd;
+    const float scale = sh->scale, cap = sh->softcap;
+    float s[TILE];
+    int j = 0;
+    for (; j + 4 <= n; j += 4) dot4(q, keys + j * hd, hd, s + j);
+    for (; j < n; j++) s[j] = dot(q, keys + j * hd, hd);
     float top = -INFINITY;
-    for (Py_ssize_t j = 0; j < n; j++) top = scores[j] > top ? scores[j] : top;
-    if (sink != NULL && *sink > top) top = *sink;
+    for (j = 0; j < n; j++) {
+        s[j] = s[j] * scale;
+        if (cap > 0) s[j] = cap * tanhf(s[j] / cap);
+        top = s[j] > top ? s[j] : top;
+    }
     const __m256 vtop = _mm256_set1_ps(top);
     __m256 total = _mm256_setzero_ps();
-    for (Py_ssize_t j = 0; j < n; j += 8) {
+    for (j = 0; j < n; j += 8) {
         float lanes[8] = {0};
-        const int m = n - j < 8 ? (int)(n - j) : 8;
-        memcpy(lanes, scores + j, m * sizeof(float));
+        const int m = n - j < 8 ? n - j : 8;
+        memcpy(lanes, s + j, m * sizeof(float));
         __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(lanes), vtop));
-        if (m < 8) { /* lanes past the end add nothing */
-            _mm256_storeu_ps(lanes, e);
-            memset(lanes + m, 0, (8 - m) * sizeof(float));
-            e = _mm256_loadu_ps(lanes);
-        }
-        total = _mm256_add_ps(total, e);
         _mm256_storeu_ps(lanes, e);
-        memcpy(scores + j, lanes, m * sizeof(float));
+        memset(lanes + m, 0, (8 - m) * sizeof(float)); /* lanes past the end add nothing */
+        total = _mm256_add_ps(total, _mm256_loadu_ps(lanes));
+        memcpy(s + j, lanes, m * sizeof(float));
     }
-    float sum = hsum256(total);
-    if (sink != NULL) sum = sum + expf(*sink - top);
-    for (Py_ssize_t j = 0; j < n; j++) scores[j] = scores[j] / sum;
-}
-
-/* Row ``i`` of sequence ``s``, head ``h``: softmax of its scores (q . k * scale, soft-capped
- * when the family says so; with the head's sink where there are sinks) times V over its
- * visible positions (0 .. first + i, or the last ``window`` of them), each output element
- * one FMA chain over the positions in order. ``scores`` has room for every visible
- * position. */
-static void attend_pair(const heads_t *sh, const float *qs, float *outs, const seq_t *s,
-                        Py_ssize_t i, int h, float *scores) {
-    const int hd = sh->hd, kv = h / (sh->n_heads / sh->n_kv);
-    const Py_ssize_t end = s->first + i + 1, row = s->row + i;
-    const Py_ssize_t start = sh->window > 0 && end > sh->window ? end - sh->window : 0;
-    const Py_ssize_t visible = end - start;
-    const float *q = qs + (row * sh->n_heads + h) * hd;
-    const float *keys = s->keys + (kv * s->capacity + start) * hd;
-    const float *values = s->values + (kv * s->capacity + start) * hd;
-    const float scale = sh->scale, cap = sh->softcap;
-    Py_ssize_t j = 0;
-    for (; j + 4 <= visible; j += 4) dot4(q, keys + j * hd, hd, scores + j);
-    for (; j < visible; j++) scores[j] = dot(q, keys + j * hd, hd);
-    for (j = 0; j < visible; j++) scores[j] = scores[j] * scale;
-    if (cap > 0)
-        for (j = 0; j < visible; j++) scores[j] = cap * tanhf(scores[j] / cap);
-    softmax(scores, visible, sh->sinks != NULL ? sh->sinks + h : NULL);
-    float *out = outs + (row * sh->n_heads + h) * hd;
+    part[0] = top;
+    part[1] = hsum256(total);
+    float *acc = part + 2;
     for (int c0 = 0; c0 < hd; c0 += 64) { /* up to eight 8-lane chains in registers */
         const int width = hd - c0 < 64 ? (hd - c0) / 8 : 8;
-        __m256 acc[8];
-        for (int k = 0; k < width; k++) acc[k] = _mm256_setzero_ps();
-        for (j = 0; j < visible; j++) {
-            const __m256 p = _mm256_set1_ps(scores[j]);
+        __m256 a[8];
+        for (int k = 0; k < width; k++) a[k] = _mm256_setzero_ps();
+        for (j = 0; j < n; j++) {
+            const __m256 p = _mm256_set1_ps(s[j]);
             const float *v = values + j * hd + c0;
             for (int k = 0; k < width; k++)
-                acc[k] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * k), acc[k]);
+                a[k] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * k), a[k]);
         }
-        for (int k = 0; k < width; k++) _mm256_storeu_ps(out + c0 + 8 * k, acc[k]);
+        for (int k = 0; k < width; k++) _mm256_storeu_ps(acc + c0 + 8 * k, a[k]);
     }
 }
 
-/* Copies the sequence's new rows of k and v ([T, n_kv, hd]) to positions first .. */
+/* state (M, L, A [hd]) <- the fold of the partial ``part`` into it. A fresh state is
+ * (-inf, 0, 0), and the fold of the first partial into it is that partial, exactly. */
+static void fold(float *state, const float *part, int hd) {
+    const float top = state[0] > part[0] ? state[0] : part[0];
+    const float a = expf(state[0] - top), b = expf(part[0] - top);
+    state[0] = top;
+    state[1] = state[1] * a + part[1] * b;
+    const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+    for (int c = 0; c < hd; c += 8) {
+        const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(state + 2 + c), va);
+        const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(part + 2 + c), vb);
+        _mm256_storeu_ps(state + 2 + c, _mm256_add_ps(x, y));
+    }
+}
+
+static void fresh(float *state, int hd) {
+    state[0] = -INFINITY;
+    memset(state + 1, 0, (hd + 1) * sizeof(float));
+}
+
+/* out [hd] <- A / L of a folded state; a ``sink`` (NULL: none) is one more logit with no
+ * value: it joins the max, and e^(sink - max) the total. */
+static void finish(float *state, const float *sink, int hd, float *out) {
+    float total = state[1];
+    __m256 va = _mm256_set1_ps(1.0f);
+    if (sink != NULL) {
+        const float top = state[0] > *sink ? state[0] : *sink;
+        const float a = expf(state[0] - top);
+        total = total * a + expf(*sink - top);
+        va = _mm256_set1_ps(a);
+    }
+    const __m256 vt = _mm256_set1_ps(total);
+    for (int c = 0; c < hd; c += 8) {
+        const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(state + 2 + c), va);
+        _mm256_storeu_ps(out + c, _mm256_div_ps(x, vt));
+    }
+}
+
+/* A unit of work: ``rows`` rows of one sequence from its row ``i0``, every query head of
+ * kv head ``kv``. */
+typedef struct {
+    const seq_t *s;
+    Py_ssize_t i0, rows;
+    int kv;
+} unit_t;
+
+/* The positions row ``i`` of s sees: [*lo, *hi). */
+static inline void visible(const heads_t *sh, const seq_t *s, Py_ssize_t i, Py_ssize_t *lo,
+                           Py_ssize_t *hi) {
+    *hi = s->first + i + 1;
+    *lo = sh->window > 0 && *hi > sh->window ? *hi - sh->window : 0;
+}
+
+/* The tiles a unit's rows see: [*t0, *t1). */
+static void unit_tiles(const heads_t *sh, const unit_t *u, Py_ssize_t *t0, Py_ssize_t *t1) {
+    Py_ssize_t lo, hi, unused, last;
+    visible(sh, u->s, u->i0, &lo, &hi); /* lo and hi grow with the row */
+    visible(sh, u->s, u->i0 + u->rows - 1, &unused, &last);
+    *t0 = lo / TILE;
+    *t1 = (last - 1) / TILE + 1;
+}
+
+/* Where position p of s is: slot p, or p % ring in a ring. */
+static inline Py_ssize_t slot(const seq_t *s, Py_ssize_t p) { return s->ring > 0 ? p % s->ring : p; }
+
+/* Row i's positions in tile t, [*a, *b): empty when *a >= *b. */
+static inline void in_tile(const heads_t *sh, const seq_t *s, Py_ssize_t i, Py_ssize_t t,
+                           Py_ssize_t *a, Py_ssize_t *b) {
+    Py_ssize_t lo, hi;
+    visible(sh, s, i, &lo, &hi);
+    *a = t * TILE > lo ? t * TILE : lo;
+    *b = (t + 1) * TILE < hi ? (t + 1) * TILE : hi;
+}
+
+/* The partials of every pair of unit u in tile t, into parts[(r * g + head) * (hd + 2)]
+ * (a pair that sees nothing of the tile is skipped). */
+static void tile_parts(const heads_t *sh, const float *qs, const unit_t *u, Py_ssize_t t,
+                       float *parts) {
+    const int hd = sh->hd, g = sh->n_heads / sh->n_kv;
+    const seq_t *s = u->s;
+    const float *keys = s->keys + (Py_ssize_t)u->kv * s->capacity * hd;
+    const float *values = s->values + (Py_ssize_t)u->kv * s->capacity * hd;
+    for (Py_ssize_t r = 0; r < u->rows; r++) {
+        Py_ssize_t a, b;
+        in_tile(sh, s, u->i0 + r, t, &a, &b);
+        if (a >= b) continue;
+        for (int x = 0; x < g; x++) {
+            const int h = u->kv * g + x;
+            const float *q = qs + ((s->row + u->i0 + r) * sh->n_heads + h) * hd;
+            partial(sh, q, keys + slot(s, a) * hd, values + slot(s, a) * hd, (int)(b - a),
+                    parts + (r * g + x) * (Py_ssize_t)(hd + 2));
+        }
+    }
+}
+
+/* Folds tile t's partials (from tile_parts) into the unit's states, laid out alike. */
+static void fold_tile(const heads_t *sh, const unit_t *u, Py_ssize_t t, const float *parts,
+                      float *states) {
+    const int hd = sh->hd, g = sh->n_heads / sh->n_kv;
+    for (Py_ssize_t r = 0; r < u->rows; r++) {
+        Py_ssize_t a, b;
+        in_tile(sh, u->s, u->i0 + r, t, &a, &b);
+        if (a >= b) continue;
+        for (int x = 0; x < g; x++) {
+            const Py_ssize_t at = (r * g + x) * (Py_ssize_t)(hd + 2);
+            fold(states + at, parts + at, hd);
+        }
+    }
+}
+
+static void finish_unit(const heads_t *sh, const unit_t *u, float *states, float *outs) {
+    const int hd = sh->hd, g = sh->n_heads / sh->n_kv;
+    for (Py_ssize_t r = 0; r < u->rows; r++)
+        for (int x = 0; x < g; x++) {
+            const int h = u->kv * g + x;
+            const float *sink = sh->sinks != NULL ? sh->sinks + h : NULL;
+            float *out = outs + ((u->s->row + u->i0 + r) * sh->n_heads + h) * hd;
+            finish(states + (r * g + x) * (Py_ssize_t)(hd + 2), sink, hd, out);
+        }
+}
+
+static void fresh_unit(const heads_t *sh, const unit_t *u, float *states) {
+    const int g = sh->n_heads / sh->n_kv;
+    for (Py_ssize_t p = 0; p < u->rows * g; p++) fresh(states + p * (sh->hd + 2), sh->hd);
+}
+
+/* Copies the sequence's new rows of k and v ([T, n_kv, hd]) to positions first .. (their
+ * slots). */
 static void store_rows(const seq_t *s, const float *k, const float *v, int n_kv, int hd) {
     for (Py_ssize_t i = 0; i < s->count; i++)
         for (int h = 0; h < n_kv; h++) {
             const Py_ssize_t src = ((s->row + i) * n_kv + h) * hd;
-            const Py_ssize_t dst = (h * s->capacity + s->first + i) * hd;
+            const Py_ssize_t dst = (h * s->capacity + slot(s, s->first + i)) * hd;
             memcpy(s->keys + dst, k + src, hd * sizeof(float));
             memcpy(s->values + dst, v + src, hd * sizeof(float));
         }
 }
 
-int attend_rows(const heads_t *h, const float *q, const float *k, const float *v, float *out,
-                const seq_t *seqs, Py_ssize_t n, int threads) {
-    Py_ssize_t pairs = 0, longest = 1;
-    for (Py_ssize_t e = 0; e < n; e++) {
-        pairs += seqs[e].count * h->n_heads;
-        if (seqs[e].first + seqs[e].count > longest) longest = seqs[e].first + seqs[e].count;
-    }
-    /* each pair: its sequence, and its index among that sequence's pairs */
-    Py_ssize_t *pair = malloc((2 * pairs + 1) * sizeof(Py_ssize_t));
-    if (pair == NULL) return -1;
-    for (Py_ssize_t e = 0, p = 0; e < n; e++)
-        for (Py_ssize_t i = 0; i < seqs[e].count * h->n_heads; i++, p++) {
-            pair[2 * p] = e;
-            pair[2 * p + 1] = i;
-        }
-    for (Py_ssize_t e = 0; e < n; e++) store_rows(&seqs[e], k, v, h->n_kv, h->hd);
+/* The batch's units, ``rows`` rows at most each; NULL when out of memory. */
+static unit_t *make_units(const heads_t *h, const seq_t *seqs, Py_ssize_t n, Py_ssize_t rows,
+                          Py_ssize_t *count) {
+    Py_ssize_t total = 0;
+    for (Py_ssize_t e = 0; e < n; e++) total += (seqs[e].count + rows - 1) / rows * h->n_kv;
+    unit_t *units = malloc((total + 1) * sizeof(unit_t));
+    if (units == NULL) return NULL;
+    Py_ssize_t u = 0;
+    for (Py_ssize_t e = 0; e < n; e++)
+        for (Py_ssize_t i0 = 0; i0 < seqs[e].count; i0 += rows)
+            for (int kv = 0; kv < h->n_kv; kv++) {
+                const Py_ssize_t left = seqs[e].count - i0;
+                units[u++] = (unit_t){&seqs[e], i0, left < rows ? left : rows, kv};
+            }
+    *count = total;
+    return units;
+}
+
+/* Each thread takes whole units (dynamically: later rows of a prompt see more) and folds
+ * their tiles as it computes them. */
+static int by_units(const heads_t *h, const float *q, float *out, const unit_t *units,
+                    Py_ssize_t count, int threads) {
+    const Py_ssize_t pair = h->hd + 2, g = h->n_heads / h->n_kv;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = malloc(longest * sizeof(float));
-        if (scores == NULL) {
+        float *states = malloc(2 * ROWS * g * pair * sizeof(float));
+        if (states == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 4)
-        for (Py_ssize_t p = 0; p < pairs; p++) {
-            if (scores == NULL) continue;
-            const Py_ssize_t local = pair[2 * p + 1];
-            attend_pair(h, q, out, &seqs[pair[2 * p]], local / h->n_heads,
-                        (int)(local % h->n_heads), scores);
+        float *parts = states + ROWS * g * pair;
+#pragma omp for schedule(dynamic, 1)
+        for (Py_ssize_t k = 0; k < count; k++) {
+            if (states == NULL) continue;
+            Py_ssize_t t0, t1;
+            unit_tiles(h, &units[k], &t0, &t1);
+            fresh_unit(h, &units[k], states);
+            for (Py_ssize_t t = t0; t < t1; t++) {
+                tile_parts(h, q, &units[k], t, parts);
+                fold_tile(h, &units[k], t, parts, states);
+            }
+            finish_unit(h, &units[k], states, out);
         }
-        free(scores);
+        free(states);
     }
-    free(pair);
     return failed ? -1 : 0;
+}
+
+/* Few units with long rows (decode deep in a context): the threads share each unit's
+ * tiles, computed into a buffer of partials (every tile at once where they fit in
+ * PARTS_BYTES, else in waves), then folded in tile order. One parallel region per wave:
+ * on a busy host each region's barrier may wait for a thread that lost its core. */
+#define PARTS_BYTES (8 << 20)
+static int by_tiles(const heads_t *h, const float *q, float *out, const unit_t *units,
+                    Py_ssize_t count, int threads) {
+    const Py_ssize_t pair = h->hd + 2, g = h->n_heads / h->n_kv, per_unit = g * pair;
+    Py_ssize_t *span = malloc(2 * count * sizeof(Py_ssize_t));
+    if (span == NULL) return -1;
+    Py_ssize_t most = 1; /* tiles of the unit that sees the most */
+    for (Py_ssize_t k = 0; k < count; k++) {
+        unit_tiles(h, &units[k], &span[2 * k], &span[2 * k + 1]);
+        most = span[2 * k + 1] - span[2 * k] > most ? span[2 * k + 1] - span[2 * k] : most;
+    }
+    Py_ssize_t wave = PARTS_BYTES / (Py_ssize_t)(count * per_unit * sizeof(float));
+    wave = wave < 16 ? 16 : wave > most ? most : wave;
+    float *states = malloc(count * per_unit * sizeof(float));
+    float *parts = malloc(count * wave * per_unit * sizeof(float));
+    const int ok = states != NULL && parts != NULL;
+    for (Py_ssize_t k = 0; ok && k < count; k++) fresh_unit(h, &units[k], states + k * per_unit);
+    for (Py_ssize_t w0 = 0; ok && w0 < most; w0 += wave) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (Py_ssize_t task = 0; task < count * wave; task++) {
+            const Py_ssize_t k = task / wave, t = span[2 * k] + w0 + task % wave;
+            if (t < span[2 * k + 1]) tile_parts(h, q, &units[k], t, parts + task * per_unit);
+        }
+        for (Py_ssize_t k = 0; k < count; k++)
+            for (Py_ssize_t x = 0; x < wave; x++) {
+                const Py_ssize_t t = span[2 * k] + w0 + x;
+                if (t < span[2 * k + 1])
+                    fold_tile(h, &units[k], t, parts + (k * wave + x) * per_unit,
+                              states + k * per_unit);
+            }
+    }
+    for (Py_ssize_t k = 0; ok && k < count; k++)
+        finish_unit(h, &units[k], states + k * per_unit, out);
+    free(states);
+    free(parts);
+    free(span);
+    return ok ? 0 : -1;
+}
+
+int attend_rows(const heads_t *h, const float *q, const float *k, const float *v, float *out,
+                const seq_t *seqs, Py_ssize_t n, int threads) {
+    Py_ssize_t longest = 0, units8 = 0;
+    for (Py_ssize_t e = 0; e < n; e++) {
+        store_rows(&seqs[e], k, v, h->n_kv, h->hd);
+        if (seqs[e].first + seqs[e].count > longest) longest = seqs[e].first + seqs[e].count;
+        units8 += (seqs[e].count + ROWS - 1) / ROWS * h->n_kv;
+    }
+    const Py_ssize_t seen = h->window > 0 && h->window < longest ? h->window : longest;
+    /* row by row, and the tiles shared, where whole units would leave threads idle */
+    const int split = threads > 1 && units8 < 2 * threads && seen >= 4 * TILE;
+    Py_ssize_t count = 0;
+    unit_t *units = make_units(h, seqs, n, split ? 1 : ROWS, &count);
+    if (units == NULL) return -1;
+    const int status = split ? by_tiles(h, q, out, units, count, threads)
+                             : by_units(h, q, out, units, count, threads);
+    free(units);
+    return status;
 }

@@ -123,9 +123,9 @@ static int read_entries(PyObject *obj, Py_ssize_t T, const heads_t *h, entries_t
     Py_ssize_t rows = 0;
     for (Py_ssize_t e = 0; e < n; e++) {
         PyObject *keys, *values;
-        Py_ssize_t first, count, row;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(list, e), "OOnnn", &keys, &values, &first,
-                              &count, &row))
+        Py_ssize_t first, count, row, ring = 0;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(list, e), "OOnnn|n", &keys, &values,
+                              &first, &count, &row, &ring))
             goto fail;
         Py_buffer *kv = &es->views[2 * e];
         if (PyObject_GetBuffer(keys, &kv[0], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto fail;
@@ -135,12 +135,17 @@ static int read_entries(PyObject *obj, Py_ssize_t T, const heads_t *h, entries_t
         }
         es->n = e + 1;
         const Py_ssize_t capacity = kv[0].len / per_position;
+        /* a ring that goes round: whole tiles of slots, and room for what the rows read */
+        const int round = ring > 0 && first + count > capacity;
         if (kv[1].len != kv[0].len || kv[0].len % per_position || first < 0 || count < 1 ||
-            row != rows || row + count > T || first + count > capacity) {
+            row != rows || row + count > T || (first + count > capacity && !round) ||
+            (ring > 0 && (ring != capacity || h->window < 1)) ||
+            (round && (capacity % ATTENTION_TILE || count + h->window - 1 > capacity)) ||
+            ring < 0) {
             PyErr_SetString(PyExc_ValueError, "a sequence's cache or rows do not fit the batch");
             goto fail;
         }
-        es->seqs[e] = (seq_t){kv[0].buf, kv[1].buf, capacity, first, count, row};
+        es->seqs[e] = (seq_t){kv[0].buf, kv[1].buf, capacity, first, count, row, ring};
         rows += count;
     }
     if (rows != T) {
@@ -580,8 +585,10 @@ static PyMethodDef methods[] = {
     {"attend", attend, METH_VARARGS,
      "attend(q, k, v, out, entries, T, n_heads, n_kv, head_dim, threads, scale=1/sqrt(hd),\n"
      "softcap=0, window=0, sinks=None): store each entry's new keys/values and attend its\n"
-     "rows; entries are (keys, values, first, count, row) with keys/values [n_kv, capacity,\n"
-     "head_dim] float32, rows in order; sinks: n_heads float32 attention sinks, or None"},
+     "rows; entries are (keys, values, first, count, row[, ring]) with keys/values [n_kv,\n"
+     "capacity, head_dim] float32, rows in order, ring > 0 (= capacity, a multiple of 64 where\n"
+     "it goes round) for a windowed layer's ring (position p in slot p % ring); sinks: n_heads\n"
+     "float32 attention sinks, or None"},
     {"experts", experts, METH_VARARGS,
      "experts(router, router_bias, gate_ups, downs, (gate_bias, up_bias, down_bias), d, d_ff,\n"
      "n_used, gating, normalize, act): a handle on a layer's mixture of experts; gate_ups a\n"

@@ -168,7 +168,12 @@ typedef struct {
     Py_ssize_t first; /* positions before the new rows */
     Py_ssize_t count; /* new rows */
     Py_ssize_t row;   /* the first of them in the batch */
+    Py_ssize_t ring;  /* > 0: position p is in slot p % ring (a windowed layer's ring) */
 } seq_t;
+
+/* Positions per tile of the attention (tiles start at multiples of it); a ring's
+ * capacity is a multiple of it, so a tile's positions are contiguous slots. */
+#define ATTENTION_TILE 64
 
 /* The attention's shape and the family's rules for its scores. */
 typedef struct {
