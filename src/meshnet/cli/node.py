@@ -11,7 +11,13 @@ import argparse
 import os
 import sys
 
-from meshnet.cli.options import add_options, declare_node_options, declare_node_setup
+from meshnet.cli.options import (
+    add_options,
+    declare_kv_pace,
+    declare_node_options,
+    declare_node_setup,
+    kv_pace,
+)
 from meshnet.node.engine import EngineConfig
 from meshnet.node.main import NodeConfig, new_node_id, serve
 from meshnet.node.preflight import check_credential
@@ -21,6 +27,7 @@ def add_node_flags(p: argparse.ArgumentParser) -> None:
     """Every flag of ``meshnet node`` (``meshnet doctor`` takes the same)."""
     declare_node_setup(p)
     add_options(p, declare_node_options, "node options (also taken by `meshnet up`)")
+    add_options(p, declare_kv_pace, "KV transfers (also taken by `meshnet up`)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -46,6 +53,7 @@ def node_config(args: argparse.Namespace, node_id: str, key: str) -> NodeConfig:
         metrics_port=args.metrics_port,
         relay_port=args.relay_port,
         head_assist=args.head_assist == "on",
+        kv_pace=kv_pace(args),
         engine=EngineConfig(
             kv_budget_bytes=int(args.kv_budget_mb * 1024 * 1024),
             max_batch_tokens=args.max_batch_tokens,

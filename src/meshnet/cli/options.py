@@ -15,6 +15,7 @@ import argparse
 from collections.abc import Callable, Collection
 
 from meshnet.auth.credentials import MESH_SECRET_ENV, NODE_KEY_ENV
+from meshnet.kv.pace import MB, TransferPace
 from meshnet.layer_range import LayerRange
 from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 from meshnet.tracker.trusted_capacity import trusted_ids
@@ -167,6 +168,40 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
             "`meshnet up`'s; default off)",
         ),
     ]
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {value}")
+    return value
+
+
+def declare_kv_pace(p: ArgumentTarget) -> list[argparse.Action]:
+    """How long a KV transfer may take (kv/pace.py), taken by nodes and the tracker."""
+    return [
+        p.add_argument(
+            "--kv-transfer-base",
+            type=positive_duration,
+            default=30.0,
+            help="seconds any KV transfer may take whatever its size",
+        ),
+        p.add_argument(
+            "--kv-transfer-rate",
+            type=positive_float,
+            default=1.0,
+            help="MiB/s a KV transfer must keep up beyond that: its limit is the base plus "
+            "its bytes at this rate, and a slower peer is cut",
+        ),
+    ]
+
+
+def kv_pace(args: argparse.Namespace) -> TransferPace:
+    return TransferPace(args.kv_transfer_base, args.kv_transfer_rate * MB)
 
 
 def _port_or_off(text: str) -> int | None:

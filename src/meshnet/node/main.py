@@ -21,6 +21,7 @@ import numba
 from meshnet.auth.grpc_auth import NodeGate
 from meshnet.backends.kernel_threads import set_threads
 from meshnet.errors import MeshnetError
+from meshnet.kv.pace import TransferPace
 from meshnet.layer_range import LayerRange
 from meshnet.model.bundled import bundled_model_path
 from meshnet.node.announce import Announcer
@@ -68,6 +69,8 @@ class NodeConfig:
     # As a ring's last hop, share a tied head's multiply with the ring's first hop,
     # trusting its answers (node/head_assist.py): for nodes of one operator.
     head_assist: bool = False
+    # How long a KV import may take: a base plus its bytes over a minimum rate.
+    kv_pace: TransferPace = field(default_factory=TransferPace)
 
 
 _MAX_RELAY_CONNECTIONS = 8  # previous hops relaying over TCP at once (a thread each)
@@ -196,7 +199,9 @@ def serve(cfg: NodeConfig) -> int:
     offers = KVOffers(listen_host, host)  # node-to-node KV moves go over this bulk port
     dirs = ModelDirs.of([*cfg.model_dirs, Path(model_path).parent])
     identity = NodeIdentity(cfg.node_id, model_path, dirs)
-    service = NodeService(identity, engine, gate, offers, head_assist=cfg.head_assist)
+    service = NodeService(
+        identity, engine, gate, offers, head_assist=cfg.head_assist, kv_pace=cfg.kv_pace
+    )
     pb_grpc.add_NodeServicer_to_server(service, server)
     metrics.watch(service.stats)
     port = server.add_insecure_port(cfg.listen)

@@ -37,6 +37,7 @@ from meshnet.errors import (
     RequestError,
     ShardMismatch,
 )
+from meshnet.kv.pace import TransferPace
 from meshnet.model.logprobs import MAX_TOP_LOGPROBS, token_logprobs
 from meshnet.model.sampling import Sampler, SamplingParams
 from meshnet.model.shard import Shard
@@ -106,6 +107,7 @@ class NodeService(pb_grpc.NodeServicer):
         gate: NodeGate,
         offers: KVOffers | None = None,
         head_assist: bool = False,
+        kv_pace: TransferPace | None = None,
     ) -> None:
         self.identity = identity
         self.engine = engine
@@ -121,7 +123,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.gate = gate
         self._relays = threading.BoundedSemaphore(_MAX_RELAY_STREAMS)  # from previous hops
         self._rings = _Tally()  # ring runs under way on this hop
-        self.kv = KVService(engine, gate, offers)
+        self.kv = KVService(engine, gate, offers, kv_pace)
         self.grammars = GrammarTokenizers()  # for a constrained sampling hop
         self.configurator = Configurator(
             engine, identity.model_dirs, identity.model_path, engine.config.max_streams

@@ -17,6 +17,7 @@ from meshnet.auth.mesh_keys import MeshKeys
 from meshnet.auth.quotas import QuotaGate
 from meshnet.auth.tenants import DEFAULT_TENANT, Quotas, TenantStore
 from meshnet.errors import NotFound
+from meshnet.kv.pace import TransferPace
 from meshnet.model.info import load_model_info
 from meshnet.tracker.channels import ChannelPool
 from meshnet.tracker.database import Database, open_database
@@ -60,6 +61,8 @@ class TrackerProcessConfig:
     # Node ids trusted by configuration: not calibrated, not checked, billed at once, and
     # the verifier's capacity where their ranges fit (tracker/trusted_capacity.py).
     trusted_nodes: frozenset[str] = frozenset()
+    # How long one KV transfer (a snapshot's export or import) may take, by its size.
+    kv_pace: TransferPace = field(default_factory=TransferPace)
 
 
 def mesh_secret(cfg: TrackerProcessConfig) -> str:
@@ -105,7 +108,7 @@ def serve(cfg: TrackerProcessConfig) -> int:
         other = model_tracker(tracker, info, path)
         served.add(ServedModel(info, other, Placement(other), path))
     session_store = SessionStore(store.db)
-    snapshots = SnapshotStore(cfg.data_dir / "snapshots")
+    snapshots = SnapshotStore(cfg.data_dir / "snapshots", cfg.kv_pace)
     session_models = SessionModels(store.db)
     runner = ModelTurns(served, session_models, session_store, snapshots)
     services = SessionServices(

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from meshnet.errors import KVImportFailed, MeshnetError, RequestError, SessionGone
+from meshnet.kv.pace import paced
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.loops import LoopHealth
 from meshnet.tracker.parking import HopPark, ParkBackoff, park_route
@@ -37,7 +38,6 @@ from meshnet.tracker.turns import TurnRunner, history_hash
 log = logging.getLogger(__name__)
 
 _CONTROL_TIMEOUT_S = 30.0
-_EXPORT_TIMEOUT_S = 60.0
 _MAX_SYSTEM_CHARS = 100_000
 
 
@@ -147,12 +147,13 @@ class Sessions:
         stub = self.tracker.channels.stub(hop.address)
         call = stub.StateGet(
             pb.StateGetRequest(session_id=session.id, token_prefix_hash=prefix),
-            timeout=_EXPORT_TIMEOUT_S,
             metadata=self.tracker.channels.signed(hop.node_id, "StateGet"),
         )
         target = SnapshotTarget(snapshot_id, session.id, hop.layers)
+        # Cut off by a deadline sized to the stream once its header says how large.
+        frames = paced(call.__aiter__(), self.snapshots.pace, _header_bytes)
         try:
-            return await self.snapshots.write(target, call.__aiter__(), prefix)
+            return await self.snapshots.write(target, frames, prefix)
         except grpc.aio.AioRpcError as e:
             message = f"node {hop.node_id} could not export the KV: {e.code().name} {e.details()}"
             raise KVImportFailed(message, "source-missing", hop.node_id) from None
@@ -235,6 +236,10 @@ class Sessions:
                 self.policy_health.failed(e)
             else:
                 self.policy_health.passed()
+
+
+def _header_bytes(frame: pb.KVFrame) -> int:
+    return frame.header.total_bytes if frame.WhichOneof("kind") == "header" else 0
 
 
 def _require_live(session: SessionRecord) -> None:
