@@ -21,6 +21,8 @@ from meshnet.cli.options import (
 from meshnet.node.engine import EngineConfig
 from meshnet.node.main import NodeConfig, new_node_id, serve
 from meshnet.node.preflight import check_credential
+from meshnet.node.relay_socket import RelayTimeouts
+from meshnet.protocol.keepalive import Keepalive
 
 
 def add_node_flags(p: argparse.ArgumentParser) -> None:
@@ -54,6 +56,11 @@ def node_config(args: argparse.Namespace, node_id: str, key: str) -> NodeConfig:
         relay_port=args.relay_port,
         head_assist=args.head_assist == "on",
         kv_pace=kv_pace(args),
+        relay_timeouts=RelayTimeouts(
+            idle_s=args.relay_idle_timeout,
+            frame_s=args.relay_frame_timeout,
+            keepalive=Keepalive(args.keepalive, args.keepalive / 2),
+        ),
         engine=EngineConfig(
             kv_budget_bytes=int(args.kv_budget_mb * 1024 * 1024),
             max_batch_tokens=args.max_batch_tokens,
@@ -62,6 +69,7 @@ def node_config(args: argparse.Namespace, node_id: str, key: str) -> NodeConfig:
             max_streams=args.max_streams,
             backend=args.backend,
             park_dir=args.park_dir,
+            drain_timeout_s=args.drain_timeout,
         ),
     )
 

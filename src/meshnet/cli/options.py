@@ -145,6 +145,13 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
         ),
         p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats"),
         p.add_argument(
+            "--drain-timeout",
+            type=positive_duration,
+            default=60.0,
+            help="seconds a T2/T3 configure waits for the node to drain; then it is "
+            "withdrawn and nothing changes",
+        ),
+        p.add_argument(
             "--metrics-port",
             type=_port_or_off,
             default=0,
@@ -158,6 +165,27 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
             help="TCP port on the listen host where previous hops of a ring relay inputs, "
             "offered to them in their relay streams' answers (0: any free one, none "
             "with --advertise-port; off: none, inputs come over gRPC)",
+        ),
+        p.add_argument(
+            "--relay-idle-timeout",
+            type=positive_duration,
+            default=300.0,
+            help="seconds a relay-port connection may send nothing before it is closed",
+        ),
+        p.add_argument(
+            "--relay-frame-timeout",
+            type=positive_duration,
+            default=10.0,
+            help="seconds a relay-port frame, once begun, may take to arrive whole (and a "
+            "peer to take an answer) before its connection is cut",
+        ),
+        p.add_argument(
+            "--keepalive",
+            type=positive_duration,
+            default=20.0,
+            help="seconds of silence after which a peer's gRPC connection is pinged and its "
+            "relay connection probed; one that does not answer within half as long again "
+            "is closed, freeing what it held",
         ),
         p.add_argument(
             "--head-assist",

@@ -72,6 +72,7 @@ class EngineConfig:
     max_streams: int = 64  # Forward streams held at once; more are refused with overloaded
     backend: str = DEFAULT_BACKEND
     park_dir: str | None = None  # where parked KV goes; None: a fresh temp directory
+    drain_timeout_s: float = 60.0  # a T2/T3 change not applied by then is withdrawn
 
 
 @dataclass

@@ -36,6 +36,7 @@ from meshnet.node.wire import CONTROL_TIMEOUT_S, MAX_SESSION_ID, fail, remaining
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.codec import MESSAGE_OPTIONS
+from meshnet.protocol.keepalive import CLIENT_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,8 @@ class KVService:
             session_id=request.session_id, token_prefix_hash=request.token_prefix_hash
         )
         prefix = request.token_prefix_hash
-        with grpc.insecure_channel(request.source, options=MESSAGE_OPTIONS) as channel:
+        options = [*MESSAGE_OPTIONS, *CLIENT_OPTIONS]
+        with grpc.insecure_channel(request.source, options=options) as channel:
             stub = pb_grpc.NodeStub(channel)
             try:
                 offer = stub.StateOffer(get, timeout=self.pace.base_s, metadata=token)

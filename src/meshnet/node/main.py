@@ -31,7 +31,7 @@ from meshnet.node.metrics import MeteredEngine, NodeMetrics
 from meshnet.node.metrics_http import MetricsServer
 from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.preflight import check_node
-from meshnet.node.relay_socket import RelayListener
+from meshnet.node.relay_socket import RelayListener, RelayTimeouts
 from meshnet.node.service import NodeIdentity, NodeService
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.codec import MESSAGE_OPTIONS
@@ -71,6 +71,9 @@ class NodeConfig:
     head_assist: bool = False
     # How long a KV import may take: a base plus its bytes over a minimum rate.
     kv_pace: TransferPace = field(default_factory=TransferPace)
+    # How long a relay-port peer may hold its connection without progress, and how
+    # gRPC and the relay port probe a peer that may have vanished (protocol/keepalive.py).
+    relay_timeouts: RelayTimeouts = field(default_factory=RelayTimeouts)
 
 
 _MAX_RELAY_CONNECTIONS = 8  # previous hops relaying over TCP at once (a thread each)
@@ -167,6 +170,7 @@ def _serve_relay(cfg: NodeConfig, host: str, service: NodeService) -> RelayListe
         service.file_array,
         _MAX_RELAY_CONNECTIONS,
         head=service.answer_head,
+        timeouts=cfg.relay_timeouts,
     )
     service.relay_port = listener.port
     print(f"meshnet node {cfg.node_id} takes relayed inputs on port {listener.port}", flush=True)
@@ -192,7 +196,7 @@ def serve(cfg: NodeConfig) -> int:
             max_workers=cfg.engine.max_streams + cfg.control_workers, thread_name_prefix="grpc"
         ),
         interceptors=[gate],
-        options=MESSAGE_OPTIONS,
+        options=[*MESSAGE_OPTIONS, *cfg.relay_timeouts.keepalive.server_options()],
     )
     listen_host = cfg.listen.rsplit(":", 1)[0].strip("[]")
     host = cfg.advertise_host or listen_host
