@@ -41,7 +41,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
@@ -54,6 +53,7 @@ from meshnet.errors import (
     error_for_kind,
 )
 from meshnet.node import relay_wire as wire
+from meshnet.node.relay_reads import Readable, read_by, read_exactly
 from meshnet.protocol.keepalive import Keepalive, tcp_keepalive
 
 log = logging.getLogger(__name__)
@@ -150,10 +150,10 @@ class RelayListener:
             conn.settimeout(HELLO_TIMEOUT_S)
             conn.sendall(wire.verdict(f"{error.kind}: {error.message}"))
 
-    def _serve(self, conn: socket.socket, reader: _Readable) -> None:
+    def _serve(self, conn: socket.socket, reader: Readable) -> None:
         deadline = time.monotonic() + min(HELLO_TIMEOUT_S, self.timeouts.frame_s)
-        magic, n = wire.read_hello(_read_by(conn, reader, wire.HELLO.size, deadline))
-        token = _read_by(conn, reader, n, deadline).decode(errors="replace")
+        magic, n = wire.read_hello(read_by(conn, reader, wire.HELLO.size, deadline))
+        token = read_by(conn, reader, n, deadline).decode(errors="replace")
         try:
             self._check(token)
             if magic == wire.HEAD_MAGIC and self._head is None:
@@ -169,10 +169,10 @@ class RelayListener:
             self._serve_head(conn, reader)
             return
         while (deadline := self._next_frame(conn, reader)) is not None:
-            head = _read_by(conn, reader, wire.INPUT_HEADER.size, deadline)
+            head = read_by(conn, reader, wire.INPUT_HEADER.size, deadline)
             self._take(conn, reader, head, deadline)
 
-    def _next_frame(self, conn: socket.socket, reader: _Readable) -> float | None:
+    def _next_frame(self, conn: socket.socket, reader: Readable) -> float | None:
         """Wait (up to ``idle_s``: a hop between runs sends nothing) for a frame to
         begin; the deadline for the whole of it, or None when the sender closed.
         ``TimeoutError`` when the connection stayed idle too long."""
@@ -190,13 +190,13 @@ class RelayListener:
         conn.settimeout(self.timeouts.frame_s)
         conn.sendall(data)
 
-    def _take(self, conn: socket.socket, reader: _Readable, head: bytes, deadline: float) -> None:
+    def _take(self, conn: socket.socket, reader: Readable, head: bytes, deadline: float) -> None:
         """Read one input and file it, answering only a refusal; a frame that breaks
         the format is answered ``closing`` and ends the connection."""
         try:
             h = wire.read_input_header(head)
             # One read: both come at once.
-            rest = _read_by(conn, reader, h.session_bytes + h.data_bytes, deadline)
+            rest = read_by(conn, reader, h.session_bytes + h.data_bytes, deadline)
             session_id = rest[: h.session_bytes].decode()
             data = memoryview(rest)[h.session_bytes :]
         except (MalformedBundle, UnicodeDecodeError) as e:
@@ -210,13 +210,13 @@ class RelayListener:
                 wire.refusal(False, session_id, h.epoch, h.step, refused.kind, refused.message),
             )
 
-    def _serve_head(self, conn: socket.socket, reader: _Readable) -> None:
+    def _serve_head(self, conn: socket.socket, reader: Readable) -> None:
         """Answer each ask in order; a frame that breaks the format ends the connection
         (its sender sees it close)."""
         assert self._head is not None
         while (deadline := self._next_frame(conn, reader)) is not None:
-            ask = wire.read_ask(_read_by(conn, reader, wire.ASK_HEADER.size, deadline))
-            x = np.frombuffer(_read_by(conn, reader, wire.ask_bytes(ask), deadline), "<f4")
+            ask = wire.read_ask(read_by(conn, reader, wire.ASK_HEADER.size, deadline))
+            x = np.frombuffer(read_by(conn, reader, wire.ask_bytes(ask), deadline), "<f4")
             try:
                 parts = wire.part_frame(ask.number, self._head(ask, x.reshape(ask.rows, -1)))
             except MeshnetError as e:
@@ -297,7 +297,7 @@ class SocketLink:
         with contextlib.suppress(OSError):
             self._sock.close()
 
-    def _refusals(self, reader: _Readable, error: MeshnetError) -> MeshnetError:
+    def _refusals(self, reader: Readable, error: MeshnetError) -> MeshnetError:
         """Tell each refusal to its run until the connection ends; the failure that
         ended it."""
         while True:
@@ -305,7 +305,7 @@ class SocketLink:
             if head is None or len(head) != wire.REFUSAL_HEADER.size:
                 return error
             fields = wire.read_refusal_header(head)
-            refusal = wire.read_refusal(fields, _read(reader, sum(fields[1:4])))
+            refusal = wire.read_refusal(fields, read_exactly(reader, sum(fields[1:4])))
             failure = error_for_kind(refusal.kind, f"{self.address}: {refusal.message}")
             if refusal.closing:
                 return failure
@@ -392,8 +392,8 @@ def _let_in(host: str, port: int, token: str, address: str, magic: bytes) -> soc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.sendall(wire.hello(token, magic))
         with sock.makefile("rb", buffering=0) as reader:  # reads no byte past the verdict
-            status, n = wire.VERDICT.unpack(_read(reader, wire.VERDICT.size))
-            reason = _read(reader, min(n, wire.MAX_MESSAGE_BYTES)).decode(errors="replace")
+            status, n = wire.VERDICT.unpack(read_exactly(reader, wire.VERDICT.size))
+            reason = read_exactly(reader, min(n, wire.MAX_MESSAGE_BYTES)).decode(errors="replace")
         if status != 0:
             kind, _, message = reason.partition(": ")
             raise error_for_kind(kind, f"{address} relay port: {message}")
@@ -405,42 +405,3 @@ def _let_in(host: str, port: int, token: str, address: str, magic: bytes) -> soc
         sock.close()
         raise
     return sock
-
-
-class _Readable(Protocol):
-    """What ``socket.makefile("rb")`` gives."""
-
-    def read(self, n: int, /) -> bytes | None: ...
-
-    def read1(self, n: int, /) -> bytes: ...
-
-    def peek(self, n: int, /) -> bytes: ...
-
-
-def _read_by(conn: socket.socket, reader: _Readable, n: int, deadline: float) -> bytes:
-    """Exactly ``n`` bytes by ``deadline`` (monotonic), however the peer spaces them:
-    ``TimeoutError`` when they do not all come in time, ``MalformedBundle`` when the
-    stream ends before."""
-    parts, got = [], 0
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"a frame not whole within its deadline ({got} of {n} bytes)")
-        conn.settimeout(left)
-        if not reader.peek(1):  # one read of what has come (as much as the buffer takes)
-            raise MalformedBundle("a relay connection ended mid-frame")
-        part = reader.read1(n - got)
-        parts.append(part)
-        got += len(part)
-    return b"".join(parts)
-
-
-def _read(reader: _Readable, n: int) -> bytes:
-    """Exactly ``n`` bytes; ``MalformedBundle`` when the stream ends before."""
-    data = b""
-    while len(data) < n:
-        part = reader.read(n - len(data))
-        if not part:
-            raise MalformedBundle("a relay connection ended mid-frame")
-        data += part
-    return data
