@@ -6,6 +6,8 @@ hop written to the snapshot store and indexed, node memory freed). Moves are
 made by explicit call or by the policy: unused for ``park_after_s`` (parked),
 unused for ``evict_after_s`` once parked (evicted), and idle sessions on a
 node whose KV use passed ``pressure`` of its budget, least recently used first.
+A park is all or nothing (tracker/parking.py): a hop that cannot write it leaves
+the session idle and hot, and the policy tries that session again after a backoff.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from meshnet.tracker.turns import TurnRunner, history_hash
 
 log = logging.getLogger(__name__)
 
-_CONTROL_TIMEOUT_S = 30.0
 _MAX_SYSTEM_CHARS = 100_000
 
 
