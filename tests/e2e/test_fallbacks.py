@@ -224,7 +224,10 @@ def _configure(
 def test_a_t3_not_drained_in_time_is_withdrawn_and_a_second_configure_refused(
     slow_prompts: LocalMesh, model: Path
 ) -> None:
-    stream = _running_prompt(slow_prompts, model, "drain")
+    # Prompts run side by side, a row each a forward: together they outlast loading the
+    # new shard and the drain's wait by far, even on a busy machine.
+    streams = [_running_prompt(slow_prompts, model, f"drain-{i}") for i in range(4)]
+    stream = streams[0]
     load = pb.ConfigureRequest(load=pb.LoadShard(model_path=str(model), layer_start=0, layer_end=4))
     answers: list[pb.ConfigureResponse] = []
 
@@ -256,7 +259,8 @@ def test_a_t3_not_drained_in_time_is_withdrawn_and_a_second_configure_refused(
         done = stream.answer()
         assert not done.HasField("failure"), done
     finally:
-        stream.close()
+        for each in streams:
+            each.close()
         channel.close()
         t3.join(120)
     now = info(slow_prompts, "node-1")
