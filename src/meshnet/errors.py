@@ -37,6 +37,7 @@ the API edge::
     ├── KVBudgetExhausted            kv-budget-exhausted      yes        429
     ├── Cancelled                    cancelled                no         499
     ├── KVImportFailed               kv-import-failed         yes        502
+    ├── ParkFailed                   park-failed              yes        503
     ├── DatabaseUnavailable          database-unavailable     yes        503
     ├── SchemaTooNew                 schema-too-new           no         503
     └── NodeFailure                  (kind of the failure)    yes        502
@@ -68,6 +69,10 @@ class MeshnetError(Exception):
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
+
+    def details(self) -> dict[str, object]:
+        """What the API adds to the error object beyond message and kind (none by default)."""
+        return {}
 
 
 class ModelError(MeshnetError):
@@ -307,6 +312,24 @@ class KVImportFailed(MeshnetError):
     def __init__(self, message: str, reason: str = "invalid", node_id: str = "") -> None:
         super().__init__(message, node_id)
         self.reason = reason
+
+
+class ParkFailed(MeshnetError):
+    """A session's KV could not be parked (a node's park directory full, unwritable or
+    refused); the session stays as it was, hot. ``hops`` says what each node did."""
+
+    kind = "park-failed"
+    retryable = True
+    http_status = 503
+
+    def __init__(
+        self, message: str, node_id: str = "", hops: list[dict[str, object]] | None = None
+    ) -> None:
+        super().__init__(message, node_id)
+        self.hops = hops or []
+
+    def details(self) -> dict[str, object]:
+        return {"hops": self.hops}
 
 
 class DatabaseUnavailable(MeshnetError):

@@ -58,7 +58,9 @@ def retry_headers(e: MeshnetError) -> dict[str, str]:
 
 def error_body(e: MeshnetError) -> dict[str, Any]:
     param = e.param if isinstance(e, RequestError) else None
-    return _body(http_status(e), e.message, e.kind, param)
+    body = _body(http_status(e), e.message, e.kind, param)
+    body["error"].update(e.details())
+    return body
 
 
 def _body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:

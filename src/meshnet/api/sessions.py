@@ -33,6 +33,7 @@ from meshnet.model.sampling import MAX_STOP_STRINGS
 from meshnet.tracker import billing
 from meshnet.tracker.driver import TokenEvent
 from meshnet.tracker.outbox import Outbox
+from meshnet.tracker.parking import park_json
 from meshnet.tracker.session_store import TurnRecord, TurnStatus
 
 router = APIRouter()
@@ -132,7 +133,8 @@ async def delete_session(
 async def park_session(session_id: str, request: Request, tenant: CallingTenant) -> dict[str, Any]:
     require_owner(request, tenant, session_id)
     sessions = sessions_of(request)
-    return sessions.describe(await sessions.park(session_id))
+    session, hops = await sessions.park(session_id)
+    return {**sessions.describe(session), "park": park_json(hops)}
 
 
 @router.post("/v1/sessions/{session_id}/evict")

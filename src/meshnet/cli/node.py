@@ -12,18 +12,27 @@ import os
 import sys
 from pathlib import Path
 
-from meshnet.cli.options import add_options, declare_node_options, declare_node_setup
+from meshnet.cli.options import (
+    add_options,
+    declare_kv_pace,
+    declare_node_options,
+    declare_node_setup,
+    kv_pace,
+)
 from meshnet.model_source.config import SourceConfig, default_cache_dir
 from meshnet.node.engine import EngineConfig
 from meshnet.node.main import NodeConfig, new_node_id, serve
 from meshnet.node.model_fetch import progress_wanted
 from meshnet.node.preflight import check_credential
+from meshnet.node.relay_socket import RelayTimeouts
+from meshnet.protocol.keepalive import Keepalive
 
 
 def add_node_flags(p: argparse.ArgumentParser) -> None:
     """Every flag of ``meshnet node`` (``meshnet doctor`` takes the same)."""
     declare_node_setup(p)
     add_options(p, declare_node_options, "node options (also taken by `meshnet up`)")
+    add_options(p, declare_kv_pace, "KV transfers (also taken by `meshnet up`)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -54,6 +63,12 @@ def node_config(args: argparse.Namespace, node_id: str, key: str) -> NodeConfig:
             client=node_id,
             progress=progress_wanted(),
         ),
+        kv_pace=kv_pace(args),
+        relay_timeouts=RelayTimeouts(
+            idle_s=args.relay_idle_timeout,
+            frame_s=args.relay_frame_timeout,
+            keepalive=Keepalive(args.keepalive, args.keepalive / 2),
+        ),
         engine=EngineConfig(
             kv_budget_bytes=int(args.kv_budget_mb * 1024 * 1024),
             max_batch_tokens=args.max_batch_tokens,
@@ -63,6 +78,7 @@ def node_config(args: argparse.Namespace, node_id: str, key: str) -> NodeConfig:
             backend=args.backend,
             park_dir=args.park_dir,
             ctx=max(0, args.ctx),
+            drain_timeout_s=args.drain_timeout,
         ),
     )
 

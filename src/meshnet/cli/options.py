@@ -15,6 +15,7 @@ import argparse
 from collections.abc import Callable, Collection
 
 from meshnet.auth.credentials import MESH_SECRET_ENV, NODE_KEY_ENV
+from meshnet.kv.pace import MB, TransferPace
 from meshnet.layer_range import LayerRange
 from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 from meshnet.tracker.trusted_capacity import trusted_ids
@@ -160,6 +161,13 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
         ),
         p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats"),
         p.add_argument(
+            "--drain-timeout",
+            type=positive_duration,
+            default=60.0,
+            help="seconds a T2/T3 configure waits for the node to drain; then it is "
+            "withdrawn and nothing changes",
+        ),
+        p.add_argument(
             "--metrics-port",
             type=_port_or_off,
             default=0,
@@ -175,6 +183,27 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
             "with --advertise-port; off: none, inputs come over gRPC)",
         ),
         p.add_argument(
+            "--relay-idle-timeout",
+            type=positive_duration,
+            default=300.0,
+            help="seconds a relay-port connection may send nothing before it is closed",
+        ),
+        p.add_argument(
+            "--relay-frame-timeout",
+            type=positive_duration,
+            default=10.0,
+            help="seconds a relay-port frame, once begun, may take to arrive whole (and a "
+            "peer to take an answer) before its connection is cut",
+        ),
+        p.add_argument(
+            "--keepalive",
+            type=positive_duration,
+            default=20.0,
+            help="seconds of silence after which a peer's gRPC connection is pinged and its "
+            "relay connection probed; one that does not answer within half as long again "
+            "is closed, freeing what it held",
+        ),
+        p.add_argument(
             "--head-assist",
             choices=("on", "off"),
             default="off",
@@ -183,6 +212,40 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
             "`meshnet up`'s; default off)",
         ),
     ]
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {value}")
+    return value
+
+
+def declare_kv_pace(p: ArgumentTarget) -> list[argparse.Action]:
+    """How long a KV transfer may take (kv/pace.py), taken by nodes and the tracker."""
+    return [
+        p.add_argument(
+            "--kv-transfer-base",
+            type=positive_duration,
+            default=30.0,
+            help="seconds any KV transfer may take whatever its size",
+        ),
+        p.add_argument(
+            "--kv-transfer-rate",
+            type=positive_float,
+            default=1.0,
+            help="MiB/s a KV transfer must keep up beyond that: its limit is the base plus "
+            "its bytes at this rate, and a slower peer is cut",
+        ),
+    ]
+
+
+def kv_pace(args: argparse.Namespace) -> TransferPace:
+    return TransferPace(args.kv_transfer_base, args.kv_transfer_rate * MB)
 
 
 def _port_or_off(text: str) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from meshnet.cli.options import add_options, declare_tracker_options
+from meshnet.cli.options import add_options, declare_kv_pace, declare_tracker_options, kv_pace
 from meshnet.tracker.admission import AdmissionConfig
 from meshnet.tracker.driver import DriverLimits
 from meshnet.tracker.main import TrackerProcessConfig, serve
@@ -35,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="the mesh secret nodes' keys derive from (default: DATA_DIR/mesh.secret, made once)",
     )
     add_options(p, declare_tracker_options, "tracker options (also taken by `meshnet up`)")
+    add_options(p, declare_kv_pace, "KV transfers (also taken by `meshnet up`)")
     p.set_defaults(run=run)
 
 
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
             mesh_secret_file=args.mesh_secret_file,
             verify_rate=args.verify_rate,
             trusted_nodes=trusted,
+            kv_pace=kv_pace(args),
             tracker=TrackerConfig(
                 heartbeat_timeout_s=args.heartbeat_timeout,
                 replicas=args.replicas,

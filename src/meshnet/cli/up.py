@@ -24,6 +24,7 @@ from meshnet.auth.credentials import CREDENTIALS_FILE
 from meshnet.cli.model_ref import MODEL_HELP, header_info
 from meshnet.cli.options import (
     add_options,
+    declare_kv_pace,
     declare_node_options,
     declare_tracker_options,
     given_argv,
@@ -66,6 +67,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     add_options(
         p,
+        declare_kv_pace,
+        "KV transfers",
+        "passed to the tracker and every node",
+        given_only=True,
+    )
+    add_options(
+        p,
         declare_tracker_options,
         "tracker options",
         "passed to the tracker; the mesh's own heartbeat timeout is 2 s",
@@ -87,8 +95,14 @@ def local_mesh(args: argparse.Namespace, data_dir: Path) -> LocalMesh:
         data_dir=data_dir,
         port=args.port,
         model=args.model,
-        node_args=given_argv(declare_node_options, args, skip={"threads"}),
-        tracker_args=given_argv(declare_tracker_options, args),
+        node_args=[
+            *given_argv(declare_node_options, args, skip={"threads"}),
+            *given_argv(declare_kv_pace, args),
+        ],
+        tracker_args=[
+            *given_argv(declare_tracker_options, args),
+            *given_argv(declare_kv_pace, args),
+        ],
     )
 
 

@@ -62,7 +62,7 @@ def send_stream(
 
 def recv_stream(
     sock: socket.socket,
-    check: Callable[[pb.KVHeader], None],
+    check: Callable[[pb.KVHeader], float | None],
     deadline: float,
 ) -> tuple[pb.KVHeader, bytearray]:
     """Read and verify one whole stream; the payload only when everything checks out."""
@@ -76,7 +76,7 @@ def recv_stream(
         header.ParseFromString(_read(sock, size, deadline, "header"))
     except Exception:
         raise KVImportFailed("the header does not parse", "invalid") from None
-    check(header)
+    deadline = check(header) or deadline  # sized to the stream, once its size is known
     # The payload grows as verified chunks arrive: a sender that stalls after its
     # header costs nothing; at most _AHEAD chunks wait for their hash beside it.
     payload = bytearray()

@@ -120,16 +120,17 @@ def check_header(h: pb.KVHeader, shape: KVShape, expected_prefix_hash: str | Non
 
 def read_stream(
     frames: Iterator[pb.KVFrame],
-    check: Callable[[pb.KVHeader], None],
+    check: Callable[[pb.KVHeader], float | None],
     deadline: float,
 ) -> tuple[pb.KVHeader, bytearray]:
     """Read and verify one whole stream; the payload only when everything checks out.
+    ``check`` vets the header and may answer a new deadline for the rest.
 
     The payload grows as verified chunks arrive: a sender that stops after its
     header costs the receiver nothing.
     """
     header = _next(frames, deadline, "header").header
-    check(header)
+    deadline = check(header) or deadline  # sized to the stream, once its size is known
     payload = bytearray()
     hashes: list[bytes] = []
     n_chunks = -(-header.total_bytes // header.chunk_bytes)

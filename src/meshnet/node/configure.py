@@ -49,8 +49,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-DRAIN_TIMEOUT_S = 60.0  # a T2/T3 change not applied by then is withdrawn: nothing changes
-
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_QUEUED_STEPS = 1 << 16  # more would only queue work no deadline lets finish
 MAX_BATCH_TOKENS = 1 << 16  # rows of one forward: activations of [rows, d] per layer
@@ -243,7 +241,7 @@ class Configurator:
             check_batching(change, self._engine.config, self._engine.stats().kv_bytes)
             if check:
                 return self._answer(change, False, "checked: the batching can be applied")
-            _drained(self._engine.configure_batching(change))
+            self._drained(self._engine.configure_batching(change))
             return self._answer(change, True, "batching applied at a step boundary")
         if isinstance(change, Unload):
             return self._unload(change, check)
@@ -252,7 +250,7 @@ class Configurator:
     def _unload(self, change: Unload, check: bool) -> pb.ConfigureResponse:
         if check:
             return self._answer(change, False, "checked: the node can be emptied")
-        ended = _drained(self._engine.swap(None))
+        ended = self._drained(self._engine.swap(None))
         reply = self._answer(change, True, f"unloaded: empty; {ended} sessions' KV dropped")
         reply.sessions_ended = ended
         return reply
@@ -283,7 +281,7 @@ class Configurator:
             raise RequestError(f"not enough memory to load {change.layers}") from None
         del f  # the header's values go (a large vocabulary is tens of MB of strings)
         settle()  # and the memory they held goes back to the system
-        ended = _drained(self._engine.swap(shard))
+        ended = self._drained(self._engine.swap(shard))
         if self._models is not None:
             self._models.serving(fetched)  # what the node served before is dropped
         if keeps:
@@ -293,6 +291,9 @@ class Configurator:
         reply = self._answer(change, True, detail, keeps)
         reply.sessions_ended = ended
         return reply
+
+    def _drained(self, future: Future[T]) -> T:
+        return _drained(future, self._engine.config.drain_timeout_s)
 
     def _answer(
         self, change: Change, applied: bool, detail: str, keeps_kv: bool = False
@@ -316,14 +317,14 @@ class Configurator:
         return reply
 
 
-def _drained(future: Future[T]) -> T:
+def _drained(future: Future[T], timeout_s: float) -> T:
     """Wait for a staged change; one the node did not drain for in time is withdrawn."""
     try:
-        return future.result(DRAIN_TIMEOUT_S)
+        return future.result(timeout_s)
     except TimeoutError:
         if future.cancel():
             raise Overloaded(
-                f"the node did not drain within {DRAIN_TIMEOUT_S:.0f} s: nothing changed"
+                f"the node did not drain within {timeout_s:g} s: nothing changed"
             ) from None
         return future.result()  # it was being applied as the wait ended
 

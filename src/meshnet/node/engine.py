@@ -54,7 +54,7 @@ from meshnet.node.configure import (
     with_limits,
 )
 from meshnet.node.context import check_context_budget, served_context
-from meshnet.node.parking import ParkedKV, ParkStore
+from meshnet.node.parking import ParkedKV, ParkPhase, ParkStore
 from meshnet.node.scheduler import Slot, StepWork, budget_full, check_step_number, plan_batch
 from meshnet.protocol.commitments import RowLog, commits_exactly
 from meshnet.protocol.sketches import check_width
@@ -74,6 +74,7 @@ class EngineConfig:
     backend: str = DEFAULT_BACKEND
     park_dir: str | None = None  # where parked KV goes; None: a fresh temp directory
     ctx: int = 0  # positions a sequence may reach (``--ctx``); 0: the model's trained context
+    drain_timeout_s: float = 60.0  # a T2/T3 change not applied by then is withdrawn
 
 
 @dataclass
@@ -99,6 +100,15 @@ class OpenedSlot:
     kv_tokens: int  # positions of KV held
     steps: int  # steps committed
     unparked: bool = False  # read back from local disk by this open
+
+
+@dataclass(frozen=True)
+class ParkedSlot:
+    """What a park did: the positions now on disk and the hot bytes it freed (0 when
+    the session was parked already)."""
+
+    tokens: int
+    freed_bytes: int
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,7 @@ class NodeEngine:
         self._shard: Shard | None = None
         self._slots: dict[str, Slot] = {}
         self._parked: dict[str, ParkedKV] = {}
+        self._prepared: dict[str, ParkedKV] = {}  # parks written, KV still hot (PREPARE)
         self._park_store = ParkStore(config.park_dir)
         self._fences: OrderedDict[str, int] = OrderedDict()  # newest epoch seen per session
         self._budget = KVBudget(config.kv_budget_bytes)
@@ -250,10 +261,14 @@ class NodeEngine:
         """
         return self._control(lambda: self._apply_open(session_id, epoch, resume, rewind))
 
-    def park(self, session_id: str, epoch: int | None = None) -> Future[int]:
+    def park(
+        self, session_id: str, epoch: int | None = None, phase: ParkPhase = ParkPhase.NOW
+    ) -> Future[ParkedSlot]:
         """Move an idle session's KV (of ``epoch`` or older) to local disk, out of the
-        budget; its positions."""
-        return self._control(lambda: self._apply_park(session_id, epoch))
+        budget: at once (``NOW``), or written by ``PREPARE`` (the KV stays hot) and
+        then moved by ``COMMIT`` or forgotten by ``ABORT``. ``ParkFailed`` when it
+        cannot be written (nothing is left on disk); the KV stays hot on any failure."""
+        return self._control(lambda: self._apply_park(session_id, epoch, phase))
 
     def release(self, session_id: str, epoch: int) -> Future[bool]:
         """Free a session's KV (hot or parked) and queued steps, unless a newer epoch
@@ -548,11 +563,14 @@ class NodeEngine:
         if park:
             for session_id in list(self._slots):
                 try:
-                    self._apply_park(session_id, None)
-                except (MeshnetError, OSError) as e:
+                    self._apply_park(session_id, None, ParkPhase.NOW)
+                except MeshnetError as e:
                     log.warning("session %s could not be parked for the reload: %s", session_id, e)
         ended = len(self._slots) + (0 if park else len(self._parked))
         self._slots.clear()
+        for parked in self._prepared.values():
+            self._park_store.remove(parked)
+        self._prepared.clear()
         if not park:
             for parked in self._parked.values():
                 self._park_store.remove(parked)
@@ -681,24 +699,41 @@ class NodeEngine:
             check_width(shard.spec.d_model)
         return RowLog(base, exact)
 
-    def _apply_park(self, session_id: str, epoch: int | None) -> int:
+    def _apply_park(self, session_id: str, epoch: int | None, phase: ParkPhase) -> ParkedSlot:
+        prepared = self._prepared.pop(session_id, None)
+        if phase is ParkPhase.ABORT:
+            if prepared is not None:
+                self._park_store.remove(prepared)
+            return ParkedSlot(0, 0)
         slot = self._slots.get(session_id)
         if slot is None:
             parked = self._parked.get(session_id)
             if parked is None:
                 raise CacheMiss(f"no KV for session {session_id}")
-            return parked.tokens  # parked already
+            return ParkedSlot(parked.tokens, 0)  # parked already
+        if phase is ParkPhase.COMMIT:
+            if prepared is None or (prepared.epoch, prepared.steps) != (slot.epoch, slot.steps):
+                if prepared is not None:
+                    self._park_store.remove(prepared)
+                raise StaleEpoch(f"session {session_id} moved on since its park was prepared")
+            return self._move_to_disk(session_id, slot, prepared)
         if epoch is not None and slot.epoch > epoch:
             raise StaleEpoch(f"session {session_id} moved on to epoch {slot.epoch}")
         if any(w.session_id == session_id for w in self._pending):
             raise Overloaded(f"session {session_id} is running a step; park it when idle")
         payload = slot.kv.export_bytes()
         parked = self._park_store.write(session_id, slot.epoch, slot.steps, slot.kv.length, payload)
+        if phase is ParkPhase.PREPARE:
+            self._prepared[session_id] = parked
+            return ParkedSlot(parked.tokens, 0)
+        return self._move_to_disk(session_id, slot, parked)
+
+    def _move_to_disk(self, session_id: str, slot: Slot, parked: ParkedKV) -> ParkedSlot:
         del self._slots[session_id]
         self._freed = True
         self._parked[session_id] = parked
         self._account()
-        return parked.tokens
+        return ParkedSlot(parked.tokens, slot.kv.nbytes + slot.sent_bytes)  # as _account counts
 
     def _unpark(self, shard: Shard, session_id: str) -> bool:
         """Make parked KV hot again; a file that fails its check is dropped (KV rebuilt)."""
@@ -776,9 +811,10 @@ class NodeEngine:
         """Forget a session's KV (hot and parked) and fail its unfinished steps."""
         if self._slots.pop(session_id, None) is not None:
             self._freed = True
-        parked = self._parked.pop(session_id, None)
-        if parked is not None:
-            self._park_store.remove(parked)
+        for files in (self._parked, self._prepared):
+            parked = files.pop(session_id, None)
+            if parked is not None:
+                self._park_store.remove(parked)
         self._fail_steps(session_id, Cancelled(f"session {session_id} was released"))
         self._account()
 

@@ -5,8 +5,10 @@ for one fetch over the bulk TCP port, ``StatePull`` fetches it straight from
 another node, ``StatePut`` imports a stream. The tracker may export any
 session; a peer only the one its pull token names. An import takes the token
 prefix the tracker vouches for, is checked header first and chunk by chunk,
-runs under one deadline, and on any failure leaves the session holding
-nothing; at most ``MAX_IMPORTS`` run at once.
+runs under one deadline sized to its bytes once the header says how many
+(``TransferPace``: a base plus the bytes over a minimum rate, so a trickling
+peer is cut whatever the size), and on any failure leaves the session
+holding nothing; at most ``MAX_IMPORTS`` run at once.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -24,6 +27,7 @@ from meshnet.auth.mesh_keys import SERVICE
 from meshnet.auth.signing import METADATA_KEY, PREFIX_KEY, require_peer
 from meshnet.errors import KVImportFailed, MeshnetError, PermissionDenied
 from meshnet.kv.bulk import recv_stream
+from meshnet.kv.pace import TransferPace
 from meshnet.kv.transfer import KVShape, check_header, export_frames, read_stream
 from meshnet.model.shard import Shard
 from meshnet.node.engine import ExportedKV, NodeEngine
@@ -32,10 +36,10 @@ from meshnet.node.wire import CONTROL_TIMEOUT_S, MAX_SESSION_ID, fail, remaining
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.codec import MESSAGE_OPTIONS
+from meshnet.protocol.keepalive import CLIENT_OPTIONS
 
 log = logging.getLogger(__name__)
 
-_TRANSFER_TIMEOUT_S = 60.0  # one KV import, whole stream
 _MAX_ADDRESS = 256
 _MAX_PREFIX_HASH = 128
 _CONNECT_TIMEOUT_S = 5.0
@@ -45,10 +49,17 @@ MAX_IMPORTS = 4  # KV imports at once; one more is refused (reason "busy") befor
 class KVService:
     """The KV transfer calls of one node's ``NodeEngine``."""
 
-    def __init__(self, engine: NodeEngine, gate: NodeGate, offers: KVOffers | None) -> None:
+    def __init__(
+        self,
+        engine: NodeEngine,
+        gate: NodeGate,
+        offers: KVOffers | None,
+        pace: TransferPace | None = None,
+    ) -> None:
         self.engine = engine
         self.gate = gate
         self.offers = offers  # the bulk TCP port, when this node runs one
+        self.pace = pace or TransferPace()  # how long an import may take, by its size
         self._imports = threading.BoundedSemaphore(MAX_IMPORTS)
 
     def get(
@@ -120,16 +131,16 @@ class KVService:
         if not request.token_prefix_hash or len(request.token_prefix_hash) > _MAX_PREFIX_HASH:
             return _put_failed(KVImportFailed("no vouched token prefix hash", "invalid"))
         token = ((METADATA_KEY, request.source_token),)
-        left = remaining_s(0, context)
-        limit = min(left, _TRANSFER_TIMEOUT_S) if left is not None else _TRANSFER_TIMEOUT_S
+        limit = _caller_limit(context)
         get = pb.StateGetRequest(
             session_id=request.session_id, token_prefix_hash=request.token_prefix_hash
         )
         prefix = request.token_prefix_hash
-        with grpc.insecure_channel(request.source, options=MESSAGE_OPTIONS) as channel:
+        options = [*MESSAGE_OPTIONS, *CLIENT_OPTIONS]
+        with grpc.insecure_channel(request.source, options=options) as channel:
             stub = pb_grpc.NodeStub(channel)
             try:
-                offer = stub.StateOffer(get, timeout=limit, metadata=token)
+                offer = stub.StateOffer(get, timeout=self.pace.base_s, metadata=token)
             except grpc.RpcError as e:
                 code = e.code() if isinstance(e, grpc.Call) else None
                 if code == grpc.StatusCode.NOT_FOUND:
@@ -141,7 +152,12 @@ class KVService:
             # A source without a bulk port streams the frames over gRPC.
             frames = stub.StateGet(get, timeout=limit, metadata=token)
             try:
-                return self._import(_reader(frames), limit, context, prefix, "grpc")
+
+                def cancel() -> None:
+                    frames.cancel()
+                    context.cancel()
+
+                return self._import(_reader(frames), limit, context, prefix, "grpc", cancel)
             finally:
                 frames.cancel()
 
@@ -153,17 +169,17 @@ class KVService:
         prefix = dict(context.invocation_metadata() or ()).get(PREFIX_KEY)
         if not prefix or len(prefix) > _MAX_PREFIX_HASH:
             return _put_failed(KVImportFailed("no vouched token prefix hash", "invalid"))
-        left = remaining_s(0, context)
-        limit = min(left, _TRANSFER_TIMEOUT_S) if left is not None else _TRANSFER_TIMEOUT_S
-        return self._import(_reader(request_iterator), limit, context, str(prefix), "grpc")
+        read = _reader(request_iterator)
+        return self._import(read, _caller_limit(context), context, str(prefix), "grpc")
 
     def _import(
         self,
         read: _Read,
-        limit: float,
+        limit: float | None,
         context: grpc.ServicerContext,
         prefix_hash: str | None,
         transport: str,
+        cancel: Callable[[], Any] | None = None,
     ) -> pb.StatePutResponse:
         shard = self.engine.shard
         if shard is None:
@@ -171,34 +187,37 @@ class KVService:
         if not self._imports.acquire(blocking=False):
             return _put_failed(KVImportFailed(f"{MAX_IMPORTS} imports are running", "busy"))
         try:
-            return self._import_now(read, limit, context, prefix_hash, transport, shard)
+            cutoff = Cutoff(self.pace, limit, cancel or context.cancel)
+            try:
+                return self._import_now(read, cutoff, prefix_hash, transport, shard)
+            finally:
+                cutoff.stop()
         finally:
             self._imports.release()
 
     def _import_now(
         self,
         read: _Read,
-        limit: float,
-        context: grpc.ServicerContext,
+        cutoff: Cutoff,
         prefix_hash: str | None,
         transport: str,
         shard: Shard,
     ) -> pb.StatePutResponse:
-        deadline = time.monotonic() + limit
-        # One deadline for the whole transfer: a stalled or trickling peer is cut off.
-        timer = threading.Timer(limit, context.cancel)
-        timer.start()
+        # One deadline for the whole transfer, sized once the header is read: a stalled
+        # or trickling peer is cut off.
         shape = kv_shape(shard)
         seen: list[pb.KVHeader] = []
 
-        def check(h: pb.KVHeader) -> None:
+        def check(h: pb.KVHeader) -> float:
             if not h.session_id or len(h.session_id) > MAX_SESSION_ID:
                 raise KVImportFailed("bad session id", "invalid")
             seen.append(h)
             check_header(h, shape, prefix_hash)
+            return cutoff.sized(h.total_bytes)
 
         try:
-            header, payload = read(check, deadline)
+            header, payload = read(check, cutoff.at)
+            cutoff.stop()  # all read: loading it is the engine's
             held = self.engine.import_kv(
                 header.session_id, header.epoch, header.steps, header.tokens, payload
             ).result(CONTROL_TIMEOUT_S)
@@ -206,8 +225,6 @@ class KVService:
             if seen:
                 self.engine.quarantine(seen[0].session_id).result(CONTROL_TIMEOUT_S)
             return _put_failed(e)
-        finally:
-            timer.cancel()
         return pb.StatePutResponse(imported=True, tokens=held.kv_tokens, transport=transport)
 
 
@@ -226,7 +243,46 @@ def kv_shape(shard: Shard) -> KVShape:
     )
 
 
-_Check = Callable[[pb.KVHeader], None]
+class Cutoff:
+    """One transfer's deadline (monotonic): ``base_s`` until the header says its size,
+    then ``pace.limit_s(size)`` from the start, never past ``cap_s`` (the caller's own
+    deadline). When it passes, ``cancel`` is called: a read blocked on a silent peer
+    returns at once."""
+
+    def __init__(self, pace: TransferPace, cap_s: float | None, cancel: Callable[[], Any]) -> None:
+        self.pace = pace
+        self.started = time.monotonic()
+        self.cap_s = cap_s
+        self._cancel = cancel
+        self._timer: threading.Timer | None = None
+        self.at = self._arm(pace.base_s)
+
+    def sized(self, nbytes: int) -> float:
+        """The deadline for a stream of ``nbytes``, from now on."""
+        self.stop()
+        self.at = self._arm(self.pace.limit_s(nbytes))
+        return self.at
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _arm(self, limit_s: float) -> float:
+        if self.cap_s is not None:
+            limit_s = min(limit_s, self.cap_s)
+        at = self.started + limit_s
+        self._timer = threading.Timer(max(0.0, at - time.monotonic()), self._cancel)
+        self._timer.daemon = True
+        self._timer.start()
+        return at
+
+
+def _caller_limit(context: grpc.ServicerContext) -> float | None:
+    """Seconds the caller's own deadline leaves, if it set one."""
+    return remaining_s(0, context)
+
+
+_Check = Callable[[pb.KVHeader], float]
 _Read = Callable[[_Check, float], tuple[pb.KVHeader, bytearray]]
 
 

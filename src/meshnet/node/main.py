@@ -21,6 +21,7 @@ import numba
 from meshnet.auth.grpc_auth import NodeGate
 from meshnet.backends.kernel_threads import set_threads
 from meshnet.errors import KVBudgetExhausted, MeshnetError
+from meshnet.kv.pace import TransferPace
 from meshnet.layer_range import LayerRange
 from meshnet.model.bundled import bundled_model_path
 from meshnet.model_source.config import SourceConfig, source_config
@@ -33,7 +34,7 @@ from meshnet.node.metrics_http import MetricsServer
 from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.model_fetch import NodeModels, progress_wanted
 from meshnet.node.preflight import check_node
-from meshnet.node.relay_socket import RelayListener
+from meshnet.node.relay_socket import RelayListener, RelayTimeouts
 from meshnet.node.service import NodeIdentity, NodeService
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.codec import MESSAGE_OPTIONS
@@ -74,6 +75,11 @@ class NodeConfig:
     # Where models given by reference (hf:ORG/REPO:QUANT, URLs) are fetched to; None:
     # the default cache (MESHNET_CACHE), named by the node's id at the source.
     source: SourceConfig | None = None
+    # How long a KV import may take: a base plus its bytes over a minimum rate.
+    kv_pace: TransferPace = field(default_factory=TransferPace)
+    # How long a relay-port peer may hold its connection without progress, and how
+    # gRPC and the relay port probe a peer that may have vanished (protocol/keepalive.py).
+    relay_timeouts: RelayTimeouts = field(default_factory=RelayTimeouts)
 
 
 _MAX_RELAY_CONNECTIONS = 8  # previous hops relaying over TCP at once (a thread each)
@@ -170,6 +176,7 @@ def _serve_relay(cfg: NodeConfig, host: str, service: NodeService) -> RelayListe
         service.file_array,
         _MAX_RELAY_CONNECTIONS,
         head=service.answer_head,
+        timeouts=cfg.relay_timeouts,
     )
     service.relay_port = listener.port
     print(f"meshnet node {cfg.node_id} takes relayed inputs on port {listener.port}", flush=True)
@@ -207,7 +214,7 @@ def serve(cfg: NodeConfig) -> int:
             max_workers=cfg.engine.max_streams + cfg.control_workers, thread_name_prefix="grpc"
         ),
         interceptors=[gate],
-        options=MESSAGE_OPTIONS,
+        options=[*MESSAGE_OPTIONS, *cfg.relay_timeouts.keepalive.server_options()],
     )
     listen_host = cfg.listen.rsplit(":", 1)[0].strip("[]")
     host = cfg.advertise_host or listen_host
@@ -217,7 +224,9 @@ def serve(cfg: NodeConfig) -> int:
     start_dir = [] if is_reference(model_path) else [Path(model_path).parent]
     dirs = ModelDirs.of([*cfg.model_dirs, *start_dir])
     identity = NodeIdentity(cfg.node_id, model_path, dirs, models)
-    service = NodeService(identity, engine, gate, offers, head_assist=cfg.head_assist)
+    service = NodeService(
+        identity, engine, gate, offers, head_assist=cfg.head_assist, kv_pace=cfg.kv_pace
+    )
     pb_grpc.add_NodeServicer_to_server(service, server)
     metrics.watch(service.stats)
     port = server.add_insecure_port(cfg.listen)

@@ -4,11 +4,15 @@ A parked session costs no KV budget; resuming it reads the file back, checks
 its hash and makes it the session's KV again, which is far cheaper than
 recomputing it. Files are written to a temp name and renamed, so a file under
 its final name is always whole; one that fails its hash is discarded and the
-session is rebuilt by its driver.
+session is rebuilt by its driver. A write that fails (a full disk, a directory
+that cannot be made or written) leaves no file behind and is ``ParkFailed``:
+the session's KV stays hot.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import hashlib
 import os
 import shutil
@@ -17,8 +21,17 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshnet.errors import CacheMiss
+from meshnet.errors import CacheMiss, ParkFailed
 from meshnet.kv.transfer import digest
+
+
+class ParkPhase(enum.Enum):
+    """How much of a park one call does (the wire's ``ParkPhase``, same numbers)."""
+
+    NOW = 0  # write the file and free the hot KV
+    PREPARE = 1  # write the file; the KV stays hot until COMMIT
+    COMMIT = 2  # free the hot KV of a prepared park (refused if the session moved on)
+    ABORT = 3  # forget a prepared park: its file goes
 
 
 @dataclass(frozen=True)
@@ -54,12 +67,23 @@ class ParkStore:
     def write(
         self, session_id: str, epoch: int, steps: int, tokens: int, payload: memoryview
     ) -> ParkedKV:
+        """The parked file of a session's KV; ``ParkFailed`` (nothing left on disk) when
+        the directory cannot be made or the file not written whole."""
         name = hashlib.sha256(session_id.encode()).hexdigest()[:32]  # ids may hold any character
-        path = self.directory / f"{name}.kv"
+        try:
+            path = self.directory / f"{name}.kv"
+        except OSError as e:
+            raise ParkFailed(f"park directory {self._configured} unusable: {e.strerror}") from None
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(payload)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(payload)
+            os.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            message = f"could not write {len(payload)} bytes to {tmp}: {e.strerror}"
+            raise ParkFailed(message) from None
         return ParkedKV(epoch, steps, tokens, path, digest(payload).hex(), len(payload))
 
     @staticmethod

@@ -38,11 +38,12 @@ from meshnet.errors import (
     StreamReset,
     error_for_kind,
 )
-from meshnet.node.relay_socket import SocketLink
+from meshnet.node.relay_socket import SENDER_IDLE_S, SocketLink
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.codec import MESSAGE_OPTIONS
+from meshnet.protocol.keepalive import CLIENT_OPTIONS
 
 RelayKey = tuple[str, int, int]  # (session id, epoch, step)
 Offered = Callable[[str, str, int], None]  # (address, token, relay port): a port is offered
@@ -216,6 +217,10 @@ class RelaySender:
         there breaks, until ``forget``."""
         with self._lock:
             link = self._links.get(address)
+            if link is not None and link.broken is None and link.idle_s() > SENDER_IDLE_S:
+                del self._links[address]  # before the next hop's idle cut can meet a send
+                link.retire()
+                link = None
         if link is not None and link.broken is None:
             link.send(*key, x, on_failure)
             return
@@ -300,7 +305,7 @@ class _RelayStream:
         self._token = token
         self._offered = offered
         self.broken: MeshnetError | None = None
-        self._channel = grpc.insecure_channel(address, options=MESSAGE_OPTIONS)
+        self._channel = grpc.insecure_channel(address, options=[*MESSAGE_OPTIONS, *CLIENT_OPTIONS])
         self._frames: queue.Queue[pb.RelayFrame | None] = queue.Queue()
         self._waiting: deque[Future[pb.RelayAck]] = deque()
         self._lock = threading.Lock()

@@ -14,10 +14,17 @@ reads an answer it does not need. Frames are laid out in node/relay_wire.py.
   in its verdict, and its sender keeps to gRPC). A frame it cannot read closes only
   that connection, after a ``closing`` refusal saying why; an input it cannot
   file (checked as a ``RelayFrame``'s would be) is refused and changes nothing.
+  No peer holds a connection (its slot, its thread) past a bound
+  (``RelayTimeouts``): the hello and each frame, once begun, must arrive whole
+  within ``frame_s``; a connection that sends nothing for ``idle_s`` is closed;
+  a peer that does not take an answer within ``frame_s`` (it stopped reading)
+  is cut; and TCP keepalive finds a peer that vanished without closing.
 - **Link** (``SocketLink``): the sender's side of one connection. Whoever relays
   over it names what to call when an input of that (session, epoch) is refused
   or the connection breaks: the next hop's failure, as a refused or broken
-  ``RelayStream`` is.
+  ``RelayStream`` is. A sender closes a link it has not used for
+  ``SENDER_IDLE_S``, before the listener's idle cut could meet a send, and
+  relays over the stream until a new link is let in.
 - **Head link** (``HeadLink``): a connection whose hello asks for head parts
   instead; the listener answers each ask in order, on the connection's thread,
   through ``AnswerHead`` (its refusal answered, the connection kept).
@@ -31,8 +38,9 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,12 +53,25 @@ from meshnet.errors import (
     error_for_kind,
 )
 from meshnet.node import relay_wire as wire
+from meshnet.node.relay_reads import Readable, read_by, read_exactly
+from meshnet.protocol.keepalive import Keepalive, tcp_keepalive
 
 log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 5.0  # a connection that shows no token by then is closed
 CONNECT_TIMEOUT_S = 2.0
 SEND_TIMEOUT_S = 5.0  # a next hop that takes no bytes for this long is broken
+SENDER_IDLE_S = 60.0  # a link unused this long is closed by its sender
+
+
+@dataclass(frozen=True)
+class RelayTimeouts:
+    """How long the listener lets a peer hold a connection without progress."""
+
+    idle_s: float = 300.0  # no frame begun for this long: closed (its sender reconnects)
+    frame_s: float = 10.0  # a frame (or the hello), once begun, and each answer's send
+    keepalive: Keepalive = field(default_factory=Keepalive)  # finds a vanished peer
+
 
 # Checks a hello's token; raises the typed refusal.
 CheckToken = Callable[[str], None]
@@ -73,7 +94,9 @@ class RelayListener:
         file: FileInput,
         max_connections: int,
         head: AnswerHead | None = None,
+        timeouts: RelayTimeouts | None = None,
     ) -> None:
+        self.timeouts = timeouts or RelayTimeouts()
         self._listener = socket.create_server((host, port))
         self.port: int = self._listener.getsockname()[1]
         self._check = check
@@ -113,6 +136,8 @@ class RelayListener:
                 self._open.add(conn)
             try:
                 self._serve(conn, reader)
+            except TimeoutError as e:
+                log.info("a relay connection was cut: %s", e or "its peer made no progress")
             except (OSError, MeshnetError) as e:
                 log.info("a relay connection ended: %s", e)
             finally:
@@ -125,10 +150,10 @@ class RelayListener:
             conn.settimeout(HELLO_TIMEOUT_S)
             conn.sendall(wire.verdict(f"{error.kind}: {error.message}"))
 
-    def _serve(self, conn: socket.socket, reader: _Readable) -> None:
-        conn.settimeout(HELLO_TIMEOUT_S)
-        magic, n = wire.read_hello(_read(reader, wire.HELLO.size))
-        token = _read(reader, n).decode(errors="replace")
+    def _serve(self, conn: socket.socket, reader: Readable) -> None:
+        deadline = time.monotonic() + min(HELLO_TIMEOUT_S, self.timeouts.frame_s)
+        magic, n = wire.read_hello(read_by(conn, reader, wire.HELLO.size, deadline))
+        token = read_by(conn, reader, n, deadline).decode(errors="replace")
         try:
             self._check(token)
             if magic == wire.HEAD_MAGIC and self._head is None:
@@ -136,55 +161,67 @@ class RelayListener:
         except MeshnetError as e:
             self._refuse_hello(conn, e)
             return
+        conn.settimeout(self.timeouts.frame_s)
         conn.sendall(wire.verdict(None))
-        conn.settimeout(None)  # a hop between runs sends nothing for as long as it likes
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tcp_keepalive(conn, self.timeouts.keepalive)
         if magic == wire.HEAD_MAGIC:
             self._serve_head(conn, reader)
             return
-        while True:
-            head = reader.read(wire.INPUT_HEADER.size)
-            if not head:
-                return  # the sender closed it
-            self._take(conn, reader, head)
+        while (deadline := self._next_frame(conn, reader)) is not None:
+            head = read_by(conn, reader, wire.INPUT_HEADER.size, deadline)
+            self._take(conn, reader, head, deadline)
 
-    def _take(self, conn: socket.socket, reader: _Readable, head: bytes) -> None:
+    def _next_frame(self, conn: socket.socket, reader: Readable) -> float | None:
+        """Wait (up to ``idle_s``: a hop between runs sends nothing) for a frame to
+        begin; the deadline for the whole of it, or None when the sender closed.
+        ``TimeoutError`` when the connection stayed idle too long."""
+        conn.settimeout(self.timeouts.idle_s)
+        try:
+            begun = reader.peek(1)
+        except TimeoutError:
+            raise TimeoutError(f"idle for {self.timeouts.idle_s:.0f}s") from None
+        if not begun:
+            return None
+        return time.monotonic() + self.timeouts.frame_s
+
+    def _send(self, conn: socket.socket, data: bytes) -> None:
+        """An answer the peer must take within ``frame_s`` (``TimeoutError`` if not)."""
+        conn.settimeout(self.timeouts.frame_s)
+        conn.sendall(data)
+
+    def _take(self, conn: socket.socket, reader: Readable, head: bytes, deadline: float) -> None:
         """Read one input and file it, answering only a refusal; a frame that breaks
         the format is answered ``closing`` and ends the connection."""
         try:
-            if len(head) != wire.INPUT_HEADER.size:
-                raise MalformedBundle("a relay frame cut short")
             h = wire.read_input_header(head)
-            rest = _read(reader, h.session_bytes + h.data_bytes)  # one read: both come at once
+            # One read: both come at once.
+            rest = read_by(conn, reader, h.session_bytes + h.data_bytes, deadline)
             session_id = rest[: h.session_bytes].decode()
             data = memoryview(rest)[h.session_bytes :]
         except (MalformedBundle, UnicodeDecodeError) as e:
             error = e if isinstance(e, MalformedBundle) else MalformedBundle("a bad session id")
-            conn.sendall(wire.refusal(True, "", 0, 0, error.kind, error.message))
+            self._send(conn, wire.refusal(True, "", 0, 0, error.kind, error.message))
             raise error from None
         refused = self._file(session_id, h.epoch, h.step, wire.as_array(h, data))
         if refused is not None:
-            conn.sendall(
-                wire.refusal(False, session_id, h.epoch, h.step, refused.kind, refused.message)
+            self._send(
+                conn,
+                wire.refusal(False, session_id, h.epoch, h.step, refused.kind, refused.message),
             )
 
-    def _serve_head(self, conn: socket.socket, reader: _Readable) -> None:
+    def _serve_head(self, conn: socket.socket, reader: Readable) -> None:
         """Answer each ask in order; a frame that breaks the format ends the connection
         (its sender sees it close)."""
         assert self._head is not None
-        while True:
-            raw = reader.read(wire.ASK_HEADER.size)
-            if not raw:
-                return
-            if len(raw) != wire.ASK_HEADER.size:
-                raise MalformedBundle("a head ask cut short")
-            ask = wire.read_ask(raw)
-            x = np.frombuffer(_read(reader, wire.ask_bytes(ask)), "<f4")
+        while (deadline := self._next_frame(conn, reader)) is not None:
+            ask = wire.read_ask(read_by(conn, reader, wire.ASK_HEADER.size, deadline))
+            x = np.frombuffer(read_by(conn, reader, wire.ask_bytes(ask), deadline), "<f4")
             try:
                 parts = wire.part_frame(ask.number, self._head(ask, x.reshape(ask.rows, -1)))
             except MeshnetError as e:
                 parts = wire.part_frame(ask.number, None, f"{e.kind}: {e.message}")
-            conn.sendall(b"".join(parts))
+            self._send(conn, b"".join(parts))
 
 
 class SocketLink:
@@ -197,6 +234,8 @@ class SocketLink:
         self._watchers: dict[tuple[str, int], OnFailure] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
+        self._used = time.monotonic()  # when an input was last sent
+        tcp_keepalive(sock, Keepalive())
         threading.Thread(target=self._read, name="relay-out", daemon=True).start()
 
     @classmethod
@@ -219,6 +258,7 @@ class SocketLink:
         if broken is not None:
             on_failure(broken)
             return
+        self._used = time.monotonic()
         try:
             with self._send_lock:
                 self._sock.sendall(frame)
@@ -234,6 +274,18 @@ class SocketLink:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
 
+    def idle_s(self) -> float:
+        """Seconds since an input was last sent over it."""
+        return time.monotonic() - self._used
+
+    def retire(self) -> None:
+        """Close a link no run uses (idle): nobody is told of its end."""
+        with self._lock:
+            self._watchers.clear()
+            if self.broken is None:
+                self.broken = StreamReset(f"the relay link to {self.address} was idle")
+        self.close()
+
     def _read(self) -> None:
         error: MeshnetError = StreamReset(f"the relay connection to {self.address} ended")
         try:
@@ -245,7 +297,7 @@ class SocketLink:
         with contextlib.suppress(OSError):
             self._sock.close()
 
-    def _refusals(self, reader: _Readable, error: MeshnetError) -> MeshnetError:
+    def _refusals(self, reader: Readable, error: MeshnetError) -> MeshnetError:
         """Tell each refusal to its run until the connection ends; the failure that
         ended it."""
         while True:
@@ -253,7 +305,7 @@ class SocketLink:
             if head is None or len(head) != wire.REFUSAL_HEADER.size:
                 return error
             fields = wire.read_refusal_header(head)
-            refusal = wire.read_refusal(fields, _read(reader, sum(fields[1:4])))
+            refusal = wire.read_refusal(fields, read_exactly(reader, sum(fields[1:4])))
             failure = error_for_kind(refusal.kind, f"{self.address}: {refusal.message}")
             if refusal.closing:
                 return failure
@@ -340,8 +392,8 @@ def _let_in(host: str, port: int, token: str, address: str, magic: bytes) -> soc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.sendall(wire.hello(token, magic))
         with sock.makefile("rb", buffering=0) as reader:  # reads no byte past the verdict
-            status, n = wire.VERDICT.unpack(_read(reader, wire.VERDICT.size))
-            reason = _read(reader, min(n, wire.MAX_MESSAGE_BYTES)).decode(errors="replace")
+            status, n = wire.VERDICT.unpack(read_exactly(reader, wire.VERDICT.size))
+            reason = read_exactly(reader, min(n, wire.MAX_MESSAGE_BYTES)).decode(errors="replace")
         if status != 0:
             kind, _, message = reason.partition(": ")
             raise error_for_kind(kind, f"{address} relay port: {message}")
@@ -353,20 +405,3 @@ def _let_in(host: str, port: int, token: str, address: str, magic: bytes) -> soc
         sock.close()
         raise
     return sock
-
-
-class _Readable(Protocol):
-    """What ``socket.makefile("rb")`` gives."""
-
-    def read(self, n: int, /) -> bytes | None: ...
-
-
-def _read(reader: _Readable, n: int) -> bytes:
-    """Exactly ``n`` bytes; ``MalformedBundle`` when the stream ends before."""
-    data = b""
-    while len(data) < n:
-        part = reader.read(n - len(data))
-        if not part:
-            raise MalformedBundle("a relay connection ended mid-frame")
-        data += part
-    return data

@@ -37,6 +37,7 @@ from meshnet.errors import (
     RequestError,
     ShardMismatch,
 )
+from meshnet.kv.pace import TransferPace
 from meshnet.model.logprobs import MAX_TOP_LOGPROBS, token_logprobs
 from meshnet.model.sampling import Sampler, SamplingParams
 from meshnet.model.shard import Shard
@@ -49,6 +50,7 @@ from meshnet.node.kv_offers import KVOffers
 from meshnet.node.kv_service import KVService
 from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.model_fetch import NodeModels
+from meshnet.node.parking import ParkPhase
 from meshnet.node.relay import Mailbox, RelaySender
 from meshnet.node.relay_wire import Ask
 from meshnet.node.scheduler import StepWork
@@ -107,6 +109,7 @@ class NodeService(pb_grpc.NodeServicer):
         gate: NodeGate,
         offers: KVOffers | None = None,
         head_assist: bool = False,
+        kv_pace: TransferPace | None = None,
     ) -> None:
         self.identity = identity
         self.engine = engine
@@ -122,7 +125,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.gate = gate
         self._relays = threading.BoundedSemaphore(_MAX_RELAY_STREAMS)  # from previous hops
         self._rings = _Tally()  # ring runs under way on this hop
-        self.kv = KVService(engine, gate, offers)
+        self.kv = KVService(engine, gate, offers, kv_pace)
         self.grammars = GrammarTokenizers()  # for a constrained sampling hop
         self.configurator = Configurator(
             engine,
@@ -673,14 +676,19 @@ class NodeService(pb_grpc.NodeServicer):
         return pb.ReleaseResponse(released=freed)
 
     def Park(self, request: pb.ParkRequest, context: grpc.ServicerContext) -> pb.ParkResponse:
+        """Park a session's KV on local disk, in one call or one phase of two
+        (``ParkPhase``); a failure is answered with its kind and leaves the KV hot."""
         try:
             if not request.session_id or len(request.session_id) > MAX_SESSION_ID:
                 raise MalformedBundle(f"session_id must have 1 to {MAX_SESSION_ID} characters")
+            if request.phase not in {p.value for p in ParkPhase}:
+                raise MalformedBundle(f"no park phase {request.phase}")
+            phase = ParkPhase(request.phase)
             epoch = request.epoch or None
-            tokens = self.engine.park(request.session_id, epoch).result(CONTROL_TIMEOUT_S)
+            done = self.engine.park(request.session_id, epoch, phase).result(CONTROL_TIMEOUT_S)
         except MeshnetError as e:
             return pb.ParkResponse(parked=False, failure=fail(e))
-        return pb.ParkResponse(parked=True, tokens=tokens)
+        return pb.ParkResponse(parked=True, tokens=done.tokens, freed_bytes=done.freed_bytes)
 
     # KV export and import (node/kv_service.py)
 

@@ -1,10 +1,22 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ParkPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PARK_NOW: _ClassVar[ParkPhase]
+    PARK_PREPARE: _ClassVar[ParkPhase]
+    PARK_COMMIT: _ClassVar[ParkPhase]
+    PARK_ABORT: _ClassVar[ParkPhase]
+PARK_NOW: ParkPhase
+PARK_PREPARE: ParkPhase
+PARK_COMMIT: ParkPhase
+PARK_ABORT: ParkPhase
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -460,22 +472,26 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class ParkRequest(_message.Message):
-    __slots__ = ("session_id", "epoch")
+    __slots__ = ("session_id", "epoch", "phase")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    phase: ParkPhase
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., phase: _Optional[_Union[ParkPhase, str]] = ...) -> None: ...
 
 class ParkResponse(_message.Message):
-    __slots__ = ("parked", "failure", "tokens")
+    __slots__ = ("parked", "failure", "tokens", "freed_bytes")
     PARKED_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
     parked: bool
     failure: Failure
     tokens: int
-    def __init__(self, parked: _Optional[bool] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...
+    freed_bytes: int
+    def __init__(self, parked: _Optional[bool] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., tokens: _Optional[int] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

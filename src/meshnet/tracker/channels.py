@@ -8,9 +8,11 @@ import grpc
 from meshnet.auth.mesh_keys import MeshKeys, Metadata
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.codec import MESSAGE_OPTIONS
+from meshnet.protocol.keepalive import CLIENT_OPTIONS
 
 _OPTIONS = [
     *MESSAGE_OPTIONS,
+    *CLIENT_OPTIONS,  # a node that vanished is found out, its calls failed
     # Fail fast on a dead address instead of waiting for reconnect backoff.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),

@@ -17,6 +17,7 @@ from meshnet.auth.mesh_keys import MeshKeys
 from meshnet.auth.quotas import QuotaGate
 from meshnet.auth.tenants import DEFAULT_TENANT, Quotas, TenantStore
 from meshnet.errors import NotFound
+from meshnet.kv.pace import TransferPace
 from meshnet.model.info import ModelInfo
 from meshnet.model_source.config import SourceConfig, source_config
 from meshnet.model_source.info import model_info
@@ -67,6 +68,8 @@ class TrackerProcessConfig:
     # Where models given by reference (hf:ORG/REPO:QUANT, URLs) are kept; None: the
     # default cache (MESHNET_CACHE).
     source: SourceConfig | None = None
+    # How long one KV transfer (a snapshot's export or import) may take, by its size.
+    kv_pace: TransferPace = field(default_factory=TransferPace)
 
 
 def mesh_secret(cfg: TrackerProcessConfig) -> str:
@@ -119,7 +122,7 @@ def serve(cfg: TrackerProcessConfig) -> int:
         other = model_tracker(tracker, info, path)
         served.add(ServedModel(info, other, Placement(other), path))
     session_store = SessionStore(store.db)
-    snapshots = SnapshotStore(cfg.data_dir / "snapshots")
+    snapshots = SnapshotStore(cfg.data_dir / "snapshots", cfg.kv_pace)
     session_models = SessionModels(store.db)
     runner = ModelTurns(served, session_models, session_store, snapshots)
     services = SessionServices(

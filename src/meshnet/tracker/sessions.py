@@ -6,6 +6,8 @@ hop written to the snapshot store and indexed, node memory freed). Moves are
 made by explicit call or by the policy: unused for ``park_after_s`` (parked),
 unused for ``evict_after_s`` once parked (evicted), and idle sessions on a
 node whose KV use passed ``pressure`` of its budget, least recently used first.
+A park is all or nothing (tracker/parking.py): a hop that cannot write it leaves
+the session idle and hot, and the policy tries that session again after a backoff.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from typing import Any
 import grpc
 
 from meshnet.errors import KVImportFailed, MeshnetError, RequestError, SessionGone
+from meshnet.kv.pace import paced
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.loops import LoopHealth
+from meshnet.tracker.parking import HopPark, ParkBackoff, park_route
 from meshnet.tracker.routes import Hop, route_json
 from meshnet.tracker.service import Tracker
 from meshnet.tracker.session_store import (
@@ -35,8 +39,6 @@ from meshnet.tracker.turns import TurnRunner, history_hash
 
 log = logging.getLogger(__name__)
 
-_CONTROL_TIMEOUT_S = 30.0
-_EXPORT_TIMEOUT_S = 60.0
 _MAX_SYSTEM_CHARS = 100_000
 
 
@@ -65,6 +67,7 @@ class Sessions:
         self.runner = runner
         self.policy = policy
         self._relieved: dict[str, float] = {}  # node -> when the policy last parked on it
+        self.park_backoff = ParkBackoff(policy.interval_s)
         self.policy_health = LoopHealth("session policy")
 
     def create(self, system: str | None) -> SessionRecord:
@@ -82,6 +85,7 @@ class Sessions:
             "turns": session.turns,
             "epoch": session.kv_epoch,
             "route": route_json(session.route),
+            "park_retry": self.park_backoff.describe(session.id),
             "snapshot": {
                 "id": session.snapshot_id,
                 "files": [
@@ -98,30 +102,19 @@ class Sessions:
             else None,
         }
 
-    async def park(self, session_id: str) -> SessionRecord:
-        """Idle → parked: every hop moves the KV to its disk (a hop that cannot keeps it
-        hot or has lost it; the next turn resumes whatever is left the cheapest way)."""
+    async def park(self, session_id: str) -> tuple[SessionRecord, list[HopPark]]:
+        """Idle → parked: every hop moves the KV to its disk; the session and what each
+        hop did (none when it was parked already). ``ParkFailed`` (with each hop's
+        outcome) when a hop could not: the KV is hot again everywhere, the session idle."""
         session = self.store.get(session_id)
         _require_live(session)
         if session.state is SessionState.PARKED:
-            return session
+            return session, []
         if session.state is not SessionState.IDLE or not session.route:
             raise RequestError(f"only an idle session with KV can be parked ({session.state})")
-        request = pb.ParkRequest(session_id=session.id, epoch=session.kv_epoch)
-        for hop in session.route:
-            try:
-                reply = await self.tracker.channels.stub(hop.address).Park(
-                    request,
-                    timeout=_CONTROL_TIMEOUT_S,
-                    metadata=self.tracker.channels.signed(hop.node_id, "Park"),
-                )
-            except grpc.aio.AioRpcError as e:
-                log.warning("park of %s on %s: %s", session.id, hop.node_id, e.code().name)
-                continue
-            if not reply.parked:
-                log.warning("park of %s on %s: %s", session.id, hop.node_id, reply.failure)
+        hops = await park_route(self.tracker.channels, session.id, session.kv_epoch, session.route)
         self.store.set_state(session.id, SessionState.PARKED, (SessionState.IDLE,))
-        return self.store.get(session_id)
+        return self.store.get(session_id), hops
 
     async def evict(self, session_id: str) -> SessionRecord:
         """Idle or parked → evicted: each hop's KV written to the snapshot store, indexed,
@@ -155,12 +148,13 @@ class Sessions:
         stub = self.tracker.channels.stub(hop.address)
         call = stub.StateGet(
             pb.StateGetRequest(session_id=session.id, token_prefix_hash=prefix),
-            timeout=_EXPORT_TIMEOUT_S,
             metadata=self.tracker.channels.signed(hop.node_id, "StateGet"),
         )
         target = SnapshotTarget(snapshot_id, session.id, hop.layers)
+        # Cut off by a deadline sized to the stream once its header says how large.
+        frames = paced(call.__aiter__(), self.snapshots.pace, _header_bytes)
         try:
-            return await self.snapshots.write(target, call.__aiter__(), prefix)
+            return await self.snapshots.write(target, frames, prefix)
         except grpc.aio.AioRpcError as e:
             message = f"node {hop.node_id} could not export the KV: {e.code().name} {e.details()}"
             raise KVImportFailed(message, "source-missing", hop.node_id) from None
@@ -181,10 +175,16 @@ class Sessions:
         moves: list[tuple[str, str]] = []
         p = self.policy
         pressed = self._pressed_nodes()
-        for s in self.store.sessions((SessionState.IDLE,)):
+        idle = self.store.sessions((SessionState.IDLE,))
+        self.park_backoff.keep_only({s.id for s in idle})
+        for s in idle:
             on_pressed = {h.node_id for h in s.route} & pressed
-            if (p.park_after_s and now - s.last_used > p.park_after_s) or on_pressed:
-                moves += await self._try(self.park, s.id, "parked")
+            due = (p.park_after_s and now - s.last_used > p.park_after_s) or on_pressed
+            if not due or not self.park_backoff.due(s.id, now):
+                continue
+            if not await self._park_by_policy(s.id, now):
+                continue  # nothing freed: a pressed node's next session is tried
+            moves.append((s.id, "parked"))
             for node_id in on_pressed:  # one session per node until its load is reported anew
                 self._relieved[node_id] = now
             pressed -= on_pressed
@@ -204,6 +204,17 @@ class Sessions:
             and n.load.kv_bytes > self.policy.pressure * n.kv_budget_bytes
             and n.last_seen > self._relieved.get(n.node_id, 0.0)
         }
+
+    async def _park_by_policy(self, session_id: str, now: float) -> bool:
+        """Park one session for the policy; a failure waits its backoff. Whether it parked."""
+        try:
+            await self.park(session_id)
+        except MeshnetError as e:
+            wait = self.park_backoff.failed(session_id, now, str(e))
+            log.info("policy could not park %s (next try in %.0fs): %s", session_id, wait, e)
+            return False
+        self.park_backoff.forget(session_id)
+        return True
 
     @staticmethod
     async def _try(move: Any, session_id: str, state: str) -> list[tuple[str, str]]:
@@ -226,6 +237,10 @@ class Sessions:
                 self.policy_health.failed(e)
             else:
                 self.policy_health.passed()
+
+
+def _header_bytes(frame: pb.KVFrame) -> int:
+    return frame.header.total_bytes if frame.WhichOneof("kind") == "header" else 0
 
 
 def _require_live(session: SessionRecord) -> None:

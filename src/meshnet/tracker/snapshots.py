@@ -22,6 +22,7 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 
 from meshnet.errors import KVImportFailed
+from meshnet.kv.pace import TransferPace
 from meshnet.kv.transfer import MAX_CHUNK_BYTES
 from meshnet.layer_range import LayerRange
 from meshnet.protocol import meshnet_pb2 as pb
@@ -43,8 +44,9 @@ class SnapshotTarget:
 class SnapshotStore:
     """Snapshot files in one directory."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, pace: TransferPace | None = None) -> None:
         self.directory = directory
+        self.pace = pace or TransferPace()  # how long moving one file's KV may take
 
     def path_for(self, target: SnapshotTarget) -> Path:
         layers = f"{target.layers.start}-{target.layers.end}"

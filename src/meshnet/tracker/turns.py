@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 
 _SENTINEL = "\x00meshnet-reply\x00"
 ALL_EPOCHS = 2**63 - 1  # a release of a session that has ended
-_IMPORT_TIMEOUT_S = 60.0
 _RELEASE_TIMEOUT_S = 10.0
 
 OnToken = Callable[[TokenEvent], Awaitable[None]]
@@ -237,7 +236,9 @@ class TurnRunner:
         stub = self.tracker.channels.stub(hop.address)
         try:
             vouched = ((PREFIX_KEY, prefix), *self.tracker.channels.signed(hop.node_id, "StatePut"))
-            reply = await stub.StatePut(frames, timeout=_IMPORT_TIMEOUT_S, metadata=vouched)
+            # The file's size sizes the call's deadline (the node holds the stream to its own).
+            limit = self.snapshots.pace.limit_s(snapshot.nbytes)
+            reply = await stub.StatePut(frames, timeout=limit, metadata=vouched)
         except grpc.aio.AioRpcError as e:
             reason = local[0].reason if local else "transport"
             message = local[0].message if local else f"{e.code().name} {e.details() or ''}"
