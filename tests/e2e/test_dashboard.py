@@ -217,6 +217,11 @@ def test_the_dashboard_shows_the_mesh_and_a_node_dying(
     )
     assert "node-1" in event
     assert float(browser.eval("document.body.dataset.updated")) > first_update  # no reload
+    # The state change came over the event stream too (GET /admin/events), as it happened.
+    change = browser.wait_for(
+        'document.querySelector(\'#changes tr[data-kind="node"][data-state="down"]\')?.textContent'
+    )
+    assert "node-1" in change and "up" in change
 
     shot = tmp_path / "dashboard.png"
     browser.screenshot(shot)

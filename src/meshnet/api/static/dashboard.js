@@ -1,5 +1,6 @@
 // meshnet dashboard: polls GET /admin/dashboard with the admin token about every second
-// and draws the mesh. The token comes from the login form or a URL fragment
+// and draws the mesh; it follows GET /admin/events (server-sent state changes), lists
+// them as they come and redraws at once on each. The token comes from the login form or a URL fragment
 // (#token=...; browsers never send fragments, so it is never in a server's log); it is
 // kept in this tab's sessionStorage only and the fragment is wiped at once.
 // Every value from the server goes in as text (textContent), never as markup.
@@ -173,6 +174,61 @@ function showLogin(message) {
   $("status").textContent = "not connected";
 }
 
+const MAX_CHANGES = 30;
+let lastEvent = null; // the id of the last state change seen: a resumed stream goes on from it
+let following = null; // the AbortController of the stream being read
+let pollTimer = null;
+
+function showChange(e) {
+  const when = new Date(e.at * 1000).toLocaleTimeString();
+  const row = el("tr", { "data-kind": e.kind, "data-state": e.state },
+    el("td", { class: "num" }, e.id), el("td", {}, when), el("td", {}, e.kind),
+    el("td", {}, e.subject), el("td", {}, e.previous || "(new)"), el("td", {}, e.state || "(gone)"));
+  const body = $("changes").tBodies[0];
+  body.prepend(row);
+  while (body.rows.length > MAX_CHANGES) body.deleteRow(-1);
+}
+
+// Reads the event stream with fetch (an EventSource cannot send the token); on its end
+// or failure, follows again from the last id after a pause.
+async function follow() {
+  const token = sessionStorage.getItem(KEY);
+  if (!token || following) return;
+  following = new AbortController();
+  const headers = { Authorization: `Bearer ${token}` };
+  if (lastEvent !== null) headers["Last-Event-ID"] = String(lastEvent);
+  try {
+    const r = await fetch("/admin/events", { headers, cache: "no-store", signal: following.signal });
+    if (!r.ok || !r.body) throw new Error(`the tracker answered ${r.status}`);
+    $("changes-status").textContent = "live";
+    const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += value;
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const frame = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        const data = frame.split("\n").find((l) => l.startsWith("data: "));
+        const name = frame.split("\n").find((l) => l.startsWith("event: "));
+        if (!data || name === "event: reset") continue;
+        const e = JSON.parse(data.slice(6));
+        lastEvent = e.id;
+        showChange(e);
+        clearTimeout(pollTimer);
+        poll(); // the picture follows the change at once
+      }
+    }
+  } catch (e) {
+    $("changes-status").textContent = `reconnecting (${e.message})`;
+  }
+  const stopped = following.signal.aborted;
+  following = null;
+  if (!stopped) setTimeout(follow, 2000);
+}
+
 async function poll() {
   const token = sessionStorage.getItem(KEY);
   if (!token) { showLogin(); return; }
@@ -191,10 +247,12 @@ async function poll() {
     $("board").hidden = false;
     $("logout").hidden = false;
     draw(state);
+    follow();
   } catch (e) {
     $("status").textContent = `tracker unreachable (${e.message}); retrying`;
   }
-  setTimeout(poll, POLL_MS);
+  clearTimeout(pollTimer);
+  pollTimer = setTimeout(poll, POLL_MS);
 }
 
 $("login").addEventListener("submit", (ev) => {
@@ -209,6 +267,7 @@ $("login").addEventListener("submit", (ev) => {
 
 $("logout").addEventListener("click", () => {
   sessionStorage.removeItem(KEY);
+  if (following) following.abort();
   showLogin();
 });
 
