@@ -150,6 +150,13 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
             help="positions a sequence may reach on this node (at most the model's trained "
             "context; checked against --kv-budget-mb at load); 0 = the trained context",
         ),
+        p.add_argument(
+            "--prefix-cache-mb",
+            type=float,
+            default=256.0,
+            help="KV of prompt prefixes kept for reuse by later requests, within the KV "
+            "budget (sessions' KV comes first); 0 turns the prefix cache off",
+        ),
         p.add_argument("--max-batch-tokens", type=int, default=512, help="rows per forward"),
         p.add_argument("--prefill-chunk", type=int, default=128, help="prompt rows per forward"),
         p.add_argument("--max-queued-steps", type=int, default=256),

@@ -275,7 +275,7 @@ class Tracker:
                     held = await self.admission.acquire(reserve)
             gen = self.driver.new_generation(uuid.uuid4().hex, route, params, top_logprobs)
             try:
-                await self.driver.open(gen)
+                await self.driver.open(gen, prompt_ids)
             except (KVBudgetExhausted, Overloaded):
                 held.release()
                 raise  # the node is healthy, only full: the client should come back later
@@ -295,6 +295,7 @@ class Tracker:
             except BaseException:
                 held.release()
                 raise
+            self.metrics.cached_prompt_tokens.labels("completion").inc(gen.reused)
             fabric: Fabric = self if named is None else _NamedRoute(self)
             run = self.driver.run(gen, prompt_ids, params, fabric)
             meter = self.metrics.generation("completion", len(prompt_ids), t0)
