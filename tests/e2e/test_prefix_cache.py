@@ -64,6 +64,17 @@ def node_counter(mesh: LocalMesh, node_id: str, name: str) -> float:
     raise AssertionError(f"{node_id} has no {name}")
 
 
+def tracker_counter(mesh: LocalMesh, name: str) -> float:
+    r = httpx.get(f"{mesh.url}/metrics", headers=mesh.admin_headers, timeout=30)
+    assert r.status_code == 200, r.text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+        if s.name == f"{name}_total"
+    )
+
+
 def prompt(seed: int, n: int, shared: list[int] | None = None) -> list[int]:
     """``n`` ids: ``shared`` first, then ids drawn from ``seed`` (within the tiny vocab)."""
     head = list(shared or [])
@@ -123,3 +134,33 @@ def test_eviction_under_a_small_kv_budget_keeps_answers_exact(
     assert node_counter(small, "node-0", "meshnet_node_prefix_evicted_blocks") > 0
     held = node_counter(small, "node-0", "meshnet_node_prefix_cache_bytes")
     assert 0 < held <= 150 * 1024
+
+
+def test_a_node_lost_after_a_cached_prefix_is_failed_over_exactly(
+    mesh_factory: MeshFactory, tiny_factory: Any
+) -> None:
+    from streams import Streamed, serving, stream_completion
+
+    long_tiny = Path(tiny_factory("long.gguf", context_length=1024))
+    mesh = mesh_factory("0:2,2:4,2:4", model=long_tiny, heartbeat_timeout_s=8.0)
+    body = {"model": "long", "prompt": prompt(21, 40), "max_tokens": 120, "seed": 3}
+    body["temperature"] = 0.7
+    r = httpx.post(f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers, timeout=120)
+    assert r.status_code == 200, r.text
+    expected = r.json()["meshnet"]["ids"]
+    assert len(expected) == 120
+    killed: list[str] = []
+
+    def kill(n: int, s: Streamed) -> None:
+        if n == 20:
+            killed.append(serving(s, (2, 4)))
+            mesh.kill_node(killed[0])
+
+    before = tracker_counter(mesh, "meshnet_prompt_tokens_cached")
+    result = stream_completion(mesh, body, kill)
+    assert result.error is None, result.error
+    assert tracker_counter(mesh, "meshnet_prompt_tokens_cached") - before == 2 * BLOCK
+    assert result.ids == expected  # the prefix was reused, a hop lost, the answer the same
+    assert result.final is not None
+    (recovery,) = result.final["recoveries"]
+    assert recovery["failed_node"] == killed[0]

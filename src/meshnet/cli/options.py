@@ -333,6 +333,19 @@ def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
             help="drive every decode step instead of letting the route's hops run ahead "
             "(one node by itself, several round a ring)",
         ),
+        p.add_argument(
+            "--no-prefix-routing",
+            dest="prefix_routing",
+            action="store_false",
+            help="route by load alone, not to the nodes holding a prompt's cached prefix",
+        ),
+        p.add_argument(
+            "--prefix-load-tokens",
+            type=positive_int,
+            default=256,
+            help="prompt tokens one generation in flight on a route's nodes is worth when a "
+            "cached prefix is weighed against load (higher: load counts more)",
+        ),
         p.add_argument("--max-in-flight", type=int, default=64, help="generations at once"),
         p.add_argument(
             "--max-queued",
