@@ -122,7 +122,12 @@ def meshnet_side(setup: PrefixSetup, system: str, cache: bool) -> SideResult:
     args = [] if cache else ["--prefix-cache-mb", "0"]
     data = setup.data_dir / ("cache-on" if cache else "cache-off")
     layout = [LayerRange(0, setup.n_layers)]
-    with running_mesh(data, setup.model, layout, setup.threads, node_args=args) as mesh:
+    # Eight 2,000-token prompts at once share every forward: on a busy host one of
+    # them can take minutes, past the default step deadline (30 s and 50 ms a row).
+    tracker = ["--step-timeout", "600"]
+    with running_mesh(
+        data, setup.model, layout, setup.threads, node_args=args, tracker_args=tracker
+    ) as mesh:
         return _rounds(name, mesh.url, served_model(mesh), setup, system, mesh.api_headers)
 
 
