@@ -164,3 +164,25 @@ def test_a_node_lost_after_a_cached_prefix_is_failed_over_exactly(
     assert result.final is not None
     (recovery,) = result.final["recoveries"]
     assert recovery["failed_node"] == killed[0]
+
+
+def test_a_sessions_first_turn_fills_the_cache_for_completions(
+    cached: LocalMesh, uncached: LocalMesh
+) -> None:
+    from session_client import new_session, turn
+
+    system = " ".join(f"rule {i}: answer in kind." for i in range(4))
+    turn(cached, new_session(cached, system), "hi")
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "yo"}],
+        "temperature": 0,
+        "max_tokens": 6,
+    }
+    replies = [
+        httpx.post(f"{m.url}/v1/chat/completions", json=body, headers=m.api_headers, timeout=120)
+        for m in (cached, uncached)
+    ]
+    assert all(r.status_code == 200 for r in replies), replies[0].text
+    assert cached_tokens(replies[0].json()) >= 2 * BLOCK  # the system prompt's blocks
+    assert ids(replies[0].json()) == ids(replies[1].json())

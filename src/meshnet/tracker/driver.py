@@ -213,11 +213,15 @@ class RouteDriver:
     async def open(self, gen: Generation, prompt_ids: Sequence[int] = ()) -> None:
         """Open the generation's first epoch on every hop; raise the first hop's failure.
         Given its prompt, each hop starts with the same cached prefix of it, if any
-        (tracker/prefix_open.py), and keeps its blocks once computed."""
+        (tracker/prefix_open.py), and keeps its blocks once computed; a session's first
+        turn only fills the caches (its steps are the session's history)."""
         if prompt_ids and self.limits.prefix_cache and not gen.keep:
             await open_on_prefix(self.epochs, gen, prompt_ids)
             return
-        gen.links, _ = await self.epochs.open(gen, gen.route, {})
+        fill = None
+        if prompt_ids and self.limits.prefix_cache and gen.first_step == 0:
+            fill = (np.asarray(prompt_ids, dtype=np.int64), 0)
+        gen.links, _ = await self.epochs.open(gen, gen.route, {}, prefix=fill)
 
     async def resume(self, gen: Generation, held: tuple[int, int]) -> bool:
         """Open a session's turn, every hop resuming the KV of ``held`` (positions, steps).
