@@ -329,7 +329,7 @@ class Tracker:
                 held.release()
                 raise
             self.metrics.cached_prompt_tokens.labels("completion").inc(gen.reused)
-            if self.driver.limits.prefix_cache:  # the route's nodes keep its full blocks
+            if self.config.prefix.on:  # the route's nodes keep the prompt's full blocks
                 self.prefixes.record(route, block_keys(prompt_ids))
             fabric: Fabric = self if named is None else _NamedRoute(self)
             run = self.driver.run(gen, prompt_ids, params, fabric)

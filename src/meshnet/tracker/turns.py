@@ -138,7 +138,7 @@ class TurnRunner:
         try:
             if not session.history:  # its prompt's blocks go to the nodes' prefix caches
                 await self.tracker.driver.open(gen, ids)
-                if self.tracker.driver.limits.prefix_cache:
+                if self.tracker.config.prefix.on:
                     self.tracker.prefixes.record(route, block_keys(ids))
             elif path == "reprefill":
                 await self.tracker.driver.open(gen)
