@@ -126,10 +126,11 @@ class PrefixCache:
         if not n:
             return 0
         kv.reserve(n)
-        for layer in range(kv.n_layers):
-            k = np.concatenate([b.keys[layer] for b in blocks], axis=1)
-            v = np.concatenate([b.values[layer] for b in blocks], axis=1)
-            kv.write(layer, k, v)
+        for layer in range(kv.n_layers):  # one copy, each block straight into its place
+            keys, values = kv.buffers(layer)
+            for i, b in enumerate(blocks):
+                keys[:, i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS] = b.keys[layer]
+                values[:, i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS] = b.values[layer]
         kv.advance(n)
         self._hits += 1
         self._reused += n
