@@ -71,3 +71,24 @@ def test_a_prefix_that_leaves_nothing_to_compute_is_refused() -> None:
         PrefixAsk.checked(np.arange(32), 32, 256)
     with pytest.raises(MalformedBundle):
         PrefixAsk.checked(np.arange(300), 0, 256)
+
+
+def test_a_windowed_model_neither_reuses_nor_fills_the_cache() -> None:
+    from meshnet.kv.cache import SequenceKV
+    from meshnet.kv.prefix_cache import PrefixCache
+    from meshnet.node.prefixes import keep_prefix, reuse_prefix
+    from meshnet.node.scheduler import Slot
+
+    cache = PrefixCache(1 << 20)
+    ids = _ids(3 * B, 4)
+    dense = Slot(1, SequenceKV(2, 1, 4))
+    dense.kv.reserve(len(ids))
+    for layer in range(2):
+        dense.kv.write(layer, np.ones((1, len(ids), 4), np.float32), np.ones((1, len(ids), 4)))
+    dense.kv.advance(len(ids))
+    dense.prefix = ids
+    keep_prefix(cache, dense)
+    assert cache.stats().blocks == 3
+    windowed = Slot(1, SequenceKV(2, 1, 4, windows=(8, 0), rings=True))
+    assert reuse_prefix(cache, windowed, PrefixAsk(ids, len(ids) - 1), lambda n: True, print) == 0
+    assert windowed.kv.length == 0 and windowed.prefix is None

@@ -49,8 +49,10 @@ def reuse_prefix(
     """Start the fresh ``slot`` with the longest cached prefix of ``ask`` that the KV
     budget has room for (``fits``; ``make_room`` evicts cached blocks for it); the
     positions loaded (then step 0 is committed)."""
+    if not cache.enabled or not _cacheable(slot):
+        return 0
     slot.prefix, slot.prefix_blocks = ask.ids, 0
-    if not cache.enabled or ask.reuse < BLOCK_TOKENS:
+    if ask.reuse < BLOCK_TOKENS:
         return 0
     blocks = cache.match(ask.ids, ask.reuse)
     need = slot.kv.growth_bytes(len(blocks) * BLOCK_TOKENS)
@@ -61,6 +63,13 @@ def reuse_prefix(
     slot.prefix_blocks = len(blocks)
     slot.steps = 1
     return n
+
+
+def _cacheable(slot: Slot) -> bool:
+    """Whether the slot's KV holds every position of every layer in position order: a
+    layer with a sliding window keeps only its window (a ring, kv/cache.py), which
+    blocks of the whole prefix cannot be copied out of or into."""
+    return not any(slot.kv.windows)
 
 
 def keep_prefix(cache: PrefixCache, slot: Slot | None) -> None:
