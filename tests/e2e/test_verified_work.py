@@ -289,7 +289,10 @@ def test_an_honest_mesh_at_rate_one_fails_no_check(
         assert records and all(r["status"] != "rejected" for r in records)
         for r in records:  # every whole chunk it computed is committed in its record
             whole = r["token_end"] // 32 - -(-r["token_start"] // 32)
-            assert len(bytes.fromhex(r["commitments"])) >= 20 * max(whole, 0) > 0, r
+            assert len(bytes.fromhex(r["commitments"])) >= 20 * max(whole, 0), r
+        # A repeated prompt starts on its cached prefix (docs/prefix-cache.md): a record
+        # may then hold no whole chunk, but the first request's computed every one.
+        assert any(len(bytes.fromhex(r["commitments"])) >= 20 for r in records)
 
 
 def test_a_second_models_nodes_are_calibrated_and_its_cheater_kept_out(

@@ -30,9 +30,9 @@ class _Driver:
         self.opens = 0
 
     def new_generation(self, gid: str, route: Any, params: Any, top: int) -> Any:
-        return type("Gen", (), {"id": gid, "route": route, "epoch": 1, "links": []})()
+        return type("Gen", (), {"id": gid, "route": route, "epoch": 1, "links": [], "reused": 0})()
 
-    async def open(self, gen: Any) -> None:
+    async def open(self, gen: Any, prompt_ids: Any = ()) -> None:
         self.opens += 1
         if self.errors:
             raise self.errors.pop(0)

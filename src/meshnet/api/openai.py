@@ -349,7 +349,7 @@ def _data(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def usage(dones: Sequence[DoneEvent]) -> dict[str, int]:
+def usage(dones: Sequence[DoneEvent]) -> dict[str, Any]:
     """The prompt's tokens (once: every choice has the same prompt) and every choice's."""
     prompt = dones[0].prompt_tokens
     completion = sum(len(done.ids) for done in dones)
@@ -357,4 +357,6 @@ def usage(dones: Sequence[DoneEvent]) -> dict[str, int]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        # OpenAI's field: prompt tokens whose KV came from the nodes' prefix caches.
+        "prompt_tokens_details": {"cached_tokens": dones[0].cached_tokens},
     }

@@ -21,6 +21,7 @@ def mesh_for(
     host: str = "127.0.0.1",
     backend: str = DEFAULT_BACKEND,
     node_args: Sequence[str] = (),
+    tracker_args: Sequence[str] = (),
 ) -> LocalMesh:
     """A mesh (not started) whose nodes run ``threads`` kernel threads each, on
     ``backend``.
@@ -35,7 +36,7 @@ def mesh_for(
         host=host,
         model=str(model),
         extra_env={"NUMBA_NUM_THREADS": str(threads)},
-        tracker_args=[] if relay else ["--no-relay"],
+        tracker_args=[*([] if relay else ["--no-relay"]), *tracker_args],
         node_args=["--threads", str(threads), "--backend", backend, *node_args],
     )
 
@@ -49,10 +50,19 @@ def running_mesh(
     relay: bool = True,
     backend: str = DEFAULT_BACKEND,
     node_args: Sequence[str] = (),
+    tracker_args: Sequence[str] = (),
 ) -> Iterator[LocalMesh]:
     """A started loopback mesh for the block's duration; every process is stopped
     however the block ends."""
-    mesh = mesh_for(data_dir, model, threads, relay, backend=backend, node_args=node_args)
+    mesh = mesh_for(
+        data_dir,
+        model,
+        threads,
+        relay,
+        backend=backend,
+        node_args=node_args,
+        tracker_args=tracker_args,
+    )
     try:
         mesh.start(layout)
         yield mesh

@@ -79,6 +79,7 @@ def node_config(args: argparse.Namespace, node_id: str, key: str) -> NodeConfig:
             park_dir=args.park_dir,
             ctx=max(0, args.ctx),
             drain_timeout_s=args.drain_timeout,
+            prefix_cache_bytes=int(max(args.prefix_cache_mb, 0.0) * 1024 * 1024),
         ),
     )
 

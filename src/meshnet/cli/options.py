@@ -150,6 +150,13 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
             help="positions a sequence may reach on this node (at most the model's trained "
             "context; checked against --kv-budget-mb at load); 0 = the trained context",
         ),
+        p.add_argument(
+            "--prefix-cache-mb",
+            type=float,
+            default=256.0,
+            help="KV of prompt prefixes kept for reuse by later requests, within the KV "
+            "budget (sessions' KV comes first); 0 turns the prefix cache off",
+        ),
         p.add_argument("--max-batch-tokens", type=int, default=512, help="rows per forward"),
         p.add_argument("--prefill-chunk", type=int, default=128, help="prompt rows per forward"),
         p.add_argument("--max-queued-steps", type=int, default=256),
@@ -325,6 +332,19 @@ def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
             action="store_false",
             help="drive every decode step instead of letting the route's hops run ahead "
             "(one node by itself, several round a ring)",
+        ),
+        p.add_argument(
+            "--no-prefix-routing",
+            dest="prefix_routing",
+            action="store_false",
+            help="route by load alone, not to the nodes holding a prompt's cached prefix",
+        ),
+        p.add_argument(
+            "--prefix-load-tokens",
+            type=positive_int,
+            default=256,
+            help="prompt tokens one generation in flight on a route's nodes is worth when a "
+            "cached prefix is weighed against load (higher: load counts more)",
         ),
         p.add_argument("--max-in-flight", type=int, default=64, help="generations at once"),
         p.add_argument(

@@ -10,6 +10,7 @@ from meshnet.tracker.admission import AdmissionConfig
 from meshnet.tracker.driver import DriverLimits
 from meshnet.tracker.main import TrackerProcessConfig, serve
 from meshnet.tracker.outbox import OutboxConfig
+from meshnet.tracker.prefix_routes import PrefixRouting
 from meshnet.tracker.retention import RetentionPolicy
 from meshnet.tracker.service import TrackerConfig
 from meshnet.tracker.sessions import SessionPolicy
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
                     queue_wait_s=args.queue_wait,
                     route_wait_s=args.route_wait,
                 ),
+                prefix=PrefixRouting(on=args.prefix_routing, load_tokens=args.prefix_load_tokens),
             ),
             driver=DriverLimits(
                 step_timeout_s=args.step_timeout,

@@ -42,6 +42,7 @@ from meshnet.errors import (
     StaleEpoch,
 )
 from meshnet.kv.manager import KVBudget
+from meshnet.kv.prefix_cache import PrefixCache, PrefixStats
 from meshnet.layer_range import LayerRange
 from meshnet.memory import trim
 from meshnet.model.shard import DEFAULT_BACKEND, Shard, load_shard_file
@@ -55,6 +56,7 @@ from meshnet.node.configure import (
 )
 from meshnet.node.context import check_context_budget, served_context
 from meshnet.node.parking import ParkedKV, ParkPhase, ParkStore
+from meshnet.node.prefixes import PrefixAsk, keep_prefix, reuse_prefix
 from meshnet.node.scheduler import Slot, StepWork, budget_full, check_step_number, plan_batch
 from meshnet.protocol.commitments import RowLog, commits_exactly
 from meshnet.protocol.sketches import check_width
@@ -75,6 +77,9 @@ class EngineConfig:
     park_dir: str | None = None  # where parked KV goes; None: a fresh temp directory
     ctx: int = 0  # positions a sequence may reach (``--ctx``); 0: the model's trained context
     drain_timeout_s: float = 60.0  # a T2/T3 change not applied by then is withdrawn
+    # Bytes of prompt-prefix KV kept for reuse (kv/prefix_cache.py), within the KV
+    # budget (what sessions hold comes first); 0 turns the prefix cache off.
+    prefix_cache_bytes: int = 256 * 2**20
 
 
 @dataclass
@@ -141,6 +146,7 @@ class EngineStats:
     context: int = 0  # positions a sequence may reach here (0: empty)
     head_parts: int = 0  # head multiplies the ring's first hop shared in time
     head_parts_late: int = 0  # those it was asked for and this node did itself
+    prefix: PrefixStats | None = None  # the prefix cache's state (None: never read)
 
 
 class NodeEngine:
@@ -159,6 +165,7 @@ class NodeEngine:
         self._park_store = ParkStore(config.park_dir)
         self._fences: OrderedDict[str, int] = OrderedDict()  # newest epoch seen per session
         self._budget = KVBudget(config.kv_budget_bytes)
+        self._prefixes = PrefixCache(config.prefix_cache_bytes)  # loop thread only
         # A SimpleQueue: a put wakes the idle loop with one handoff (a Queue's condition
         # made it two), paid on every step a ring's previous hop relays in.
         self._inbox: queue.SimpleQueue[StepWork | _Control | None] = queue.SimpleQueue()
@@ -210,6 +217,7 @@ class NodeEngine:
             tokens_per_s=self._tokens_per_s,
             max_streams=self.config.max_streams,
             context=served_context(shard, self.config.ctx) if shard else 0,
+            prefix=self._prefixes.stats(),
         )
 
     def load(
@@ -251,6 +259,7 @@ class NodeEngine:
         epoch: int,
         resume: bool = False,
         rewind: tuple[int, int] | None = None,
+        prefix: PrefixAsk | None = None,
     ) -> Future[OpenedSlot]:
         """Start a session at ``epoch``, fencing every older one (their steps become stale).
 
@@ -258,8 +267,11 @@ class NodeEngine:
         session holds (reloading it when parked); the same epoch again keeps its
         KV; an older one is stale. ``rewind`` (positions, steps) cuts a resumed
         session that holds more back to them: the rest was an unfinished turn.
+        ``prefix``: a fresh session's prompt, whose longest cached prefix (within
+        ``prefix.reuse``) it starts with as its step 0, and whose blocks the cache
+        keeps once computed (node/prefixes.py).
         """
-        return self._control(lambda: self._apply_open(session_id, epoch, resume, rewind))
+        return self._control(lambda: self._apply_open(session_id, epoch, resume, rewind, prefix))
 
     def park(
         self, session_id: str, epoch: int | None = None, phase: ParkPhase = ParkPhase.NOW
@@ -479,6 +491,7 @@ class NodeEngine:
     def _forward(self, shard: Shard, chosen: list[tuple[StepWork, int]]) -> None:
         x = np.concatenate([w.x[w.done_rows : w.done_rows + n] for w, n in chosen])
         batch = [BatchEntry(self._slots[w.session_id].kv, n, w.replay) for w, n in chosen]
+        self._make_room(sum(entry.kv.growth_bytes(entry.n_new) for entry in batch))
         positions = [entry.kv.length for entry in batch]
         t0 = time.perf_counter()
         try:
@@ -534,6 +547,8 @@ class NodeEngine:
                 slot.steps += w.steps
                 slot.last_result = result
                 w.future.set_result(result)
+        for w, _ in chosen:  # after the answers: copying blocks delays none of them
+            keep_prefix(self._prefixes, self._slots.get(w.session_id))
         self._account()
 
     def _note_speed(self, rows: int, seconds: float, sessions: int) -> None:
@@ -545,6 +560,14 @@ class NodeEngine:
 
     def _account(self) -> None:
         self._budget.update(sum(s.kv.nbytes + s.sent_bytes for s in self._slots.values()))
+        self._make_room(0)
+
+    def _make_room(self, extra: int) -> None:
+        """Keep the prefix cache within what the KV budget leaves once the sessions hold
+        ``extra`` more bytes: cached prefixes never make a session fail for memory."""
+        budget = self._budget.budget_bytes
+        if budget > 0 and self._prefixes.nbytes:
+            self._prefixes.trim(budget - self._budget.in_use - extra)
 
     def _apply_load(self, model_path: str, layers: LayerRange, fingerprint: str | None) -> Shard:
         shard = load_shard_file(model_path, layers, self.config.backend, fingerprint)
@@ -576,6 +599,7 @@ class NodeEngine:
                 self._park_store.remove(parked)
             self._parked.clear()
         self._shard = shard
+        self._prefixes.clear()  # another shard's KV (or the same one's, dropped with it)
         self._account()
         return ended
 
@@ -664,7 +688,12 @@ class NodeEngine:
         return shard
 
     def _apply_open(
-        self, session_id: str, epoch: int, resume: bool, rewind: tuple[int, int] | None
+        self,
+        session_id: str,
+        epoch: int,
+        resume: bool,
+        rewind: tuple[int, int] | None,
+        prefix: PrefixAsk | None = None,
     ) -> OpenedSlot:
         shard = self._admissible(session_id, epoch)
         unparked = False
@@ -680,6 +709,8 @@ class NodeEngine:
                 raise budget_full(self._budget, len(self._slots))
             self._drop(session_id)
             slot = self._slots[session_id] = Slot(epoch, kv, rows=rows)
+            if prefix is not None:
+                self._start_with_prefix(shard, slot, prefix)
         if resume and rewind is not None:
             try:
                 _rewind(slot, *rewind)
@@ -689,6 +720,14 @@ class NodeEngine:
                 slot = self._slots[session_id] = Slot(epoch, kv, rows=rows)
         self._remember_fence(session_id, epoch)
         return OpenedSlot(slot.kv.length, slot.steps, unparked)
+
+    def _start_with_prefix(self, shard: Shard, slot: Slot, ask: PrefixAsk) -> None:
+        """A fresh slot starts with the longest cached prefix of its prompt that the KV
+        budget has room for, as step 0; its commitments start after it."""
+        n = reuse_prefix(self._prefixes, slot, ask, self._budget.fits, self._make_room)
+        if n:
+            slot.rows, slot.inputs = self._row_log(shard, n), RowLog(n)
+            self._account()
 
     def _row_log(self, shard: Shard, base: int) -> RowLog:
         """A session's commitments log from position ``base``: hashes on an exact

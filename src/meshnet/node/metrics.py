@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from meshnet.kv.prefix_cache import PrefixStats
 from meshnet.node.engine import EngineConfig, EngineStats, NodeEngine
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # sessions in one forward
@@ -117,6 +118,7 @@ _SHARD = ["node", "layers", "fingerprint"]
 
 
 def _counters(s: EngineStats) -> list[tuple[str, str, float]]:
+    p = s.prefix or PrefixStats(0, 0, 0, 0, 0, 0, 0)
     return [
         ("steps", "Steps finished (a session's step through this node's layers)", s.steps),
         ("relayed_inputs", "Steps whose input came straight from the previous hop", s.relayed),
@@ -126,10 +128,23 @@ def _counters(s: EngineStats) -> list[tuple[str, str, float]]:
             "Head parts asked of the ring's first hop that this node did itself",
             s.head_parts_late,
         ),
+        ("prefix_hits", "Sessions that started on a prefix from the prefix cache", p.hits),
+        (
+            "prefix_reused_tokens",
+            "Prompt positions loaded from the prefix cache instead of computed",
+            p.reused_tokens,
+        ),
+        ("prefix_stored_blocks", "Prompt blocks copied into the prefix cache", p.stored_blocks),
+        (
+            "prefix_evicted_blocks",
+            "Prefix cache blocks let go (least recently used first)",
+            p.evicted_blocks,
+        ),
     ]
 
 
 def _gauges(s: EngineStats) -> list[tuple[str, str, float]]:
+    p = s.prefix or PrefixStats(0, 0, 0, 0, 0, 0, 0)
     return [
         ("sessions", "Sessions whose KV the node holds hot", s.sessions),
         ("parked_sessions", "Sessions whose KV is parked on the node's disk", s.parked),
@@ -140,4 +155,11 @@ def _gauges(s: EngineStats) -> list[tuple[str, str, float]]:
         ("tokens_per_second", "Rows per second over recent forwards", s.tokens_per_s),
         ("max_streams", "Forward streams the node holds at once", s.max_streams),
         ("loaded", "1 while a shard is loaded", float(s.loaded)),
+        ("prefix_cache_bytes", "KV bytes the prefix cache holds", p.nbytes),
+        ("prefix_cache_blocks", "Prompt blocks the prefix cache holds", p.blocks),
+        (
+            "prefix_cache_capacity_bytes",
+            "The most the prefix cache may hold (0: off), less what sessions need",
+            p.capacity_bytes,
+        ),
     ]

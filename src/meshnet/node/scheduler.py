@@ -49,6 +49,10 @@ class Slot:
     # Digests of the rows received at its start (not on the first range): what a node
     # says the hop before it sent, should that hop's word and its own differ.
     inputs: RowLog = field(default_factory=RowLog)
+    # The prompt ids whose full blocks the prefix cache keeps once computed (None: no
+    # more to keep), and how many of those blocks are kept or were loaded from it.
+    prefix: np.ndarray | None = None
+    prefix_blocks: int = 0
 
     def keep_sent(self, step: int, x: np.ndarray) -> None:
         old = self.sent.get(step)

@@ -51,6 +51,7 @@ from meshnet.node.kv_service import KVService
 from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.model_fetch import NodeModels
 from meshnet.node.parking import ParkPhase
+from meshnet.node.prefixes import PrefixAsk
 from meshnet.node.relay import Mailbox, RelaySender
 from meshnet.node.relay_wire import Ask
 from meshnet.node.scheduler import StepWork
@@ -411,7 +412,13 @@ class NodeService(pb_grpc.NodeServicer):
                 f"not [{o.layer_start}, {o.layer_end}) of {o.fingerprint[:12]}"
             )
         rewind = (o.rewind_tokens, o.rewind_steps) if o.rewind else None
-        opened = self.engine.open(o.session_id, o.epoch, o.resume, rewind)
+        prefix = None
+        if o.prefix_ids:
+            if o.resume:
+                raise MalformedBundle("a prompt's prefix opens a fresh session, not a resumed one")
+            limit = shard.spec.context_length
+            prefix = PrefixAsk.checked(np.asarray(o.prefix_ids), o.prefix_reuse, limit)
+        opened = self.engine.open(o.session_id, o.epoch, o.resume, rewind, prefix)
         return opened.result(CONTROL_TIMEOUT_S)
 
     def _sampling(self, o: pb.Open) -> SamplingParams | None:

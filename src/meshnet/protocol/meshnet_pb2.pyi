@@ -29,7 +29,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("session_id", "epoch", "fingerprint", "layer_start", "layer_end", "resume", "keep", "rewind", "rewind_tokens", "rewind_steps", "sampling", "next_address", "next_node_id", "next_token")
+    __slots__ = ("session_id", "epoch", "fingerprint", "layer_start", "layer_end", "resume", "keep", "rewind", "rewind_tokens", "rewind_steps", "sampling", "next_address", "next_node_id", "next_token", "prefix_ids", "prefix_reuse")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,8 @@ class Open(_message.Message):
     NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NEXT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_REUSE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     fingerprint: str
@@ -58,7 +60,9 @@ class Open(_message.Message):
     next_address: str
     next_node_id: str
     next_token: str
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., resume: _Optional[bool] = ..., keep: _Optional[bool] = ..., rewind: _Optional[bool] = ..., rewind_tokens: _Optional[int] = ..., rewind_steps: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., next_address: _Optional[str] = ..., next_node_id: _Optional[str] = ..., next_token: _Optional[str] = ...) -> None: ...
+    prefix_ids: _containers.RepeatedScalarFieldContainer[int]
+    prefix_reuse: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., resume: _Optional[bool] = ..., keep: _Optional[bool] = ..., rewind: _Optional[bool] = ..., rewind_tokens: _Optional[int] = ..., rewind_steps: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., next_address: _Optional[str] = ..., next_node_id: _Optional[str] = ..., next_token: _Optional[str] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., prefix_reuse: _Optional[int] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "top_logprobs", "logprobs", "presence_penalty", "frequency_penalty", "min_p", "logit_bias", "grammar", "grammar_start")

@@ -74,6 +74,7 @@ from meshnet.tracker.epochs import EpochOpener, hop_key
 from meshnet.tracker.generation import Generation, PendingRecovery, Recovery
 from meshnet.tracker.hop_link import HopLink, RelayBroken
 from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
+from meshnet.tracker.prefix_open import open_on_prefix
 from meshnet.tracker.ring import Ring
 from meshnet.tracker.routes import Hop, Route
 from meshnet.tracker.span_claims import claim_rest, ready_claims
@@ -111,6 +112,7 @@ class DoneEvent:
     epoch: int = 1
     recoveries: tuple[Recovery, ...] = ()
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per id, when they were asked for
+    cached_tokens: int = 0  # prompt positions reused from the hops' prefix caches
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ class DriverLimits:
     fence_timeout_s: float = 60.0  # how long a failed node is sent its fence
     relay: bool = True  # hops send activations to each other; False: all through the driver
     autorun: bool = True  # a route's hops run their decode steps ahead by themselves
+    prefix_cache: bool = True  # a fresh generation starts on its hops' cached prompt prefix
 
 
 @dataclass(frozen=True)
@@ -207,9 +210,18 @@ class RouteDriver:
             params = replace(params, constraint=params.constraint.at(params.constraint.start))
         return Generation(generation_id, route, deadline, params, top_logprobs)
 
-    async def open(self, gen: Generation) -> None:
-        """Open the generation's first epoch on every hop; raise the first hop's failure."""
-        gen.links, _ = await self.epochs.open(gen, gen.route, {})
+    async def open(self, gen: Generation, prompt_ids: Sequence[int] = ()) -> None:
+        """Open the generation's first epoch on every hop; raise the first hop's failure.
+        Given its prompt, each hop starts with the same cached prefix of it, if any
+        (tracker/prefix_open.py), and keeps its blocks once computed; a session's first
+        turn only fills the caches (its steps are the session's history)."""
+        if prompt_ids and self.limits.prefix_cache and not gen.keep:
+            await open_on_prefix(self.epochs, gen, prompt_ids)
+            return
+        fill = None
+        if prompt_ids and self.limits.prefix_cache and gen.first_step == 0:
+            fill = (np.asarray(prompt_ids, dtype=np.int64), 0)
+        gen.links, _ = await self.epochs.open(gen, gen.route, {}, prefix=fill)
 
     async def resume(self, gen: Generation, held: tuple[int, int]) -> bool:
         """Open a session's turn, every hop resuming the KV of ``held`` (positions, steps).
@@ -243,7 +255,9 @@ class RouteDriver:
         the last hop samples with the generation's own (seeded) copy of them.
         """
         state = RequestState([*history, *prompt_ids], params, self.tokenizer)
-        gen.record_input(0, gen.first_step, np.asarray(prompt_ids, dtype=np.int64))
+        # A prefix the hops started with (``open``) is step 0, logged there already.
+        rest = prompt_ids[gen.reused :]
+        gen.record_input(0, gen.first_step, np.asarray(rest, dtype=np.int64))
         gen.first_sampled = len(state.prompt_ids)
         recorded = False
         logprobs: list[TokenLogprobs] = []
@@ -304,6 +318,7 @@ class RouteDriver:
                 gen.epoch,
                 tuple(gen.recoveries),
                 tuple(logprobs),
+                gen.reused,
             )
         except MeshnetError as e:
             if not recorded:

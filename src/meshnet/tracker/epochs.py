@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import grpc
+import numpy as np
 
 from meshnet.errors import MalformedBundle, StreamReset
 from meshnet.model.spec import ModelSpec
@@ -25,6 +26,7 @@ from meshnet.tracker.hop_link import HopLink, open_link
 from meshnet.tracker.routes import Hop, Route
 
 HopKey = tuple[str, int, int]  # (node id, layer start, layer end)
+Prefix = tuple[np.ndarray, int]  # a fresh generation's prompt ids, and the most to reuse
 
 
 class EpochOpener:
@@ -73,8 +75,11 @@ class EpochOpener:
         route: Route,
         survivors: dict[HopKey, HopLink],
         held: tuple[int, int] | None = None,
+        prefix: Prefix | None = None,
     ) -> tuple[list[HopLink], list[HopLink]]:
         """Open the current epoch on every hop at once; survivors resume their KV.
+        ``prefix``: each hop of a fresh generation starts with what its prefix cache
+        holds of the prompt (node/prefixes.py); its link says how many positions.
 
         Returns the new links and the old links whose KV was carried over. On
         any failure every opened link is closed and the first hop's (in route
@@ -83,7 +88,7 @@ class EpochOpener:
         # The last hop's next is the first: a ring passes it the tokens it samples.
         after: list[Hop | None] = [*route[1:], route[0] if len(route) > 1 else None]
         opens = [
-            self._open_hop(gen, hop, survivors.get(hop_key(hop)), held, nxt)
+            self._open_hop(gen, hop, survivors.get(hop_key(hop)), held, nxt, prefix)
             for hop, nxt in zip(route, after, strict=True)
         ]
         results = await asyncio.gather(*opens, return_exceptions=True)
@@ -103,6 +108,7 @@ class EpochOpener:
         old: HopLink | None,
         held: tuple[int, int] | None,
         after: Hop | None,
+        prefix: Prefix | None = None,
     ) -> tuple[HopLink, HopLink | None]:
         """Open one hop; a survivor ``old`` whose KV the node still holds is carried over
         (cut back to what the driver saw it commit: a relayed step it finished unseen is
@@ -127,6 +133,8 @@ class EpochOpener:
             next_token=self.channels.keys.peer(after.node_id, hop.node_id, "relay")
             if after
             else "",
+            prefix_ids=prefix[0].tolist() if prefix else (),
+            prefix_reuse=prefix[1] if prefix else 0,
         )
         try:
             link, opened = await self._open_stream(gen, hop, message)
@@ -139,7 +147,7 @@ class EpochOpener:
         link.unparked = bool(opened.unparked)
         if held_now == (0, 0):
             return link, None  # fresh (or the node lost the KV): the log is replayed into it
-        if old is None and held is not None:
+        if old is None and (held is not None or (prefix and held_now[1] == 1)):
             link.steps, link.positions = held_now[1], held_now[0]
             link.first_position = held_now[0]
             return link, None  # the caller checks it holds what the session committed

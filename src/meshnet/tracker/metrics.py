@@ -155,6 +155,12 @@ class TrackerMetrics:
         self.prompt_tokens = Counter(
             "meshnet_prompt_tokens", "Input tokens of generations started", ["kind"], registry=r
         )
+        self.cached_prompt_tokens = Counter(
+            "meshnet_prompt_tokens_cached",
+            "Input tokens whose KV the route's nodes reused from their prefix caches",
+            ["kind"],
+            registry=r,
+        )
         self.generated_tokens = Counter(
             "meshnet_generated_tokens", "Tokens generated", ["kind"], registry=r
         )

@@ -38,6 +38,7 @@ from meshnet.errors import (
     VerificationFailed,
     WorkerDeath,
 )
+from meshnet.kv.prefix_cache import block_keys
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import Heartbeat, NodeAnnouncement
 from meshnet.model.info import ModelInfo
@@ -51,6 +52,7 @@ from meshnet.tracker.inventory import Inventory
 from meshnet.tracker.ledger import LedgerRecord, LedgerSpool
 from meshnet.tracker.metrics import GenerationMeter, TrackerMetrics
 from meshnet.tracker.placement import LoadResult, configure_span
+from meshnet.tracker.prefix_routes import PrefixIndex, PrefixRouting, route_by_prefix
 from meshnet.tracker.registry import NodeRecord, NodeState
 from meshnet.tracker.routes import (
     Hop,
@@ -79,6 +81,7 @@ class TrackerConfig:
     heal_timeout_s: float = 120.0  # an empty node loading a failed span
     replicas: int = 1  # up nodes kept on every layer range by placement.py; 0: no placement
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # capacity, queue
+    prefix: PrefixRouting = field(default_factory=PrefixRouting)  # routing by cached prefix
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,8 @@ class Tracker:
         self.driver = driver
         self.config = config
         self.admission = Admission(config.admission)
+        # What prompt blocks each node holds, as learned from what was routed to it.
+        self.prefixes = PrefixIndex(config.prefix.max_blocks_per_node)
         # Ledger records the database refuses wait here: a finished generation is
         # answered whatever its ledger write meets, and is billed once it is written.
         self.ledger = LedgerSpool(store.record_attempts)
@@ -180,9 +185,13 @@ class Tracker:
             nodes, self.model.fingerprint, spec.n_layers, self.admission.streams, backend
         )
 
-    def reserve(self, route: Route | None = None) -> tuple[Route, Reservation]:
+    def reserve(
+        self, route: Route | None = None, prompt_ids: Sequence[int] = ()
+    ) -> tuple[Route, Reservation]:
         """A route (planned among nodes with a free stream, unless given) and its
-        capacity, reserved; ``Overloaded`` when routes exist but are all full."""
+        capacity, reserved; ``Overloaded`` when routes exist but are all full. Given
+        the prompt, a route whose nodes hold a cached prefix of it may be chosen over
+        a less loaded one (tracker/prefix_routes.py)."""
         if route is not None:
             return route, self.admission.reserve(h.node_id for h in route)
         nodes = self.store.nodes()
@@ -206,7 +215,30 @@ class Tracker:
             busy = [h.node_id for h in route if h.node_id in full]
             if busy:
                 raise self.admission.overloaded(f"nodes {', '.join(busy)} are at capacity")
+        if pinned is None and prompt_ids and self.config.prefix.on:
+            route = self._by_prefix(route, nodes, full, prompt_ids)
         return route, self.admission.reserve(h.node_id for h in route)
+
+    def _by_prefix(
+        self,
+        base: Route,
+        nodes: Sequence[NodeRecord],
+        full: frozenset[str],
+        prompt_ids: Sequence[int],
+    ) -> Route:
+        """``base`` or a route whose nodes hold more of the prompt, whichever costs less."""
+        return route_by_prefix(
+            base,
+            nodes,
+            self.model.fingerprint,
+            self.model.spec.n_layers,
+            self.admission.streams,
+            full,
+            self.prefixes,
+            block_keys(prompt_ids),
+            len(prompt_ids),
+            self.config.prefix.load_tokens,
+        )
 
     def requested_route(self, node_ids: Sequence[str]) -> Route:
         """The route a request names, checked against the registry now; ``RequestError``
@@ -268,14 +300,15 @@ class Tracker:
         for _ in range(_OPEN_ATTEMPTS):
             with self.metrics.waiting.track_inprogress():
                 if named is None:
-                    route, held = await self.admission.acquire(self.reserve)
+                    reserve = functools.partial(self.reserve, None, prompt_ids)
+                    route, held = await self.admission.acquire(reserve)
                 else:
                     route = named
                     reserve = functools.partial(self.reserve_named, named)
                     held = await self.admission.acquire(reserve)
             gen = self.driver.new_generation(uuid.uuid4().hex, route, params, top_logprobs)
             try:
-                await self.driver.open(gen)
+                await self.driver.open(gen, prompt_ids)
             except (KVBudgetExhausted, Overloaded):
                 held.release()
                 raise  # the node is healthy, only full: the client should come back later
@@ -295,6 +328,9 @@ class Tracker:
             except BaseException:
                 held.release()
                 raise
+            self.metrics.cached_prompt_tokens.labels("completion").inc(gen.reused)
+            if self.config.prefix.on:  # the route's nodes keep the prompt's full blocks
+                self.prefixes.record(route, block_keys(prompt_ids))
             fabric: Fabric = self if named is None else _NamedRoute(self)
             run = self.driver.run(gen, prompt_ids, params, fabric)
             meter = self.metrics.generation("completion", len(prompt_ids), t0)
@@ -515,6 +551,7 @@ class Tracker:
         """A node registered (again): up, or with verification on, calibrating."""
         before = self.store.node(a.node_id)
         self.store.register(a, time.time())
+        self.prefixes.forget(a.node_id)  # a node registers afresh with an empty cache
         if self.verification is not None:
             self.verification.registered(a.node_id, before)
 

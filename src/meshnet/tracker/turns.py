@@ -32,6 +32,7 @@ import numpy as np
 
 from meshnet.auth.signing import PREFIX_KEY
 from meshnet.errors import ContextTooLong, KVImportFailed, RequestError
+from meshnet.kv.prefix_cache import block_keys
 from meshnet.model.chat import ChatMessage
 from meshnet.model.sampling import SamplingParams
 from meshnet.protocol import meshnet_pb2 as pb
@@ -135,7 +136,11 @@ class TurnRunner:
         for step, step_ids in enumerate(session.history):
             gen.record_input(0, step, np.asarray(step_ids, dtype=np.int64))
         try:
-            if path == "reprefill" or not session.history:
+            if not session.history:  # its prompt's blocks go to the nodes' prefix caches
+                await self.tracker.driver.open(gen, ids)
+                if self.tracker.config.prefix.on:
+                    self.tracker.prefixes.record(route, block_keys(ids))
+            elif path == "reprefill":
                 await self.tracker.driver.open(gen)
             elif not await self.tracker.driver.resume(gen, (session.kv_tokens, session.steps)):
                 path = "reprefill"

@@ -1,0 +1,209 @@
+"""A node's prefix cache: the KV of prompt prefixes, kept by block and reused exactly.
+
+A prompt's positions are cut into blocks of ``BLOCK_TOKENS`` from position 0;
+block ``i``'s key is a chain hash, SHA-256 of block ``i - 1``'s key and block
+``i``'s token ids, so one key names the whole prefix up to the block's end
+(vLLM's prefix caching keys its blocks the same way). A block keeps a copy of
+this shard's keys and values for its positions, the token ids, and its parent
+block itself: a lookup walks the prompt's keys from the first, and takes a
+block only where its tokens are the prompt's and its parent is the block just
+taken, so even a colliding hash cannot hand a request KV of another prefix.
+Reusing a block is exact: KV of a position depends only on the tokens up to it
+(meshnet computes a row identically alone, batched or chunked), so a prompt
+prefilled after a cached prefix gives the bits a whole prefill gives.
+
+The cache is bounded in bytes; the least recently used block goes first, and
+only a block no other block extends (a lookup touches a prefix's blocks from its
+last to its first, so parents are always more recent than their children). It
+holds copies, not the sessions' own arrays: ``SequenceKV`` keeps one contiguous
+array per layer, so a block cannot be shared without changing that layout.
+
+Not thread-safe: the node's engine loop is its only user.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshnet.kv.cache import SequenceKV
+
+BLOCK_TOKENS = 16  # positions per block: what a prefix is reused in multiples of
+_ROOT = b"meshnet-prefix-v1"  # the parent key of block 0
+
+
+def block_keys(ids: Sequence[int] | np.ndarray, blocks: int | None = None) -> list[bytes]:
+    """The chain keys of the first ``blocks`` full blocks of ``ids`` (all by default)."""
+    tokens = np.asarray(ids, dtype="<i8")
+    n = len(tokens) // BLOCK_TOKENS if blocks is None else blocks
+    keys: list[bytes] = []
+    parent = _ROOT
+    for i in range(n):
+        block = tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]
+        parent = hashlib.sha256(parent + block.tobytes()).digest()
+        keys.append(parent)
+    return keys
+
+
+@dataclass(eq=False)
+class _Block:
+    key: bytes
+    tokens: bytes  # the block's ids, int64 little-endian
+    parent: _Block | None
+    keys: list[np.ndarray]  # per layer [n_kv_heads, BLOCK_TOKENS, head_dim]
+    values: list[np.ndarray]
+    children: int = 0  # cached blocks that extend this one
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+
+@dataclass(frozen=True)
+class PrefixStats:
+    blocks: int  # blocks held
+    nbytes: int  # bytes they hold
+    capacity_bytes: int  # the most it may hold (0: off)
+    hits: int  # opens that reused at least one block
+    reused_tokens: int  # positions loaded from the cache instead of computed
+    stored_blocks: int  # blocks ever stored
+    evicted_blocks: int  # blocks let go to stay within the bounds
+
+
+class PrefixCache:
+    """Blocks of prefix KV by chain key, least recently used first."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = max(capacity_bytes, 0)  # 0: the cache is off
+        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()
+        self.nbytes = 0
+        self._hits = 0
+        self._reused = 0
+        self._stored = 0
+        self._evicted = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity_bytes > 0
+
+    def stats(self) -> PrefixStats:
+        return PrefixStats(
+            len(self._blocks),
+            self.nbytes,
+            self.capacity_bytes,
+            self._hits,
+            self._reused,
+            self._stored,
+            self._evicted,
+        )
+
+    def match(self, ids: np.ndarray, limit: int) -> list[_Block]:
+        """The cached blocks of the longest prefix of ``ids`` of at most ``limit``
+        positions, in order; touched, so they go last."""
+        found: list[_Block] = []
+        tokens = np.asarray(ids, dtype="<i8")
+        blocks = min(limit, len(tokens)) // BLOCK_TOKENS
+        parent: _Block | None = None
+        for i, key in enumerate(block_keys(tokens, blocks)):
+            block = self._blocks.get(key)
+            want = tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS].tobytes()
+            if block is None or block.parent is not parent or block.tokens != want:
+                break
+            found.append(block)
+            parent = block
+        self._touch(found)
+        return found
+
+    def load(self, blocks: list[_Block], kv: SequenceKV) -> int:
+        """Fill the empty ``kv`` with ``blocks`` (a ``match``); the positions loaded."""
+        if kv.length:
+            raise ValueError("a prefix loads into an empty cache")
+        n = len(blocks) * BLOCK_TOKENS
+        if not n:
+            return 0
+        kv.reserve(n)
+        for layer in range(kv.n_layers):  # one copy, each block straight into its place
+            keys, values = kv.buffers(layer)
+            for i, b in enumerate(blocks):
+                keys[:, i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS] = b.keys[layer]
+                values[:, i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS] = b.values[layer]
+        kv.advance(n)
+        self._hits += 1
+        self._reused += n
+        return n
+
+    def store(self, ids: np.ndarray, kv: SequenceKV, done: int) -> int:
+        """Keep the full blocks of ``ids`` that ``kv`` holds, from block ``done`` on (the
+        ones before it are cached already or were loaded from here); the blocks done
+        after. Stops at a block whose key another prefix holds (a collision)."""
+        tokens = np.asarray(ids, dtype="<i8")
+        blocks = min(len(tokens), kv.length) // BLOCK_TOKENS
+        if not self.enabled or blocks <= done:
+            return max(done, blocks)
+        keys = block_keys(tokens, blocks)
+        path = self.match(tokens, done * BLOCK_TOKENS)
+        if len(path) < done:  # evicted meanwhile: store from where the cache ends
+            done = len(path)
+        parent = path[-1] if path else None
+        added: list[_Block] = []
+        for i in range(done, blocks):
+            want = tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS].tobytes()
+            block = self._blocks.get(keys[i])
+            if block is None:
+                block = self._copy(keys[i], want, parent, kv, i)
+            elif block.parent is not parent or block.tokens != want:
+                break  # a colliding key: leave the one held
+            added.append(block)
+            parent = block
+        self._touch(path + added)
+        self.trim(self.capacity_bytes)
+        return blocks
+
+    def _copy(
+        self, key: bytes, tokens: bytes, parent: _Block | None, kv: SequenceKV, i: int
+    ) -> _Block:
+        start, end = i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS
+        keys, values = [], []
+        for layer in range(kv.n_layers):
+            k, v = kv.view(layer, 0)
+            keys.append(k[:, start:end].copy())
+            values.append(v[:, start:end].copy())
+        block = _Block(key, tokens, parent, keys, values)
+        if parent is not None:
+            parent.children += 1
+        self._blocks[key] = block
+        self.nbytes += block.nbytes
+        self._stored += 1
+        return block
+
+    def _touch(self, path: list[_Block]) -> None:
+        """Most recent last: a path's blocks from its end to its start, so a parent is
+        never evicted before a block that extends it."""
+        for block in reversed(path):
+            self._blocks.move_to_end(block.key)
+
+    def trim(self, limit_bytes: int) -> int:
+        """Evict least recently used blocks that nothing extends until at most
+        ``limit_bytes`` are held; the bytes freed."""
+        freed = 0
+        while self.nbytes > max(limit_bytes, 0) and self._blocks:
+            victim = next((b for b in self._blocks.values() if not b.children), None)
+            if victim is None:  # cannot happen: some block is a leaf
+                break
+            del self._blocks[victim.key]
+            if victim.parent is not None:
+                victim.parent.children -= 1
+            self.nbytes -= victim.nbytes
+            freed += victim.nbytes
+            self._evicted += 1
+        return freed
+
+    def clear(self) -> None:
+        """Forget every block (the node loaded another shard)."""
+        self._evicted += len(self._blocks)
+        self._blocks.clear()
+        self.nbytes = 0

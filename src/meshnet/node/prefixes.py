@@ -1,0 +1,84 @@
+"""How a node's sessions use its prefix cache (kv/prefix_cache.py).
+
+A fresh session opened with its prompt (``PrefixAsk``) starts holding the
+longest cached prefix of it, up to the positions the driver allows, as its
+step 0: the driver then sends the rest of the prompt as step 1, and every hop
+of the route agrees on the length because the driver asks each for the same
+(node/engine.py answers what it loaded; tracker/prefix_open.py settles on it).
+As the session's steps commit, the full blocks of its prompt it has computed
+are copied into the cache. Run on the engine's loop thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshnet.errors import MalformedBundle
+from meshnet.kv.prefix_cache import BLOCK_TOKENS, PrefixCache
+from meshnet.node.scheduler import Slot
+
+
+@dataclass(frozen=True)
+class PrefixAsk:
+    """What an open says of a fresh session's prompt."""
+
+    ids: np.ndarray  # the prompt's token ids [T], int64, from position 0
+    reuse: int  # the most positions to start with from the cache (0: none)
+
+    @staticmethod
+    def checked(ids: np.ndarray, reuse: int, max_tokens: int) -> PrefixAsk:
+        """``MalformedBundle`` when the prompt is longer than the model's context or
+        ``reuse`` leaves none of it to compute."""
+        if len(ids) > max_tokens:
+            raise MalformedBundle(f"a prefix of {len(ids)} ids is past {max_tokens} positions")
+        if reuse >= max(len(ids), 1) and reuse:
+            raise MalformedBundle(f"reusing {reuse} positions of a {len(ids)}-id prompt")
+        return PrefixAsk(np.asarray(ids, dtype=np.int64), int(reuse))
+
+
+def reuse_prefix(
+    cache: PrefixCache,
+    slot: Slot,
+    ask: PrefixAsk,
+    fits: Callable[[int], bool],
+    make_room: Callable[[int], None],
+) -> int:
+    """Start the fresh ``slot`` with the longest cached prefix of ``ask`` that the KV
+    budget has room for (``fits``; ``make_room`` evicts cached blocks for it); the
+    positions loaded (then step 0 is committed)."""
+    if not cache.enabled or not _cacheable(slot):
+        return 0
+    slot.prefix, slot.prefix_blocks = ask.ids, 0
+    if ask.reuse < BLOCK_TOKENS:
+        return 0
+    blocks = cache.match(ask.ids, ask.reuse)
+    need = slot.kv.growth_bytes(len(blocks) * BLOCK_TOKENS)
+    if not blocks or not fits(need):
+        return 0
+    make_room(need)  # the blocks matched stay alive in ``blocks`` if evicted meanwhile
+    n = cache.load(blocks, slot.kv)
+    slot.prefix_blocks = len(blocks)
+    slot.steps = 1
+    return n
+
+
+def _cacheable(slot: Slot) -> bool:
+    """Whether the slot's KV holds every position of every layer in position order: a
+    layer with a sliding window keeps only its window (a ring, kv/cache.py), which
+    blocks of the whole prefix cannot be copied out of or into."""
+    return not any(slot.kv.windows)
+
+
+def keep_prefix(cache: PrefixCache, slot: Slot | None) -> None:
+    """Copy the full prompt blocks ``slot`` has computed since into the cache."""
+    if slot is None or slot.prefix is None:
+        return
+    if not cache.enabled:
+        slot.prefix = None
+        return
+    slot.prefix_blocks = cache.store(slot.prefix, slot.kv, slot.prefix_blocks)
+    if slot.prefix_blocks >= len(slot.prefix) // BLOCK_TOKENS:
+        slot.prefix = None  # every full block is kept (or was refused): nothing more

@@ -1,0 +1,188 @@
+"""The prefix cache on real processes: a prompt's cached prefix is reused, exactly.
+
+Two meshes of the tiny model split over two nodes: one with the nodes' prefix
+caches on, one with them off (the answer each prompt has alone). Prompts are
+token ids, so their blocks (16 positions) are known.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import MeshFactory
+from prometheus_client.parser import text_string_to_metric_families
+
+from meshnet.local_mesh import LocalMesh
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def cached(mesh_factory: MeshFactory, tiny_path: Path) -> LocalMesh:
+    return mesh_factory("0:2,2:4", model=tiny_path)
+
+
+@pytest.fixture(scope="module")
+def uncached(mesh_factory: MeshFactory, tiny_path: Path) -> LocalMesh:
+    return mesh_factory("0:2,2:4", model=tiny_path, node_args=["--prefix-cache-mb", "0"])
+
+
+def complete(mesh: LocalMesh, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": max_tokens}
+    r = httpx.post(f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def cached_tokens(reply: dict[str, Any]) -> int:
+    return int(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def ids(reply: dict[str, Any]) -> list[int]:
+    return list(reply["meshnet"]["ids"])
+
+
+def node_counter(mesh: LocalMesh, node_id: str, name: str) -> float:
+    """A node's metric, scraped through the tracker (the node tells its port first)."""
+    deadline = time.monotonic() + 20
+    while True:
+        r = httpx.get(
+            f"{mesh.url}/admin/nodes/{node_id}/metrics", headers=mesh.admin_headers, timeout=30
+        )
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.status_code == 200, r.text
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            if s.name in (name, f"{name}_total"):
+                return s.value
+    raise AssertionError(f"{node_id} has no {name}")
+
+
+def tracker_counter(mesh: LocalMesh, name: str) -> float:
+    r = httpx.get(f"{mesh.url}/metrics", headers=mesh.admin_headers, timeout=30)
+    assert r.status_code == 200, r.text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+        if s.name == f"{name}_total"
+    )
+
+
+def prompt(seed: int, n: int, shared: list[int] | None = None) -> list[int]:
+    """``n`` ids: ``shared`` first, then ids drawn from ``seed`` (within the tiny vocab)."""
+    head = list(shared or [])
+    tail = [(seed * 7919 + 31 * i) % 90 + 10 for i in range(n - len(head))]
+    return head + tail
+
+
+def test_a_shared_prefix_is_reused_and_the_answer_is_the_same(
+    cached: LocalMesh, uncached: LocalMesh
+) -> None:
+    system = prompt(1, 5 * BLOCK + 3)  # 5 full blocks and a bit
+    first, second = prompt(2, 110, system), prompt(3, 100, system)
+    before = node_counter(cached, "node-1", "meshnet_node_prefix_reused_tokens")
+    a = complete(cached, first)
+    b = complete(cached, second)
+    assert cached_tokens(a) == 0
+    assert cached_tokens(b) == 5 * BLOCK  # the blocks whose ids are the same
+    assert ids(a) == ids(complete(uncached, first))
+    assert ids(b) == ids(complete(uncached, second))
+    # every hop reused the same prefix: its KV of its own layers
+    for node in ("node-0", "node-1"):
+        reused = node_counter(cached, node, "meshnet_node_prefix_reused_tokens")
+        assert reused - (before if node == "node-1" else 0) >= 5 * BLOCK
+    # the same prompt again reuses every full block short of its last id
+    again = complete(cached, second)
+    assert cached_tokens(again) == (len(second) - 1) // BLOCK * BLOCK
+    assert ids(again) == ids(b)
+
+
+def test_a_prompt_sharing_only_its_first_block_reuses_only_that(
+    cached: LocalMesh, uncached: LocalMesh
+) -> None:
+    base = prompt(4, 4 * BLOCK + 1)
+    complete(cached, base)
+    other = base[:BLOCK] + prompt(5, 3 * BLOCK + 1)[BLOCK:]  # differs from position 16 on
+    reply = complete(cached, other)
+    assert cached_tokens(reply) == BLOCK
+    assert ids(reply) == ids(complete(uncached, other))
+
+
+def test_eviction_under_a_small_kv_budget_keeps_answers_exact(
+    mesh_factory: MeshFactory, tiny_path: Path, uncached: LocalMesh
+) -> None:
+    # 512 bytes a position on each node (2 layers, 2 KV heads of 16): a 120-id prompt's
+    # session grows to about 100 KB, and its 7 blocks take 56 KB: 150 KB holds the
+    # blocks of about one prompt beside a running one.
+    small = mesh_factory("0:2,2:4", model=tiny_path, node_args=["--kv-budget-mb", str(150 / 1024)])
+    prompts = [prompt(10 + i, 120) for i in range(4)]
+    reused = []
+    for p in [*prompts, prompts[3], prompts[0], prompts[1]]:
+        reply = complete(small, p)  # never refused: cached blocks make way for sessions
+        assert ids(reply) == ids(complete(uncached, p))
+        reused.append(cached_tokens(reply))
+    assert 0 < reused[4] <= 7 * BLOCK  # the last prompt again: what of it was kept
+    assert reused[4] % BLOCK == 0
+    assert reused[5] == 0  # the first one's were let go
+    assert node_counter(small, "node-0", "meshnet_node_prefix_evicted_blocks") > 0
+    held = node_counter(small, "node-0", "meshnet_node_prefix_cache_bytes")
+    assert 0 < held <= 150 * 1024
+
+
+def test_a_node_lost_after_a_cached_prefix_is_failed_over_exactly(
+    mesh_factory: MeshFactory, tiny_factory: Any
+) -> None:
+    from streams import Streamed, serving, stream_completion
+
+    long_tiny = Path(tiny_factory("long.gguf", context_length=1024))
+    mesh = mesh_factory("0:2,2:4,2:4", model=long_tiny, heartbeat_timeout_s=8.0)
+    body = {"model": "long", "prompt": prompt(21, 40), "max_tokens": 120, "seed": 3}
+    body["temperature"] = 0.7
+    r = httpx.post(f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers, timeout=120)
+    assert r.status_code == 200, r.text
+    expected = r.json()["meshnet"]["ids"]
+    assert len(expected) == 120
+    killed: list[str] = []
+
+    def kill(n: int, s: Streamed) -> None:
+        if n == 20:
+            killed.append(serving(s, (2, 4)))
+            mesh.kill_node(killed[0])
+
+    before = tracker_counter(mesh, "meshnet_prompt_tokens_cached")
+    result = stream_completion(mesh, body, kill)
+    assert result.error is None, result.error
+    assert tracker_counter(mesh, "meshnet_prompt_tokens_cached") - before == 2 * BLOCK
+    assert result.ids == expected  # the prefix was reused, a hop lost, the answer the same
+    assert result.final is not None
+    (recovery,) = result.final["recoveries"]
+    assert recovery["failed_node"] == killed[0]
+
+
+def test_a_sessions_first_turn_fills_the_cache_for_completions(
+    cached: LocalMesh, uncached: LocalMesh
+) -> None:
+    from session_client import new_session, turn
+
+    system = " ".join(f"rule {i}: answer in kind." for i in range(4))
+    turn(cached, new_session(cached, system), "hi")
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "yo"}],
+        "temperature": 0,
+        "max_tokens": 6,
+    }
+    replies = [
+        httpx.post(f"{m.url}/v1/chat/completions", json=body, headers=m.api_headers, timeout=120)
+        for m in (cached, uncached)
+    ]
+    assert all(r.status_code == 200 for r in replies), replies[0].text
+    assert cached_tokens(replies[0].json()) >= 2 * BLOCK  # the system prompt's blocks
+    assert ids(replies[0].json()) == ids(replies[1].json())

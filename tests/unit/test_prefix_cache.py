@@ -1,0 +1,87 @@
+"""The prefix cache's bookkeeping: chain keys, exact matches only, least recently used out."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshnet.kv.cache import SequenceKV
+from meshnet.kv.prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys
+
+B = BLOCK_TOKENS
+
+
+def filled(n: int, seed: int = 0) -> SequenceKV:
+    """A 2-layer cache holding ``n`` positions of values that name their position."""
+    kv = SequenceKV(2, 1, 4)
+    kv.reserve(n)
+    rng = np.random.default_rng(seed)
+    for layer in range(2):
+        k = rng.standard_normal((1, n, 4)).astype(np.float32)
+        kv.write(layer, k, k + 1)
+    kv.advance(n)
+    return kv
+
+
+def test_a_block_key_names_its_whole_prefix() -> None:
+    a = list(range(3 * B))
+    b = [99, *a[1:]]  # the first id differs: every later key differs too
+    assert len(block_keys(a)) == 3
+    assert all(x != y for x, y in zip(block_keys(a), block_keys(b), strict=True))
+    assert block_keys([*a, 5])[:3] == block_keys(a)  # a partial block has no key
+
+
+def test_what_is_stored_loads_back_bit_for_bit() -> None:
+    ids = np.arange(3 * B + 5)
+    kv = filled(len(ids))
+    cache = PrefixCache(1 << 20)
+    assert cache.store(ids, kv, 0) == 3
+    fresh = SequenceKV(2, 1, 4)
+    assert cache.load(cache.match(ids, len(ids) - 1), fresh) == 3 * B
+    for layer in range(2):
+        want_k, want_v = kv.view(layer, 0)
+        got_k, got_v = fresh.view(layer, 0)
+        assert np.array_equal(got_k, want_k[:, : 3 * B])
+        assert np.array_equal(got_v, want_v[:, : 3 * B])
+
+
+def test_only_the_blocks_of_the_same_ids_match() -> None:
+    ids = np.arange(3 * B)
+    cache = PrefixCache(1 << 20)
+    cache.store(ids, filled(len(ids)), 0)
+    other = ids.copy()
+    other[B + 3] = 500  # the second block differs
+    assert len(cache.match(other, len(other))) == 1
+    assert len(cache.match(ids, 2 * B + 1)) == 2  # the limit counts positions
+
+
+def test_a_colliding_key_cannot_give_another_prefix() -> None:
+    ids = np.arange(2 * B)
+    cache = PrefixCache(1 << 20)
+    cache.store(ids, filled(len(ids)), 0)
+    other = ids + 1000
+    # Make the other prompt's first key the same as this one's (a hash collision).
+    key = block_keys(ids)[0]
+    cache._blocks[block_keys(other)[0]] = cache._blocks[key]
+    assert cache.match(other, len(other)) == []  # its tokens are not the request's
+
+
+def test_the_least_recently_used_leaf_goes_first() -> None:
+    cache = PrefixCache(1 << 20)
+    a, b = np.arange(2 * B), np.arange(2 * B) + 500
+    cache.store(a, filled(2 * B), 0)
+    cache.store(b, filled(2 * B, 1), 0)
+    block = cache.stats().nbytes // 4
+    cache.match(a, 2 * B)  # a is now the most recent
+    cache.trim(3 * block)
+    assert len(cache.match(a, 2 * B)) == 2
+    assert len(cache.match(b, 2 * B)) == 1  # b's last block went, its first stays
+    cache.trim(0)
+    assert cache.stats().blocks == 0 and cache.nbytes == 0
+    assert cache.stats().evicted_blocks == 4
+
+
+def test_an_off_cache_keeps_nothing() -> None:
+    cache = PrefixCache(0)
+    ids = np.arange(2 * B)
+    cache.store(ids, filled(2 * B), 0)
+    assert cache.stats().blocks == 0 and cache.match(ids, 2 * B) == []
