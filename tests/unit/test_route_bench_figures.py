@@ -50,6 +50,9 @@ class ScriptedTracker:
         self.gate = asyncio.Event()
         self.gate.set()
 
+    def context_limit(self) -> int:
+        return int(self.model.spec.context_length)
+
     def requested_route(self, node_ids: Sequence[str]) -> Route:
         if "zz" in node_ids:
             raise RequestError("unknown node ids: zz")
