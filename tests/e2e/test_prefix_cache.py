@@ -186,3 +186,20 @@ def test_a_sessions_first_turn_fills_the_cache_for_completions(
     assert all(r.status_code == 200 for r in replies), replies[0].text
     assert cached_tokens(replies[0].json()) >= 2 * BLOCK  # the system prompt's blocks
     assert ids(replies[0].json()) == ids(replies[1].json())
+
+
+def test_n_choices_compute_their_prompt_once(cached: LocalMesh, uncached: LocalMesh) -> None:
+    """Choice 0's prefill fills the caches before the others open: they reuse its blocks."""
+    body = {"model": "tiny", "prompt": prompt(77, 3 * BLOCK + 5), "max_tokens": 6, "n": 3}
+    body |= {"temperature": 0.8, "seed": 5}
+
+    def choices(mesh: LocalMesh) -> list[list[int]]:
+        r = httpx.post(
+            f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers, timeout=120
+        )
+        assert r.status_code == 200, r.text
+        return [c["meshnet"]["ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+    before = tracker_counter(cached, "meshnet_prompt_tokens_cached")
+    assert choices(cached) == choices(uncached)  # exact: what each choice gives uncached
+    assert tracker_counter(cached, "meshnet_prompt_tokens_cached") - before == 2 * 3 * BLOCK

@@ -3,9 +3,11 @@
 Choice ``i`` samples with seed ``(seed + i) mod 2^63``, where ``seed`` is the
 request's (a fresh random one when it names none), so choice ``i`` is exactly
 the solo run of the same request with ``n: 1`` and that seed: choice 0 is the
-request's own solo run. The choices do not share the prompt's prefill: each
-opens its own route and KV (the nodes batch their prefills together, but the
-prompt is computed once per choice); a node cannot fork one session's KV.
+request's own solo run. The prompt is computed once: choice 0 opens first, and
+its prefill fills the route's prefix caches (kv/prefix_cache.py) as it commits;
+the others open once its first token has come, routed by prefix to those nodes,
+and start from the cached blocks (only the prompt's last partial block is
+computed again). Where the caches are off, each choice computes it.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ async def open_choices(
     tenant: str,
 ) -> list[Choice]:
     """Start one generation per ``params`` (charged to its meter, billed to ``tenant``),
-    together, up to each one's first event; when any fails, every other is closed and
-    the first failure raised."""
+    up to each one's first event: the first alone, then the others together (on its
+    cached prefill); when any fails, every other is closed and the first failure raised."""
 
     async def one(index: int) -> Choice:
         try:
@@ -73,9 +75,10 @@ async def open_choices(
             raise
         return Choice(index, started, first, events)
 
-    results = await asyncio.gather(*(one(i) for i in range(len(params))), return_exceptions=True)
-    opened = [r for r in results if isinstance(r, Choice)]
-    failed = [r for r in results if isinstance(r, BaseException)]
+    first = await one(0)  # its prefill, cached on its route, is the others' too
+    rest = await asyncio.gather(*(one(i) for i in range(1, len(params))), return_exceptions=True)
+    opened = [first, *(r for r in rest if isinstance(r, Choice))]
+    failed = [r for r in rest if isinstance(r, BaseException)]
     if failed:
         for choice in opened:
             await choice.events.aclose()
