@@ -51,9 +51,15 @@ def honest_ids(mesh_factory: MeshFactory, long_tiny: Path) -> list[int]:
 def mesh(mesh_factory: MeshFactory, long_tiny: Path) -> LocalMesh:
     """node-0 serves 2:4 and ``honest`` 0:2 (both untrusted); the trusted ``t-node`` 0:2
     and ``t-whole`` 0:4. An idle mesh routes the smallest ids: neither trusted node
-    unless a request names it."""
+    unless a request names it. The prefix caches are off: with them, a node that served
+    the prompt before is routed over a newly started cheater, and a prompt served from
+    the cache leaves records with no whole chunk for the checks to read."""
     args = ["--verify-rate", "1.0", "--trusted-node", TRUSTED, "--trusted-node", WHOLE]
-    mesh = mesh_factory("2:4", model=long_tiny, tracker_args=args, need_route=False)
+    args += ["--no-prefix-routing"]
+    no_cache = ["--prefix-cache-mb", "0"]
+    mesh = mesh_factory(
+        "2:4", model=long_tiny, tracker_args=args, node_args=no_cache, need_route=False
+    )
     mesh.start_node(TRUSTED, LayerRange(0, 2))
     mesh.start_node(WHOLE, LayerRange(0, 4))
     mesh.start_node("honest", LayerRange(0, 2))
