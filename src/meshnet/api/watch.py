@@ -90,7 +90,6 @@ async def events(
         last = watching.events.last_id
     if watching.streams >= watching.max_streams:
         raise Overloaded(f"{watching.max_streams} event streams are open", retry_after_s=5)
-    watching.streams += 1
     return StreamingResponse(
         _stream(request, watching, last),
         media_type="text/event-stream",
@@ -108,6 +107,9 @@ def _last_event_id(request: Request) -> int | None:
 
 
 async def _stream(request: Request, watching: Watching, last: int) -> AsyncIterator[str]:
+    # Counted from the body's first read: a stream whose client left before it began
+    # never runs its ``finally``, and must not hold a slot.
+    watching.streams += 1
     try:
         yield ": meshnet events\n\n"  # the stream is open: headers and a first line now
         while not await request.is_disconnected():
