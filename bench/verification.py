@@ -47,7 +47,7 @@ from meshnet.protocol.commitments import (
     commits_exactly,
 )
 from meshnet.protocol.sketches import QUARTILE_RTOL, VALUE_RTOL, sketch_errors, upper_quartile
-from meshnet.tracker.verifier import SpanClaim, TrustedModel, Verifier, check_span
+from meshnet.tracker.trust.verifier import SpanClaim, TrustedModel, Verifier, check_span
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 TOPLOC_BYTES_PER_TOKEN = 258 / 32

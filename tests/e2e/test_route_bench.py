@@ -22,7 +22,7 @@ from meshnet.engine.generate import generate
 from meshnet.engine.local import LocalModel
 from meshnet.local_mesh import LocalMesh
 from meshnet.model.sampling import SamplingParams
-from meshnet.tracker.route_bench import MAX_ROUNDS
+from meshnet.tracker.serving.route_bench import MAX_ROUNDS
 
 PROMPT = "the cat sat on"
 FIGURES = ("ttft_ms", "token_ms_median", "token_ms_p90", "tokens_per_s")

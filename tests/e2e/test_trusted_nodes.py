@@ -26,8 +26,8 @@ from verification_views import ledger, wait_state
 
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
-from meshnet.tracker.database import open_database
-from meshnet.tracker.work_checks import SpanCheck, checks
+from meshnet.tracker.accounting.work_checks import SpanCheck, checks
+from meshnet.tracker.storage.database import open_database
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 6  # > 32 positions by itself
 BODY = {"model": "long", "prompt": PROMPT, "max_tokens": 60, "temperature": 0}

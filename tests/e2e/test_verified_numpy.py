@@ -21,7 +21,7 @@ from verification_views import ledger, wait_state
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
 from meshnet.protocol.commitments import SKETCH_BYTES
-from meshnet.tracker import commitments
+from meshnet.tracker.links import commitments
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 6  # > 32 positions by itself
 BODY = {"model": "long", "prompt": PROMPT, "max_tokens": 60, "temperature": 0}

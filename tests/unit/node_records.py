@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import NodeLoad
-from meshnet.tracker.registry import NodeRecord, NodeState
+from meshnet.tracker.nodes.registry import NodeRecord, NodeState
 
 FP = "f" * 64
 

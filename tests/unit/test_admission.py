@@ -10,8 +10,8 @@ import pytest
 from meshnet.errors import Overloaded
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import NodeLoad
-from meshnet.tracker.admission import Admission, AdmissionConfig, Reservation
-from meshnet.tracker.registry import NodeRecord, NodeState
+from meshnet.tracker.nodes.admission import Admission, AdmissionConfig, Reservation
+from meshnet.tracker.nodes.registry import NodeRecord, NodeState
 
 
 def node(node_id: str, max_streams: int = 0) -> NodeRecord:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshnet.mesh_messages import NodeAnnouncement, NodeLoad
-from meshnet.tracker.database import SQLiteDatabase
-from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
-from meshnet.tracker.session_store import SessionState, SessionStore
-from meshnet.tracker.store import Store
+from meshnet.tracker.accounting.ledger import AttemptStatus, LedgerRecord
+from meshnet.tracker.nodes.store import Store
+from meshnet.tracker.sessions.session_store import SessionState, SessionStore
+from meshnet.tracker.storage.database import SQLiteDatabase
 
 
 def _node(node_id: str) -> NodeAnnouncement:

@@ -1,6 +1,6 @@
-"""Billing only checked work (tracker/billing.py, work_checks.py, ledger.py): settlement of
-unverified work against the verifier's checks, usage per tenant and earnings per node, on
-a real SQLite database."""
+"""Billing only checked work (tracker/accounting/billing.py, work_checks.py, ledger.py):
+settlement of unverified work against the verifier's checks, usage per tenant and earnings
+per node, on a real SQLite database."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from meshnet.tracker import billing
-from meshnet.tracker.database import Database, open_database
-from meshnet.tracker.ledger import AttemptStatus, LedgerRecord, LedgerSpool
-from meshnet.tracker.migrations import migrate
-from meshnet.tracker.store import Store
-from meshnet.tracker.work_checks import SpanCheck
+from meshnet.tracker.accounting import billing
+from meshnet.tracker.accounting.ledger import AttemptStatus, LedgerRecord, LedgerSpool
+from meshnet.tracker.accounting.work_checks import SpanCheck
+from meshnet.tracker.nodes.store import Store
+from meshnet.tracker.storage.database import Database, open_database
+from meshnet.tracker.storage.migrations import migrate
 
 NOW = 1_000_000.0
 WINDOW = 60.0

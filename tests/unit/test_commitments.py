@@ -11,8 +11,8 @@ from meshnet.node.engine import NodeEngine
 from meshnet.node.scheduler import StepWork
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol.commitments import CHUNK_TOKENS, RowLog, chunk_digests_of
-from meshnet.tracker import commitments
-from meshnet.tracker.verifier import SpanClaim, TrustedModel, Upstream, check_claim
+from meshnet.tracker.links import commitments
+from meshnet.tracker.trust.verifier import SpanClaim, TrustedModel, Upstream, check_claim
 
 
 def _rows(n: int, d: int = 8, seed: int = 0) -> np.ndarray:
@@ -138,7 +138,7 @@ def _claim(start: int = 0) -> SpanClaim:
 def test_the_verifier_samples_at_its_rate_and_skips_when_full() -> None:
     import asyncio
 
-    from meshnet.tracker.verifier import Verifier
+    from meshnet.tracker.trust.verifier import Verifier
 
     async def scenario() -> None:
         never = Verifier(None, 0.0, lambda v: None)  # type: ignore[arg-type]
@@ -157,7 +157,7 @@ def test_the_verifier_samples_at_its_rate_and_skips_when_full() -> None:
 
 
 def test_a_verifier_with_a_rate_out_of_range_is_refused() -> None:
-    from meshnet.tracker.verifier import Verifier
+    from meshnet.tracker.trust.verifier import Verifier
 
     with pytest.raises(ValueError):
         Verifier(None, 1.5, lambda v: None)  # type: ignore[arg-type]
@@ -191,8 +191,8 @@ def test_the_verifier_goes_on_when_a_verdict_cannot_be_kept(
 ) -> None:
     import asyncio
 
-    from meshnet.tracker import verifier
-    from meshnet.tracker.verifier import Verdict, Verifier
+    from meshnet.tracker.trust import verifier
+    from meshnet.tracker.trust.verifier import Verdict, Verifier
 
     monkeypatch.setattr(
         verifier, "check_claim", lambda model, c, exact: [Verdict(c, c.token_start == 0, "")]

@@ -24,7 +24,7 @@ from meshnet.model.grammar_vocab import grammar_tokenizer, token_bytes
 from meshnet.model.info import ModelInfo, load_model_info
 from meshnet.model.sampling import Sampler, SamplingParams
 from meshnet.model.tokenizer import TextTokenizer, load_tokenizer
-from meshnet.tracker.sampled_check import Sampled, check_sampled
+from meshnet.tracker.trust.sampled_check import Sampled, check_sampled
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -1,4 +1,4 @@
-"""Faults of the tracker's database are typed once, in tracker/database.py: a full or
+"""Faults of the tracker's database are typed once, in tracker/storage/database.py: a full or
 failing disk, a busy or unreachable server are ``DatabaseUnavailable`` (a 503), never
 the driver's exception; a full disk never leaves the connection wedged inside a
 transaction; a lost PostgreSQL connection is replaced; a row that does not parse is
@@ -19,7 +19,7 @@ import pytest
 
 from meshnet.errors import DatabaseUnavailable
 from meshnet.local_mesh import free_port
-from meshnet.tracker.database import (
+from meshnet.tracker.storage.database import (
     PostgresDatabase,
     SQLiteDatabase,
     open_database,
@@ -66,7 +66,7 @@ def test_a_file_size_limit_fails_writes_typed_and_they_work_once_it_is_lifted(
         import resource
         from pathlib import Path
         from meshnet.errors import DatabaseUnavailable
-        from meshnet.tracker.database import SQLiteDatabase
+        from meshnet.tracker.storage.database import SQLiteDatabase
         db = SQLiteDatabase(Path({str(tmp_path / "t.db")!r}))
         db.run({SCHEMA!r})
         db.run("INSERT INTO t (v) VALUES ('a')")

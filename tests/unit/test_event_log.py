@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 from meshnet.api import watch
 from meshnet.api.auth import require_admin
 from meshnet.api.errors import install_error_handlers
-from meshnet.tracker.events import EventLog
-from meshnet.tracker.state_watch import StateWatch
+from meshnet.tracker.watch.events import EventLog
+from meshnet.tracker.watch.state_watch import StateWatch
 
 
 def test_events_are_numbered_and_read_after_an_id() -> None:

@@ -8,8 +8,8 @@ from meshnet.errors import MalformedBundle
 from meshnet.layer_range import LayerRange
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol.commitments import CHUNK_TOKENS, MAX_CHUNKS_PER_MESSAGE
-from meshnet.tracker.hop_link import HopLink
-from meshnet.tracker.routes import Hop
+from meshnet.tracker.links.hop_link import HopLink
+from meshnet.tracker.nodes.routes import Hop
 
 
 def _link() -> HopLink:

@@ -11,7 +11,7 @@ from meshnet.layer_range import LayerRange
 from meshnet.node.engine import NodeEngine
 from meshnet.node.scheduler import StepWork
 from meshnet.protocol.commitments import chunk_digests_of
-from meshnet.tracker.verifier import SpanClaim, TrustedModel, Upstream, check_claim
+from meshnet.tracker.trust.verifier import SpanClaim, TrustedModel, Upstream, check_claim
 
 IDS = np.random.default_rng(4).integers(0, 200, 64)
 

@@ -1,5 +1,5 @@
 """Ledger records wait for a database that refuses them and are written, once, when it
-takes them again (tracker/ledger.py ``LedgerSpool``), on the real ledger table."""
+takes them again (tracker/accounting/ledger.py ``LedgerSpool``), on the real ledger table."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meshnet.errors import DatabaseUnavailable
-from meshnet.tracker.database import SQLiteDatabase
-from meshnet.tracker.ledger import AttemptStatus, LedgerRecord, LedgerSpool
-from meshnet.tracker.store import Store
+from meshnet.tracker.accounting.ledger import AttemptStatus, LedgerRecord, LedgerSpool
+from meshnet.tracker.nodes.store import Store
+from meshnet.tracker.storage.database import SQLiteDatabase
 
 
 def record(generation: str, epoch: int = 1) -> LedgerRecord:

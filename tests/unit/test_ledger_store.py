@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from meshnet.tracker.database import SQLiteDatabase
-from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
-from meshnet.tracker.store import Store
+from meshnet.tracker.accounting.ledger import AttemptStatus, LedgerRecord
+from meshnet.tracker.nodes.store import Store
+from meshnet.tracker.storage.database import SQLiteDatabase
 
 
 def record(node: str, epoch: int, start: int, end: int, status: AttemptStatus) -> LedgerRecord:

@@ -15,14 +15,14 @@ import pytest
 
 from meshnet.api.app import sweep_forever
 from meshnet.errors import DatabaseUnavailable
-from meshnet.tracker.database import open_database
 from meshnet.tracker.loops import LoopHealth
-from meshnet.tracker.outbox import Outbox, OutboxConfig
-from meshnet.tracker.retention import Retention, RetentionPolicy
-from meshnet.tracker.session_store import SessionStore
-from meshnet.tracker.sessions import SessionPolicy, Sessions
-from meshnet.tracker.snapshots import SnapshotStore
-from meshnet.tracker.store import Store
+from meshnet.tracker.nodes.store import Store
+from meshnet.tracker.sessions.outbox import Outbox, OutboxConfig
+from meshnet.tracker.sessions.retention import Retention, RetentionPolicy
+from meshnet.tracker.sessions.session_store import SessionStore
+from meshnet.tracker.sessions.sessions import SessionPolicy, Sessions
+from meshnet.tracker.sessions.snapshots import SnapshotStore
+from meshnet.tracker.storage.database import open_database
 
 FAILURES: list[Exception] = [
     sqlite3.OperationalError("database is locked"),

@@ -24,13 +24,13 @@ from meshnet.layer_range import LayerRange
 from meshnet.node.engine import EngineStats
 from meshnet.node.metrics import NodeMetrics
 from meshnet.node.metrics_http import MAX_CLIENTS, METRICS_METHOD, MetricsServer
-from meshnet.tracker.metrics import (
+from meshnet.tracker.nodes.registry import NodeRecord
+from meshnet.tracker.watch.metrics import (
     NodeScrapeTargets,
     TrackerMetrics,
     counter_total,
     layer_replicas,
 )
-from meshnet.tracker.registry import NodeRecord
 
 FP = "f" * 64
 KEY = node_key("00" * 32, "node-a")

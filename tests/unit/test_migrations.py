@@ -11,13 +11,13 @@ import pytest
 
 from meshnet.auth.tenants import TenantStore
 from meshnet.errors import SchemaTooNew
-from meshnet.tracker.bench_store import BenchStore
-from meshnet.tracker.database import Database, open_database
-from meshnet.tracker.migrations import MIGRATIONS, Migration, columns, migrate
-from meshnet.tracker.served_store import ServedStore
-from meshnet.tracker.session_models import SessionModels
-from meshnet.tracker.session_store import SessionStore
-from meshnet.tracker.store import Store
+from meshnet.tracker.nodes.store import Store
+from meshnet.tracker.serving.bench_store import BenchStore
+from meshnet.tracker.serving.served_store import ServedStore
+from meshnet.tracker.sessions.session_models import SessionModels
+from meshnet.tracker.sessions.session_store import SessionStore
+from meshnet.tracker.storage.database import Database, open_database
+from meshnet.tracker.storage.migrations import MIGRATIONS, Migration, columns, migrate
 
 # The tables as the first tracker made them (425744a).
 FIRST = """

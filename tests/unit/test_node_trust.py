@@ -1,4 +1,4 @@
-"""Node states under verification (tracker/calibration.py): calibrating until a node's
+"""Node states under verification (tracker/trust/calibration.py): calibrating until a node's
 calibration passes, quarantined while it serves what it failed on, calibrated afresh
 when it serves something else. The calibration itself is faked here (its exchange with a
 real node is tests/e2e/test_verified_work.py's); the registry is a real SQLite store."""
@@ -13,11 +13,11 @@ import pytest
 
 from meshnet.errors import MeshnetError, NodeFailure
 from meshnet.mesh_messages import NodeAnnouncement, NodeLoad
-from meshnet.tracker import calibration
-from meshnet.tracker.calibration import NodeTrust
-from meshnet.tracker.database import SQLiteDatabase
-from meshnet.tracker.registry import NodeState
-from meshnet.tracker.store import Store
+from meshnet.tracker.nodes.registry import NodeState
+from meshnet.tracker.nodes.store import Store
+from meshnet.tracker.storage.database import SQLiteDatabase
+from meshnet.tracker.trust import calibration
+from meshnet.tracker.trust.calibration import NodeTrust
 
 FP = "f" * 64
 

@@ -15,11 +15,11 @@ from meshnet.errors import StreamReset, WorkerDeath
 from meshnet.mesh_messages import NodeAnnouncement, NodeLoad
 from meshnet.model.info import load_model_info
 from meshnet.model.sampling import SamplingParams
-from meshnet.tracker.channels import ChannelPool
-from meshnet.tracker.database import SQLiteDatabase
-from meshnet.tracker.registry import NodeState
+from meshnet.tracker.links.channels import ChannelPool
+from meshnet.tracker.nodes.registry import NodeState
+from meshnet.tracker.nodes.store import Store
 from meshnet.tracker.service import Tracker, TrackerConfig
-from meshnet.tracker.store import Store
+from meshnet.tracker.storage.database import SQLiteDatabase
 
 
 class _Driver:

@@ -1,5 +1,5 @@
 """The outbox's delivery under leases, waits and database faults, on a real SQLite store
-with a scripted runner in place of the mesh (tracker/outbox.py).
+with a scripted runner in place of the mesh (tracker/sessions/outbox.py).
 
 Two ``Outbox`` objects on two connections to one database file are two trackers
 (replicas); a ``Flaky`` store in front of the real one makes chosen calls fail with
@@ -19,12 +19,17 @@ from typing import Any
 import pytest
 
 from meshnet.errors import DatabaseUnavailable, NoRoute, RequestError, WorkerDeath
-from meshnet.tracker.database import open_database
-from meshnet.tracker.ledger import AttemptStatus, LedgerRecord, LedgerSpool
-from meshnet.tracker.outbox import Outbox, OutboxConfig, after_failure
-from meshnet.tracker.session_store import SessionRecord, SessionStore, TurnRecord, TurnStatus
-from meshnet.tracker.snapshots import SnapshotStore
-from meshnet.tracker.turns import TurnOutcome
+from meshnet.tracker.accounting.ledger import AttemptStatus, LedgerRecord, LedgerSpool
+from meshnet.tracker.sessions.outbox import Outbox, OutboxConfig, after_failure
+from meshnet.tracker.sessions.session_store import (
+    SessionRecord,
+    SessionStore,
+    TurnRecord,
+    TurnStatus,
+)
+from meshnet.tracker.sessions.snapshots import SnapshotStore
+from meshnet.tracker.sessions.turns import TurnOutcome
+from meshnet.tracker.storage.database import open_database
 
 BODY = {"content": "hi", "max_tokens": 4, "temperature": 0.0}
 FAST = OutboxConfig(lease_s=0.6, poll_s=0.02, backoff_base_s=0.001, backoff_cap_s=0.005)

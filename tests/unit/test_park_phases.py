@@ -16,7 +16,7 @@ from meshnet.layer_range import LayerRange
 from meshnet.node.engine import EngineConfig, NodeEngine
 from meshnet.node.parking import ParkPhase, ParkStore
 from meshnet.node.scheduler import StepWork
-from meshnet.tracker.parking import BACKOFF_CAP_S, ParkBackoff
+from meshnet.tracker.sessions.parking import BACKOFF_CAP_S, ParkBackoff
 
 
 @pytest.fixture

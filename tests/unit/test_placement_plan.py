@@ -9,16 +9,16 @@ from types import SimpleNamespace
 from node_records import node_record
 
 from meshnet.layer_range import LayerRange
-from meshnet.tracker.inventory import Inventory
-from meshnet.tracker.placement import (
+from meshnet.tracker.nodes.inventory import Inventory
+from meshnet.tracker.nodes.registry import NodeRecord
+from meshnet.tracker.nodes.routes import Hop
+from meshnet.tracker.serving.placement import (
     Load,
     LoadResult,
     Placement,
     PlacementConfig,
     plan_placement,
 )
-from meshnet.tracker.registry import NodeRecord
-from meshnet.tracker.routes import Hop
 
 FP = "f" * 64
 

@@ -6,9 +6,9 @@ from collections.abc import Set
 
 from meshnet.errors import NoRoute
 from meshnet.layer_range import LayerRange
-from meshnet.tracker.prefix_routes import PrefixIndex, choose_route, reusable_tokens
-from meshnet.tracker.registry import NodeId
-from meshnet.tracker.routes import Hop, Route
+from meshnet.tracker.nodes.prefix_routes import PrefixIndex, choose_route, reusable_tokens
+from meshnet.tracker.nodes.registry import NodeId
+from meshnet.tracker.nodes.routes import Hop, Route
 
 
 def _route(*ids: str) -> Route:

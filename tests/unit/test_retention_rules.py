@@ -14,11 +14,12 @@ from meshnet.cli.main import build_parser
 from meshnet.cli.options import duration
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import NodeAnnouncement, NodeLoad
-from meshnet.tracker import billing
-from meshnet.tracker.bench_store import BenchStore, RouteFigures
-from meshnet.tracker.database import Database, open_database
-from meshnet.tracker.ledger import AttemptStatus, LedgerRecord
-from meshnet.tracker.retention import (
+from meshnet.tracker.accounting import billing
+from meshnet.tracker.accounting.ledger import AttemptStatus, LedgerRecord
+from meshnet.tracker.accounting.work_checks import SpanCheck, checks
+from meshnet.tracker.nodes.store import Store
+from meshnet.tracker.serving.bench_store import BenchStore, RouteFigures
+from meshnet.tracker.sessions.retention import (
     DAY,
     HOUR,
     WRITING_GRACE_S,
@@ -26,10 +27,14 @@ from meshnet.tracker.retention import (
     Retention,
     RetentionPolicy,
 )
-from meshnet.tracker.session_store import SessionState, SessionStore, SnapshotFile, TurnStatus
-from meshnet.tracker.snapshots import SnapshotStore, SnapshotTarget
-from meshnet.tracker.store import Store
-from meshnet.tracker.work_checks import SpanCheck, checks
+from meshnet.tracker.sessions.session_store import (
+    SessionState,
+    SessionStore,
+    SnapshotFile,
+    TurnStatus,
+)
+from meshnet.tracker.sessions.snapshots import SnapshotStore, SnapshotTarget
+from meshnet.tracker.storage.database import Database, open_database
 
 REQUEST = {"content": "hi", "max_tokens": 4, "temperature": 0.0}
 NOW = 100 * DAY  # the pass's clock; everything below is placed relative to it

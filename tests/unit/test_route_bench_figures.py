@@ -16,10 +16,11 @@ from meshnet.cli.main import main
 from meshnet.errors import Overloaded, RequestError
 from meshnet.layer_range import LayerRange
 from meshnet.model.sampling import SamplingParams
-from meshnet.tracker.bench_store import BenchStore, RouteFigures
-from meshnet.tracker.database import Database, open_database
-from meshnet.tracker.driver import DoneEvent, TokenEvent
-from meshnet.tracker.route_bench import (
+from meshnet.tracker.nodes.routes import Hop, Route
+from meshnet.tracker.routing.driver import DoneEvent, TokenEvent
+from meshnet.tracker.service import Started
+from meshnet.tracker.serving.bench_store import BenchStore, RouteFigures
+from meshnet.tracker.serving.route_bench import (
     MAX_ROUNDS,
     MAX_ROUTES,
     MAX_TOKENS,
@@ -30,8 +31,7 @@ from meshnet.tracker.route_bench import (
     nearest_rank,
     summarise,
 )
-from meshnet.tracker.routes import Hop, Route
-from meshnet.tracker.service import Started
+from meshnet.tracker.storage.database import Database, open_database
 
 FP = "f" * 64
 Key = tuple[str, ...] | None  # a route's node ids; None: unpinned

@@ -11,8 +11,8 @@ from meshnet.api.caller import Caller
 from meshnet.api.schemas import MAX_ROUTE_HOPS, ChatCompletionRequest, CompletionRequest
 from meshnet.auth.tenants import Quotas, Tenant
 from meshnet.errors import PermissionDenied, RequestError, Unauthenticated
-from meshnet.tracker.registry import NodeRecord, NodeState
-from meshnet.tracker.routes import requested_route
+from meshnet.tracker.nodes.registry import NodeRecord, NodeState
+from meshnet.tracker.nodes.routes import requested_route
 
 
 def mesh() -> list[NodeRecord]:

@@ -5,8 +5,8 @@ import pytest
 from meshnet.errors import NoRoute, RequestError
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import NodeLoad
-from meshnet.tracker.registry import NodeRecord, NodeState, is_stale
-from meshnet.tracker.routes import backend_of, pinned_route, plan_chain, plan_route, splice
+from meshnet.tracker.nodes.registry import NodeRecord, NodeState, is_stale
+from meshnet.tracker.nodes.routes import backend_of, pinned_route, plan_chain, plan_route, splice
 
 FP = "f" * 64
 

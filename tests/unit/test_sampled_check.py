@@ -9,8 +9,8 @@ import pytest
 from meshnet.layer_range import LayerRange
 from meshnet.model.sampling import Sampler, SamplingParams
 from meshnet.protocol.commitments import CHUNK_TOKENS, chunk_digests_of
-from meshnet.tracker.sampled_check import Sampled, check_sampled
-from meshnet.tracker.verifier import SpanClaim, TrustedModel, check_span
+from meshnet.tracker.trust.sampled_check import Sampled, check_sampled
+from meshnet.tracker.trust.verifier import SpanClaim, TrustedModel, check_span
 
 PROMPT = 40  # the first sampled id is at position 40, picked from position 39's logits
 START = 32  # the chunk checked: positions [32, 64), whose picks are ids 40..64

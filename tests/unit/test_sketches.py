@@ -29,8 +29,8 @@ from meshnet.protocol.sketches import (
     sketch_errors,
     sketch_mismatch,
 )
-from meshnet.tracker import commitments
-from meshnet.tracker.verifier import (
+from meshnet.tracker.links import commitments
+from meshnet.tracker.trust.verifier import (
     SpanClaim,
     TrustedModel,
     Upstream,

@@ -9,11 +9,11 @@ from meshnet.layer_range import LayerRange
 from meshnet.model.sampling import SamplingParams
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol.commitments import CHUNK_TOKENS
-from meshnet.tracker.generation import Generation
-from meshnet.tracker.hop_link import HopLink
-from meshnet.tracker.routes import Hop
-from meshnet.tracker.span_claims import claim_rest, ready_claims, withheld
-from meshnet.tracker.verifier import SpanClaim
+from meshnet.tracker.links.hop_link import HopLink
+from meshnet.tracker.nodes.routes import Hop
+from meshnet.tracker.routing.generation import Generation
+from meshnet.tracker.routing.span_claims import claim_rest, ready_claims, withheld
+from meshnet.tracker.trust.verifier import SpanClaim
 
 FED = list(range(2 * CHUNK_TOKENS + 1))  # two chunks' positions fed, and one id sampled
 

@@ -11,8 +11,8 @@ from meshnet.auth.keys import digest
 from meshnet.auth.quotas import QuotaGate, check_kv, check_sessions
 from meshnet.auth.tenants import Quotas, Tenant, TenantStore
 from meshnet.errors import NotFound, QuotaExceeded, RequestError, Unauthenticated
-from meshnet.tracker.database import open_database
-from meshnet.tracker.session_store import SessionStore
+from meshnet.tracker.sessions.session_store import SessionStore
+from meshnet.tracker.storage.database import open_database
 
 
 @pytest.fixture

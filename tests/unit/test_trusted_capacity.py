@@ -1,4 +1,4 @@
-"""Trusted nodes (tracker/trusted_capacity.py): which chains of trusted nodes fit a claim,
+"""Trusted nodes (tracker/trust/trusted_capacity.py): which chains of trusted nodes fit a claim,
 a check that falls back to the tracker's engine when its chain does not answer, the flag's
 parsing, and trust as configuration (no calibration, work billable at once). The chain's
 network run is faked here; tests/e2e/test_trusted_nodes.py runs it on real nodes."""
@@ -19,22 +19,22 @@ from meshnet.errors import DeadlineExceeded, WorkerDeath
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import MAX_ID, NodeAnnouncement, NodeLoad
 from meshnet.model.sampling import SamplingParams
-from meshnet.tracker import calibration
-from meshnet.tracker.calibration import NodeTrust
-from meshnet.tracker.database import SQLiteDatabase
-from meshnet.tracker.ledger import AttemptStatus, LedgerRecord, LedgerSpool
-from meshnet.tracker.registry import NodeRecord, NodeState
-from meshnet.tracker.routes import Route
-from meshnet.tracker.sampled_check import Sampled
-from meshnet.tracker.store import Store
-from meshnet.tracker.trusted_capacity import (
+from meshnet.tracker.accounting.ledger import AttemptStatus, LedgerRecord, LedgerSpool
+from meshnet.tracker.nodes.registry import NodeRecord, NodeState
+from meshnet.tracker.nodes.routes import Route
+from meshnet.tracker.nodes.store import Store
+from meshnet.tracker.storage.database import SQLiteDatabase
+from meshnet.tracker.trust import calibration
+from meshnet.tracker.trust.calibration import NodeTrust
+from meshnet.tracker.trust.sampled_check import Sampled
+from meshnet.tracker.trust.trusted_capacity import (
     MAX_TRUSTED,
     ChainAnswer,
     TrustedCapacity,
     trusted_chain,
     trusted_ids,
 )
-from meshnet.tracker.verifier import SpanClaim, Verdict, Verifier
+from meshnet.tracker.trust.verifier import SpanClaim, Verdict, Verifier
 
 FP = "f" * 64
 LOAD = NodeLoad(sessions=0, kv_bytes=0, queue_depth=0, steps=0)
@@ -224,7 +224,7 @@ class _Engine:
 def test_the_verifier_checks_on_the_engine_what_trusted_nodes_did_not(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from meshnet.tracker import verifier
+    from meshnet.tracker.trust import verifier
 
     engine: list[int] = []
 

@@ -14,10 +14,10 @@ from meshnet.api.schemas import PinRouteRequest
 from meshnet.api.state import models_of, tracker_of, tracker_serving
 from meshnet.auth.tenants import Quotas
 from meshnet.errors import MeshnetError, NotFound, RequestError
-from meshnet.tracker import billing
-from meshnet.tracker.registry import NodeRecord, NodeState, node_json
-from meshnet.tracker.routes import route_json
-from meshnet.tracker.store import Store
+from meshnet.tracker.accounting import billing
+from meshnet.tracker.nodes.registry import NodeRecord, NodeState, node_json
+from meshnet.tracker.nodes.routes import route_json
+from meshnet.tracker.nodes.store import Store
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 

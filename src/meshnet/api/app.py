@@ -29,18 +29,18 @@ from meshnet.api.body_limit import BodyLimit
 from meshnet.api.errors import install_error_handlers
 from meshnet.api.state import SessionServices
 from meshnet.errors import HeartbeatLost
-from meshnet.tracker.bench_store import BenchStore
-from meshnet.tracker.billing import Settlement
-from meshnet.tracker.events import EventLog
+from meshnet.tracker.accounting.billing import Settlement
 from meshnet.tracker.loops import LoopHealth
-from meshnet.tracker.model_admin import ModelAdmin
-from meshnet.tracker.placement import Placement
-from meshnet.tracker.retention import Retention
-from meshnet.tracker.route_bench import RouteBench
-from meshnet.tracker.served import ServedModel, ServedModels
 from meshnet.tracker.service import Tracker
-from meshnet.tracker.session_list import SessionList
-from meshnet.tracker.state_watch import StateWatch
+from meshnet.tracker.serving.bench_store import BenchStore
+from meshnet.tracker.serving.model_admin import ModelAdmin
+from meshnet.tracker.serving.placement import Placement
+from meshnet.tracker.serving.route_bench import RouteBench
+from meshnet.tracker.serving.served import ServedModel, ServedModels
+from meshnet.tracker.sessions.retention import Retention
+from meshnet.tracker.sessions.session_list import SessionList
+from meshnet.tracker.watch.events import EventLog
+from meshnet.tracker.watch.state_watch import StateWatch
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Admin endpoints of route benchmarks: run one (``POST``), list what was recorded (``GET``).
 
 ``POST /admin/benchmarks`` answers when the run is over and recorded (it is
-bounded: ``tracker/route_bench.py``); a bad route is 400 with its reason
+bounded: ``tracker/serving/route_bench.py``); a bad route is 400 with its reason
 before anything runs, another run going on or no capacity is 429.
 """
 
@@ -15,8 +15,8 @@ from starlette.concurrency import run_in_threadpool
 
 from meshnet.api.auth import require_admin
 from meshnet.api.schemas import MAX_ROUTE_HOPS, NodeIdText
-from meshnet.tracker import route_bench as rb
-from meshnet.tracker.routes import route_json
+from meshnet.tracker.nodes.routes import route_json
+from meshnet.tracker.serving import route_bench as rb
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 

@@ -19,7 +19,7 @@ from fastapi import Depends, Request
 from meshnet.api.auth import auth_of, require_admin, require_tenant
 from meshnet.auth.tenants import Tenant
 from meshnet.errors import PermissionDenied, Unauthenticated
-from meshnet.tracker import billing
+from meshnet.tracker.accounting import billing
 
 
 class Meter(Protocol):

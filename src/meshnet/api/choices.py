@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 
 from meshnet.api.caller import Meter
 from meshnet.model.sampling import SamplingParams
-from meshnet.tracker import billing
-from meshnet.tracker.driver import DoneEvent, TokenEvent
-from meshnet.tracker.routes import Route
+from meshnet.tracker.accounting import billing
+from meshnet.tracker.nodes.routes import Route
+from meshnet.tracker.routing.driver import DoneEvent, TokenEvent
 from meshnet.tracker.service import Started, Tracker
 
 Event = TokenEvent | DoneEvent

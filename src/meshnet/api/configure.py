@@ -33,10 +33,10 @@ from meshnet.api.state import sessions_of, tracker_of, tracker_serving
 from meshnet.errors import MeshnetError, NodeFailure, NotFound, RequestError, error_for_kind
 from meshnet.layer_range import LayerRange
 from meshnet.protocol import meshnet_pb2 as pb
-from meshnet.tracker.registry import NodeRecord, NodeState
+from meshnet.tracker.nodes.registry import NodeRecord, NodeState
 from meshnet.tracker.service import Tracker
-from meshnet.tracker.session_store import SessionState
-from meshnet.tracker.sessions import Sessions
+from meshnet.tracker.sessions.session_store import SessionState
+from meshnet.tracker.sessions.sessions import Sessions
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from meshnet.api.auth import require_admin
 from meshnet.api.state import models_of, tracker_of
 from meshnet.errors import DatabaseUnavailable, MeshnetError, NotFound
 from meshnet.mesh_messages import Holdings
-from meshnet.tracker.metrics import counter_total, layer_replicas, session_counts
-from meshnet.tracker.registry import NodeRecord, node_json
-from meshnet.tracker.routes import route_json
+from meshnet.tracker.nodes.registry import NodeRecord, node_json
+from meshnet.tracker.nodes.routes import route_json
 from meshnet.tracker.service import Tracker
+from meshnet.tracker.watch.metrics import counter_total, layer_replicas, session_counts
 
 page = APIRouter()
 admin = APIRouter(dependencies=[Depends(require_admin)])

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshnet.errors import MeshnetError, RequestError
-from meshnet.tracker.database import unavailable
+from meshnet.tracker.storage.database import unavailable
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Request
 
 from meshnet.api.state import models_of, tracker_of
 from meshnet.errors import MeshnetError
-from meshnet.tracker.registry import NodeState
-from meshnet.tracker.routes import route_json
+from meshnet.tracker.nodes.registry import NodeState
+from meshnet.tracker.nodes.routes import route_json
 
 router = APIRouter()
 

@@ -1,6 +1,6 @@
 """``GET /admin/inventory``: the shards of referenced models each node holds on disk.
 
-What the nodes' heartbeats last said (``tracker/inventory.py``): each node's bulk
+What the nodes' heartbeats last said (``tracker/nodes/inventory.py``): each node's bulk
 address (where peers read its shards) and its shards, with the served model's name
 where a served model has that fingerprint.
 """
@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 
 from meshnet.api.auth import require_admin
 from meshnet.api.state import models_of, tracker_of
-from meshnet.tracker.inventory import Inventory
+from meshnet.tracker.nodes.inventory import Inventory
 
 admin = APIRouter(dependencies=[Depends(require_admin)])
 

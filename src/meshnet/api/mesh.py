@@ -23,7 +23,7 @@ from meshnet.mesh_messages import MAX_ID, Heartbeat, HeartbeatReply, NodeAnnounc
 from meshnet.model_source.manifest import parse_manifest
 from meshnet.model_source.peers import scope
 from meshnet.model_source.reference import MAX_REF_CHARS
-from meshnet.tracker.registry import NodeState
+from meshnet.tracker.nodes.registry import NodeState
 from meshnet.tracker.service import Tracker
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Prometheus metrics over HTTP: the tracker's own, each node's through the tracker, and
 the HTTP requests the tracker answers.
 
-- ``GET /metrics`` (admin token): the tracker's registry (``tracker/metrics.py``) in
+- ``GET /metrics`` (admin token): the tracker's registry (``tracker/watch/metrics.py``) in
   Prometheus' text format; read off the event loop (it queries the database).
 - ``GET /admin/nodes/{id}/metrics`` (admin token): that node's metrics, fetched from
   the node's own metrics server with a call the tracker signs for it; the node
@@ -24,7 +24,7 @@ from meshnet.api.state import tracker_of
 from meshnet.auth.signing import METADATA_KEY, sign_tracker_call
 from meshnet.errors import NodeFailure, NotFound
 from meshnet.mesh_messages import MAX_ID
-from meshnet.tracker.metrics import TrackerMetrics
+from meshnet.tracker.watch.metrics import TrackerMetrics
 
 NODE_METRICS_METHOD = "GET /metrics"  # what a node's metrics server checks the signature of
 MAX_NODE_METRICS_BYTES = 8 << 20  # a node's answer past this is cut off: refused

@@ -16,7 +16,7 @@ a refused call changes nothing):
 - ``DELETE /admin/models/{name}?drain_s=`` — stop routing new requests to it,
   let its generations finish (``drain_s``, then cancelled), empty its nodes (202).
 
-See tracker/model_admin.py for what each does, and docs/serving-models.md.
+See tracker/serving/model_admin.py for what each does, and docs/serving-models.md.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from meshnet.api.auth import require_admin, require_tenant
 from meshnet.api.state import model_admin_of, models_of, tracker_of
 from meshnet.layer_range import LayerRange
-from meshnet.tracker.model_admin import MAX_DRAIN_S, ServeRequest, model_json
-from meshnet.tracker.placement import Load
+from meshnet.tracker.serving.model_admin import MAX_DRAIN_S, ServeRequest, model_json
+from meshnet.tracker.serving.placement import Load
 
 router = APIRouter()
 admin = APIRouter(dependencies=[Depends(require_admin)])

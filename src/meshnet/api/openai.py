@@ -43,8 +43,8 @@ from meshnet.api.tools import ChatPlan, plan_chat
 from meshnet.errors import FieldError, MeshnetError, RequestError
 from meshnet.model.info import ModelInfo
 from meshnet.model.sampling import SamplingParams
-from meshnet.tracker.driver import DoneEvent, TokenEvent
-from meshnet.tracker.routes import Route, route_json
+from meshnet.tracker.nodes.routes import Route, route_json
+from meshnet.tracker.routing.driver import DoneEvent, TokenEvent
 from meshnet.tracker.service import Tracker
 
 Kind = Literal["chat", "text"]

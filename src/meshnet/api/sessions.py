@@ -8,7 +8,7 @@ ladder; ``GET`` describes it; ``DELETE`` ends it, after which turns get 410.
 A session is on the model it was opened on (``model``; default the tracker's
 first model). A turn may name its model too: another model than the session's
 is a 400. When the session's model is replaced, its next turn runs on the
-replacement, re-prefilled from the conversation (``tracker/model_turns.py``).
+replacement, re-prefilled from the conversation (``tracker/sessions/model_turns.py``).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from meshnet.auth.quotas import Slot, check_kv, check_sessions
 from meshnet.auth.tenants import Tenant
 from meshnet.errors import MeshnetError, NotFound, RequestError, SessionGone, error_for_kind
 from meshnet.model.sampling import MAX_STOP_STRINGS
-from meshnet.tracker import billing
-from meshnet.tracker.driver import TokenEvent
-from meshnet.tracker.outbox import Outbox
-from meshnet.tracker.parking import park_json
-from meshnet.tracker.session_store import TurnRecord, TurnStatus
+from meshnet.tracker.accounting import billing
+from meshnet.tracker.routing.driver import TokenEvent
+from meshnet.tracker.sessions.outbox import Outbox
+from meshnet.tracker.sessions.parking import park_json
+from meshnet.tracker.sessions.session_store import TurnRecord, TurnStatus
 
 router = APIRouter()
 

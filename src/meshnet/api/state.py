@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from meshnet.errors import ModelNotFound
-from meshnet.tracker.model_admin import ModelAdmin
-from meshnet.tracker.model_turns import ModelTurns
-from meshnet.tracker.outbox import Outbox
-from meshnet.tracker.served import ServedModels
 from meshnet.tracker.service import Tracker
-from meshnet.tracker.session_models import SessionModels
-from meshnet.tracker.sessions import Sessions
+from meshnet.tracker.serving.model_admin import ModelAdmin
+from meshnet.tracker.serving.served import ServedModels
+from meshnet.tracker.sessions.model_turns import ModelTurns
+from meshnet.tracker.sessions.outbox import Outbox
+from meshnet.tracker.sessions.session_models import SessionModels
+from meshnet.tracker.sessions.sessions import Sessions
 
 
 @dataclass(frozen=True)

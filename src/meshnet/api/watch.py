@@ -2,7 +2,7 @@
 
 ``GET /admin/sessions`` lists sessions by state, model and tenant, a page at a
 time. ``GET /admin/events`` is a server-sent event stream of every session's
-and node's state change (tracker/events.py), resumed from the last id seen
+and node's state change (tracker/watch/events.py), resumed from the last id seen
 (``Last-Event-ID`` or ``?after=``); a watcher too far behind first gets a
 ``reset`` event, its cue to list afresh. Both are the admin's. Streams are
 bounded: past ``max_streams`` at once a new one is 429.
@@ -22,9 +22,9 @@ from fastapi.responses import StreamingResponse
 from meshnet.api.auth import require_admin
 from meshnet.api.state import sessions_of
 from meshnet.errors import NotFound, Overloaded, RequestError
-from meshnet.tracker.events import EventLog
-from meshnet.tracker.session_list import MAX_PAGE, SessionFilter, SessionList
-from meshnet.tracker.session_store import SessionState
+from meshnet.tracker.sessions.session_list import MAX_PAGE, SessionFilter, SessionList
+from meshnet.tracker.sessions.session_store import SessionState
+from meshnet.tracker.watch.events import EventLog
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 

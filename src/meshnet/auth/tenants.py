@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from meshnet.auth.credentials import api_key_id, new_api_key
 from meshnet.auth.keys import digest, same
 from meshnet.errors import NotFound, RequestError, Unauthenticated
-from meshnet.tracker.database import Database, Row
+from meshnet.tracker.storage.database import Database, Row
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (

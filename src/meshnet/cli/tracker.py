@@ -6,15 +6,15 @@ import argparse
 from pathlib import Path
 
 from meshnet.cli.options import add_options, declare_kv_pace, declare_tracker_options, kv_pace
-from meshnet.tracker.admission import AdmissionConfig
-from meshnet.tracker.driver import DriverLimits
 from meshnet.tracker.main import TrackerProcessConfig, serve
-from meshnet.tracker.outbox import OutboxConfig
-from meshnet.tracker.prefix_routes import PrefixRouting
-from meshnet.tracker.retention import RetentionPolicy
+from meshnet.tracker.nodes.admission import AdmissionConfig
+from meshnet.tracker.nodes.prefix_routes import PrefixRouting
+from meshnet.tracker.routing.driver import DriverLimits
 from meshnet.tracker.service import TrackerConfig
-from meshnet.tracker.sessions import SessionPolicy
-from meshnet.tracker.trusted_capacity import trusted_ids
+from meshnet.tracker.sessions.outbox import OutboxConfig
+from meshnet.tracker.sessions.retention import RetentionPolicy
+from meshnet.tracker.sessions.sessions import SessionPolicy
+from meshnet.tracker.trust.trusted_capacity import trusted_ids
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -4,7 +4,7 @@ A fresh session opened with its prompt (``PrefixAsk``) starts holding the
 longest cached prefix of it, up to the positions the driver allows, as its
 step 0: the driver then sends the rest of the prompt as step 1, and every hop
 of the route agrees on the length because the driver asks each for the same
-(node/engine.py answers what it loaded; tracker/prefix_open.py settles on it).
+(node/engine.py answers what it loaded; tracker/routing/prefix_open.py settles on it).
 As the session's steps commit, the full blocks of its prompt it has computed
 are copied into the cache. Run on the engine's loop thread only.
 """

@@ -22,25 +22,25 @@ from meshnet.model.info import ModelInfo
 from meshnet.model_source.config import SourceConfig, source_config
 from meshnet.model_source.info import model_info
 from meshnet.model_source.whole import local_model_path
-from meshnet.tracker.channels import ChannelPool
-from meshnet.tracker.database import Database, open_database
-from meshnet.tracker.driver import DriverLimits, RouteDriver
-from meshnet.tracker.manifests import ManifestBook
-from meshnet.tracker.migrations import migrate
-from meshnet.tracker.model_admin import ModelAdmin
-from meshnet.tracker.model_turns import ModelTurns
-from meshnet.tracker.outbox import Outbox, OutboxConfig
-from meshnet.tracker.placement import Placement
-from meshnet.tracker.retention import Retention, RetentionPolicy
-from meshnet.tracker.served import ServedModel, ServedModels, model_tracker
-from meshnet.tracker.served_store import ServedStore
+from meshnet.tracker.links.channels import ChannelPool
+from meshnet.tracker.nodes.store import Store
+from meshnet.tracker.routing.driver import DriverLimits, RouteDriver
 from meshnet.tracker.service import Tracker, TrackerConfig
-from meshnet.tracker.session_models import SessionModels
-from meshnet.tracker.session_store import SessionStore
-from meshnet.tracker.sessions import SessionPolicy, Sessions
-from meshnet.tracker.snapshots import SnapshotStore
-from meshnet.tracker.store import Store
-from meshnet.tracker.verifier import TrustedModel
+from meshnet.tracker.serving.manifests import ManifestBook
+from meshnet.tracker.serving.model_admin import ModelAdmin
+from meshnet.tracker.serving.placement import Placement
+from meshnet.tracker.serving.served import ServedModel, ServedModels, model_tracker
+from meshnet.tracker.serving.served_store import ServedStore
+from meshnet.tracker.sessions.model_turns import ModelTurns
+from meshnet.tracker.sessions.outbox import Outbox, OutboxConfig
+from meshnet.tracker.sessions.retention import Retention, RetentionPolicy
+from meshnet.tracker.sessions.session_models import SessionModels
+from meshnet.tracker.sessions.session_store import SessionStore
+from meshnet.tracker.sessions.sessions import SessionPolicy, Sessions
+from meshnet.tracker.sessions.snapshots import SnapshotStore
+from meshnet.tracker.storage.database import Database, open_database
+from meshnet.tracker.storage.migrations import migrate
+from meshnet.tracker.trust.verifier import TrustedModel
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,11 @@ class TrackerProcessConfig:
     mesh_secret_file: Path | None = None  # None: data_dir/mesh.secret, made on first start
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)  # what is kept how long
     # Share of committed chunks the verifier re-runs; above 0 nodes also calibrate (and the
-    # tracker loads its own engine of the model: tracker/verifier.py). 0: off.
+    # tracker loads its own engine of the model: tracker/trust/verifier.py). 0: off.
     verify_rate: float = 0.0
     more_models: tuple[str, ...] = ()  # served too (nodes load them from the same paths)
     # Node ids trusted by configuration: not calibrated, not checked, billed at once, and
-    # the verifier's capacity where their ranges fit (tracker/trusted_capacity.py).
+    # the verifier's capacity where their ranges fit (tracker/trust/trusted_capacity.py).
     trusted_nodes: frozenset[str] = frozenset()
     # Where models given by reference (hf:ORG/REPO:QUANT, URLs) are kept; None: the
     # default cache (MESHNET_CACHE).

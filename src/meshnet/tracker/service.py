@@ -43,18 +43,14 @@ from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import Heartbeat, NodeAnnouncement
 from meshnet.model.info import ModelInfo
 from meshnet.model.sampling import SamplingParams
-from meshnet.tracker.admission import Admission, AdmissionConfig, Reservation
-from meshnet.tracker.channels import ChannelPool
-from meshnet.tracker.driver import DoneEvent, Fabric, Reroute, RouteDriver, TokenEvent
-from meshnet.tracker.generation import Generation
-from meshnet.tracker.hop_link import answers
-from meshnet.tracker.inventory import Inventory
-from meshnet.tracker.ledger import LedgerRecord, LedgerSpool
-from meshnet.tracker.metrics import GenerationMeter, TrackerMetrics
-from meshnet.tracker.placement import LoadResult, configure_span
-from meshnet.tracker.prefix_routes import PrefixIndex, PrefixRouting, route_by_prefix
-from meshnet.tracker.registry import NodeRecord, NodeState
-from meshnet.tracker.routes import (
+from meshnet.tracker.accounting.ledger import LedgerRecord, LedgerSpool
+from meshnet.tracker.links.channels import ChannelPool
+from meshnet.tracker.links.hop_link import answers
+from meshnet.tracker.nodes.admission import Admission, AdmissionConfig, Reservation
+from meshnet.tracker.nodes.inventory import Inventory
+from meshnet.tracker.nodes.prefix_routes import PrefixIndex, PrefixRouting, route_by_prefix
+from meshnet.tracker.nodes.registry import NodeRecord, NodeState
+from meshnet.tracker.nodes.routes import (
     Hop,
     Route,
     backend_of,
@@ -64,9 +60,13 @@ from meshnet.tracker.routes import (
     requested_route,
     splice,
 )
-from meshnet.tracker.store import Store
-from meshnet.tracker.verification import Verification
-from meshnet.tracker.verifier import TrustedModel
+from meshnet.tracker.nodes.store import Store
+from meshnet.tracker.routing.driver import DoneEvent, Fabric, Reroute, RouteDriver, TokenEvent
+from meshnet.tracker.routing.generation import Generation
+from meshnet.tracker.serving.placement import LoadResult, configure_span
+from meshnet.tracker.trust.verification import Verification
+from meshnet.tracker.trust.verifier import TrustedModel
+from meshnet.tracker.watch.metrics import GenerationMeter, TrackerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class Tracker:
         self.verification: Verification | None = None  # when on (--verify-rate)
         self.trusted_nodes: frozenset[str] = frozenset()  # by configuration (--trusted-node)
         # The file ``load`` tells nodes to load, as they see it ("": each node's start
-        # model); another served model's tracker names its file (tracker/served.py).
+        # model); another served model's tracker names its file (tracker/serving/served.py).
         self.node_model_path = ""
         # The shards of models by reference each node holds on disk (its heartbeats):
         # placement prefers a node holding a span, a fetching node is told its peers.
@@ -191,7 +191,7 @@ class Tracker:
         """A route (planned among nodes with a free stream, unless given) and its
         capacity, reserved; ``Overloaded`` when routes exist but are all full. Given
         the prompt, a route whose nodes hold a cached prefix of it may be chosen over
-        a less loaded one (tracker/prefix_routes.py)."""
+        a less loaded one (tracker/nodes/prefix_routes.py)."""
         if route is not None:
             return route, self.admission.reserve(h.node_id for h in route)
         nodes = self.store.nodes()
@@ -529,14 +529,14 @@ class Tracker:
         log.info("healed: node %s now serves layers %s", node.node_id, span)
         return result
 
-    # --- verification (tracker/verification.py) -----------------------------------
+    # --- verification (tracker/trust/verification.py) -----------------------------------
 
     def verify(
         self, model: TrustedModel, rate: float, trusted: frozenset[str] = frozenset()
     ) -> None:
         """Turn verification on: nodes calibrate before they are routed, and a fraction
         ``rate`` of every node's committed chunks is re-run on chains of ``trusted`` nodes
-        where one fits (tracker/trusted_capacity.py), else on ``model``. Trusted nodes are
+        where one fits (tracker/trust/trusted_capacity.py), else on ``model``. Trusted nodes are
         neither calibrated nor checked, and their work is billable at once."""
         self.trusted_nodes = trusted
         self.verification = Verification(

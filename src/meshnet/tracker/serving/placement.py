@@ -1,0 +1,287 @@
+"""The placement controller: every layer range kept on ``replicas`` up nodes, no request needed.
+
+A failover heals only inside a failing generation (``Tracker.reroute``); this
+loop heals the mesh itself, every ``interval_s``, so a range that lost its last
+node is served again before any request asks for it. It plans in pure code
+(``plan_placement``: registry records in, loads out) and acts by telling empty
+nodes to load a span (``Tracker.load``, the same ``Configure`` a failover sends).
+
+What it plans, in order of need (the least-covered layers first):
+
+- **Gaps.** Layers no up node of the model serves, *that a node served
+  before*: the registry keeps a down node's record, and so its layers. A gap
+  is cut at the boundaries of the ranges recorded for the model (up or down),
+  so a dead node's span is loaded as it was served; when there are fewer empty
+  nodes than pieces, each gap is loaded whole instead, on one node. Layers no
+  record ever covered are not a gap: that is a mesh still being assembled
+  (nodes register one by one), and is left to its operator.
+- **Replicas.** A range served by up nodes, and one of whose layers is on
+  fewer than ``replicas`` of them, gets another copy.
+
+Only empty nodes are told to load: a node serving a range is never taken away
+from it. A node "with headroom serving other layers" would have to hold two
+shards at once, which the engine cannot (one shard per node), so it is not
+used. Loads go one at a time, each holding the tracker's ``heal_lock`` and
+planned afresh inside it, so one gap is never loaded twice at once and no node
+gets two loads (also not one from a failover). A failed load holds its span
+back (exponential backoff from ``backoff_s``, capped at ``backoff_max_s``) and
+the node that failed is used last until it loads something. Several trackers
+on one database each run their own controller and do not coordinate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence, Set
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from meshnet.layer_range import LayerRange
+from meshnet.protocol import meshnet_pb2 as pb
+from meshnet.tracker.links.channels import ChannelPool
+from meshnet.tracker.loops import LoopHealth
+from meshnet.tracker.nodes.registry import NodeId, NodeRecord, NodeState
+from meshnet.tracker.nodes.routes import Hop
+
+if TYPE_CHECKING:
+    from meshnet.tracker.service import Tracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Load:
+    """Tell empty node ``node_id`` to load ``span``."""
+
+    node_id: NodeId
+    span: LayerRange
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What a load came to: the hop the node serves now, or why not."""
+
+    hop: Hop | None
+    failure: str = ""  # when ``hop`` is None: the node's refusal or the call's error
+
+
+def plan_placement(
+    nodes: Sequence[NodeRecord],
+    fingerprint: str,
+    n_layers: int,
+    replicas: int,
+    held: Set[LayerRange] = frozenset(),
+    avoid: Set[NodeId] = frozenset(),
+    on_disk: Mapping[str, Set[LayerRange]] | None = None,
+) -> list[Load]:
+    """The loads that bring every layer range of the model to ``replicas`` up nodes.
+
+    ``held``: spans not to load now (backing off after a failure). ``avoid``: empty
+    nodes to use last (their last load failed). ``on_disk``: the spans of this model
+    each node holds on disk (a model by reference: ``tracker/nodes/inventory.py``). The span
+    whose least-covered layer has the fewest nodes (then the lowest span) is loaded
+    first, by an empty node holding it on disk if one does (it fetches nothing), else
+    by the first empty node in node-id order, so the result is reproducible.
+    """
+    empty = sorted(
+        (n for n in nodes if n.state is NodeState.UP and n.layers is None),
+        key=lambda n: (n.node_id in avoid, n.node_id),
+    )
+    if replicas < 1 or not empty:
+        return []
+    ours = [n for n in nodes if n.layers is not None and n.fingerprint == fingerprint]
+    serving = [n.layers for n in ours if n.routable and n.layers is not None]
+    cover = _coverage(serving, n_layers)
+    known = [n.layers for n in ours if n.layers is not None]
+    wanted = {r for r in serving if r.end <= n_layers}
+    wanted |= set(_gap_spans(cover, known, len(empty)))
+    wanted -= held
+    loads: list[Load] = []
+    disk = on_disk or {}
+    while empty:
+        short = [(min(cover[i] for i in r), r) for r in wanted]
+        short = [(c, r) for c, r in short if c < replicas]
+        if not short:
+            break
+        _, span = min(short)
+        holders = (n for n in empty if span in disk.get(n.node_id, ()) and n.node_id not in avoid)
+        node = next(holders, empty[0])
+        empty.remove(node)
+        loads.append(Load(node.node_id, span))
+        for i in span:
+            cover[i] += 1
+    return loads
+
+
+def _coverage(ranges: Sequence[LayerRange], n_layers: int) -> list[int]:
+    """How many of ``ranges`` hold each layer of ``[0, n_layers)``."""
+    cover = [0] * n_layers
+    for r in ranges:
+        for i in range(r.start, min(r.end, n_layers)):
+            cover[i] += 1
+    return cover
+
+
+def _gap_spans(cover: Sequence[int], known: Sequence[LayerRange], empty: int) -> list[LayerRange]:
+    """The spans to load into the gaps: runs of uncovered layers some record held,
+    cut at the recorded ranges' boundaries (or whole, with fewer than ``empty`` pieces)."""
+    held_once = _coverage(known, len(cover))
+    gaps: list[LayerRange] = []
+    for i, (now, before) in enumerate(zip(cover, held_once, strict=True)):
+        if now > 0 or before == 0:
+            continue
+        if gaps and gaps[-1].end == i:
+            gaps[-1] = LayerRange(gaps[-1].start, i + 1)
+        else:
+            gaps.append(LayerRange(i, i + 1))
+    cuts = {b for r in known for b in (r.start, r.end)}
+    pieces = [p for g in gaps for p in _cut(g, cuts)]
+    return pieces if len(pieces) <= empty else gaps
+
+
+def _cut(span: LayerRange, cuts: Set[int]) -> list[LayerRange]:
+    inner = sorted(c for c in cuts if span.start < c < span.end)
+    edges = [span.start, *inner, span.end]
+    return [LayerRange(a, b) for a, b in itertools.pairwise(edges)]
+
+
+async def configure_span(
+    channels: ChannelPool,
+    node: NodeRecord,
+    span: LayerRange,
+    fingerprint: str,
+    timeout_s: float,
+    model_path: str = "",
+) -> LoadResult:
+    """Send ``node`` a T3 ``Configure`` for ``span`` of ``model_path`` (as the node sees
+    it; "": its start model); the hop when it loaded the model with ``fingerprint``.
+    Changes nothing in the registry."""
+    load = pb.LoadShard(model_path=model_path, layer_start=span.start, layer_end=span.end)
+    request = pb.ConfigureRequest(load=load)
+    try:
+        reply = await channels.stub(node.address).Configure(
+            request, timeout=timeout_s, metadata=channels.signed(node.node_id, "Configure")
+        )
+    except grpc.aio.AioRpcError as e:
+        return LoadResult(None, f"Configure failed: {e.code().name} {e.details() or ''}".strip())
+    if not reply.applied:
+        return LoadResult(None, f"refused: {reply.failure.kind}: {reply.failure.message}")
+    if reply.fingerprint != fingerprint:
+        return LoadResult(None, f"loaded another model ({reply.fingerprint[:12]})")
+    return LoadResult(Hop(node.node_id, node.address, span))
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    interval_s: float = 1.0  # between passes: about a node's heartbeat
+    backoff_s: float = 1.0  # a span's first wait after a failed load; doubles per failure
+    backoff_max_s: float = 30.0  # the longest wait
+
+
+@dataclass
+class PlacementHealth(LoopHealth):
+    """The loop's record (``/admin/loops``) with its loads. Written by the loop only."""
+
+    loads: int = 0  # loads that succeeded
+    load_failures: int = 0  # loads a node refused or did not answer
+    last_load_failure: str = ""
+    backoff: dict[str, float] = field(default_factory=dict)  # span -> its current wait, s
+
+
+@dataclass
+class _Backoff:
+    failures: int  # in a row
+    until: float  # monotonic time before which the span is not loaded
+
+
+class Placement:
+    """The controller of one tracker; ``run_forever`` is its loop (the event loop's)."""
+
+    def __init__(
+        self,
+        tracker: Tracker,
+        config: PlacementConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tracker = tracker
+        self.config = config or PlacementConfig()
+        self.health = PlacementHealth("placement")
+        self._clock = clock
+        self._backoff: dict[LayerRange, _Backoff] = {}
+        self._avoid: set[NodeId] = set()  # empty nodes whose last load failed
+
+    async def run_forever(self) -> None:
+        """A pass every ``interval_s``; a failed pass is logged and counted, the next runs."""
+        while True:
+            try:
+                await self.pass_once()
+            except Exception as e:
+                self.health.failed(e)
+            else:
+                self.health.passed()
+            await asyncio.sleep(self.config.interval_s)
+
+    async def pass_once(self) -> list[Load]:
+        """Make the loads the registry needs now, one at a time, each node at most once;
+        the loads that succeeded."""
+        if self.tracker.config.replicas < 1:
+            return []
+        self._forget(self._plan(self.tracker.store.nodes(), held=frozenset()))
+        made: list[Load] = []
+        tried: set[NodeId] = set()
+        while True:
+            async with self.tracker.heal_lock:
+                # A node tried this pass and still empty failed its load: not again now.
+                nodes = [
+                    n
+                    for n in self.tracker.store.nodes()
+                    if n.node_id not in tried or n.layers is not None
+                ]
+                now = self._clock()
+                held = {s for s, b in self._backoff.items() if b.until > now}
+                load = next(iter(self._plan(nodes, held)), None)
+                if load is None:
+                    break
+                tried.add(load.node_id)
+                node = next(n for n in nodes if n.node_id == load.node_id)
+                result = await self.tracker.load(node, load.span)
+            if self._settle(load, result):
+                made.append(load)
+        self.health.backoff = {str(s): self._delay(b.failures) for s, b in self._backoff.items()}
+        return made
+
+    def _plan(self, nodes: Sequence[NodeRecord], held: Set[LayerRange]) -> list[Load]:
+        model, replicas = self.tracker.model, self.tracker.config.replicas
+        fingerprint, n_layers = model.fingerprint, model.spec.n_layers
+        on_disk = self.tracker.inventory.spans(fingerprint)
+        return plan_placement(nodes, fingerprint, n_layers, replicas, held, self._avoid, on_disk)
+
+    def _forget(self, needed: Sequence[Load]) -> None:
+        """Drop the backoff of spans no longer needed: a later need starts afresh."""
+        wanted = {load.span for load in needed}
+        for span in [s for s in self._backoff if s not in wanted]:
+            del self._backoff[span]
+
+    def _settle(self, load: Load, result: LoadResult) -> bool:
+        """Record a load's outcome; True when it succeeded."""
+        if result.hop is not None:
+            self.health.loads += 1
+            self._backoff.pop(load.span, None)
+            self._avoid.discard(load.node_id)
+            return True
+        self.health.load_failures += 1
+        self.health.last_load_failure = f"node {load.node_id}, {load.span}: {result.failure}"
+        failures = self._backoff[load.span].failures + 1 if load.span in self._backoff else 1
+        delay = self._delay(failures)
+        self._backoff[load.span] = _Backoff(failures, self._clock() + delay)
+        self._avoid.add(load.node_id)
+        log.info("placement: layers %s wait %.1f s for their next load", load.span, delay)
+        return False
+
+    def _delay(self, failures: int) -> float:
+        return float(min(self.config.backoff_s * 2 ** (failures - 1), self.config.backoff_max_s))

@@ -1,0 +1,225 @@
+"""The snapshot store: evicted sessions' KV streams as files under the tracker's data dir.
+
+A snapshot file is one shard's KV stream exactly as ``StateGet`` sent it —
+header, hashed chunks, trailer with the root hash — each frame prefixed by
+its length, so resuming streams it to a node's ``StatePut`` unchanged and the
+node verifies every hash. Files are written to a temp name, fsynced, renamed
+and the directory fsynced, and only then indexed in the database: the index
+never names a file that is not whole. Reading checks the frame lengths
+against the stream's limits before allocating, and the trailer's root hash
+against the one the index recorded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf.message import DecodeError
+
+from meshnet.errors import KVImportFailed
+from meshnet.kv.pace import TransferPace
+from meshnet.kv.transfer import MAX_CHUNK_BYTES
+from meshnet.layer_range import LayerRange
+from meshnet.protocol import meshnet_pb2 as pb
+from meshnet.tracker.sessions.session_store import SessionStore, SnapshotFile
+
+_LENGTH = struct.Struct(">I")
+_MAX_FRAME = MAX_CHUNK_BYTES + 4096  # a chunk's data plus its index and hash
+
+
+@dataclass(frozen=True)
+class SnapshotTarget:
+    """Where one shard's snapshot of a session goes."""
+
+    snapshot_id: str
+    session_id: str
+    layers: LayerRange
+
+
+class SnapshotStore:
+    """Snapshot files in one directory."""
+
+    def __init__(self, directory: Path, pace: TransferPace | None = None) -> None:
+        self.directory = directory
+        self.pace = pace or TransferPace()  # how long moving one file's KV may take
+
+    def path_for(self, target: SnapshotTarget) -> Path:
+        layers = f"{target.layers.start}-{target.layers.end}"
+        return self.directory / f"{target.session_id}.{target.snapshot_id}.{layers}.snap"
+
+    async def write(
+        self, target: SnapshotTarget, frames: AsyncIterator[pb.KVFrame], prefix_hash: str
+    ) -> SnapshotFile:
+        """Write a KV stream durably; ``KVImportFailed`` if it is not one whole stream."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.path_for(target)
+        tmp = path.with_suffix(".tmp")
+        digest = hashlib.sha256()
+        header: pb.KVHeader | None = None
+        root = b""
+        size = 0
+        try:
+            with open(tmp, "wb") as f:
+                async for frame in frames:
+                    kind = frame.WhichOneof("kind")
+                    if kind == "header":
+                        header = frame.header
+                    elif kind == "trailer":
+                        root = frame.trailer.root_hash
+                    data = frame.SerializeToString()
+                    for part in (_LENGTH.pack(len(data)), data):
+                        f.write(part)
+                        digest.update(part)
+                        size += len(part)
+                f.flush()
+                os.fsync(f.fileno())
+            if header is None or not root:
+                raise KVImportFailed("the KV stream ended before its trailer", "truncated")
+            if header.session_id != target.session_id:
+                raise KVImportFailed("the KV stream is of another session", "invalid")
+            os.replace(tmp, path)
+            _fsync_dir(self.directory)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return SnapshotFile(
+            snapshot_id=target.snapshot_id,
+            session_id=target.session_id,
+            layers=target.layers,
+            epoch=header.epoch,
+            tokens=header.tokens,
+            steps=header.steps,
+            path=str(path),
+            nbytes=size,
+            file_sha256=digest.hexdigest(),
+            root_hash=root.hex(),
+            prefix_hash=prefix_hash,
+        )
+
+    @staticmethod
+    def frames(snapshot: SnapshotFile, prefix_hash: str) -> Iterator[pb.KVFrame]:
+        """The file's frames, for a node to import; ``KVImportFailed`` with a reason when
+        the file is missing, cut short, over a limit, of another session or history, or
+        not the file the index recorded."""
+        try:
+            f = open(snapshot.path, "rb")  # noqa: SIM115 - closed by the generator's finally
+        except OSError as e:
+            raise KVImportFailed(f"snapshot file unreadable: {e}", "missing") from None
+        with f:
+            while True:
+                head = f.read(_LENGTH.size)
+                if not head:
+                    raise KVImportFailed("the snapshot ends before its trailer", "truncated")
+                if len(head) < _LENGTH.size:
+                    raise KVImportFailed("the snapshot ends inside a frame length", "truncated")
+                (n,) = _LENGTH.unpack(head)
+                if n > _MAX_FRAME:
+                    raise KVImportFailed(f"a snapshot frame claims {n} bytes", "size-limit")
+                data = f.read(n)
+                if len(data) < n:
+                    raise KVImportFailed("the snapshot ends inside a frame", "truncated")
+                frame = pb.KVFrame()
+                try:
+                    frame.ParseFromString(data)
+                except DecodeError:
+                    raise KVImportFailed("a snapshot frame does not parse", "invalid") from None
+                kind = frame.WhichOneof("kind")
+                if kind == "header":
+                    _check_header(frame.header, snapshot, prefix_hash)
+                if kind == "trailer" and frame.trailer.root_hash.hex() != snapshot.root_hash:
+                    raise KVImportFailed("the snapshot is not the one indexed", "root-hash")
+                yield frame
+                if kind == "trailer":
+                    return
+
+    def remove(self, snapshot: SnapshotFile) -> None:
+        Path(snapshot.path).unlink(missing_ok=True)
+
+    def forget(self, index: SessionStore, session_id: str) -> None:
+        """Drop a session's snapshots: from the index first, so that it never names a
+        missing file, then the files."""
+        files = index.snapshots_of(session_id)
+        index.forget_snapshots(session_id)
+        for f in files:
+            self.remove(f)
+
+    # --- retention (tracker/sessions/retention.py decides when) ------------------------------
+
+    def purge_stale(self, index: SessionStore, before: float, limit: int) -> int:
+        """Forget up to ``limit`` index rows that no live session can resume from
+        (``SessionStore.stale_snapshots``), then remove their files; how many rows."""
+        files = index.stale_snapshots(before, limit)
+        if files:
+            index.forget_snapshot_files(files)
+            for f in files:
+                self.remove(f)
+        return len(files)
+
+    def purge_unindexed(
+        self, index: SessionStore, now: float, keep_s: float, grace_s: float, limit: int
+    ) -> int:
+        """Remove the snapshot and temp files here that the index does not name and
+        that were last written more than ``keep_s`` ago; how many.
+
+        A file is written before it is indexed (once every hop's file is whole), so
+        a live session's file, or a temp file, may be an eviction still under way:
+        those go only after ``grace_s`` as well. The index is asked about ``limit``
+        files at a time; files of other names are never touched."""
+        removed = 0
+        candidates = list(self._older_than(now - keep_s))
+        for at in range(0, len(candidates), limit):
+            chunk = candidates[at : at + limit]
+            sessions = sorted({_session_of(path) for path, _ in chunk})
+            live = index.live_sessions(sessions)
+            indexed = {Path(p).name for p in index.snapshot_paths(sessions)}
+            for path, mtime in chunk:
+                if path.name in indexed:
+                    continue
+                in_flight = path.suffix == ".tmp" or _session_of(path) in live
+                if in_flight and now - mtime <= max(keep_s, grace_s):
+                    continue
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    def _older_than(self, cutoff: float) -> Iterator[tuple[Path, float]]:
+        """Snapshot and temp files here last written before ``cutoff``, with that time."""
+        try:
+            entries = list(os.scandir(self.directory))
+        except FileNotFoundError:  # nothing was ever evicted here
+            return
+        for entry in entries:
+            if not entry.name.endswith((".snap", ".tmp")):
+                continue
+            try:
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                mtime = entry.stat(follow_symlinks=False).st_mtime
+            except FileNotFoundError:  # removed meanwhile
+                continue
+            if mtime < cutoff:
+                yield Path(entry.path), mtime
+
+
+def _check_header(h: pb.KVHeader, snapshot: SnapshotFile, prefix_hash: str) -> None:
+    if h.session_id != snapshot.session_id:
+        raise KVImportFailed("the snapshot is of another session", "invalid")
+    if h.token_prefix_hash != prefix_hash:
+        raise KVImportFailed("the snapshot is of another token history", "token-prefix")
+
+
+def _session_of(path: Path) -> str:
+    """The session a snapshot file belongs to, from its name (``path_for``)."""
+    return path.name.split(".", 1)[0]
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
