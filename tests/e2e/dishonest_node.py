@@ -38,16 +38,17 @@ from typing import Any
 import numpy as np
 
 import meshnet.model.shard as shard_file
+import meshnet.node.autorun_stream as autorun_stream
 import meshnet.node.configure as configure
 import meshnet.node.engine as engine
-import meshnet.node.service as service
+import meshnet.node.forward_steps as forward_steps
 from meshnet.cli.main import main
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
 
 _honest_forward = engine.forward_committed
 _honest_load = shard_file.load_shard
-_honest_chunks = service._chunks
+_honest_chunks = forward_steps.step_chunks
 
 
 def _bent(rows: np.ndarray) -> np.ndarray:
@@ -93,13 +94,13 @@ def patch(cheat: str, after: int) -> None:
         shard = _honest_load(f, spec, LayerRange(layers.start, layers.end - 1), backend)
         return dataclasses.replace(shard, layers=layers)  # claims the whole range
 
-    class Sampler(service.Sampler):
+    class Sampler(forward_steps.Sampler):
         def sample(self, logits: np.ndarray, history: Any, *, generated_from: int) -> int:
             honest = super().sample(logits, history, generated_from=generated_from)
             calls[0] += 1
             return honest if calls[0] <= after else (honest + 1) % len(logits)
 
-    class Unpenalised(service.Sampler):
+    class Unpenalised(forward_steps.Sampler):
         def __init__(self, params: Any, draws: int = 0) -> None:
             plain = dataclasses.replace(
                 params, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=()
@@ -110,13 +111,13 @@ def patch(cheat: str, after: int) -> None:
         return _honest_chunks(work) if calls[0] <= after else []
 
     if cheat == "sample":
-        service.Sampler = Sampler  # type: ignore[misc]
+        autorun_stream.Sampler = forward_steps.Sampler = Sampler  # type: ignore[misc]
         return
     if cheat == "unpenalised":
-        service.Sampler = Unpenalised  # type: ignore[misc]
+        autorun_stream.Sampler = forward_steps.Sampler = Unpenalised  # type: ignore[misc]
         return
     if cheat == "silent":
-        service._chunks = chunks  # what a step's answer commits to
+        forward_steps.step_chunks = chunks  # what a step's answer commits to
     engine.forward_committed = forward
     shard_file.load_shard = load_shard  # what a node's start loads its layers with
     configure.load_shard = load_shard  # a T3 configure loads its layers there

@@ -15,20 +15,20 @@ import pytest
 from meshnet.engine.local import LocalModel
 from meshnet.errors import CacheMiss, LayerRangeError, MalformedBundle, Overloaded, RequestError
 from meshnet.layer_range import LayerRange
-from meshnet.node.configure import (
+from meshnet.node.configure import StreamLimit
+from meshnet.node.engine import EngineConfig, NodeEngine
+from meshnet.node.scheduler import StepWork
+from meshnet.node.service import NodeService
+from meshnet.node.tiers import (
     MAX_BATCH_TOKENS,
     Batching,
     Limits,
     ShardLoad,
-    StreamLimit,
     check_batching,
     check_limits,
     parse,
     with_batching,
 )
-from meshnet.node.engine import EngineConfig, NodeEngine
-from meshnet.node.scheduler import StepWork
-from meshnet.node.service import NodeService
 from meshnet.protocol import meshnet_pb2 as pb
 
 # --- checks (pure) -----------------------------------------------------------------

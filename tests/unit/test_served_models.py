@@ -22,8 +22,8 @@ from meshnet.errors import (
 from meshnet.layer_range import LayerRange
 from meshnet.model.info import load_model_info
 from meshnet.model.layer_bytes import LayerBytes, model_layer_bytes
-from meshnet.node.configure import Unload, parse
 from meshnet.node.service import NodeService
+from meshnet.node.tiers import Unload, parse
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.serving.model_admin import check_assignments, choose_assignments, model_json
 from meshnet.tracker.serving.placement import Load

@@ -20,7 +20,7 @@ from meshnet.cli.options import (
     kv_pace,
 )
 from meshnet.model_source.config import SourceConfig, default_cache_dir
-from meshnet.node.engine import EngineConfig
+from meshnet.node.engine_types import EngineConfig
 from meshnet.node.main import NodeConfig, new_node_id, serve
 from meshnet.node.model_fetch import progress_wanted
 from meshnet.node.preflight import check_credential

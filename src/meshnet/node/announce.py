@@ -16,7 +16,7 @@ import httpx
 
 from meshnet.auth.node_http import NodeAuth
 from meshnet.mesh_messages import Heartbeat, HeartbeatReply, Holdings, NodeAnnouncement, NodeLoad
-from meshnet.node.engine import EngineStats
+from meshnet.node.engine_types import EngineStats
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,8 @@ from meshnet.kv.bulk import recv_stream
 from meshnet.kv.pace import TransferPace
 from meshnet.kv.transfer import KVShape, check_header, export_frames, read_stream
 from meshnet.model.shard import Shard
-from meshnet.node.engine import ExportedKV, NodeEngine
+from meshnet.node.engine import NodeEngine
+from meshnet.node.engine_types import ExportedKV
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.wire import CONTROL_TIMEOUT_S, MAX_SESSION_ID, fail, remaining_s
 from meshnet.protocol import meshnet_pb2 as pb

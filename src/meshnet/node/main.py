@@ -27,7 +27,7 @@ from meshnet.model.bundled import bundled_model_path
 from meshnet.model_source.config import SourceConfig, source_config
 from meshnet.model_source.reference import is_reference
 from meshnet.node.announce import Announcer
-from meshnet.node.engine import EngineConfig
+from meshnet.node.engine_types import EngineConfig
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.metrics import MeteredEngine, NodeMetrics
 from meshnet.node.metrics_http import MetricsServer

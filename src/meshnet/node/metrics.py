@@ -22,7 +22,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from meshnet.kv.prefix_cache import PrefixStats
-from meshnet.node.engine import EngineConfig, EngineStats, NodeEngine
+from meshnet.node.engine import NodeEngine
+from meshnet.node.engine_types import EngineConfig, EngineStats
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # sessions in one forward
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # rows (tokens) in one forward
