@@ -30,6 +30,9 @@ class NodeLoad(Frozen):
     max_streams: int = Field(default=0, ge=0)  # Forward streams it can hold; 0: not said
     relayed: int = Field(default=0, ge=0)  # steps whose input came from the previous hop
     context: int = Field(default=0, ge=0)  # positions a sequence may reach there; 0: not said
+    # Memory available to the node now (MemAvailable, within its cgroup's limit): what
+    # placement may widen it by (tracker/serving/widening.py); 0: not said, never widened.
+    free_memory_bytes: int = Field(default=0, ge=0)
 
 
 MAX_HELD = 64  # shards one node reports holding

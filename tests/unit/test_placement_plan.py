@@ -119,7 +119,9 @@ class _FakeTracker:
         self.works = works  # the nodes whose loads succeed
         self.calls: list[Load] = []
         self.heal_lock = asyncio.Lock()
-        self.model = SimpleNamespace(fingerprint=FP, spec=SimpleNamespace(n_layers=4))
+        self.model = SimpleNamespace(
+            fingerprint=FP, spec=SimpleNamespace(n_layers=4, context_length=256)
+        )
         self.config = SimpleNamespace(replicas=replicas)
         self.inventory = Inventory()
         self.store = SimpleNamespace(

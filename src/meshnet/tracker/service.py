@@ -63,7 +63,7 @@ from meshnet.tracker.nodes.routes import (
 from meshnet.tracker.nodes.store import Store
 from meshnet.tracker.routing.driver import DoneEvent, Fabric, Reroute, RouteDriver, TokenEvent
 from meshnet.tracker.routing.generation import Generation
-from meshnet.tracker.serving.placement import LoadResult, configure_span
+from meshnet.tracker.serving.placement import LoadResult, configure_span, unload_node
 from meshnet.tracker.trust.verification import Verification
 from meshnet.tracker.trust.verifier import TrustedModel
 from meshnet.tracker.watch.metrics import GenerationMeter, TrackerMetrics
@@ -507,9 +507,9 @@ class Tracker:
         return None
 
     async def load(self, node: NodeRecord, span: LayerRange) -> LoadResult:
-        """Tell ``node`` (an empty one) to load ``span`` of this model; on success it is
-        routable at once. Hold ``heal_lock``: this tracker configures one node at a time
-        (failover heals and the placement controller alike)."""
+        """Tell ``node`` (an empty one, or one placement widens) to load ``span`` of this
+        model; on success it is routable at once. Hold ``heal_lock``: this tracker
+        configures one node at a time (failover heals and the placement controller alike)."""
         result = await configure_span(
             self.channels,
             node,
@@ -522,11 +522,24 @@ class Tracker:
             log.warning("node %s did not load layers %s: %s", node.node_id, span, result.failure)
             return result
         self.store.set_layers(node.node_id, span, self.model.fingerprint)
+        self.prefixes.forget(node.node_id)  # a T3 drops what the node had cached
         if self.verification is not None:  # routed only once it calibrated on the span
             self.verification.reconsider(node.node_id)
             if not await self.verification.calibrated(node.node_id):
                 return LoadResult(None, f"node {node.node_id} did not calibrate on {span}")
         log.info("healed: node %s now serves layers %s", node.node_id, span)
+        return result
+
+    async def unload(self, node: NodeRecord) -> LoadResult:
+        """Tell ``node`` to empty itself (a T3 to nothing: its sessions' KV dropped);
+        on success it is empty in the registry at once. Hold ``heal_lock``."""
+        result = await unload_node(self.channels, node, self.config.heal_timeout_s)
+        if not result.ok:
+            log.warning("node %s did not empty itself: %s", node.node_id, result.failure)
+            return result
+        self.store.set_layers(node.node_id, None, "")
+        self.prefixes.forget(node.node_id)
+        log.info("emptied: node %s serves nothing", node.node_id)
         return result
 
     # --- verification (tracker/trust/verification.py) -----------------------------------

@@ -164,11 +164,13 @@ class Store:
     def unpin(self) -> None:
         self._db.run("DELETE FROM pinned_route")
 
-    def set_layers(self, node_id: NodeId, layers: LayerRange, fingerprint: str) -> None:
-        """A node was told to load ``layers`` and confirmed it: routable before its next beat."""
+    def set_layers(self, node_id: NodeId, layers: LayerRange | None, fingerprint: str) -> None:
+        """A node was told to load ``layers`` (None: to empty itself) and confirmed it:
+        routable (or not) before its next beat."""
+        start, end = (layers.start, layers.end) if layers is not None else (0, 0)
         self._db.run(
             "UPDATE nodes SET layer_start = ?, layer_end = ?, fingerprint = ? WHERE node_id = ?",
-            (layers.start, layers.end, fingerprint, node_id),
+            (start, end, fingerprint if layers is not None else "", node_id),
         )
 
     def record_attempts(self, records: Sequence[LedgerRecord], now: float) -> None:

@@ -3,8 +3,8 @@
 A failover heals only inside a failing generation (``Tracker.reroute``); this
 loop heals the mesh itself, every ``interval_s``, so a range that lost its last
 node is served again before any request asks for it. It plans in pure code
-(``plan_placement``: registry records in, loads out) and acts by telling empty
-nodes to load a span (``Tracker.load``, the same ``Configure`` a failover sends).
+(``plan_placement``: registry records in, loads out) and acts by telling nodes
+to load a span (``Tracker.load``, the same ``Configure`` a failover sends).
 
 What it plans, in order of need (the least-covered layers first):
 
@@ -17,13 +17,19 @@ What it plans, in order of need (the least-covered layers first):
   (nodes register one by one), and is left to its operator.
 - **Replicas.** A range served by up nodes, and one of whose layers is on
   fewer than ``replicas`` of them, gets another copy.
+- **Widening.** A gap no empty node takes is covered by a live node next to it
+  that reports the memory for its range and the gap together (``widening.py``):
+  a survivor of a 2-node mesh serves every layer until its peer returns. Of the
+  nodes that fit, the one with most memory to spare widens; a node that cannot
+  fit is never asked.
+- **Absorbing.** A node back on a range inside a wider one, which no route can
+  then use, loads that wider range (a replica) when it fits, else is emptied.
 
-Only empty nodes are told to load: a node serving a range is never taken away
-from it. A node "with headroom serving other layers" would have to hold two
-shards at once, which the engine cannot (one shard per node), so it is not
-used. Loads go one at a time, each holding the tracker's ``heal_lock`` and
-planned afresh inside it, so one gap is never loaded twice at once and no node
-gets two loads (also not one from a failover). A failed load holds its span
+Empty nodes are preferred: a node serving a range is never taken away from it,
+only widened over a gap (its sessions' KV is dropped by the T3; their steps fail
+over exactly). Loads go one at a time, each holding the tracker's ``heal_lock``
+and planned afresh inside it, so one gap is never loaded twice at once and no
+node gets two loads (also not one from a failover). A failed load holds its span
 back (exponential backoff from ``backoff_s``, capped at ``backoff_max_s``) and
 the node that failed is used last until it loads something. Several trackers
 on one database each run their own controller and do not coordinate.
@@ -42,11 +48,13 @@ from typing import TYPE_CHECKING
 import grpc
 
 from meshnet.layer_range import LayerRange
+from meshnet.model.layer_bytes import LayerBytes, file_bytes, float32_bytes, model_layer_bytes
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.links.channels import ChannelPool
 from meshnet.tracker.loops import LoopHealth
 from meshnet.tracker.nodes.registry import NodeId, NodeRecord, NodeState
 from meshnet.tracker.nodes.routes import Hop
+from meshnet.tracker.serving.widening import Load, Sizes, plan_absorb, plan_widening
 
 if TYPE_CHECKING:
     from meshnet.tracker.service import Tracker
@@ -55,19 +63,16 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Load:
-    """Tell empty node ``node_id`` to load ``span``."""
-
-    node_id: NodeId
-    span: LayerRange
-
-
-@dataclass(frozen=True)
 class LoadResult:
     """What a load came to: the hop the node serves now, or why not."""
 
     hop: Hop | None
     failure: str = ""  # when ``hop`` is None: the node's refusal or the call's error
+    emptied: bool = False  # an unload that succeeded (no hop: the node serves nothing)
+
+    @property
+    def ok(self) -> bool:
+        return self.hop is not None or self.emptied
 
 
 def plan_placement(
@@ -78,31 +83,63 @@ def plan_placement(
     held: Set[LayerRange] = frozenset(),
     avoid: Set[NodeId] = frozenset(),
     on_disk: Mapping[str, Set[LayerRange]] | None = None,
+    sizes: Sizes | None = None,
+    context: int = 0,
+    busy: Set[NodeId] = frozenset(),
 ) -> list[Load]:
     """The loads that bring every layer range of the model to ``replicas`` up nodes.
 
-    ``held``: spans not to load now (backing off after a failure). ``avoid``: empty
-    nodes to use last (their last load failed). ``on_disk``: the spans of this model
-    each node holds on disk (a model by reference: ``tracker/nodes/inventory.py``). The span
-    whose least-covered layer has the fewest nodes (then the lowest span) is loaded
-    first, by an empty node holding it on disk if one does (it fetches nothing), else
-    by the first empty node in node-id order, so the result is reproducible.
+    ``held``: spans not to load now (backing off after a failure). ``avoid``: nodes to
+    use last (their last load failed). ``on_disk``: the spans of this model each node
+    holds on disk (a model by reference: ``tracker/nodes/inventory.py``). The span
+    whose least-covered layer has the fewest nodes (then the lowest span) is loaded first,
+    by an empty node holding it on disk if one does (it fetches nothing), else by the
+    first empty node in node-id order, so the result is reproducible.
+
+    With ``sizes`` (the model's bytes as each backend holds them), a gap no empty node
+    takes is then covered by widening a live node next to it, and a node that came
+    back to a range no route can use is absorbed (``widening.py``; ``context``: one
+    sequence's positions for a node that does not say its own; ``busy``: serving
+    nodes not to ask now).
     """
+    if replicas < 1:
+        return []
+    ours = [n for n in nodes if n.layers is not None and n.fingerprint == fingerprint]
+    serving = [n.layers for n in ours if n.routable and n.layers is not None]
+    known = [n.layers for n in ours if n.layers is not None]
+    cover = _coverage(serving, n_layers)
+    loads = _empty_loads(nodes, cover, serving, known, replicas, held, avoid, on_disk or {})
+    if sizes is None:
+        return loads
+    taken = set(busy) | {load.node_id for load in loads}
+    gaps = _gaps(cover, known)  # what the empty nodes' loads left uncovered
+    loads += plan_widening(nodes, fingerprint, gaps, sizes, context, held, taken, avoid)
+    taken |= {load.node_id for load in loads}
+    return loads + plan_absorb(nodes, fingerprint, n_layers, sizes, context, taken)
+
+
+def _empty_loads(
+    nodes: Sequence[NodeRecord],
+    cover: list[int],
+    serving: Sequence[LayerRange],
+    known: Sequence[LayerRange],
+    replicas: int,
+    held: Set[LayerRange],
+    avoid: Set[NodeId],
+    disk: Mapping[str, Set[LayerRange]],
+) -> list[Load]:
+    """Gaps and missing replicas loaded onto empty nodes; ``cover`` counts them."""
     empty = sorted(
         (n for n in nodes if n.state is NodeState.UP and n.layers is None),
         key=lambda n: (n.node_id in avoid, n.node_id),
     )
-    if replicas < 1 or not empty:
+    if not empty:
         return []
-    ours = [n for n in nodes if n.layers is not None and n.fingerprint == fingerprint]
-    serving = [n.layers for n in ours if n.routable and n.layers is not None]
-    cover = _coverage(serving, n_layers)
-    known = [n.layers for n in ours if n.layers is not None]
+    n_layers = len(cover)
     wanted = {r for r in serving if r.end <= n_layers}
     wanted |= set(_gap_spans(cover, known, len(empty)))
     wanted -= held
     loads: list[Load] = []
-    disk = on_disk or {}
     while empty:
         short = [(min(cover[i] for i in r), r) for r in wanted]
         short = [(c, r) for c, r in short if c < replicas]
@@ -127,9 +164,8 @@ def _coverage(ranges: Sequence[LayerRange], n_layers: int) -> list[int]:
     return cover
 
 
-def _gap_spans(cover: Sequence[int], known: Sequence[LayerRange], empty: int) -> list[LayerRange]:
-    """The spans to load into the gaps: runs of uncovered layers some record held,
-    cut at the recorded ranges' boundaries (or whole, with fewer than ``empty`` pieces)."""
+def _gaps(cover: Sequence[int], known: Sequence[LayerRange]) -> list[LayerRange]:
+    """Runs of layers no range in ``cover`` holds and some ``known`` range held."""
     held_once = _coverage(known, len(cover))
     gaps: list[LayerRange] = []
     for i, (now, before) in enumerate(zip(cover, held_once, strict=True)):
@@ -139,6 +175,13 @@ def _gap_spans(cover: Sequence[int], known: Sequence[LayerRange], empty: int) ->
             gaps[-1] = LayerRange(gaps[-1].start, i + 1)
         else:
             gaps.append(LayerRange(i, i + 1))
+    return gaps
+
+
+def _gap_spans(cover: Sequence[int], known: Sequence[LayerRange], empty: int) -> list[LayerRange]:
+    """The spans to load into the gaps: cut at the recorded ranges' boundaries (or
+    whole, with fewer than ``empty`` pieces)."""
+    gaps = _gaps(cover, known)
     cuts = {b for r in known for b in (r.start, r.end)}
     pieces = [p for g in gaps for p in _cut(g, cuts)]
     return pieces if len(pieces) <= empty else gaps
@@ -176,6 +219,20 @@ async def configure_span(
     return LoadResult(Hop(node.node_id, node.address, span))
 
 
+async def unload_node(channels: ChannelPool, node: NodeRecord, timeout_s: float) -> LoadResult:
+    """Send ``node`` a T3 ``Configure`` to empty itself. Changes nothing in the registry."""
+    request = pb.ConfigureRequest(load=pb.LoadShard())
+    try:
+        reply = await channels.stub(node.address).Configure(
+            request, timeout=timeout_s, metadata=channels.signed(node.node_id, "Configure")
+        )
+    except grpc.aio.AioRpcError as e:
+        return LoadResult(None, f"Configure failed: {e.code().name} {e.details() or ''}".strip())
+    if not reply.applied:
+        return LoadResult(None, f"refused: {reply.failure.kind}: {reply.failure.message}")
+    return LoadResult(None, emptied=True)
+
+
 @dataclass(frozen=True)
 class PlacementConfig:
     interval_s: float = 1.0  # between passes: about a node's heartbeat
@@ -199,6 +256,9 @@ class _Backoff:
     until: float  # monotonic time before which the span is not loaded
 
 
+_Key = LayerRange | NodeId  # what backs off: a span to load, or a node to empty
+
+
 class Placement:
     """The controller of one tracker; ``run_forever`` is its loop (the event loop's)."""
 
@@ -207,13 +267,16 @@ class Placement:
         tracker: Tracker,
         config: PlacementConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        sizes: Sizes | None = None,
     ) -> None:
         self.tracker = tracker
         self.config = config or PlacementConfig()
         self.health = PlacementHealth("placement")
         self._clock = clock
-        self._backoff: dict[LayerRange, _Backoff] = {}
-        self._avoid: set[NodeId] = set()  # empty nodes whose last load failed
+        self._backoff: dict[_Key, _Backoff] = {}
+        self._avoid: set[NodeId] = set()  # nodes whose last load failed
+        self._sizes: dict[str, LayerBytes] = {}  # per backend: read once from the header
+        self._size_of = sizes or self._sizes_of  # a backend's name -> the model's bytes
 
     async def run_forever(self) -> None:
         """A pass every ``interval_s``; a failed pass is logged and counted, the next runs."""
@@ -244,44 +307,76 @@ class Placement:
                 ]
                 now = self._clock()
                 held = {s for s, b in self._backoff.items() if b.until > now}
-                load = next(iter(self._plan(nodes, held)), None)
+                load = next(iter(self._plan(nodes, held, tried)), None)
                 if load is None:
                     break
                 tried.add(load.node_id)
                 node = next(n for n in nodes if n.node_id == load.node_id)
-                result = await self.tracker.load(node, load.span)
+                if load.span is None:
+                    result = await self.tracker.unload(node)
+                else:
+                    result = await self.tracker.load(node, load.span)
             if self._settle(load, result):
                 made.append(load)
         self.health.backoff = {str(s): self._delay(b.failures) for s, b in self._backoff.items()}
         return made
 
-    def _plan(self, nodes: Sequence[NodeRecord], held: Set[LayerRange]) -> list[Load]:
+    def _plan(
+        self, nodes: Sequence[NodeRecord], held: Set[_Key], busy: Set[NodeId] = frozenset()
+    ) -> list[Load]:
         model, replicas = self.tracker.model, self.tracker.config.replicas
-        fingerprint, n_layers = model.fingerprint, model.spec.n_layers
+        fingerprint, spec = model.fingerprint, model.spec
         on_disk = self.tracker.inventory.spans(fingerprint)
-        return plan_placement(nodes, fingerprint, n_layers, replicas, held, self._avoid, on_disk)
+        spans = {k for k in held if isinstance(k, LayerRange)}
+        busy = set(busy) | {k for k in held if isinstance(k, str)}  # nodes whose unload waits
+        return plan_placement(
+            nodes,
+            fingerprint,
+            spec.n_layers,
+            replicas,
+            spans,
+            self._avoid,
+            on_disk,
+            self._size_of,
+            spec.context_length,
+            busy,
+        )
+
+    def _sizes_of(self, backend: str) -> LayerBytes:
+        """The model's bytes as a node on ``backend`` holds them (numpy: float32)."""
+        if backend not in self._sizes:
+            held = float32_bytes if backend == "numpy" else file_bytes
+            model = self.tracker.model
+            self._sizes[backend] = model_layer_bytes(model.file, model.spec, held)
+        return self._sizes[backend]
 
     def _forget(self, needed: Sequence[Load]) -> None:
-        """Drop the backoff of spans no longer needed: a later need starts afresh."""
-        wanted = {load.span for load in needed}
-        for span in [s for s in self._backoff if s not in wanted]:
-            del self._backoff[span]
+        """Drop the backoff of loads no longer needed: a later need starts afresh."""
+        wanted = {_key(load) for load in needed}
+        for key in [k for k in self._backoff if k not in wanted]:
+            del self._backoff[key]
 
     def _settle(self, load: Load, result: LoadResult) -> bool:
         """Record a load's outcome; True when it succeeded."""
-        if result.hop is not None:
+        key = _key(load)
+        if result.ok:
             self.health.loads += 1
-            self._backoff.pop(load.span, None)
+            self._backoff.pop(key, None)
             self._avoid.discard(load.node_id)
             return True
+        what = load.span if load.span is not None else "empty"
         self.health.load_failures += 1
-        self.health.last_load_failure = f"node {load.node_id}, {load.span}: {result.failure}"
-        failures = self._backoff[load.span].failures + 1 if load.span in self._backoff else 1
+        self.health.last_load_failure = f"node {load.node_id}, {what}: {result.failure}"
+        failures = self._backoff[key].failures + 1 if key in self._backoff else 1
         delay = self._delay(failures)
-        self._backoff[load.span] = _Backoff(failures, self._clock() + delay)
+        self._backoff[key] = _Backoff(failures, self._clock() + delay)
         self._avoid.add(load.node_id)
-        log.info("placement: layers %s wait %.1f s for their next load", load.span, delay)
+        log.info("placement: %s waits %.1f s for its next try", key, delay)
         return False
 
     def _delay(self, failures: int) -> float:
         return float(min(self.config.backoff_s * 2 ** (failures - 1), self.config.backoff_max_s))
+
+
+def _key(load: Load) -> _Key:
+    return load.span if load.span is not None else load.node_id
