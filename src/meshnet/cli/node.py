@@ -64,6 +64,7 @@ def node_config(args: argparse.Namespace, node_id: str, key: str) -> NodeConfig:
             progress=progress_wanted(),
         ),
         kv_pace=kv_pace(args),
+        memory_cap_bytes=int(max(args.memory_mb, 0.0) * 1024 * 1024),
         relay_timeouts=RelayTimeouts(
             idle_s=args.relay_idle_timeout,
             frame_s=args.relay_frame_timeout,

@@ -144,6 +144,14 @@ def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
         ),
         p.add_argument("--kv-budget-mb", type=float, default=0.0, help="KV budget; 0 = unlimited"),
         p.add_argument(
+            "--memory-mb",
+            type=float,
+            default=0.0,
+            help="memory this node process may take in all; what it leaves is offered for "
+            "more layers when a peer dies (placement widens a node only where they fit); "
+            "0 = what the host has available",
+        ),
+        p.add_argument(
             "--ctx",
             type=int,
             default=0,

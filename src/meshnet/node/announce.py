@@ -17,6 +17,7 @@ import httpx
 from meshnet.auth.node_http import NodeAuth
 from meshnet.mesh_messages import Heartbeat, HeartbeatReply, Holdings, NodeAnnouncement, NodeLoad
 from meshnet.node.engine_types import EngineStats
+from meshnet.node.memory_offer import offered_memory
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class Announcer:
         interval_s: float = 1.0,
         metrics_port: int | None = None,
         holdings: Callable[[], Holdings] = Holdings,
+        memory_cap_bytes: int = 0,
     ) -> None:
         self.tracker_url = tracker_url.rstrip("/")
         self.node_id = node_id
@@ -47,6 +49,7 @@ class Announcer:
         self.stats = stats
         self.holdings = holdings  # the shards on disk peers may fetch, told each beat
         self.interval_s = interval_s
+        self.memory_cap_bytes = memory_cap_bytes  # --memory-mb: what it offers at most
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="announcer", daemon=True)
 
@@ -96,7 +99,7 @@ class Announcer:
             backend=self.backend,
             kv_budget_bytes=self.kv_budget_bytes,
             pid=os.getpid(),
-            **_heartbeat(self.stats(), self.metrics_port, self.holdings()).model_dump(),
+            **self._heartbeat().model_dump(),
         )
         r = http.post(f"{self.tracker_url}/mesh/nodes", json=body.model_dump())
         r.raise_for_status()
@@ -104,18 +107,25 @@ class Announcer:
         return True
 
     def _beat(self, http: httpx.Client) -> bool:
-        body = _heartbeat(self.stats(), self.metrics_port, self.holdings())
+        body = self._heartbeat()
         r = http.post(
             f"{self.tracker_url}/mesh/nodes/{self.node_id}/heartbeat", json=body.model_dump()
         )
         r.raise_for_status()
         return HeartbeatReply.model_validate(r.json()).known
 
+    def _heartbeat(self) -> Heartbeat:
+        return _heartbeat(
+            self.stats(), self.metrics_port, self.holdings(), offered_memory(self.memory_cap_bytes)
+        )
 
-def _heartbeat(s: EngineStats, metrics_port: int | None, holdings: Holdings) -> Heartbeat:
+
+def _heartbeat(
+    s: EngineStats, metrics_port: int | None, holdings: Holdings, free_memory: int = 0
+) -> Heartbeat:
     """What the node says about itself every beat (and, with more, when registering)."""
     return Heartbeat(
-        load=_load(s),
+        load=_load(s, free_memory),
         fingerprint=s.fingerprint,
         layer_start=s.layers.start if s.layers else 0,
         layer_end=s.layers.end if s.layers else 0,
@@ -124,7 +134,7 @@ def _heartbeat(s: EngineStats, metrics_port: int | None, holdings: Holdings) -> 
     )
 
 
-def _load(s: EngineStats) -> NodeLoad:
+def _load(s: EngineStats, free_memory: int = 0) -> NodeLoad:
     return NodeLoad(
         sessions=s.sessions,
         kv_bytes=s.kv_bytes,
@@ -137,4 +147,5 @@ def _load(s: EngineStats) -> NodeLoad:
         max_streams=s.max_streams,
         relayed=s.relayed,
         context=s.context,
+        free_memory_bytes=free_memory,
     )

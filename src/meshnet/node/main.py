@@ -60,6 +60,9 @@ class NodeConfig:
     # on (``available_cores``). ``meshnet up`` gives each of its nodes a share.
     threads: int | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # The memory the whole process may take (--memory-mb); 0: what the host has. What
+    # is left of it is offered to placement for more layers (node/memory_offer.py).
+    memory_cap_bytes: int = 0
     model_dirs: tuple[str, ...] = ()  # Configure loads only from these (and the start model's)
     # Port of the node's /metrics (HTTP, on the listen host, the tracker's signature
     # only; docs/operating-metrics.md). 0: any free one; None: no metrics server.
@@ -249,6 +252,7 @@ def serve(cfg: NodeConfig) -> int:
         cfg.heartbeat_s,
         metrics_port=scrape.port if scrape is not None else None,
         holdings=models.holdings,
+        memory_cap_bytes=cfg.memory_cap_bytes,
     )
     announcer.start()
     # What the node holds for its life (the shard, the tokenizer's vocabulary, the
