@@ -11,6 +11,9 @@ from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh, parse_layout
 
 MeshFactory = Callable[..., LocalMesh]
+# Node flags for a mesh whose nodes offer no memory for more layers: placement never
+# widens a survivor over a dead node's range (tracker/serving/widening.py), which stays a gap.
+NO_ROOM = ["--memory-mb", "1"]
 
 
 @pytest.fixture(scope="module")

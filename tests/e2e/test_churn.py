@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import MeshFactory
+from conftest import NO_ROOM, MeshFactory
 from faults import wait_until_up
 from streams import Streamed, stream_completion
 
@@ -30,10 +30,10 @@ WAITS = ["--route-wait", "60"]
 
 @pytest.fixture(scope="module")
 def mesh(mesh_factory: MeshFactory, tiny_factory: Any) -> LocalMesh:
-    """No replica and no empty node: a dead node's range is served again only when it
-    comes back."""
+    """No replica, no empty node, and no memory offered for more layers (no survivor is
+    widened): a dead node's range is served again only when it comes back."""
     model = Path(tiny_factory("long.gguf", context_length=1024))
-    return mesh_factory("0:2,2:4", model=model, tracker_args=WAITS)
+    return mesh_factory("0:2,2:4", model=model, tracker_args=WAITS, node_args=NO_ROOM)
 
 
 def _complete(mesh: LocalMesh, body: dict[str, Any] = BODY) -> httpx.Response:

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import MeshFactory
+from conftest import NO_ROOM, MeshFactory
 
 from meshnet.auth.node_http import NodeAuth
 from meshnet.local_mesh import LocalMesh
@@ -55,7 +55,9 @@ def test_dead_node_is_routed_around_then_503_with_reason(
     mesh_factory: MeshFactory, tiny_path: Path
 ) -> None:
     # A request waits --route-wait for a complete route before its 503 (tests/e2e/test_churn.py)
-    mesh = mesh_factory("0:2,0:2,2:4", model=tiny_path, tracker_args=["--route-wait", "1"])
+    # The nodes offer no memory for more layers: node-2 is not widened over layers 0:2.
+    wait = ["--route-wait", "1"]
+    mesh = mesh_factory("0:2,0:2,2:4", model=tiny_path, tracker_args=wait, node_args=NO_ROOM)
     first = _chat(mesh)
     assert first.status_code == 200, first.text
     _wait_idle(mesh)  # equal loads: the planner picks node-0 again

@@ -24,7 +24,7 @@ import httpx
 import postgres_server
 import pytest
 from billing import assert_billed_once_like, ledger
-from conftest import MeshFactory
+from conftest import NO_ROOM, MeshFactory
 from session_client import TURNS, describe, new_session, turn, turn_body
 from test_session_durability import LONG, QUIET, _wait_kv_growing
 
@@ -120,7 +120,8 @@ def test_a_node_stalled_past_its_heartbeat_timeout_delays_a_turn_and_fails_nothi
     for the span to be served again (``--route-wait``) and replays it, or a later attempt
     finds the route; either way the turn is delivered once (with ``--turn-attempts 3`` an
     older outbox failed it), billed once, positions of earlier turns not billed again."""
-    mesh = mesh_factory("0:2,2:4", model=chat_tiny, tracker_args=[*QUIET, "--turn-attempts", "3"])
+    args = [*QUIET, "--turn-attempts", "3"]  # NO_ROOM: node-0 is not widened over 2:4
+    mesh = mesh_factory("0:2,2:4", model=chat_tiny, tracker_args=args, node_args=NO_ROOM)
     ref, want, sid = start_reference(mesh)
     client = RetryingClient(mesh, sid, "stalled")
     thread = client.start()
