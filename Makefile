@@ -24,11 +24,13 @@ demo: setup
 test: setup
 	@bash scripts/install_postgres.sh || echo "PostgreSQL could not be installed: its tests will be skipped"
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy
 
 bench: setup
 	bash bench/build_llamacpp.sh
@@ -37,7 +39,10 @@ bench: setup
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
 
-# Regenerate the committed gRPC/protobuf modules from src/meshnet/protocol/meshnet.proto.
+# Regenerate the committed gRPC/protobuf modules from src/meshnet/protocol/meshnet.proto,
+# with mypy-protobuf's stubs of both (what the type checker reads).
 proto: setup
 	$(BIN)/python -m grpc_tools.protoc -Isrc --python_out=src --grpc_python_out=src \
-	  --pyi_out=src src/meshnet/protocol/meshnet.proto
+	  --plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy \
+	  --plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
+	  --mypy_out=src --mypy_grpc_out=src src/meshnet/protocol/meshnet.proto

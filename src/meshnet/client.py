@@ -84,7 +84,7 @@ class AdminClient:
 
     def get(self, path: str, **params: str | int | float) -> dict[str, Any]:
         """The JSON object ``GET path`` answers."""
-        return self.send("GET", path, **params)
+        return self.send("GET", path, None, None, **params)
 
     def send(
         self,

@@ -30,7 +30,7 @@ class TrackerAuth:
 
 
 def auth_of(request: Request) -> TrackerAuth:
-    return request.app.state.auth  # type: ignore[no-any-return]
+    return request.app.state.auth  # type: ignore[no-any-return]  # app.state is untyped
 
 
 def _bearer(request: Request) -> str:

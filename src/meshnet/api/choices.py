@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from meshnet.api.caller import Meter
 from meshnet.model.sampling import SamplingParams
@@ -144,7 +145,7 @@ async def merged(choices: Sequence[Choice]) -> AsyncGenerator[tuple[int, Event],
         await _stop(tasks, choices)
 
 
-async def _stop(tasks: Sequence[asyncio.Future[object]], choices: Sequence[Choice]) -> None:
+async def _stop(tasks: Sequence[asyncio.Future[Any]], choices: Sequence[Choice]) -> None:
     """Cancel what still runs, wait for it, and close every choice's generation."""
     for task in tasks:
         task.cancel()

@@ -77,11 +77,11 @@ MEANINGLESS = frozenset(
 )
 
 
-def _is_text_only(value: Any) -> bool:
+def _is_text_only(value: object) -> bool:
     return value == ["text"]
 
 
-def _is_empty(value: Any) -> bool:
+def _is_empty(value: object) -> bool:
     return value == ""
 
 

@@ -1,4 +1,8 @@
-"""The objects the HTTP handlers share, stored on the app at creation."""
+"""The objects the HTTP handlers share, stored on the app at creation.
+
+Starlette's ``app.state`` is untyped: each accessor here names the type of what it
+reads, hence their ``no-any-return`` ignores.
+"""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ past the size bound, is a 400 naming ``response_format``.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,11 +23,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from meshnet.errors import FieldError
 from meshnet.model.constraint import Constraint, check_grammar
 
+if TYPE_CHECKING:  # a TypedDict of llguidance's stubs only, absent at run time
+    from llguidance._lib import JsonCompileOptions
+
 MAX_SCHEMA_CHARS = 64 * 1024  # a schema as JSON text
 PARAM = "response_format"
 
 # Compact JSON: a small model left free to add whitespace may add nothing else.
-_JSON_OPTIONS: llguidance.JsonCompileOptions = {"whitespace_flexible": False}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 class JsonSchemaSpec(BaseModel):
@@ -71,7 +74,7 @@ def json_grammar(schema: dict[str, Any], strict: bool) -> str:
     if len(text) > MAX_SCHEMA_CHARS:
         limit = MAX_SCHEMA_CHARS
         raise FieldError(PARAM, f"the schema has {len(text)} characters, at most {limit}")
-    options: llguidance.JsonCompileOptions = {**_JSON_OPTIONS, "lenient": not strict}
+    options: JsonCompileOptions = {**_JSON_OPTIONS, "lenient": not strict}
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)
     except ValueError as e:

@@ -42,7 +42,7 @@ class Watching:
 
 
 def _watching(request: Request) -> Watching:
-    return request.app.state.watching  # type: ignore[no-any-return]
+    return request.app.state.watching  # type: ignore[no-any-return]  # app.state is untyped
 
 
 @router.get("/admin/sessions")

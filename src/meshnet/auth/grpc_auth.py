@@ -33,7 +33,7 @@ def credential_of(metadata: Any) -> str | None:
     return None
 
 
-class NodeGate(grpc.ServerInterceptor):  # type: ignore[misc]
+class NodeGate(grpc.ServerInterceptor):
     """Lets through only calls signed by the tracker or carrying a peer token for them."""
 
     def __init__(self, key: str) -> None:
@@ -51,9 +51,9 @@ class NodeGate(grpc.ServerInterceptor):  # type: ignore[misc]
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = continuation(details)
         if handler is None:
             return None
@@ -64,7 +64,9 @@ class NodeGate(grpc.ServerInterceptor):  # type: ignore[misc]
         return handler
 
 
-def _refusal(handler: grpc.RpcMethodHandler, e: MeshnetError) -> grpc.RpcMethodHandler:
+def _refusal(
+    handler: grpc.RpcMethodHandler[Any, Any], e: MeshnetError
+) -> grpc.RpcMethodHandler[Any, Any]:
     code = (
         grpc.StatusCode.PERMISSION_DENIED
         if isinstance(e, PermissionDenied)

@@ -20,13 +20,19 @@ _count = 0
 def set_threads(n: int) -> None:
     """Threads every thread of this process runs kernels on, within numba's cap."""
     global _count
-    _count = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+    _count = max(1, min(n, _cap()))
     numba.set_num_threads(_count)
 
 
 def kernel_threads() -> int:
     """The count for a kernel called on this thread (numba's kept in step with it)."""
-    n = _count or numba.config.NUMBA_NUM_THREADS
+    n = _count or _cap()
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
     return n
+
+
+def _cap() -> int:
+    """numba's cap on threads (its config sets the name at import: no type declares it)."""
+    cap: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+    return cap

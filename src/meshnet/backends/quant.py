@@ -35,9 +35,11 @@ QK = layouts.QK
 _CHUNK_ROWS = 256  # rows dequantized at a time by the numba path's float32 matmul
 
 try:  # AVX2/AVX-512 kernels built by `pip install` where a compiler and the CPU allow
-    from meshnet.backends import _native as NATIVE
+    from meshnet.backends import _native
+
+    NATIVE = _native
 except ImportError:
-    NATIVE = None
+    NATIVE = None  # type: ignore[assignment]  # not built; no type spells "a module or None"
 
 
 def kernel_name() -> str:
@@ -87,8 +89,8 @@ class QuantMatrix:
         blocks = np.asarray(self.data, np.uint8).reshape(self.rows, nb, size)
         d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(F32)
         if self.qtype == QT.Q8_0:
-            qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(self.rows, -1)
-            return Split(qs, d, np.empty((0, 0), F32))
+            q8 = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(self.rows, -1)
+            return Split(q8, d, np.empty((0, 0), F32))
         if self.qtype == QT.Q4_1:
             m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(F32)
         else:

@@ -26,7 +26,7 @@ class ReferenceBackend:
     name = "numpy"
     decodes_rows_exactly = False  # BLAS may sum a row differently inside a bigger matrix
 
-    def __init__(self, spec: ModelSpec, weights: ShardWeights) -> None:
+    def __init__(self, spec: ModelSpec, weights: ShardWeights[np.ndarray]) -> None:
         self.spec = spec
         self.weights = weights
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -56,7 +57,11 @@ class Links(Protocol):
     """The delayed links every mesh process talks over."""
 
     name: str
-    tracker_host: str
+
+    @property
+    def tracker_host(self) -> str:
+        """The address nodes dial the tracker at."""
+        ...
 
     def node_place(self, mesh: int, i: int) -> tuple[str, list[str], list[str]]:
         """Node ``i`` of mesh ``mesh``: its --listen, command prefix, extra flags."""
@@ -216,7 +221,7 @@ def measure(
         for route in routes if r % 2 == 0 else routes[::-1]:
             for d in (0.0, delay_ms) if r % 2 == 0 else (delay_ms, 0.0):
                 links.set_delay(d)
-                tries = quiet.measure(lambda route=route: route.decode(tokens))
+                tries = quiet.measure(partial(route.decode, tokens))
                 (route.delayed if d else route.plain).extend(tries)
                 h = links.held_ms()
                 if d and h is not None:

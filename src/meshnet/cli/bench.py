@@ -33,7 +33,7 @@ from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 DEFAULT_PROMPT = "The capital of France is"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "bench",
         help="prefill and decode throughput, with llama.cpp ratios; "

@@ -13,7 +13,7 @@ from meshnet.client import stream_chat
 API_KEY_ENV = "MESHNET_API_KEY"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("chat", help="chat with a running mesh")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the tracker's API address")
     p.add_argument(

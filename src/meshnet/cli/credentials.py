@@ -11,7 +11,7 @@ from meshnet.auth.credentials import ensure_user_credentials
 from meshnet.auth.keys import ensure_mesh_secret, node_key, read_secret_file
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("credentials", help="print a node's key or the API credentials")
     p.add_argument("--data-dir", type=Path, default=Path("meshnet-data"), help="the tracker's")
     p.add_argument("--mesh-secret-file", type=Path, help="default: DATA_DIR/mesh.secret")

@@ -16,7 +16,7 @@ from meshnet.node.main import new_node_id
 from meshnet.node.preflight import check_credential, check_node
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "doctor",
         help="check a node's setup (model, layers, addresses, tracker, disk, memory)",

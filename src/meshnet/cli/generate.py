@@ -24,7 +24,7 @@ from meshnet.model.sampling import SamplingParams
 from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("generate", help="generate text in this process")
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--max-tokens", type=int, default=128)

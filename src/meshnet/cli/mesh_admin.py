@@ -28,7 +28,7 @@ ADMIN_TOKEN_ENV = "MESHNET_ADMIN_TOKEN"
 Show = Callable[[AdminClient, argparse.Namespace], tuple[dict[str, Any], str]]
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     for name, show, help in (
         ("nodes", show_nodes, "the nodes the tracker knows: state, layers, load"),
         ("sessions", show_sessions, "sessions by state and the generations running now"),

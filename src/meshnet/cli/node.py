@@ -35,7 +35,7 @@ def add_node_flags(p: argparse.ArgumentParser) -> None:
     add_options(p, declare_kv_pace, "KV transfers (also taken by `meshnet up`)")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("node", help="serve a layer range of the model over gRPC")
     add_node_flags(p)
     p.set_defaults(run=run)

@@ -17,7 +17,7 @@ from meshnet.tracker.sessions.sessions import SessionPolicy
 from meshnet.tracker.trust.trusted_capacity import trusted_ids
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("tracker", help="run the tracker and its HTTP API")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -40,7 +40,7 @@ from meshnet.node.main import available_cores
 from meshnet.supervisor import Backoff, Child, Supervisor
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("up", help="start a tracker and nodes on this machine")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument(

@@ -227,7 +227,7 @@ class SequenceKV:
                 part = out[offset : offset + size].reshape(self.n_kv_heads, kept, self.head_dim)
                 part[:] = array[:, self._slots(layer, n - kept, n)]
                 offset += size
-        return memoryview(out.view(np.uint8))
+        return out.view(np.uint8).data
 
     def load_bytes(self, length: int, payload: bytes | bytearray) -> None:
         """Fill this empty cache with ``length`` positions made by ``export_bytes``."""

@@ -50,7 +50,7 @@ def route(
     if experts.grouped:
         chosen_by = _best_groups(chosen_by, experts)
     ids = np.argsort(-chosen_by, axis=-1, kind="stable")[:, :k]  # [T, k]
-    weights = np.take_along_axis(probs, ids, axis=-1).astype(F32)  # [T, k]
+    weights: np.ndarray = np.take_along_axis(probs, ids, axis=-1).astype(F32)  # [T, k]
     if gating == "softmax_chosen":
         weights = softmax(weights)
     if experts.normalize:

@@ -65,7 +65,7 @@ class GGUFFile:
         out = np.empty(nbytes, np.uint8)
         with self.path.open("rb", buffering=0) as fh:
             fh.seek(int(t.data_offset))
-            if fh.readinto(memoryview(out)) != nbytes:
+            if fh.readinto(out.data) != nbytes:
                 raise ModelFileError(f"{self.path.name}: tensor {t.name!r} is truncated")
         return out
 

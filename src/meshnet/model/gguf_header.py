@@ -200,7 +200,8 @@ def _array(c: _Cursor, key: str) -> list[Any] | StringTable:
     c.need(count * dtype.itemsize, f"array {key!r}")
     values = np.frombuffer(c.buf, dtype, count, c.pos)
     c.pos += count * dtype.itemsize
-    return (values.astype(bool) if etype == VT.BOOL else values).tolist()
+    items: list[Any] = (values.astype(bool) if etype == VT.BOOL else values).tolist()
+    return items
 
 
 def _strings(c: _Cursor, count: int, key: str) -> StringTable:

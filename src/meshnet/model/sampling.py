@@ -221,13 +221,13 @@ def pick(scores: np.ndarray, top_k: int, top_p: float, u: float) -> int:
 def _probabilities(scores: np.ndarray) -> np.ndarray:
     """``exp(score - max)`` over the sum, taken in id order."""
     weights = np.exp(scores - scores.max())
-    return weights / weights.sum()  # type: ignore[no-any-return]
+    return weights / weights.sum()
 
 
 def _likeliest(probs: np.ndarray, k: int) -> np.ndarray:
     """The ``k`` likeliest indices of ``probs``, most likely first, ties by lower index."""
     part = np.argpartition(-probs, k - 1)[:k] if k < len(probs) else np.arange(len(probs))
-    return part[np.lexsort((part, -probs[part]))]  # type: ignore[no-any-return]
+    return part[np.lexsort((part, -probs[part]))]
 
 
 def nucleus(scores: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:

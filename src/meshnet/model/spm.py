@@ -159,7 +159,7 @@ def spm_codec(
     return SpmCodec(
         tokens=tokens,
         index=index,
-        scores=memoryview(table),
+        scores=table.data,
         specials=specials,
         byte_ids=tuple(byte_ids) if min(byte_ids) >= 0 else None,
         unk_id=unk_id,

@@ -42,7 +42,7 @@ class StringTable(Sequence[str]):
         self._blob = blob
         self._offsets = np.ascontiguousarray(offsets, dtype=np.int64)
         self._offsets.flags.writeable = False
-        self._starts = memoryview(self._offsets)  # Python ints at C speed, no copy
+        self._starts = self._offsets.data  # Python ints at C speed, no copy
 
     @staticmethod
     def of(strings: Iterable[str]) -> StringTable:
@@ -144,8 +144,8 @@ class StringIndex:
         size = 1 << max(4, (2 * len(table) - 1).bit_length())
         self._mask = size - 1
         slots = _build_slots(hashes, size)
-        self._hashes = memoryview(hashes)
-        self._slots = memoryview(slots)
+        self._hashes = hashes.data
+        self._slots = slots.data
 
     def find(self, text: str) -> int:
         """The position of ``text`` in the table, or -1."""

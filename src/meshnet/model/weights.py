@@ -151,6 +151,7 @@ def load_shard_weights(
     f: GGUFFile,
     spec: ModelSpec,
     layers: LayerRange,
+    # The defaults read float32 arrays (W = np.ndarray): a default cannot bind W for mypy.
     matrix: MatrixReader[W] = dequantized_matrix,  # type: ignore[assignment]
     experts: ExpertsReader[W] = dequantized_experts,  # type: ignore[assignment]
 ) -> ShardWeights[W]:
@@ -260,7 +261,7 @@ def _load_mla(r: _Readers[W], spec: ModelSpec, p: str) -> MlaWeights[W]:
     assert m is not None  # the caller checked
     d, heads, q_out = spec.d_model, spec.n_heads, spec.n_heads * m.key_dim
     if m.q_rank:
-        q = (r.matrix(p + "attn_q_a.weight", (m.q_rank, d)),)
+        q: tuple[W, ...] = (r.matrix(p + "attn_q_a.weight", (m.q_rank, d)),)
         q += (r.matrix(p + "attn_q_b.weight", (q_out, m.q_rank)),)
     else:
         q = (r.matrix(p + "attn_q.weight", (q_out, d)),)
@@ -302,7 +303,8 @@ def _load_experts(r: _Readers[W], spec: ModelSpec, p: str) -> ExpertWeights[W]:
     d, e, ff = spec.d_model, spec.experts.n_experts, spec.experts.d_ff
     biased = spec.experts.selection_bias
     if r.has(p + "ffn_gate_up_exps.weight"):
-        gate_up = tuple((m,) for m in r.experts(p + "ffn_gate_up_exps.weight", (e, 2 * ff, d)))
+        fused = r.experts(p + "ffn_gate_up_exps.weight", (e, 2 * ff, d))
+        gate_up: tuple[tuple[W, ...], ...] = tuple((m,) for m in fused)
     else:
         gates = r.experts(p + "ffn_gate_exps.weight", (e, ff, d))
         ups = r.experts(p + "ffn_up_exps.weight", (e, ff, d))

@@ -97,7 +97,7 @@ def yarn_tables(
     """cos, sin float32 [len(positions), dim / 2] of YaRN's angles, magnitude included."""
     pairs = dim // 2
     theta_scale = F32(math.pow(base, float(F32(-2.0) / F32(dim))))
-    extrap = np.empty((len(positions), pairs), F32)  # [T, pairs]
+    extrap: np.ndarray = np.empty((len(positions), pairs), F32)  # [T, pairs]
     theta = positions.astype(F32)
     for i in range(pairs):  # pair i's angle: the position times theta_scale, i roundings
         extrap[:, i] = theta

@@ -121,7 +121,7 @@ def fetch_shard(
         )
 
 
-def _local_shards(cfg: SourceConfig, fingerprint: str, layers: LayerRange) -> list[Source]:
+def _local_shards(cfg: SourceConfig, fingerprint: str, layers: LayerRange) -> list[DiskShard]:
     """The model's other whole shard files on this machine, most overlapping first."""
     folder = shards_dir(cfg) / fingerprint
     found: list[tuple[int, Path, LayerRange]] = []

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -59,7 +59,10 @@ CLOSING = 3  # a refusal said just before the receiver closes the connection
 ASK = 4
 PART = 5
 
-_DTYPES = {1: ("i64", np.dtype("<i8")), 2: ("f32", np.dtype("<f4"))}
+_DTYPES: dict[int, tuple[str, np.dtype[Any]]] = {
+    1: ("i64", np.dtype("<i8")),
+    2: ("f32", np.dtype("<f4")),
+}
 _CODES = {np.dtype("<i8"): 1, np.dtype("<f4"): 2}
 _ITEMS = dict(_DTYPES.values())  # "i64" / "f32" -> item type
 
@@ -128,7 +131,7 @@ def input_frame(session_id: str, epoch: int, step: int, x: np.ndarray) -> list[b
         x = np.ascontiguousarray(x, dtype=_DTYPES[code][1])  # little-endian, as it is read
     width = x.shape[1] if x.ndim == 2 else 0
     head = INPUT_HEADER.pack(INPUT, code, len(sid), epoch, step, x.shape[0], width)
-    return [head + sid, memoryview(x).cast("B")]
+    return [head + sid, x.data.cast("B")]
 
 
 def read_input_header(raw: bytes) -> InputHeader:
@@ -237,7 +240,7 @@ def part_frame(
         return [PART_HEADER.pack(PART, number, 1, 0, 0, len(why)) + why]
     logits = np.ascontiguousarray(logits, dtype="<f4")
     rows, columns = logits.shape
-    return [PART_HEADER.pack(PART, number, 0, rows, columns, 0), memoryview(logits).cast("B")]
+    return [PART_HEADER.pack(PART, number, 0, rows, columns, 0), logits.data.cast("B")]
 
 
 def read_part(raw: bytes, ask: Ask) -> tuple[bool, int]:

@@ -66,7 +66,7 @@ def position_sketches(rows: np.ndarray) -> list[bytes]:
     check_width(x.shape[1])
     top = _top_channels(x)  # [T, K]
     bits = np.take_along_axis(x, top, axis=1).view(np.uint32)
-    entries = np.empty(top.shape, _ENTRY)
+    entries: np.ndarray = np.empty(top.shape, _ENTRY)
     entries["channel"] = top
     entries["mantissa"] = (bits & 0x7FFFFF) >> _MANTISSA_SHIFT
     return [entries[i].tobytes() for i in range(entries.shape[0])]

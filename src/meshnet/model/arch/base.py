@@ -7,6 +7,7 @@ itself, as llama.cpp does for every family.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -36,7 +37,7 @@ class Shape:
 
 def inverse_sqrt_head_dim(shape: Shape) -> float:
     """The usual attention scale, ``1 / sqrt(head_dim)``."""
-    return 1.0 / float(shape.head_dim) ** 0.5
+    return 1.0 / math.pow(shape.head_dim, 0.5)  # math.pow: float ** float types as Any
 
 
 @dataclass(frozen=True)

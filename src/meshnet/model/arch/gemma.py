@@ -8,6 +8,7 @@ layers their own rope base. The converter stores the norms as ``1 + w``, so
 they are plain RMSNorm weights here.
 """
 
+import math
 from collections.abc import Callable
 
 from meshnet.model.arch.base import Architecture, Shape, inverse_sqrt_head_dim
@@ -19,7 +20,7 @@ def _attention_scale(name: str) -> Callable[[Shape], float]:
     def scale(shape: Shape) -> float:
         # The 27B models scale by d / n_heads, not the head width (gemma_pytorch's config).
         if shape.n_layers == _LAYERS_OF_27B[name]:
-            return 1.0 / float(shape.d_model // shape.n_heads) ** 0.5
+            return 1.0 / math.pow(shape.d_model // shape.n_heads, 0.5)
         return inverse_sqrt_head_dim(shape)
 
     return scale

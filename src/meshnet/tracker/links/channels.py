@@ -28,7 +28,7 @@ class ChannelPool:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._retired: list[grpc.aio.Channel] = []
 
-    def stub(self, address: str) -> pb_grpc.NodeStub:
+    def stub(self, address: str) -> pb_grpc.NodeAsyncStub:
         channel = self._channels.get(address)
         if channel is None:
             channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
