@@ -37,7 +37,7 @@ bench: setup
 	OPENBLAS_NUM_THREADS=2 $(BIN)/meshnet bench
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache .mypy_cache
 
 # Regenerate the committed gRPC/protobuf modules from src/meshnet/protocol/meshnet.proto,
 # with mypy-protobuf's stubs of both (what the type checker reads).
