@@ -100,13 +100,13 @@ class NodeCollector(Collector):
         s = self._stats()
         node = [self._node_id]
         for name, help_text, value in _counters(s):
-            family = CounterMetricFamily(f"meshnet_node_{name}", help_text, labels=["node"])
-            family.add_metric(node, value)
-            yield family
+            counter = CounterMetricFamily(f"meshnet_node_{name}", help_text, labels=["node"])
+            counter.add_metric(node, value)
+            yield counter
         for name, help_text, value in _gauges(s):
-            family = GaugeMetricFamily(f"meshnet_node_{name}", help_text, labels=["node"])
-            family.add_metric(node, value)
-            yield family
+            gauge = GaugeMetricFamily(f"meshnet_node_{name}", help_text, labels=["node"])
+            gauge.add_metric(node, value)
+            yield gauge
         layers = f"{s.layers.start}:{s.layers.end}" if s.layers else "empty"
         info = GaugeMetricFamily(
             "meshnet_node_shard", "The layers loaded and the model's fingerprint", labels=_SHARD

@@ -108,6 +108,8 @@ class NodeModels:
         try:
             text, mac = str(answer["manifest"]), str(answer["mac"])
             raw_peers = answer.get("peers") or []
+            if not isinstance(raw_peers, list):
+                raise TypeError("the peers are not a list")
             peers = [_peer(p) for p in raw_peers[:_MAX_PEERS]]
         except (KeyError, TypeError, ValueError, IndexError, MeshnetError):
             raise ModelSourceError("the tracker's manifest answer is malformed") from None

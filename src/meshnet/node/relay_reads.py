@@ -3,6 +3,7 @@ deadline however the peer spaces them, so a trickling peer cannot hold a connect
 
 from __future__ import annotations
 
+import io
 import socket
 import time
 from typing import Protocol
@@ -10,14 +11,25 @@ from typing import Protocol
 from meshnet.errors import MalformedBundle
 
 
-class Readable(Protocol):
-    """What ``socket.makefile("rb")`` gives."""
+class Reads(Protocol):
+    """What ``socket.makefile("rb")`` gives, buffered or not."""
 
     def read(self, n: int, /) -> bytes | None: ...
+
+
+class Readable(Reads, Protocol):
+    """What a buffered ``socket.makefile("rb")`` gives (``buffered_reader``)."""
 
     def read1(self, n: int, /) -> bytes: ...
 
     def peek(self, n: int, /) -> bytes: ...
+
+
+def buffered_reader(conn: socket.socket, size: int) -> io.BufferedReader:
+    """``conn.makefile("rb", buffering=size)``, typed as what it is for any ``size`` > 0."""
+    reader = conn.makefile("rb", buffering=size)
+    assert isinstance(reader, io.BufferedReader)  # typeshed: an IOBase unless size is 1
+    return reader
 
 
 def read_by(conn: socket.socket, reader: Readable, n: int, deadline: float) -> bytes:
@@ -38,7 +50,7 @@ def read_by(conn: socket.socket, reader: Readable, n: int, deadline: float) -> b
     return b"".join(parts)
 
 
-def read_exactly(reader: Readable, n: int) -> bytes:
+def read_exactly(reader: Reads, n: int) -> bytes:
     """Exactly ``n`` bytes; ``MalformedBundle`` when the stream ends before."""
     data = b""
     while len(data) < n:

@@ -53,7 +53,7 @@ from meshnet.errors import (
     error_for_kind,
 )
 from meshnet.node import relay_wire as wire
-from meshnet.node.relay_reads import Readable, read_by, read_exactly
+from meshnet.node.relay_reads import Readable, Reads, buffered_reader, read_by, read_exactly
 from meshnet.protocol.keepalive import Keepalive, tcp_keepalive
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class RelayListener:
             ).start()
 
     def _serve_one(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("rb", buffering=1 << 16) as reader:
+        with conn, buffered_reader(conn, 1 << 16) as reader:
             if not self._slots.acquire(blocking=False):
                 self._refuse_hello(conn, Overloaded("this node holds its relay connections"))
                 return
@@ -151,9 +151,9 @@ class RelayListener:
             conn.sendall(wire.verdict(f"{error.kind}: {error.message}"))
 
     def _serve(self, conn: socket.socket, reader: Readable) -> None:
-        deadline = time.monotonic() + min(HELLO_TIMEOUT_S, self.timeouts.frame_s)
-        magic, n = wire.read_hello(read_by(conn, reader, wire.HELLO.size, deadline))
-        token = read_by(conn, reader, n, deadline).decode(errors="replace")
+        hello_by = time.monotonic() + min(HELLO_TIMEOUT_S, self.timeouts.frame_s)
+        magic, n = wire.read_hello(read_by(conn, reader, wire.HELLO.size, hello_by))
+        token = read_by(conn, reader, n, hello_by).decode(errors="replace")
         try:
             self._check(token)
             if magic == wire.HEAD_MAGIC and self._head is None:
@@ -289,7 +289,7 @@ class SocketLink:
     def _read(self) -> None:
         error: MeshnetError = StreamReset(f"the relay connection to {self.address} ended")
         try:
-            with self._sock.makefile("rb", buffering=1 << 12) as reader:
+            with buffered_reader(self._sock, 1 << 12) as reader:
                 error = self._refusals(reader, error)
         except (OSError, MeshnetError) as e:
             error = StreamReset(f"the relay connection to {self.address} broke: {e}")
@@ -297,7 +297,7 @@ class SocketLink:
         with contextlib.suppress(OSError):
             self._sock.close()
 
-    def _refusals(self, reader: Readable, error: MeshnetError) -> MeshnetError:
+    def _refusals(self, reader: Reads, error: MeshnetError) -> MeshnetError:
         """Tell each refusal to its run until the connection ends; the failure that
         ended it."""
         while True:

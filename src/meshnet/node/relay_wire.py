@@ -243,7 +243,7 @@ def part_frame(
     return [PART_HEADER.pack(PART, number, 0, rows, columns, 0), logits.data.cast("B")]
 
 
-def read_part(raw: bytes, ask: Ask) -> tuple[bool, int]:
+def read_part(raw: bytes | bytearray, ask: Ask) -> tuple[bool, int]:
     """(refused, bytes that follow: the reason's or the logits') of ``ask``'s answer,
     checked against it; ``MalformedBundle`` for an answer of another shape or order."""
     kind, number, status, rows, columns, why = PART_HEADER.unpack(raw)

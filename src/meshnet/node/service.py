@@ -152,7 +152,11 @@ class NodeService(AutorunHandling, pb_grpc.NodeServicer):
         sid, epoch = opened.session_id, opened.epoch
         self.mailbox.opened(sid, epoch)
         if not opened.keep:
-            context.add_callback(lambda: self.engine.release(sid, epoch))
+
+            def release() -> None:
+                self.engine.release(sid, epoch)  # queued on the engine's loop, not awaited
+
+            context.add_callback(release)
         shard = self.engine.shard
         assert shard is not None  # _open checked it
         yield pb.ForwardResponse(

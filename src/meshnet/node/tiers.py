@@ -91,13 +91,13 @@ def parse(request: pb.ConfigureRequest, start_model: str | None) -> Change:
             kv_budget_bytes=b.kv_budget_bytes if b.HasField("kv_budget_bytes") else None,
         )
     if kind == "load":
-        m = request.load
-        if not m.model_path and m.layer_start == 0 and m.layer_end == 0:
+        load = request.load
+        if not load.model_path and load.layer_start == 0 and load.layer_end == 0:
             return Unload()
-        path = m.model_path or start_model
+        path = load.model_path or start_model
         if not path:
             raise RequestError("no model path given and none configured at start")
-        return ShardLoad(path, LayerRange(request.load.layer_start, request.load.layer_end))
+        return ShardLoad(path, LayerRange(load.layer_start, load.layer_end))
     raise MalformedBundle("a Configure names no tier (load, limits or batching)")
 
 

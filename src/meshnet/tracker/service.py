@@ -304,8 +304,9 @@ class Tracker:
                     route, held = await self.admission.acquire(reserve)
                 else:
                     route = named
-                    reserve = functools.partial(self.reserve_named, named)
-                    held = await self.admission.acquire(reserve)
+                    held = await self.admission.acquire(
+                        functools.partial(self.reserve_named, named)
+                    )
             gen = self.driver.new_generation(uuid.uuid4().hex, route, params, top_logprobs)
             try:
                 await self.driver.open(gen, prompt_ids)

@@ -50,7 +50,7 @@ class HopLink:
     """A hop's stream in one epoch, and the session state the node holds for it."""
 
     hop: Hop
-    call: grpc.aio.StreamStreamCall  # type: ignore[type-arg]
+    call: grpc.aio.StreamStreamCall[pb.ForwardRequest, pb.ForwardResponse]
     epoch: int
     keys: MeshKeys  # to sign a probe of a node that broke
     steps: int = 0  # steps whose KV the node holds (the next step's number)
@@ -135,7 +135,7 @@ class HopLink:
             raise self.verdict or StreamReset(f"stream to {node} is unusable: {e}", node) from None
         except asyncio.InvalidStateError:  # the call ended (e.g. reset) before this write
             raise self.verdict or await _broken(self.keys, self.hop, "the call had ended") from None
-        if reply is grpc.aio.EOF:
+        if not isinstance(reply, pb.ForwardResponse):  # grpc.aio.EOF
             raise self.verdict or await _broken(self.keys, self.hop, "closed the stream")
         kind = reply.WhichOneof("kind")
         if kind == "failure":
@@ -185,7 +185,7 @@ def _retrieved(task: asyncio.Task[pb.ForwardResponse]) -> None:
 
 
 async def open_link(
-    stub: pb_grpc.NodeStub,
+    stub: pb_grpc.NodeAsyncStub,
     keys: MeshKeys,
     hop: Hop,
     open_msg: pb.Open,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import Heartbeat, NodeAnnouncement, NodeLoad
@@ -264,7 +265,7 @@ def _ledger_filter(generation_id: str | None, node_id: str | None) -> tuple[str,
     return (" WHERE " + " AND ".join(clauses) if clauses else ""), tuple(args)
 
 
-def _ledger_record(r: tuple) -> LedgerRecord:  # type: ignore[type-arg]
+def _ledger_record(r: tuple[Any, ...]) -> LedgerRecord:
     generation_id, epoch, node_id, start, end, token_start, token_end, status, kind, commits = r
     return LedgerRecord(
         generation_id,
@@ -280,7 +281,7 @@ def _ledger_record(r: tuple) -> LedgerRecord:  # type: ignore[type-arg]
     )
 
 
-def _record(r: tuple) -> NodeRecord:  # type: ignore[type-arg]
+def _record(r: tuple[Any, ...]) -> NodeRecord:
     (
         node_id,
         address,

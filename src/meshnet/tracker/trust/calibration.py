@@ -186,8 +186,8 @@ class NodeTrust:
             self._verdicts[node_id] = _Verdict(served, True)
         verdict = self._verdicts.get(node_id)
         was = before if before is not None and before.state is NodeState.QUARANTINED else node
-        if verdict is None and was.state is NodeState.QUARANTINED:  # a tracker restarted
-            old = (was.fingerprint, was.layers)
+        if verdict is None and was.state is NodeState.QUARANTINED and was.layers is not None:
+            old = (was.fingerprint, was.layers)  # a tracker restarted: its verdict, kept
             verdict = self._verdicts[node_id] = _Verdict(old, False, was.down_reason)
         if verdict is not None and verdict.served == served:
             state = NodeState.UP if verdict.passed else NodeState.QUARANTINED

@@ -181,10 +181,12 @@ class TrustedCapacity:
         try:
             answer = await self.run(chain, np.asarray(claim.tokens, np.int64), logits_from)
         except MeshnetError as e:
-            return self._unanswered(chain, e.node_id, f"did not answer: {e}")
+            self._unanswered(chain, e.node_id, f"did not answer: {e}")
+            return None
         want = answer.digests.get(claim.token_start)
         if want is None:
-            return self._unanswered(chain, chain[-1].node_id, "did not commit the chunk")
+            self._unanswered(chain, chain[-1].node_id, "did not commit the chunk")
+            return None
         self.stats.ran += 1
         self.checks.update(h.node_id for h in chain)
         if want != claim.digest:
@@ -215,7 +217,6 @@ class TrustedCapacity:
         log.warning("trusted check on %s %s; the tracker's engine checks it", culprits, why)
         until = time.monotonic() + REST_S
         self._resting.update((c, until) for c in culprits)
-        return None
 
 
 async def run_chain(
