@@ -181,6 +181,12 @@ def test_a_bad_assignment_is_refused_with_the_reason(
         check_assignments(assign(*pairs), NODES, 4)
 
 
+def test_an_assignment_that_empties_a_node_is_refused_as_a_request_error() -> None:
+    # Load's span is None where placement empties a node: a plan to serve has none.
+    with pytest.raises(RequestError, match="n1 is given no layers"):
+        check_assignments((Load("n1", None),), NODES, 4)
+
+
 def _sizes(layers: tuple[int, ...], embedding: int = 0, tied: bool = False) -> LayerBytes:
     return LayerBytes(layers, embedding, head=0, shared=0, tied_head=tied, kv_layer_token=0)
 

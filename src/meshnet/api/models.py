@@ -31,7 +31,7 @@ from meshnet.api.auth import require_admin, require_tenant
 from meshnet.api.state import model_admin_of, models_of, tracker_of
 from meshnet.layer_range import LayerRange
 from meshnet.tracker.serving.model_admin import MAX_DRAIN_S, ServeRequest, model_json
-from meshnet.tracker.serving.placement import Load
+from meshnet.tracker.serving.widening import Load
 
 router = APIRouter()
 admin = APIRouter(dependencies=[Depends(require_admin)])

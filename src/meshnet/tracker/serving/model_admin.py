@@ -40,9 +40,10 @@ from meshnet.model.layer_bytes import LayerBytes, model_layer_bytes
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.nodes.registry import NodeRecord, NodeState
 from meshnet.tracker.service import Tracker
-from meshnet.tracker.serving.placement import Load, Placement, PlacementConfig, configure_span
+from meshnet.tracker.serving.placement import Placement, PlacementConfig, configure_span
 from meshnet.tracker.serving.served import ModelState, ServedModel, ServedModels, model_tracker
 from meshnet.tracker.serving.served_store import ServedRow, ServedStore
+from meshnet.tracker.serving.widening import Load
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ def check_assignments(
     if len(set(ids)) != len(ids):
         raise RequestError("a node is named twice")
     known = {n.node_id: n for n in nodes}
+    spans: list[LayerRange] = []
     for a in assignments:
         node = known.get(a.node_id)
         if node is None:
@@ -102,11 +104,14 @@ def check_assignments(
             raise RequestError(f"node {a.node_id} is {node.state.value}")
         if node.layers is not None:
             raise RequestError(f"node {a.node_id} serves layers {node.layers}: it is not empty")
+        if a.span is None:
+            raise RequestError(f"node {a.node_id} is given no layers")
+        spans.append(a.span)
     end = 0
-    for a in sorted(assignments, key=lambda a: a.span):
-        if a.span.start != end:
+    for span in sorted(spans):
+        if span.start != end:
             raise RequestError(f"the ranges do not cover layer {end} exactly once")
-        end = a.span.end
+        end = span.end
     if end != n_layers:
         raise RequestError(f"the ranges end at layer {end}, not at the model's {n_layers}")
 
@@ -204,12 +209,14 @@ class ModelAdmin:
     ) -> None:
         by_id = {n.node_id: n for n in nodes}
         timeout = self._base.config.heal_timeout_s
+        spans = [a.span for a in plan if a.span is not None]
+        assert len(spans) == len(plan)  # check_assignments: a plan gives every node layers
         results = await asyncio.gather(
             *(
                 configure_span(
-                    self._base.channels, by_id[a.node_id], a.span, info.fingerprint, timeout, path
+                    self._base.channels, by_id[a.node_id], span, info.fingerprint, timeout, path
                 )
-                for a in plan
+                for a, span in zip(plan, spans, strict=True)
             )
         )
         failed = [
