@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 class TrackerProcessConfig:
     host: str  # interface the HTTP API listens on
     port: int
-    data_dir: Path  # snapshots, and the SQLite database unless ``database`` names another
+    data_dir: Path  # the SQLite database unless ``database`` names another; older snapshots
     database: str | None  # postgresql://... or an SQLite path; None: data_dir/tracker.db
     model_path: str | None  # None: the bundled model
     tracker: TrackerConfig
@@ -122,7 +122,7 @@ def serve(cfg: TrackerProcessConfig) -> int:
         other = model_tracker(tracker, info, path)
         served.add(ServedModel(info, other, Placement(other), path))
     session_store = SessionStore(store.db)
-    snapshots = SnapshotStore(cfg.data_dir / "snapshots", cfg.kv_pace)
+    snapshots = SnapshotStore(store.db, cfg.data_dir / "snapshots", cfg.kv_pace)
     session_models = SessionModels(store.db)
     runner = ModelTurns(served, session_models, session_store, snapshots)
     services = SessionServices(
