@@ -79,6 +79,7 @@ def _resume_through_the_other(mesh: LocalMesh, b: Other, b_dir: Path) -> None:
 def _only_the_leader_loads_a_gap(mesh: LocalMesh, b: Other) -> None:
     assert _lease(b)["leader"] and not _lease(mesh)["leader"]
     mesh.kill_node("node-1")  # layers 2:4 lose their only node
+    _wait(lambda: _serving(mesh, [2, 4]) == 0, "node-1 was never marked down")
     _wait(lambda: _serving(mesh, [2, 4]) == 1, "the gap was never loaded")
     # The follower keeps running passes, and none of them loads anything.
     passes = _placement(mesh)["passes"]
@@ -93,6 +94,7 @@ def _the_other_takes_over_and_loads_the_next(mesh: LocalMesh) -> None:
     _wait(lambda: _lease(mesh)["leader"], "A never took the lease over")
     assert _lease(mesh)["terms"] == 1
     mesh.kill_node("node-0")  # layers 0:2 lose their only node
+    _wait(lambda: _serving(mesh, [0, 2]) == 0, "node-0 was never marked down")
     _wait(lambda: _serving(mesh, [0, 2]) == 1, "the second gap was never loaded")
     assert _placement(mesh)["loads"] == 1
     _wait(lambda: httpx.get(f"{mesh.url}/healthz", timeout=5).json()["route_complete"], "route")
