@@ -488,7 +488,7 @@ class SessionStore:
     # --- snapshots ------------------------------------------------------------------
 
     def index_snapshot(self, before: SessionRecord, files: list[SnapshotFile], now: float) -> bool:
-        """Name fully written snapshot files in the index and mark the session evicted,
+        """Name fully written snapshots in the index and mark the session evicted,
         in one transaction; False when the session moved on since ``before``."""
         session_id = before.id
         with self._db.transaction() as tx:
