@@ -1,15 +1,21 @@
-"""A small client of the sessions API for tests, and the snapshot-file corruptions they make."""
+"""A small client of the sessions API for tests, and the snapshot corruptions they make (on a
+stream taken out of the tracker's database as a file, then put back)."""
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
+from meshnet.local_mesh import LocalMesh
 from meshnet.protocol import meshnet_pb2 as pb
+from meshnet.tracker.sessions.snapshot_rows import ROW_BYTES
 
 TURNS = ["hello there", "tell me more", "and then?", "thanks"]
 
@@ -79,9 +85,72 @@ def reference_turns(api: Api, contents: list[str] = TURNS) -> list[list[int]]:
     return out
 
 
-# --- snapshot files: length-prefixed KV frames ------------------------------------
+# --- snapshots: length-prefixed KV frames in rows of the tracker's database ---------
 
 _LENGTH = struct.Struct(">I")
+
+
+@contextlib.contextmanager
+def tracker_db(mesh: LocalMesh) -> Iterator[sqlite3.Connection]:
+    """The mesh's tracker's own SQLite database (its default), beside the tracker."""
+    db = sqlite3.connect(mesh.data_dir / "tracker.db", timeout=30, isolation_level=None)
+    try:
+        yield db
+    finally:
+        db.close()
+
+
+def export_snapshots(mesh: LocalMesh, sid: str, into: Path) -> list[Path]:
+    """Each of the session's snapshot streams kept in the database, as a file in ``into``
+    named ``SNAPSHOT.LAYER_START.snap``, by first layer; [] when it has none."""
+    paths = []
+    with tracker_db(mesh) as db:
+        keys = db.execute(
+            "SELECT DISTINCT snapshot_id, layer_start FROM snapshot_chunks "
+            "WHERE session_id = ? ORDER BY layer_start",
+            (sid,),
+        ).fetchall()
+        for snapshot_id, start in keys:
+            rows = db.execute(
+                "SELECT data FROM snapshot_chunks WHERE snapshot_id = ? AND layer_start = ? "
+                "ORDER BY seq",
+                (snapshot_id, start),
+            )
+            paths.append(into / f"{snapshot_id}.{start}.snap")
+            paths[-1].write_bytes(b"".join(bytes(r[0]) for r in rows))
+    return paths
+
+
+def put_snapshot_back(mesh: LocalMesh, path: Path) -> None:
+    """Replace the stream ``path`` was exported from with the file's bytes, rows and count."""
+    snapshot_id, start, _ = path.name.split(".")
+    data = path.read_bytes()
+    rows = [data[at : at + ROW_BYTES] for at in range(0, len(data), ROW_BYTES)]
+    with tracker_db(mesh) as db:
+        db.execute("BEGIN IMMEDIATE")
+        session_id, created = db.execute(
+            "SELECT session_id, created FROM snapshot_chunks "
+            "WHERE snapshot_id = ? AND layer_start = ? LIMIT 1",
+            (snapshot_id, int(start)),
+        ).fetchone()
+        key = (snapshot_id, int(start))
+        db.execute("DELETE FROM snapshot_chunks WHERE snapshot_id = ? AND layer_start = ?", key)
+        for seq, row in enumerate(rows):
+            db.execute(
+                "INSERT INTO snapshot_chunks VALUES (?, ?, ?, ?, ?, ?)",
+                (*key, seq, session_id, created, row),
+            )
+        db.execute(
+            "UPDATE snapshots SET chunks = ? WHERE snapshot_id = ? AND layer_start = ?",
+            (len(rows), *key),
+        )
+        db.execute("COMMIT")
+
+
+def lose_snapshots(mesh: LocalMesh, sid: str) -> None:
+    """Delete the session's snapshot streams, leaving the index naming them."""
+    with tracker_db(mesh) as db:
+        db.execute("DELETE FROM snapshot_chunks WHERE session_id = ?", (sid,))
 
 
 def read_frames(path: Path) -> list[bytes]:

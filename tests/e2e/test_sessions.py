@@ -18,8 +18,10 @@ from session_client import (
     CORRUPTIONS,
     TURNS,
     describe,
+    export_snapshots,
     new_session,
     op,
+    put_snapshot_back,
     read_frames,
     reference_turns,
     turn,
@@ -51,12 +53,8 @@ def reference(mesh: LocalMesh) -> list[list[int]]:
     return reference_turns(mesh)
 
 
-def snapshot_paths(mesh: LocalMesh, sid: str) -> list[Path]:
-    return sorted((mesh.data_dir / "snapshots").glob(f"{sid}.*.snap"))
-
-
 def test_turns_are_identical_hot_parked_and_from_a_snapshot_on_other_nodes(
-    mesh: LocalMesh, reference: list[list[int]]
+    mesh: LocalMesh, reference: list[list[int]], tmp_path: Path
 ) -> None:
     sid = new_session(mesh)
     first = turn(mesh, sid, TURNS[0])
@@ -88,7 +86,7 @@ def test_turns_are_identical_hot_parked_and_from_a_snapshot_on_other_nodes(
     assert third["resume_path"] == "snapshot", third
     assert {hop["node_id"] for hop in third["route"]}.isdisjoint(used)
     assert third["ids"] == reference[2]
-    assert snapshot_paths(mesh, sid) == []  # stale once the session moved on
+    assert export_snapshots(mesh, sid, tmp_path) == []  # stale once the session moved on
     assert describe(mesh, sid)["snapshot"] is None
 
     fourth = turn(mesh, sid, TURNS[3])
@@ -106,14 +104,15 @@ def test_turns_are_identical_hot_parked_and_from_a_snapshot_on_other_nodes(
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
 def test_a_corrupt_snapshot_is_refused_with_its_reason_and_the_turn_reprefills(
-    mesh: LocalMesh, reference: list[list[int]], corruption: str
+    mesh: LocalMesh, reference: list[list[int]], corruption: str, tmp_path: Path
 ) -> None:
     corrupt, reason = CORRUPTIONS[corruption]
     sid = new_session(mesh)
     turn(mesh, sid, TURNS[0])
     op(mesh, sid, "evict")
-    _, second = snapshot_paths(mesh, sid)
+    _, second = export_snapshots(mesh, sid, tmp_path)
     corrupt(second)
+    put_snapshot_back(mesh, second)
     result = turn(mesh, sid, TURNS[1])
     assert result["resume_path"] == "reprefill"
     assert [f["reason"] for f in result["resume_failures"]] == [reason]
@@ -124,11 +123,11 @@ def test_a_corrupt_snapshot_is_refused_with_its_reason_and_the_turn_reprefills(
     assert turn(mesh, other, TURNS[1])["resume_path"] == "hot"
 
 
-def test_an_import_cut_off_halfway_leaves_no_kv(mesh: LocalMesh) -> None:
+def test_an_import_cut_off_halfway_leaves_no_kv(mesh: LocalMesh, tmp_path: Path) -> None:
     sid = new_session(mesh)
     result = turn(mesh, sid, TURNS[0])
     op(mesh, sid, "evict")
-    path = snapshot_paths(mesh, sid)[0]
+    path = export_snapshots(mesh, sid, tmp_path)[0]
     frames = [pb.KVFrame.FromString(f) for f in read_frames(path)]
     node = result["route"][0]["node_id"]
     before = info(mesh, node)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import MeshFactory
-from session_client import describe, new_session, op, turn
+from session_client import describe, lose_snapshots, new_session, op, turn
 
 from meshnet.local_mesh import LocalMesh
 
@@ -27,8 +27,7 @@ def test_a_conversation_continues_identically_on_every_resume_path(mesh: LocalMe
         if between:
             op(mesh, sid, "evict")
         if between == "lose the snapshot":
-            for path in (mesh.data_dir / "snapshots").glob(f"{sid}.*.snap"):
-                path.unlink()
+            lose_snapshots(mesh, sid)
         second = turn(mesh, sid, TURNS[1], max_tokens=16, temperature=0.0)
         assert describe(mesh, sid)["turns"] == 2
         return first, second

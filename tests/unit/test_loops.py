@@ -107,7 +107,7 @@ def test_retention_runs_on_after_a_failed_pass(error: Exception, tmp_path: Path)
     retention = Retention(
         store,
         SessionStore(db),
-        SnapshotStore(tmp_path / "snapshots"),
+        SnapshotStore(db, tmp_path / "snapshots"),
         RetentionPolicy(interval_s=0.01),
     )
     purge = FailsFirst(error, 0)

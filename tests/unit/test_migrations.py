@@ -13,9 +13,11 @@ from meshnet.auth.tenants import TenantStore
 from meshnet.errors import SchemaTooNew
 from meshnet.tracker.nodes.store import Store
 from meshnet.tracker.serving.bench_store import BenchStore
+from meshnet.tracker.serving.leader_lease import Lease
 from meshnet.tracker.serving.served_store import ServedStore
 from meshnet.tracker.sessions.session_models import SessionModels
 from meshnet.tracker.sessions.session_store import SessionStore
+from meshnet.tracker.sessions.snapshot_rows import SnapshotRows
 from meshnet.tracker.storage.database import Database, open_database
 from meshnet.tracker.storage.migrations import MIGRATIONS, Migration, columns, migrate
 
@@ -40,7 +42,21 @@ CREATE TABLE ledger (
 );
 CREATE INDEX ledger_node ON ledger (node_id)
 """
-EARLIER = {"first": [FIRST], "before-commitments": [FIRST, LEDGER_BEFORE_COMMITMENTS]}
+# The snapshot index while snapshots were files on one tracker's disk (before migration 2).
+SNAPSHOTS_AS_FILES = """
+CREATE TABLE snapshots (
+    snapshot_id TEXT NOT NULL, session_id TEXT NOT NULL, layer_start INTEGER NOT NULL,
+    layer_end INTEGER NOT NULL, epoch BIGINT NOT NULL, tokens BIGINT NOT NULL,
+    steps BIGINT NOT NULL, path TEXT NOT NULL, bytes BIGINT NOT NULL,
+    file_sha256 TEXT NOT NULL, root_hash TEXT NOT NULL, prefix_hash TEXT NOT NULL,
+    created DOUBLE PRECISION NOT NULL, PRIMARY KEY (snapshot_id, layer_start)
+)
+"""
+EARLIER = {
+    "first": [FIRST],
+    "before-commitments": [FIRST, LEDGER_BEFORE_COMMITMENTS],
+    "snapshots-as-files": [FIRST, SNAPSHOTS_AS_FILES],
+}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -61,6 +77,8 @@ def _start(db: Database) -> None:
     migrate(db)
     for make in (Store, SessionStore, SessionModels, TenantStore, BenchStore, ServedStore):
         make(db)
+    SnapshotRows(db)
+    Lease(db, "placement", "tracker-a", 10.0)
 
 
 def _shape(db: Database) -> dict[str, set[str]]:
@@ -95,9 +113,17 @@ def test_a_database_of_every_earlier_schema_reaches_todays_shape_with_its_rows(
         db.run(
             "INSERT INTO nodes VALUES ('n0', 'h:1', 'f', 0, 4, 'fast', 1, 7, 'up', 1.0, '{}', '')"
         )
+        if "snapshots" in _shape(db):
+            db.run(
+                "INSERT INTO snapshots VALUES "
+                "('s', 'sess', 0, 2, 1, 9, 2, '/d/sess.s.0-2.snap', 4, 'f', 'r', 'p', 1.0)"
+            )
         _start(db)
         assert _shape(db) == _today(tmp_path)
         assert [r[0] for r in db.query("SELECT node_id FROM nodes")] == ["n0"]
+        if earlier == "snapshots-as-files":  # an older snapshot: still named, as a file
+            (old,) = SessionStore(db).snapshot("s")
+            assert (old.path, old.chunks) == ("/d/sess.s.0-2.snap", 0)
         recorded = db.query("SELECT version, name FROM schema_migrations ORDER BY version")
         assert [(int(v), n) for v, n in recorded] == [(m.version, m.name) for m in MIGRATIONS]
         assert migrate(db) == []  # a second start: nothing left to do

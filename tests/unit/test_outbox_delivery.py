@@ -131,7 +131,8 @@ def stores(db_path: Path) -> Iterator[list[SessionStore]]:
 
 
 def outbox(store: Any, runner: Runner, tmp_path: Path, config: OutboxConfig = FAST) -> Outbox:
-    return Outbox(store, runner, SnapshotStore(tmp_path / "snapshots"), config)  # type: ignore[arg-type]
+    db = open_database(tmp_path / "snapshots.db")  # the snapshot store's own (none is written)
+    return Outbox(store, runner, SnapshotStore(db, tmp_path / "snapshots"), config)  # type: ignore[arg-type]
 
 
 def accept(box: Outbox) -> TurnRecord:

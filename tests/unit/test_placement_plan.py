@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
+from typing import Any
 
 from node_records import node_record
 
@@ -124,6 +125,7 @@ class _FakeTracker:
         )
         self.config = SimpleNamespace(replicas=replicas)
         self.inventory = Inventory()
+        self.leader: Any = None  # no lease: this tracker places alone
         self.store = SimpleNamespace(
             nodes=lambda: sorted(self.nodes.values(), key=lambda n: n.node_id)
         )
@@ -202,3 +204,25 @@ def test_zero_replicas_never_calls_a_node() -> None:
     tracker = _FakeTracker(nodes, {"e"}, replicas=0)
     assert asyncio.run(Placement(tracker).pass_once()) == []  # type: ignore[arg-type]
     assert tracker.calls == []
+
+
+class _Leader:
+    """A placement lease this tracker holds or not (tracker/serving/leader_lease.py)."""
+
+    def __init__(self, leads: bool) -> None:
+        self.leading = leads
+
+    def leads(self) -> bool:
+        return self.leading
+
+
+def test_a_tracker_that_does_not_hold_the_lease_loads_nothing_until_it_does() -> None:
+    nodes = [node("a", "0:2"), node("b", "2:4", up=False), node("good")]
+    tracker = _FakeTracker(nodes, {"good"})
+    tracker.leader = _Leader(False)  # another tracker on the database leads
+    placement = Placement(tracker, PlacementConfig(), _Clock())  # type: ignore[arg-type]
+    assert asyncio.run(placement.pass_once()) == []
+    assert tracker.calls == [] and placement.health.leading is False
+    tracker.leader.leading = True  # it took the lease over
+    assert asyncio.run(placement.pass_once()) == [Load("good", LayerRange(2, 4))]
+    assert placement.health.leading is True

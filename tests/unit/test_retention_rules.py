@@ -33,7 +33,7 @@ from meshnet.tracker.sessions.session_store import (
     SnapshotFile,
     TurnStatus,
 )
-from meshnet.tracker.sessions.snapshots import SnapshotStore, SnapshotTarget
+from meshnet.tracker.sessions.snapshots import SnapshotStore
 from meshnet.tracker.storage.database import Database, open_database
 
 REQUEST = {"content": "hi", "max_tokens": 4, "temperature": 0.0}
@@ -58,7 +58,7 @@ class Mesh:
     def __init__(self, db: Database, directory: Path, policy: RetentionPolicy = POLICY) -> None:
         self.store = Store(db)
         self.sessions = SessionStore(db)
-        self.snapshots = SnapshotStore(directory)
+        self.snapshots = SnapshotStore(db, directory)
         self.retention = Retention(self.store, self.sessions, self.snapshots, policy)
 
     def session(self, sid: str, state: SessionState, used: float, turns: int = 0) -> None:
@@ -86,7 +86,8 @@ class Mesh:
         return [Path(f.path) for f in files]
 
     def snapshot_file(self, sid: str, snapshot_id: str, layers: LayerRange) -> SnapshotFile:
-        path = self.snapshots.path_for(SnapshotTarget(snapshot_id, sid, layers))
+        """A snapshot kept as a file, as meshnets before migration 2 wrote them."""
+        path = self.snapshots.directory / f"{sid}.{snapshot_id}.{layers.start}-{layers.end}.snap"
         _write(path, OLD)
         return SnapshotFile(snapshot_id, sid, layers, 1, 0, 0, str(path), 4, "f", "r", "p")
 

@@ -118,6 +118,7 @@ def create_app(
         services.outbox.health,
         services.sessions.policy_health,
         placement.health,
+        *([tracker.leader.health] if tracker.leader is not None else []),
         settlement.health,
         state_watch.health,
         *([retention.health] if retention is not None else []),

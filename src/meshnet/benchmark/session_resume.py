@@ -5,7 +5,7 @@ built up to about ``target_tokens`` positions by chat turns (each turn's
 prompt and reply become its history). Each round then evicts it (its KV
 written to the snapshot store, the nodes' copy freed) and takes two short
 turns: the first resumes from the snapshot; before the second the session is
-evicted again and its snapshot files removed, so the tracker re-prefills the
+evicted again and its snapshot's rows deleted, so the tracker re-prefills the
 whole history. Both figures are the tracker's own ``resume_ms``: from the
 start of the turn's delivery until every hop holds the session's history,
 ready for the new prompt. Parked and hot resumes are measured the same way.
@@ -30,6 +30,7 @@ import httpx
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
 from meshnet.model.info import load_model_info
+from meshnet.tracker.storage.database import open_database
 
 _QUIET = ["--park-after", "0", "--evict-after", "0", "--policy-interval", "3600"]
 _FILLER = (
@@ -88,8 +89,7 @@ def _measure(
         cost.tokens.append(_get(mesh, sid)["tokens"])
         snap = _turn(mesh, sid, f"Round {r}: a third word.", 1)
         _post(mesh, f"/v1/sessions/{sid}/evict", None)
-        for path in (mesh.data_dir / "snapshots").glob(f"{sid}.*.snap"):
-            path.unlink()  # the snapshot is lost: the history must be recomputed
+        _lose_snapshot(mesh, sid)  # the history must be recomputed
         full = _turn(mesh, sid, f"Round {r}: a fourth word.", 1)
         paths = [t["resume_path"] for t in (parked, hot, snap, full)]
         if paths != ["parked", "hot", "snapshot", "reprefill"]:
@@ -103,6 +103,15 @@ def _measure(
         _post(mesh, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1})
         cost.plain_prefill_ms.append((time.perf_counter() - t0) * 1000)
     return cost
+
+
+def _lose_snapshot(mesh: LocalMesh, sid: str) -> None:
+    """Delete the session's snapshot streams from the tracker's (SQLite) database."""
+    db = open_database(mesh.data_dir / "tracker.db")
+    try:
+        db.run("DELETE FROM snapshot_chunks WHERE session_id = ?", (sid,))
+    finally:
+        db.close()
 
 
 def _turn(mesh: LocalMesh, sid: str, content: str, max_tokens: int) -> dict[str, Any]:

@@ -311,6 +311,14 @@ def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
             "(0: only a failing generation heals)",
         ),
         p.add_argument(
+            "--placement-lease",
+            type=duration,
+            default="10s",
+            help="of the trackers on one database, only the holder of a lease this long, "
+            "renewed every third of it, runs placement; another takes it over when it "
+            "expires (0: every tracker places on its own)",
+        ),
+        p.add_argument(
             "--verify-rate",
             type=float,
             default=0.0,
@@ -408,7 +416,7 @@ def declare_tracker_options(p: ArgumentTarget) -> list[argparse.Action]:
             "--keep-orphans",
             type=duration,
             default="1h",
-            help="how long a snapshot file no live session needs is kept",
+            help="how long a snapshot no live session needs is kept",
         ),
         p.add_argument(
             "--retention-interval",

@@ -21,7 +21,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser("tracker", help="run the tracker and its HTTP API")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--data-dir", type=Path, default=Path("meshnet-data"), help="snapshots here")
+    p.add_argument(
+        "--data-dir", type=Path, default=Path("meshnet-data"), help="its SQLite database here"
+    )
     p.add_argument(
         "--model",
         action="append",
@@ -59,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
             verify_rate=args.verify_rate,
             trusted_nodes=trusted,
             kv_pace=kv_pace(args),
+            placement_lease_s=args.placement_lease,
             tracker=TrackerConfig(
                 heartbeat_timeout_s=args.heartbeat_timeout,
                 replicas=args.replicas,

@@ -26,6 +26,7 @@ from meshnet.tracker.links.channels import ChannelPool
 from meshnet.tracker.nodes.store import Store
 from meshnet.tracker.routing.driver import DriverLimits, RouteDriver
 from meshnet.tracker.service import Tracker, TrackerConfig
+from meshnet.tracker.serving.leader_lease import PLACEMENT, Leadership, Lease, holder_id
 from meshnet.tracker.serving.manifests import ManifestBook
 from meshnet.tracker.serving.model_admin import ModelAdmin
 from meshnet.tracker.serving.placement import Placement
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 class TrackerProcessConfig:
     host: str  # interface the HTTP API listens on
     port: int
-    data_dir: Path  # snapshots, and the SQLite database unless ``database`` names another
+    data_dir: Path  # the SQLite database unless ``database`` names another; older snapshots
     database: str | None  # postgresql://... or an SQLite path; None: data_dir/tracker.db
     model_path: str | None  # None: the bundled model
     tracker: TrackerConfig
@@ -70,6 +71,9 @@ class TrackerProcessConfig:
     source: SourceConfig | None = None
     # How long one KV transfer (a snapshot's export or import) may take, by its size.
     kv_pace: TransferPace = field(default_factory=TransferPace)
+    # The placement lease (tracker/serving/leader_lease.py): only its holder, among the trackers
+    # on the database, runs placement. 0: this tracker places whatever others do.
+    placement_lease_s: float = 10.0
 
 
 def mesh_secret(cfg: TrackerProcessConfig) -> str:
@@ -108,6 +112,9 @@ def serve(cfg: TrackerProcessConfig) -> int:
     driver = RouteDriver(channels, model.fingerprint, model.spec, model.tokenizer, cfg.driver)
     tracker = Tracker(store, model, channels, driver, cfg.tracker)
     tracker.trusted_nodes = cfg.trusted_nodes
+    if cfg.placement_lease_s > 0:
+        lease = Lease(store.db, PLACEMENT, holder_id(), cfg.placement_lease_s)
+        tracker.leader = Leadership(lease)
     if cfg.verify_rate > 0:
         whole = local_model_path(model.ref, source) if model.ref else model.path
         tracker.verify(TrustedModel(str(whole)), cfg.verify_rate, cfg.trusted_nodes)
@@ -122,7 +129,7 @@ def serve(cfg: TrackerProcessConfig) -> int:
         other = model_tracker(tracker, info, path)
         served.add(ServedModel(info, other, Placement(other), path))
     session_store = SessionStore(store.db)
-    snapshots = SnapshotStore(cfg.data_dir / "snapshots", cfg.kv_pace)
+    snapshots = SnapshotStore(store.db, cfg.data_dir / "snapshots", cfg.kv_pace)
     session_models = SessionModels(store.db)
     runner = ModelTurns(served, session_models, session_store, snapshots)
     services = SessionServices(

@@ -63,6 +63,7 @@ from meshnet.tracker.nodes.routes import (
 from meshnet.tracker.nodes.store import Store
 from meshnet.tracker.routing.driver import DoneEvent, Fabric, Reroute, RouteDriver, TokenEvent
 from meshnet.tracker.routing.generation import Generation
+from meshnet.tracker.serving.leader_lease import Leadership
 from meshnet.tracker.serving.placement import LoadResult, configure_span, unload_node
 from meshnet.tracker.trust.verification import Verification
 from meshnet.tracker.trust.verifier import TrustedModel
@@ -145,6 +146,9 @@ class Tracker:
         # The shards of models by reference each node holds on disk (its heartbeats):
         # placement prefers a node holding a span, a fetching node is told its peers.
         self.inventory = Inventory()
+        # Trackers sharing a database take turns at placement (tracker/serving/leader_lease.py):
+        # the placement controllers act only while this holds the lease. None: always.
+        self.leader: Leadership | None = None
 
     def _pinned(self) -> list[str] | None:
         """The pinned route, when it is of this model (with several models served, a pin

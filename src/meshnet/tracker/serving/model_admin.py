@@ -136,13 +136,16 @@ class ModelAdmin:
         self._retiring: set[asyncio.Task[None]] = set()
 
     async def run_forever(self) -> None:
-        """Run every served model's placement controller until cancelled."""
+        """Run every served model's placement controller, and the renewal of the
+        placement lease they act under (if any), until cancelled."""
+        leader = self._base.leader
+        lease = [asyncio.create_task(leader.run_forever())] if leader is not None else []
         for model in self.models:
             self._start(model)
         try:
             await asyncio.Event().wait()
         finally:
-            tasks = [*self._loops.values(), *self._retiring]
+            tasks = [*self._loops.values(), *self._retiring, *lease]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

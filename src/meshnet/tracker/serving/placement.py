@@ -31,8 +31,12 @@ over exactly). Loads go one at a time, each holding the tracker's ``heal_lock``
 and planned afresh inside it, so one gap is never loaded twice at once and no
 node gets two loads (also not one from a failover). A failed load holds its span
 back (exponential backoff from ``backoff_s``, capped at ``backoff_max_s``) and
-the node that failed is used last until it loads something. Several trackers
-on one database each run their own controller and do not coordinate.
+the node that failed is used last until it loads something.
+
+Several trackers on one database each run a controller, but only the one
+holding the placement lease acts (``Tracker.leader``, tracker/serving/leader_lease.py):
+the others plan nothing until it lapses, so one gap is never loaded by two
+trackers. The lease is checked again before each load.
 """
 
 from __future__ import annotations
@@ -244,6 +248,7 @@ class PlacementConfig:
 class PlacementHealth(LoopHealth):
     """The loop's record (``/admin/loops``) with its loads. Written by the loop only."""
 
+    leading: bool = True  # whether its last pass acted (another tracker leads otherwise)
     loads: int = 0  # loads that succeeded
     load_failures: int = 0  # loads a node refused or did not answer
     last_load_failure: str = ""
@@ -294,11 +299,16 @@ class Placement:
         the loads that succeeded."""
         if self.tracker.config.replicas < 1:
             return []
+        self.health.leading = self._leads()
+        if not self.health.leading:
+            return []
         self._forget(self._plan(self.tracker.store.nodes(), held=frozenset()))
         made: list[Load] = []
         tried: set[NodeId] = set()
         while True:
             async with self.tracker.heal_lock:
+                if not self._leads():  # the lease lapsed during this pass
+                    break
                 # A node tried this pass and still empty failed its load: not again now.
                 nodes = [
                     n
@@ -320,6 +330,10 @@ class Placement:
                 made.append(load)
         self.health.backoff = {str(s): self._delay(b.failures) for s, b in self._backoff.items()}
         return made
+
+    def _leads(self) -> bool:
+        leader = self.tracker.leader
+        return leader is None or leader.leads()
 
     def _plan(
         self, nodes: Sequence[NodeRecord], held: Set[_Key], busy: Set[NodeId] = frozenset()

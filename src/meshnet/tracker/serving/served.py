@@ -69,7 +69,7 @@ class ServedModel:
 def model_tracker(first: Tracker, info: ModelInfo, node_path: str) -> Tracker:
     """A ``Tracker`` for another model of the tracker ``first`` runs: its own driver,
     and everything tracker-wide shared with ``first`` (one admission, one ledger
-    spool, one ``heal_lock``, one metrics registry)."""
+    spool, one ``heal_lock``, one metrics registry, one placement lease)."""
     driver = RouteDriver(
         first.channels, info.fingerprint, info.spec, info.tokenizer, first.driver.limits
     )
@@ -81,6 +81,7 @@ def model_tracker(first: Tracker, info: ModelInfo, node_path: str) -> Tracker:
     tracker.node_model_path = node_path
     tracker.trusted_nodes = first.trusted_nodes  # trust is tracker-wide too
     tracker.inventory = first.inventory  # what nodes hold on disk, whatever they serve
+    tracker.leader = first.leader  # one placement lease for every model's controller
     if first.verification is not None:  # verification is tracker-wide: this model's too
         rate = first.verification.rate
         tracker.verify(TrustedModel(str(whole_file(info))), rate, first.trusted_nodes)

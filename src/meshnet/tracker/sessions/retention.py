@@ -3,18 +3,19 @@ enforces it.
 
 Without it the database and the snapshot directory only grow: every ended
 session with its turns, every ledger row, every node that ever went down,
-and snapshot files left behind by a crash. A retention pass deletes what is
-past its time:
+and snapshot rows (or an older meshnet's files) left behind by a crash. A
+retention pass deletes what is past its time:
 
 - an ended session (``completed`` / ``failed``) and its turns, ``sessions_s``
   after it ended;
 - a ledger row, ``ledger_s`` after it was recorded;
 - a node that is down, ``dead_nodes_s`` after it was last heard from;
 - a snapshot index row no live session can resume from (its session ended
-  or holds another snapshot) and its file, ``orphans_s`` after both were
-  written and the session ended; a snapshot or temp file the index does not
-  name, ``orphans_s`` after it was last written (and, for a live session's
-  file, which an eviction may still be about to index, ``WRITING_GRACE_S``).
+  or holds another snapshot) and its stream's rows (or file), ``orphans_s``
+  after both were written and the session ended; a snapshot row the index
+  does not name, or a snapshot or temp file, ``orphans_s`` after it was
+  written (and, for a live session's, which an eviction may still be about
+  to index, ``WRITING_GRACE_S``).
 
 It never touches a live session, a pending or running turn, a node that is
 up, or a snapshot a live session would resume from. Every delete is one short
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 
 HOUR = 3600.0
 DAY = 24 * HOUR
-# A live session's snapshot file not yet indexed may belong to an eviction still
+# A live session's snapshot rows not yet indexed may belong to an eviction still
 # exporting its other hops (up to a minute each): kept at least this long.
 WRITING_GRACE_S = HOUR
 
@@ -77,8 +78,9 @@ class Purged:
     turns: int = 0
     ledger_rows: int = 0
     dead_nodes: int = 0
-    snapshot_rows: int = 0  # index rows, with their files
-    unindexed_files: int = 0
+    snapshot_rows: int = 0  # index rows, with their streams
+    unindexed_chunks: int = 0  # stream rows no index row names
+    unindexed_files: int = 0  # files of older meshnets' snapshots
     owner_rows: int = 0  # who owned a session no longer kept
     check_rows: int = 0  # the verifier's checks, kept as long as the ledger
     attribution_rows: int = 0  # whom a generation was billed to, as long as the ledger
@@ -138,6 +140,10 @@ class Retention:
             before = now - p.orphans_s
             purged["snapshot_rows"] = _drain(
                 lambda n: self.snapshots.purge_stale(self.sessions, before, n), batch
+            )
+            purged["unindexed_chunks"] = _drain(
+                lambda n: self.snapshots.purge_unindexed_rows(now, p.orphans_s, WRITING_GRACE_S, n),
+                batch,
             )
             purged["unindexed_files"] = self.snapshots.purge_unindexed(
                 self.sessions, now, p.orphans_s, WRITING_GRACE_S, batch

@@ -71,6 +71,7 @@ CREATE TABLE IF NOT EXISTS snapshots (
     root_hash TEXT NOT NULL,
     prefix_hash TEXT NOT NULL,
     created DOUBLE PRECISION NOT NULL,
+    chunks BIGINT NOT NULL DEFAULT 0,
     PRIMARY KEY (snapshot_id, layer_start)
 )
 """
@@ -148,17 +149,22 @@ class TurnRecord:
 
 @dataclass(frozen=True)
 class SnapshotFile:
+    """One shard's snapshot, as indexed: its KV stream is ``chunks`` rows of the
+    database (tracker/sessions/snapshot_rows.py), or, written by a meshnet before snapshots
+    moved there (``chunks`` 0), the file at ``path`` on one tracker's disk."""
+
     snapshot_id: str
     session_id: str
     layers: LayerRange
     epoch: int
     tokens: int
     steps: int
-    path: str
-    nbytes: int
-    file_sha256: str
+    path: str  # "" for a snapshot in the database
+    nbytes: int  # the length-prefixed stream's bytes
+    file_sha256: str  # of the stream
     root_hash: str
     prefix_hash: str
+    chunks: int = 0  # rows holding the stream; 0: a file at ``path``
 
 
 _SESSION_COLUMNS = (
@@ -168,7 +174,7 @@ _SESSION_COLUMNS = (
 _TURN_COLUMNS = "id, session_id, seq, status, attempts, request, result, error"
 _SNAPSHOT_COLUMNS = (
     "snapshot_id, session_id, layer_start, layer_end, epoch, tokens, steps, path, bytes, "
-    "file_sha256, root_hash, prefix_hash"
+    "file_sha256, root_hash, prefix_hash, chunks"
 )
 
 
@@ -482,7 +488,7 @@ class SessionStore:
     # --- snapshots ------------------------------------------------------------------
 
     def index_snapshot(self, before: SessionRecord, files: list[SnapshotFile], now: float) -> bool:
-        """Name fully written snapshot files in the index and mark the session evicted,
+        """Name fully written snapshots in the index and mark the session evicted,
         in one transaction; False when the session moved on since ``before``."""
         session_id = before.id
         with self._db.transaction() as tx:
@@ -496,7 +502,7 @@ class SessionStore:
             for f in files:
                 tx.run(
                     f"INSERT INTO snapshots ({_SNAPSHOT_COLUMNS}, created) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         f.snapshot_id,
                         f.session_id,
@@ -510,6 +516,7 @@ class SessionStore:
                         f.file_sha256,
                         f.root_hash,
                         f.prefix_hash,
+                        f.chunks,
                         now,
                     ),
                 )
@@ -601,7 +608,8 @@ class SessionStore:
         return {str(r[0]) for r in rows}
 
     def snapshot_paths(self, session_ids: list[str]) -> set[str]:
-        """The file paths the index names for ``session_ids``, as they were written."""
+        """The file paths the index names for ``session_ids``, as they were written
+        (snapshots kept as files, before they moved to the database)."""
         if not session_ids:
             return set()
         marks = ", ".join("?" for _ in session_ids)
@@ -657,7 +665,7 @@ def _turn(r: Row) -> TurnRecord:
 
 
 def _snapshot(r: Row) -> SnapshotFile:
-    sid, session, start, end, epoch, tokens, steps, path, nbytes, fsha, root, prefix = r
+    sid, session, start, end, epoch, tokens, steps, path, nbytes, fsha, root, prefix, chunks = r
     return SnapshotFile(
         sid,
         session,
@@ -670,4 +678,5 @@ def _snapshot(r: Row) -> SnapshotFile:
         fsha,
         root,
         prefix,
+        int(chunks),
     )

@@ -2,8 +2,8 @@
 
 The ladder: ``idle`` (KV hot on its route) → ``parked`` (each node moved the
 KV to its local disk, out of its hot budget) → ``evicted`` (the KV of every
-hop written to the snapshot store and indexed, node memory freed). Moves are
-made by explicit call or by the policy: unused for ``park_after_s`` (parked),
+hop written to the snapshot store, in the database, and indexed, node memory
+freed). Moves are made by explicit call or by the policy: unused for ``park_after_s`` (parked),
 unused for ``evict_after_s`` once parked (evicted), and idle sessions on a
 node whose KV use passed ``pressure`` of its budget, least recently used first.
 A park is all or nothing (tracker/sessions/parking.py): a hop that cannot write it leaves
@@ -134,7 +134,7 @@ class Sessions:
                 files.append(await self._export(session, hop, snapshot_id, prefix))
             indexed = self.store.index_snapshot(session, files, time.time())
         finally:
-            if not indexed:  # no file the index does not name is kept
+            if not indexed:  # no stream the index does not name is kept
                 for f in files:
                     self.snapshots.remove(f)
         if not indexed:

@@ -5,9 +5,10 @@ The cheapest correct resume path is taken and reported:
 - ``hot`` — the route that ran the last turn still holds the KV: every hop
   resumes it on a new epoch (cutting back anything an unfinished attempt left);
 - ``parked`` — the same, but a node read the KV back from its local disk;
-- ``snapshot`` — the session was evicted: its verified snapshot files are
-  streamed to nodes serving the same layer spans (any such nodes, not only the
-  original ones), which check every hash before the KV becomes visible;
+- ``snapshot`` — the session was evicted: its verified snapshots (in the
+  database, readable by every tracker on it) are streamed to nodes serving the
+  same layer spans (any such nodes, not only the original ones), which
+  check every hash before the KV becomes visible;
 - ``reprefill`` — none of those worked (a node lost the KV, a snapshot is
   missing or failed verification, no node serves a snapshot's span): the
   stored history is replayed from token zero, each prompt as it was sent and
@@ -23,7 +24,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,7 +32,7 @@ import grpc
 import numpy as np
 
 from meshnet.auth.signing import PREFIX_KEY
-from meshnet.errors import ContextTooLong, KVImportFailed, RequestError
+from meshnet.errors import ContextTooLong, DatabaseUnavailable, KVImportFailed, RequestError
 from meshnet.kv.prefix_cache import block_keys
 from meshnet.model.chat import ChatMessage
 from meshnet.model.sampling import SamplingParams
@@ -242,18 +243,18 @@ class TurnRunner:
         self, snapshot: SnapshotFile, hop: Hop, prefix: str
     ) -> dict[str, Any] | None:
         local: list[KVImportFailed] = []
-        frames = _guarded(SnapshotStore.frames(snapshot, prefix), local)
+        frames = _guarded(self.snapshots.frames(snapshot, prefix), local)
         stub = self.tracker.channels.stub(hop.address)
         try:
             vouched = ((PREFIX_KEY, prefix), *self.tracker.channels.signed(hop.node_id, "StatePut"))
-            # The file's size sizes the call's deadline (the node holds the stream to its own).
+            # The stream's size sizes the call's deadline (the node holds it to its own).
             limit = self.snapshots.pace.limit_s(snapshot.nbytes)
             reply = await stub.StatePut(frames, timeout=limit, metadata=vouched)
         except grpc.aio.AioRpcError as e:
             reason = local[0].reason if local else "transport"
             message = local[0].message if local else f"{e.code().name} {e.details() or ''}"
             return _import_failure(hop, reason, message)
-        if local:  # the file was bad: the node saw a cut-off stream and kept nothing
+        if local:  # the snapshot was bad: the node saw a cut-off stream and kept nothing
             return _import_failure(hop, local[0].reason, local[0].message)
         if not reply.imported:
             return _import_failure(hop, reply.reason, reply.failure.message)
@@ -300,15 +301,22 @@ def _import_failure(hop: Hop, reason: str, message: str) -> dict[str, Any]:
 
 
 async def _guarded(
-    frames: Iterator[pb.KVFrame], failures: list[KVImportFailed]
+    frames: Generator[pb.KVFrame, None, None], failures: list[KVImportFailed]
 ) -> AsyncIterator[pb.KVFrame]:
-    """The file's frames; a bad file ends the stream early (the node then keeps nothing)
-    and its reason is kept for the caller. A file the disk fails to read is a bad file
-    too: the turn re-prefills instead of failing."""
+    """The snapshot's frames, each read in a worker thread (it may fetch rows of the
+    database, or read a file); a bad snapshot ends the stream early (the node then
+    keeps nothing) and its reason is kept for the caller. A snapshot the database or
+    the disk fails to give is a bad one too: the turn re-prefills instead of failing."""
     try:
-        for frame in frames:
+        while (frame := await asyncio.to_thread(next, frames, None)) is not None:
             yield frame
     except KVImportFailed as e:
         failures.append(e)
+    except DatabaseUnavailable as e:
+        failures.append(KVImportFailed(f"snapshot unreadable: {e.message}", "missing"))
     except OSError as e:
         failures.append(KVImportFailed(f"snapshot file unreadable: {e}", "missing"))
+    finally:
+        # A read still running in its thread (the call was cancelled) ends on its own.
+        with contextlib.suppress(ValueError):
+            frames.close()
