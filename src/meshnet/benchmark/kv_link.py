@@ -128,19 +128,19 @@ def _move(
     """Seed A (on loopback), then put on B over the link, then B pulls from A over it."""
     (id_a, to_a), (id_b, to_b) = a, b
     seed = to_a.StatePut(
-        export_frames(pb.KVHeader(**_fields(header)), payload),
+        export_frames(_copy(header), payload),
         timeout=600,
         metadata=(*keys.call(id_a, "StatePut"), (PREFIX_KEY, PREFIX)),
     )
     if not seed.imported:
         return None, None, f"seeding A: {seed.reason}: {seed.failure.message}"
-    frames = list(export_frames(pb.KVHeader(**_fields(header)), payload))  # hashed beforehand
+    frames = list(export_frames(_copy(header), payload))  # hashed beforehand
     signed = (*keys.call(id_b, "StatePut"), (PREFIX_KEY, PREFIX))
     t0 = time.perf_counter()
     try:
         put = to_b.StatePut(iter(frames), timeout=600, metadata=signed)
     except grpc.RpcError as e:
-        return None, None, f"StatePut over the link: {e.code().name}"  # type: ignore[attr-defined]
+        return None, None, f"StatePut over the link: {e.code().name}"
     put_s = time.perf_counter() - t0
     del frames
     if not put.imported:
@@ -161,8 +161,11 @@ def _move(
     return put_s, pull_s, ""
 
 
-def _fields(header: pb.KVHeader) -> dict[str, object]:
-    return {f.name: v for f, v in header.ListFields()}
+def _copy(header: pb.KVHeader) -> pb.KVHeader:
+    """A fresh header equal to ``header``: each export fills its own sizes in."""
+    copy = pb.KVHeader()
+    copy.CopyFrom(header)
+    return copy
 
 
 def _port(address: str) -> int:
