@@ -25,12 +25,15 @@ test: setup
 	@bash scripts/install_postgres.sh || echo "PostgreSQL could not be installed: its tests will be skipped"
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-logo
 	$(BIN)/python -m pytest -q
 
+# ruff, and the import contract (pyproject.toml [tool.importlinter]; docs/design.md §3).
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check src tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-logo
 
 bench: setup
 	bash bench/build_llamacpp.sh

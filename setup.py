@@ -21,10 +21,12 @@ setup(
                     "ffn",
                     "moe",
                     "q8",
+                    "isa",
                 )
             ],
             depends=[
                 "src/meshnet/backends/native/native.h",
+                "src/meshnet/backends/native/isa.h",
                 "src/meshnet/backends/native/matmul_tile.h",
                 "src/meshnet/backends/native/q8_tile.h",
                 "src/meshnet/backends/native/split.h",

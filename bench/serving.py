@@ -29,12 +29,12 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from meshnet.backends.shard import BACKENDS, DEFAULT_BACKEND
 from meshnet.benchmark.comparison import table
 from meshnet.benchmark.llamacpp import find_llamacpp
 from meshnet.benchmark.quiet import Quiet
 from meshnet.benchmark.serving import ServingSetup, api_vs_llama_server, mesh_vs_single
 from meshnet.model.bundled import bundled_model_path
-from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 
 
 def main() -> None:

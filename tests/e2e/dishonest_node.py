@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-import meshnet.model.shard as shard_file
+import meshnet.backends.shard as shard_file
 import meshnet.node.autorun_stream as autorun_stream
 import meshnet.node.configure as configure
 import meshnet.node.engine as engine

@@ -15,11 +15,11 @@ from hub_models import N_LAYERS, Q4, Q8, REPO, write_hub
 from hub_server import HubServer
 
 from meshnet.backends.base import BatchEntry
+from meshnet.backends.shard import load_shard_file
 from meshnet.errors import DiskFull, FetchFailed, HashMismatch, ModelRefNotFound, ModelSourceError
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import free_port
 from meshnet.model.gguf_file import open_gguf
-from meshnet.model.shard import load_shard_file
 from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.reference import parse_ref
 from meshnet.model_source.remote import locate

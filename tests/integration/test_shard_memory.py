@@ -51,7 +51,7 @@ import numpy as np
 from meshnet.backends.base import BatchEntry
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
-from meshnet.model.shard import load_shard, warm_up
+from meshnet.backends.shard import load_shard, warm_up
 from meshnet.model.spec import read_spec
 
 def rss():
@@ -114,7 +114,7 @@ LARGE_HEADER = replace(Q4_K_M, n_layers=4, header_strings=600_000)
 NODE_PROBE = """
 import json, sys
 from meshnet.layer_range import LayerRange
-from meshnet.model.shard import load_shard_file
+from meshnet.backends.shard import load_shard_file
 
 def rss():
     with open("/proc/self/status") as f:

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from meshnet import local_mesh
+from meshnet.backends.shard import DEFAULT_BACKEND
 from meshnet.cli import up
 from meshnet.cli.main import build_parser
 from meshnet.cli.options import declare_node_options, declare_tracker_options, given_argv
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh, split_threads
-from meshnet.model.shard import DEFAULT_BACKEND
 from meshnet.node.main import available_cores
 
 

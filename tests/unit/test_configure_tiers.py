@@ -195,8 +195,8 @@ def test_t2_below_the_kv_held_is_refused_and_changes_nothing(engine: RecordingEn
 def test_t3_lets_a_half_run_prompt_finish_then_swaps(
     engine: RecordingEngine, tiny_path: Path
 ) -> None:
+    from meshnet.backends.shard import load_shard
     from meshnet.model.gguf_file import open_gguf
-    from meshnet.model.shard import load_shard
     from meshnet.model.spec import read_spec
 
     f = open_gguf(tiny_path)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+from meshnet.backends.shard import load_shard
 from meshnet.errors import (
     LayerRangeError,
     ModelFileError,
@@ -16,7 +17,6 @@ from meshnet.errors import (
 )
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf, sha256_file
-from meshnet.model.shard import load_shard
 from meshnet.model.spec import read_spec
 from meshnet.model.weights import load_shard_weights
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshnet.auth.tenants import TenantStore
+from meshnet.api.tenants import TenantStore
 from meshnet.errors import SchemaTooNew
 from meshnet.tracker.nodes.store import Store
 from meshnet.tracker.serving.bench_store import BenchStore

@@ -21,7 +21,7 @@ from meshnet.model.gguf_file import open_gguf, sha256_file
 from meshnet.model.layer_bytes import model_layer_bytes
 from meshnet.model.spec import read_spec
 from meshnet.node.engine import EngineConfig
-from meshnet.node.main import NodeConfig
+from meshnet.node.node_config import NodeConfig
 from meshnet.node.preflight import Report, Scope, Status, check_credential, check_node
 from meshnet.node.preflight.host import check_memory, check_park_dir
 from meshnet.node.preflight.model import ModelFacts, check_model

@@ -9,7 +9,7 @@ from test_routes import FP, ids, node
 
 from meshnet.api.caller import Caller
 from meshnet.api.schemas import MAX_ROUTE_HOPS, ChatCompletionRequest, CompletionRequest
-from meshnet.auth.tenants import Quotas, Tenant
+from meshnet.api.tenants import Quotas, Tenant
 from meshnet.errors import PermissionDenied, RequestError, Unauthenticated
 from meshnet.tracker.nodes.registry import NodeRecord, NodeState
 from meshnet.tracker.nodes.routes import requested_route

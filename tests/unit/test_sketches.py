@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from meshnet.backends.base import BatchEntry
+from meshnet.backends.shard import load_shard
 from meshnet.errors import MalformedBundle
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
-from meshnet.model.shard import load_shard
 from meshnet.model.spec import read_spec
 from meshnet.node.engine import EngineConfig, NodeEngine
 from meshnet.node.scheduler import StepWork

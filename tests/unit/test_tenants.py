@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from meshnet.api.quotas import QuotaGate, check_kv, check_sessions
+from meshnet.api.tenants import Quotas, Tenant, TenantStore
 from meshnet.auth.credentials import new_admin_token, new_api_key
 from meshnet.auth.keys import digest
-from meshnet.auth.quotas import QuotaGate, check_kv, check_sessions
-from meshnet.auth.tenants import Quotas, Tenant, TenantStore
 from meshnet.errors import NotFound, QuotaExceeded, RequestError, Unauthenticated
 from meshnet.tracker.sessions.session_store import SessionStore
 from meshnet.tracker.storage.database import open_database

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from meshnet.api.auth import auth_of, require_admin
 from meshnet.api.schemas import PinRouteRequest
 from meshnet.api.state import models_of, tracker_of, tracker_serving
-from meshnet.auth.tenants import Quotas
+from meshnet.api.tenants import Quotas
 from meshnet.errors import MeshnetError, NotFound, RequestError
 from meshnet.tracker.accounting import billing
 from meshnet.tracker.nodes.registry import NodeRecord, NodeState, node_json

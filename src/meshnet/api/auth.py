@@ -13,10 +13,10 @@ from typing import Annotated
 from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
+from meshnet.api.quotas import QuotaGate
+from meshnet.api.tenants import Tenant, TenantStore
 from meshnet.auth.mesh_keys import MeshKeys
-from meshnet.auth.quotas import QuotaGate
 from meshnet.auth.signing import request_signer, verify_request
-from meshnet.auth.tenants import Tenant, TenantStore
 from meshnet.errors import NotFound, PermissionDenied, Unauthenticated
 
 _MAX_BEARER = 256

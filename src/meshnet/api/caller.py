@@ -17,7 +17,7 @@ from typing import Annotated, Protocol
 from fastapi import Depends, Request
 
 from meshnet.api.auth import auth_of, require_admin, require_tenant
-from meshnet.auth.tenants import Tenant
+from meshnet.api.tenants import Tenant
 from meshnet.errors import PermissionDenied, Unauthenticated
 from meshnet.tracker.accounting import billing
 

@@ -24,10 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from meshnet.api.auth import CallingTenant, auth_of, require_owner
 from meshnet.api.errors import error_body
+from meshnet.api.quotas import Slot, check_kv, check_sessions
 from meshnet.api.schemas import DEFAULT_MAX_TOKENS, MAX_PROMPT_CHARS
 from meshnet.api.state import models_of, outbox_of, session_models_of, sessions_of, tracker_of
-from meshnet.auth.quotas import Slot, check_kv, check_sessions
-from meshnet.auth.tenants import Tenant
+from meshnet.api.tenants import Tenant
 from meshnet.errors import MeshnetError, NotFound, RequestError, SessionGone, error_for_kind
 from meshnet.model.sampling import MAX_STOP_STRINGS
 from meshnet.tracker.accounting import billing

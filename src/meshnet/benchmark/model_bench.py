@@ -32,6 +32,7 @@ from functools import partial
 from pathlib import Path
 
 from meshnet.backends.kernel_threads import set_threads
+from meshnet.backends.shard import BACKENDS, DEFAULT_BACKEND
 from meshnet.benchmark.bandwidth import ceiling_tok_s, decode_bytes, read_gb_s
 from meshnet.benchmark.engine import bench_engine, warm_up
 from meshnet.benchmark.figures import Throughput
@@ -41,7 +42,6 @@ from meshnet.benchmark.quiet import Quiet
 from meshnet.benchmark.split import SplitResult, SplitSetup, measure_split, rpc_round
 from meshnet.engine.local import LocalModel, load_local_model
 from meshnet.model.gguf_file import GGUFFile, open_gguf
-from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 
 # llama.cpp's bin folder (its llama-quantize; None when not built) -> the GGUF to measure
 ModelMaker = Callable[[Path | None], Path]

@@ -8,9 +8,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from meshnet import client
+from meshnet.backends.shard import DEFAULT_BACKEND
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
-from meshnet.model.shard import DEFAULT_BACKEND
 
 
 def mesh_for(

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from meshnet.backends.shard import DEFAULT_BACKEND
 from meshnet.benchmark.comparison import Better, Comparison
 from meshnet.benchmark.llama_server import llama_server
 from meshnet.benchmark.mesh import llamacpp_rpc_tok_s
@@ -47,7 +48,6 @@ from meshnet.benchmark.streams import (
 )
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import parse_layout
-from meshnet.model.shard import DEFAULT_BACKEND
 
 # Prompts whose greedy continuations on the bundled model run past 128 tokens.
 PROMPTS = (

@@ -29,13 +29,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshnet.backends.shard import DEFAULT_BACKEND
 from meshnet.benchmark.mesh import llamacpp_rpc_tok_s, stream_decode_tok_s
 from meshnet.benchmark.mesh_delay import delayed_links
 from meshnet.benchmark.node_memory import Rss, session_kv_bytes, shard_file_bytes
 from meshnet.benchmark.running_mesh import served_model
 from meshnet.layer_range import LayerRange, split_evenly
 from meshnet.local_mesh import LocalMesh
-from meshnet.model.shard import DEFAULT_BACKEND
 from meshnet.model.spec import ModelSpec
 
 _START_TIMEOUT_S = 900.0  # every node loads its shard of a 1B model on a shared 2-core VM

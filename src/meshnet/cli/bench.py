@@ -20,6 +20,7 @@ import httpx
 
 from meshnet.backends.kernel_threads import set_threads
 from meshnet.backends.quant import kernel_name
+from meshnet.backends.shard import BACKENDS, DEFAULT_BACKEND
 from meshnet.benchmark.engine import bench_engine, warm_up
 from meshnet.benchmark.figures import Throughput
 from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp, peer_isa
@@ -28,7 +29,6 @@ from meshnet.cli.model_ref import MODEL_HELP, whole_model
 from meshnet.cli.options import positive_duration, positive_int
 from meshnet.engine.local import load_local_model
 from meshnet.errors import MeshnetError, error_for_kind
-from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 
 DEFAULT_PROMPT = "The capital of France is"
 

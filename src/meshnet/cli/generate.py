@@ -15,13 +15,13 @@ import json
 import sys
 from typing import Any
 
+from meshnet.backends.shard import BACKENDS, DEFAULT_BACKEND
 from meshnet.cli.model_ref import MODEL_HELP, whole_model
 from meshnet.engine.generate import Generation, generate
 from meshnet.engine.local import LocalModel, load_local_model
 from meshnet.errors import RequestError
 from meshnet.model.chat import parse_messages
 from meshnet.model.sampling import SamplingParams
-from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -21,8 +21,9 @@ from meshnet.cli.options import (
 )
 from meshnet.model_source.config import SourceConfig, default_cache_dir
 from meshnet.node.engine_types import EngineConfig
-from meshnet.node.main import NodeConfig, new_node_id, serve
+from meshnet.node.main import new_node_id, serve
 from meshnet.node.model_fetch import progress_wanted
+from meshnet.node.node_config import NodeConfig
 from meshnet.node.preflight import check_credential
 from meshnet.node.relay_socket import RelayTimeouts
 from meshnet.protocol.keepalive import Keepalive

@@ -15,9 +15,9 @@ import argparse
 from collections.abc import Callable, Collection
 
 from meshnet.auth.credentials import MESH_SECRET_ENV, NODE_KEY_ENV
+from meshnet.backends.shard import BACKENDS, DEFAULT_BACKEND
 from meshnet.kv.pace import MB, TransferPace
 from meshnet.layer_range import LayerRange
-from meshnet.model.shard import BACKENDS, DEFAULT_BACKEND
 from meshnet.tracker.trust.trusted_capacity import trusted_ids
 
 # Anything argparse can add arguments to: a parser or one of its groups.

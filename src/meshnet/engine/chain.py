@@ -11,10 +11,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshnet.backends.base import BatchEntry
+from meshnet.backends.shard import LogitsMode, Shard
 from meshnet.errors import LayerRangeError
 from meshnet.kv.cache import SequenceKV
 from meshnet.layer_range import covers_exactly
-from meshnet.model.shard import LogitsMode, Shard
 
 ChainKV = list[SequenceKV]  # one cache per shard of the chain, in chain order
 

@@ -6,12 +6,12 @@ import os
 import time
 from dataclasses import dataclass
 
+from meshnet.backends.shard import DEFAULT_BACKEND, load_shard
 from meshnet.engine.chain import ShardChain
 from meshnet.model.chat import ChatTemplate
 from meshnet.model.gguf_file import GGUFFile
 from meshnet.model.info import load_model_info
 from meshnet.model.layer_bytes import model_layer_bytes
-from meshnet.model.shard import DEFAULT_BACKEND, load_shard
 from meshnet.model.spec import ModelSpec
 from meshnet.model.tokenizer import TextTokenizer
 

@@ -18,9 +18,9 @@ from functools import partial
 import grpc
 import numpy as np
 
+from meshnet.backends.shard import Shard
 from meshnet.errors import DeadlineExceeded, MalformedBundle, MeshnetError
 from meshnet.model.sampling import Sampler, SamplingParams
-from meshnet.model.shard import Shard
 from meshnet.node.autorun import Inbox, Posted, Run, next_step
 from meshnet.node.forward_steps import Prepared, StepHandling, committed_reply, failure_reply
 from meshnet.node.scheduler import StepWork

@@ -15,10 +15,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TypeVar
 
+from meshnet.backends.shard import load_shard
 from meshnet.errors import MeshnetError, Overloaded, RequestError
 from meshnet.memory import settle
 from meshnet.model.gguf_file import open_gguf
-from meshnet.model.shard import load_shard
 from meshnet.model.spec import read_spec
 from meshnet.model_source.reference import is_reference
 from meshnet.node.engine import NodeEngine

@@ -11,8 +11,8 @@ refuses a request past the least context of its nodes (``ContextTooLong``, a 400
 
 from __future__ import annotations
 
+from meshnet.backends.shard import Shard
 from meshnet.errors import KVBudgetExhausted
-from meshnet.model.shard import Shard
 
 
 def served_context(shard: Shard, ctx: int) -> int:

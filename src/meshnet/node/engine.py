@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 
 from meshnet.backends.base import BatchEntry, HeadSplit
+from meshnet.backends.shard import Shard
 from meshnet.errors import Cancelled, Overloaded
 from meshnet.memory import trim
-from meshnet.model.shard import Shard
 from meshnet.node.context import served_context
 from meshnet.node.engine_base import Control, settle
 from meshnet.node.engine_tiers import EngineTiers

@@ -19,10 +19,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshnet.backends.shard import Shard
 from meshnet.errors import Cancelled
 from meshnet.kv.manager import KVBudget
 from meshnet.kv.prefix_cache import PrefixCache
-from meshnet.model.shard import Shard
 from meshnet.node.engine_types import EngineConfig
 from meshnet.node.parking import ParkedKV, ParkStore
 from meshnet.node.scheduler import Slot, StepWork

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 
+from meshnet.backends.shard import Shard
 from meshnet.errors import CacheMiss, Overloaded, StaleEpoch
-from meshnet.model.shard import Shard
 from meshnet.node.engine_base import EngineState
 from meshnet.node.engine_types import ParkedSlot
 from meshnet.node.parking import ParkedKV, ParkPhase

@@ -13,8 +13,8 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from meshnet.backends.shard import Shard
 from meshnet.errors import CacheMiss, Overloaded, ShardMismatch, StaleEpoch
-from meshnet.model.shard import Shard
 from meshnet.node.engine_parking import EngineParking
 from meshnet.node.engine_types import ExportedKV, OpenedSlot
 from meshnet.node.prefixes import PrefixAsk, reuse_prefix

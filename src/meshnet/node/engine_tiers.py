@@ -13,9 +13,9 @@ import gc
 import logging
 from concurrent.futures import Future
 
+from meshnet.backends.shard import Shard, load_shard_file
 from meshnet.errors import CacheMiss, MeshnetError, Overloaded
 from meshnet.layer_range import LayerRange
-from meshnet.model.shard import Shard, load_shard_file
 from meshnet.node.context import check_context_budget
 from meshnet.node.engine_base import Staged, settle
 from meshnet.node.engine_sessions import EngineSessions

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshnet.backends.shard import DEFAULT_BACKEND
 from meshnet.kv.prefix_cache import PrefixStats
 from meshnet.layer_range import LayerRange
-from meshnet.model.shard import DEFAULT_BACKEND
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from meshnet.backends.shard import Shard
 from meshnet.errors import (
     DeadlineExceeded,
     MalformedBundle,
@@ -25,7 +26,6 @@ from meshnet.errors import (
 )
 from meshnet.model.logprobs import MAX_TOP_LOGPROBS, token_logprobs
 from meshnet.model.sampling import Sampler, SamplingParams
-from meshnet.model.shard import Shard
 from meshnet.node.engine import NodeEngine
 from meshnet.node.engine_types import OpenedSlot
 from meshnet.node.grammar import GrammarTokenizers

@@ -12,11 +12,11 @@ import threading
 
 import llguidance
 
+from meshnet.backends.shard import Shard
 from meshnet.errors import MalformedBundle, ShardMismatch
 from meshnet.model.constraint import Constraint, check_grammar
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.grammar_vocab import grammar_tokenizer
-from meshnet.model.shard import Shard
 from meshnet.model.tokenizer import load_tokenizer
 from meshnet.protocol import meshnet_pb2 as pb
 

@@ -34,8 +34,8 @@ from meshnet.backends import quant
 from meshnet.backends.fast import FastBackend
 from meshnet.backends.quant import QuantMatrix
 from meshnet.backends.quant_layouts import GROUP_ROWS
+from meshnet.backends.shard import Shard
 from meshnet.errors import MalformedBundle, MeshnetError
-from meshnet.model.shard import Shard
 from meshnet.node.relay_socket import HeadLink
 from meshnet.node.relay_wire import Ask
 

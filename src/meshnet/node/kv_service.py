@@ -25,11 +25,11 @@ import grpc
 from meshnet.auth.grpc_auth import NodeGate
 from meshnet.auth.mesh_keys import SERVICE
 from meshnet.auth.signing import METADATA_KEY, PREFIX_KEY, require_peer
+from meshnet.backends.shard import Shard
 from meshnet.errors import KVImportFailed, MeshnetError, PermissionDenied
 from meshnet.kv.bulk import recv_stream
 from meshnet.kv.pace import TransferPace
 from meshnet.kv.transfer import KVShape, check_header, export_frames, read_stream
-from meshnet.model.shard import Shard
 from meshnet.node.engine import NodeEngine
 from meshnet.node.engine_types import ExportedKV
 from meshnet.node.kv_offers import KVOffers

@@ -26,10 +26,10 @@ from meshnet.auth.grpc_auth import NodeGate
 from meshnet.auth.mesh_keys import SERVICE
 from meshnet.auth.signing import METADATA_KEY
 from meshnet.backends.fast import FastBackend
+from meshnet.backends.shard import Shard
 from meshnet.errors import MalformedBundle, MeshnetError, Overloaded, ShardMismatch
 from meshnet.kv.pace import TransferPace
 from meshnet.model.sampling import SamplingParams
-from meshnet.model.shard import Shard
 from meshnet.node.autorun import Inbox
 from meshnet.node.autorun_stream import AutorunHandling
 from meshnet.node.configure import Configurator, StreamLimit

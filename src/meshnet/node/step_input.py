@@ -14,9 +14,9 @@ from functools import cache
 
 import numpy as np
 
+from meshnet.backends.shard import Shard
 from meshnet.errors import MalformedBundle
 from meshnet.model.penalties import MAX_LOGIT_BIAS
-from meshnet.model.shard import Shard
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
 

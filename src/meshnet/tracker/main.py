@@ -10,12 +10,12 @@ import uvicorn
 
 from meshnet.api.app import create_app
 from meshnet.api.auth import TrackerAuth
+from meshnet.api.quotas import QuotaGate
 from meshnet.api.state import SessionServices
+from meshnet.api.tenants import DEFAULT_TENANT, Quotas, TenantStore
 from meshnet.auth.credentials import ensure_user_credentials
 from meshnet.auth.keys import ensure_mesh_secret, read_secret_file
 from meshnet.auth.mesh_keys import MeshKeys
-from meshnet.auth.quotas import QuotaGate
-from meshnet.auth.tenants import DEFAULT_TENANT, Quotas, TenantStore
 from meshnet.errors import NotFound
 from meshnet.kv.pace import TransferPace
 from meshnet.model.info import ModelInfo

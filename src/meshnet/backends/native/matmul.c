@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "fp4.h"
+#include "isa.h"
 #include "native.h"
 
 typedef struct {
@@ -154,35 +155,6 @@ static void piece_sums(const float *x, Py_ssize_t T, Py_ssize_t cols, int width,
         }
 }
 
-/* Whether the AVX-512 tiles run in this process: the CPU has them and MESHNET_ISA did not
- * ask for AVX2 (select_isa, once at import; read-only after). */
-static int wide_isa;
-
-static int cpu_has_avx512(void) {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw");
-}
-
-int select_isa(const char *name) {
-    if (name == NULL || name[0] == '\0' || strcmp(name, "auto") == 0) {
-        wide_isa = cpu_has_avx512();
-        return 0;
-    }
-    if (strcmp(name, "avx2") == 0) {
-        wide_isa = 0;
-        return 0;
-    }
-    if (strcmp(name, "avx512") == 0 && cpu_has_avx512()) {
-        wide_isa = 1;
-        return 0;
-    }
-    return -1;
-}
-
-const char *isa_name(void) { return wide_isa ? "avx512" : "avx2"; }
-
-int wide_isa_selected(void) { return wide_isa; }
-
 /* The tokens of each unpacked tile (UNPACK_TT wide, as even as unpacked_rows makes them)
  * rearranged so that one block's values lie in FMA chain order, a column's tokens side
  * by side: tile at t0 of width TT, block b, chain step k, token t at
@@ -212,7 +184,7 @@ int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threa
         if (sx == NULL) return -1;
         piece_sums(x, T, w->nb * QK, width, sx);
     }
-    const int isa512 = wide && wide_isa;
+    const int isa512 = wide && wide_isa_selected();
     const int lanes = isa512 ? 16 : 8;
     /* The AVX2 batches' unpacked tiles: their tokens packed, and per thread the unpacked
      * quants and sums. */

@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "isa.h"
 #include "native.h"
 
 /* None, or MemoryError where a kernel ran out of memory. */

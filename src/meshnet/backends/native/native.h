@@ -132,9 +132,6 @@ int q8matmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int thre
 int q8matmul_many(const qmat_t *const *ws, int n, const float *x, Py_ssize_t T,
                   float *const *outs, int threads, int wide);
 
-/* Whether the matmuls may take 16-lane vectors in this process (select_isa). */
-int wide_isa_selected(void);
-
 /* The bytes a [rows, nb * QK] matrix of ``type`` takes, or -1 where the type is unknown
  * or the width does not fit it (K-quants: nb a multiple of 8). */
 Py_ssize_t qmat_bytes(int type, Py_ssize_t rows, Py_ssize_t nb);
@@ -152,14 +149,6 @@ void qmat_row(const qmat_t *w, Py_ssize_t r, float *out);
  * AVX2's 8-row vectors where the process runs AVX-512 ones (the same bits: tests check
  * that both agree). */
 int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threads, int wide);
-
-/* The matmul's instruction set for this process, chosen once at import: "avx2", "avx512"
- * (where the CPU has AVX-512 F/VL/DQ/BW), or "auto"/NULL/"" for the widest the CPU has.
- * -1 for a name it does not know or a set the CPU lacks. */
-int select_isa(const char *name);
-
-/* "avx512" or "avx2": the vectors the matmul runs (every other kernel is AVX2). */
-const char *isa_name(void);
 
 /* One sequence's rows in a batch, and its cache of one layer. */
 typedef struct {

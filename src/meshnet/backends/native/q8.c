@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "fp4.h"
+#include "isa.h"
 #include "native.h"
 #include "split.h"
 

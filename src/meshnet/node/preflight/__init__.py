@@ -33,7 +33,7 @@ from meshnet.node.preflight.result import Check, Report, Scope, Status, fail, ok
 from meshnet.node.preflight.tracker import check_tracker
 
 if TYPE_CHECKING:
-    from meshnet.node.main import NodeConfig
+    from meshnet.node.node_config import NodeConfig
 
 __all__ = ["Check", "Report", "Scope", "Status", "check_credential", "check_node"]
 

@@ -11,7 +11,7 @@ import httpx
 from meshnet.node.preflight.result import Check, Scope, fail, ok, skip
 
 if TYPE_CHECKING:
-    from meshnet.node.main import NodeConfig
+    from meshnet.node.node_config import NodeConfig
 
 _WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 

@@ -12,7 +12,7 @@ from meshnet.node.preflight.model import ModelFacts
 from meshnet.node.preflight.result import Check, Scope, fail, ok, skip
 
 if TYPE_CHECKING:
-    from meshnet.node.main import NodeConfig
+    from meshnet.node.node_config import NodeConfig
 
 
 def check_tracker(cfg: NodeConfig, facts: ModelFacts | None, http: httpx.Client) -> list[Check]:

@@ -42,10 +42,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshnet.backends.base import BatchEntry
+from meshnet.backends.shard import Shard, load_shard
 from meshnet.kv.cache import SequenceKV
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
-from meshnet.model.shard import Shard, load_shard
 from meshnet.model.spec import read_spec
 from meshnet.protocol.commitments import (
     CHUNK_TOKENS,

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from meshnet.auth.tenants import Tenant
+from meshnet.api.tenants import Tenant
 from meshnet.errors import QuotaExceeded
 
 WINDOW_S = 60.0
