@@ -11,7 +11,7 @@ import pytest
 from meshnet.auth.signing import manifest_mac, verify_manifest
 from meshnet.errors import DiskFull, ModelRefNotFound, ModelSourceError, Unauthenticated
 from meshnet.model_source.files import check_room
-from meshnet.model_source.manifest import Manifest, TensorHash, parse_manifest
+from meshnet.model_source.manifest import FileHash, Manifest, TensorHash, parse_manifest
 from meshnet.model_source.quant import pick_files
 from meshnet.model_source.reference import HubRef, UrlRef, is_reference, parse_ref
 
@@ -88,15 +88,22 @@ def test_without_a_default_file_the_only_model_is_taken() -> None:
 
 
 def _manifest() -> Manifest:
-    return Manifest("ab" * 32, 4096, 1024, "cd" * 32, (TensorHash("t", 1024, 100, "ef" * 32),))
+    files = (FileHash("m-00001-of-00002.gguf", 4096, 1024, "cd" * 32),)
+    files += (FileHash("m-00002-of-00002.gguf", 2048, 512, "dd" * 32),)
+    tensors = (TensorHash("t", 1024, 100, "ef" * 32), TensorHash("u", 512, 100, "ef" * 32, 1))
+    return Manifest("ab" * 32, files, tensors)
 
 
 def test_a_manifest_round_trips_and_refuses_what_is_malformed() -> None:
     m = _manifest()
     assert parse_manifest(m.to_json()) == m
     assert parse_manifest(m.to_json()).digest() == m.digest()
-    outside = m.to_json().replace('"t",1024,100', '"t",4090,100')
-    for bad in ("{", "[]", m.to_json().replace('"size":4096', '"size":-1'), outside):
+    assert m.size == 4096 + 2048
+    text = m.to_json()
+    outside = text.replace('"t",0,1024,100', '"t",0,4090,100')
+    before_data = text.replace('"u",1,512,100', '"u",1,100,100')
+    no_part = text.replace('"u",1,512', '"u",2,512')
+    for bad in ("{", "[]", text.replace(",4096,", ",-1,"), outside, before_data, no_part):
         with pytest.raises(ModelSourceError):
             parse_manifest(bad)
 

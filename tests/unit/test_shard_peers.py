@@ -44,7 +44,7 @@ def test_a_peer_token_for_the_model_reads_its_bytes(
     offers, keys, data = holder
     try:
         token = keys.peer("holder", "asker", "pull", scope(FP))
-        assert read_from_peer(_peer(offers, token), FP, 100, 900) == data[100:1000]
+        assert read_from_peer(_peer(offers, token), FP, 0, 100, 900) == data[100:1000]
     finally:
         offers.close()
 
@@ -64,7 +64,7 @@ def test_anything_else_is_refused(holder: tuple[KVOffers, MeshKeys, bytes]) -> N
         ]
         for peer, fp, offset, length in refused:
             with pytest.raises(PeerRefused):
-                read_from_peer(peer, fp, offset, length)
+                read_from_peer(peer, fp, 0, offset, length)
     finally:
         offers.close()
 

@@ -2,7 +2,8 @@
 
 A fetching node connects to a peer's bulk port and sends ``MAGIC`` (where a KV
 fetch sends its 16-byte ticket), then one request: a 4-byte length and a JSON
-object (``token``, ``fingerprint``, ``layers``, ``offset``, ``length``). The token is a
+object (``token``, ``fingerprint``, ``layers``, ``part``: the model's file, from 0;
+``offset``, ``length``). The token is a
 peer token the tracker issued for this caller to this peer (``pull``, scope
 ``shard:FINGERPRINT``), checked with the peer's own key. The answer is one status
 byte (0: the bytes follow; else refused) and ``length`` bytes read from the peer's
@@ -50,14 +51,15 @@ def scope(fingerprint: str) -> str:
     return f"shard:{fingerprint}"
 
 
-def read_from_peer(peer: Peer, fingerprint: str, offset: int, length: int) -> bytes:
-    """``length`` bytes at ``offset`` of ``peer``'s shard file of ``fingerprint``;
-    ``PeerRefused`` (or ``OSError``) when it cannot give them."""
+def read_from_peer(peer: Peer, fingerprint: str, part: int, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset`` of ``peer``'s shard file of ``fingerprint`` (its file
+    ``part``); ``PeerRefused`` (or ``OSError``) when it cannot give them."""
     request = json.dumps(
         {
             "token": peer.token,
             "fingerprint": fingerprint,
             "layers": [peer.layers.start, peer.layers.end],
+            "part": part,
             "offset": offset,
             "length": length,
         }
@@ -71,7 +73,7 @@ def read_from_peer(peer: Peer, fingerprint: str, offset: int, length: int) -> by
 
 
 Authorize = Callable[[str, str], None]  # (token, fingerprint): raises unless allowed
-ShardPath = Callable[[str, LayerRange], Path]
+ShardPath = Callable[[str, LayerRange, int], Path]  # (fingerprint, layers, part)
 
 
 def serve_request(conn: socket.socket, authorize: Authorize, path_of: ShardPath) -> None:
@@ -83,9 +85,9 @@ def serve_request(conn: socket.socket, authorize: Authorize, path_of: ShardPath)
         raw = json.loads(_recv_exact(conn, n))
         fingerprint, token = str(raw["fingerprint"]), str(raw["token"])
         layers = LayerRange(int(raw["layers"][0]), int(raw["layers"][1]))
-        offset, length = int(raw["offset"]), int(raw["length"])
+        offset, length, part = int(raw["offset"]), int(raw["length"]), int(raw.get("part", 0))
         authorize(token, fingerprint)
-        path = path_of(fingerprint, layers)
+        path = path_of(fingerprint, layers, part)
         if not (offset >= 0 and 0 < length <= MAX_LENGTH) or offset + length > path.stat().st_size:
             raise ValueError("range outside the shard")
         with path.open("rb") as fh:

@@ -26,8 +26,7 @@ from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.manifest import Manifest
 from meshnet.model_source.peers import Peer, PeerRefused, read_from_peer
 from meshnet.model_source.ranged import Sink, stream_range
-from meshnet.model_source.remote import RemoteFile, RemoteModel, hf_headers
-from meshnet.model_source.tracker_source import single_file
+from meshnet.model_source.remote import RemoteModel, hf_headers
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +35,14 @@ HUB: Literal["hub"] = "hub"
 
 @dataclass(frozen=True)
 class LocalShard:
-    """A whole shard file of the model on this machine."""
+    """A whole shard of the model on this machine: its file per part of the model."""
 
-    path: Path
+    paths: tuple[Path, ...]
     layers: LayerRange
+
+    @property
+    def path(self) -> Path:
+        return self.paths[0]
 
 
 Source = LocalShard | Peer | Literal["hub"]
@@ -59,7 +62,7 @@ class Sources:
     ) -> None:
         self._hub = hub
         self.local = local or []
-        self._file: tuple[RemoteFile, dict[str, str]] | None = None
+        self._model: tuple[RemoteModel, dict[str, str]] | None = None
         self.peers, self.manifest, self.cfg = peers, manifest, cfg
         self.fetched = 0  # from the network
         self.from_peers = 0  # of which from peers
@@ -97,17 +100,17 @@ class Sources:
         log.warning("%s of %s from %s failed its hash", what, self.manifest.fingerprint[:12], name)
         self.drop(source, ModelSourceError("bytes that fail their hash"))
 
-    def read(self, source: Source, start: int, end: int) -> bytes:
+    def read(self, source: Source, part: int, start: int, end: int) -> bytes:
         out = bytearray()
-        self.stream(source, start, end, lambda _, data: out.extend(data))
+        self.stream(source, part, start, end, lambda _, data: out.extend(data))
         return bytes(out)
 
-    def stream(self, source: Source, start: int, end: int, sink: Sink) -> None:
-        """Hand ``sink`` the bytes ``[start, end)`` from ``source``; ``PeerRefused`` when a
-        peer cannot give them."""
+    def stream(self, source: Source, part: int, start: int, end: int, sink: Sink) -> None:
+        """Hand ``sink`` the bytes ``[start, end)`` of the model's file ``part`` from
+        ``source``; ``PeerRefused`` when a peer cannot give them."""
         if isinstance(source, LocalShard):
             try:
-                with source.path.open("rb") as fh:
+                with source.paths[part].open("rb") as fh:
                     fh.seek(start)
                     data = fh.read(end - start)
             except OSError as e:
@@ -119,26 +122,26 @@ class Sources:
             return
         if isinstance(source, Peer):
             try:
-                data = read_from_peer(source, self.manifest.fingerprint, start, end - start)
+                data = read_from_peer(source, self.manifest.fingerprint, part, start, end - start)
             except OSError as e:
                 raise PeerRefused(f"{source.node_id}: {e}") from None
             self.fetched += len(data)
             self.from_peers += len(data)
             sink(start, data)
             return
-        f, headers = self._hub_file()
+        model, headers = self._hub_model()
 
         def counted(offset: int, data: bytes) -> None:
             self.fetched += len(data)
             sink(offset, data)
 
-        stream_range(f.url, start, end, headers, self.cfg, counted)
+        stream_range(model.files[part].url, start, end, headers, self.cfg, counted)
 
-    def _hub_file(self) -> tuple[RemoteFile, dict[str, str]]:
-        if self._file is None:
+    def _hub_model(self) -> tuple[RemoteModel, dict[str, str]]:
+        if self._model is None:
             model = self._hub if isinstance(self._hub, RemoteModel) else self._hub()
-            f = single_file(model)
-            if f.size != self.manifest.size:
-                raise ModelSourceError(f"{f.name}: its size is not the manifest's")
-            self._file = (f, hf_headers(model, self.cfg))
-        return self._file
+            sizes = [f.size for f in model.files]
+            if sizes != [f.size for f in self.manifest.files]:
+                raise ModelSourceError(f"{model.ref}: its files' sizes are not the manifest's")
+            self._model = (model, hf_headers(model, self.cfg))
+        return self._model

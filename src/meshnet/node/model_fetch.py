@@ -37,7 +37,13 @@ from meshnet.model_source.peers import Peer, scope, serve_request
 from meshnet.model_source.progress import ProgressBar
 from meshnet.model_source.reference import parse_ref
 from meshnet.model_source.remote import locate
-from meshnet.model_source.shard_store import LocalShard, fetch_shard, shard_path
+from meshnet.model_source.shard_store import (
+    LocalShard,
+    fetch_shard,
+    remove_shard,
+    shard_part_path,
+    shard_path,
+)
 
 log = logging.getLogger(__name__)
 _TRACKER_TRIES = 30  # the tracker may still be starting (``meshnet up`` starts both)
@@ -62,7 +68,7 @@ class NodeModels:
     def shard(self, ref: str, layers: LayerRange) -> LocalShard:
         """The local shard of ``layers`` of ``ref``, fetched now when not kept."""
         manifest, peers = self.manifest_and_peers(ref)
-        kept = shard_path(self.cfg, manifest.fingerprint, layers)
+        kept = shard_path(self.cfg, manifest.fingerprint, layers, len(manifest.files))
         if kept.is_file():
             return LocalShard(kept, manifest.fingerprint, layers)
         bar = ProgressBar(f"{ref} {layers}", manifest.size, draw=self.cfg.progress)
@@ -95,7 +101,7 @@ class NodeModels:
             old, self._serving = self._serving, path
             self._held = None
         if old is not None and old != path:
-            old.unlink(missing_ok=True)
+            remove_shard(old)
             log.info("dropped %s: this node no longer serves that range", old)
 
     def manifest(self, ref: str) -> Manifest:
@@ -146,10 +152,10 @@ class NodeModels:
             raise PermissionDenied("shard bytes go to peers with a token")
         require_peer(caller, "pull", scope(fingerprint))
 
-    def _path_of(self, fingerprint: str, layers: LayerRange) -> Path:
+    def _path_of(self, fingerprint: str, layers: LayerRange, part: int) -> Path:
         if not _FINGERPRINT.match(fingerprint):
             raise ModelSourceError("not a fingerprint")
-        return shard_path(self.cfg, fingerprint, layers)
+        return shard_part_path(self.cfg, fingerprint, layers, part)
 
     def _ask(self, ref: str) -> dict[str, object]:
         auth = NodeAuth(self._node_id, self._key)
