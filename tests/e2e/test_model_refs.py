@@ -365,3 +365,54 @@ def _widened_from_disk_and_peers(mesh: LocalMesh, cache: Path, half: int) -> Non
     now = sorted(p.name for p in (cache / "shards").glob("*/*.gguf"))
     assert now == [f"0-{half + 2}-{p[-19:]}" for p in Q4_PARTS]
     assert not any(p.exists() for p in old)
+
+
+def test_a_node_fetching_a_range_another_is_fetching_reads_it_from_that_one(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    """A single flight: ``follow`` starts fetching ``lead``'s range while ``lead`` is still
+    fetching it from a slow hub; the tracker names ``lead`` to it, and every byte of its
+    shard comes from ``lead`` as ``lead`` checks it, none from the hub."""
+    half = N_LAYERS // 2
+    mesh = LocalMesh(
+        data_dir=tmp_path / "mesh",
+        model=f"hf:{REPO}:Q4_K_M",
+        extra_env=_hub_env(hub, tmp_path),
+        tracker_args=["--replicas", "0"],
+    )
+
+    def node(name: str, layers: LayerRange) -> None:
+        mesh.start_node(name, layers, extra=["--model-cache", str(tmp_path / name)])
+
+    before = dict(hub.sent)
+    try:
+        mesh.start_tracker()
+        mesh.wait_ready(expected_nodes=0, timeout_s=120, need_route=False)
+        hub.throttle(2.0)  # slow: lead is midway when follow begins (then fast again)
+        try:
+            node("lead", LayerRange(0, half))
+            _verified_midway(tmp_path / "lead", lambda names: len(names) > 0)
+            node("follow", LayerRange(0, half))
+            _verified_midway(tmp_path / "follow", lambda names: len(names) > 0)
+            # follow has checked tensors while lead's shard was not whole yet
+            assert list((tmp_path / "lead").glob("shards/*/*.partial"))
+        finally:
+            hub.throttle(0)
+        node("tail", LayerRange(half, N_LAYERS))
+        mesh.wait_ready(expected_nodes=3, timeout_s=120)
+        r = httpx.post(
+            f"{mesh.url}/v1/completions",
+            headers=mesh.api_headers,
+            timeout=120,
+            json={"model": "tiny-Q4_K_M", "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == _solo_text(unsplit_q4(hub.root), 8)
+    finally:
+        hub.throttle(0)
+        mesh.stop()
+    sent = {k: v - before.get(k, 0) for k, v in hub.sent.items()}
+    size = q4_size(hub.root)
+    assert 0.3 * size < sent["lead"] < 0.6 * size
+    assert sent.get("follow", 0) == 0  # the hub gave its range once, to lead
+    assert len(list((tmp_path / "follow").glob("shards/*/*.gguf"))) == len(Q4_PARTS)

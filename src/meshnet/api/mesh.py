@@ -17,8 +17,10 @@ from fastapi import APIRouter, Path, Query, Request
 from meshnet.api.auth import CallingNode, auth_of, require_same_node
 from meshnet.api.inventory import inventory_of
 from meshnet.api.state import models_of, tracker_of, tracker_serving
+from meshnet.auth.mesh_keys import MeshKeys
 from meshnet.auth.signing import manifest_mac
 from meshnet.errors import NotFound
+from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import MAX_ID, Heartbeat, HeartbeatReply, NodeAnnouncement
 from meshnet.model_source.manifest import parse_manifest
 from meshnet.model_source.peers import scope
@@ -59,11 +61,18 @@ async def heartbeat(
 
 @router.get("/mesh/manifest")
 async def manifest(
-    request: Request, caller: CallingNode, ref: str = Query(min_length=1, max_length=MAX_REF_CHARS)
+    request: Request,
+    caller: CallingNode,
+    ref: str = Query(min_length=1, max_length=MAX_REF_CHARS),
+    fetch: str | None = Query(None, max_length=32, pattern=r"^\d{1,6}-\d{1,6}$"),
+    bulk: str | None = Query(None, max_length=256),
 ) -> dict[str, Any]:
     """The manifest of per-tensor hashes of the served model named by ``ref`` (as the
     tracker was given it), signed for the calling node with its key: the node checks
-    every tensor it fetches against it (``model_source.shard_store``)."""
+    every tensor it fetches against it (``model_source.shard_store``). With the peers
+    holding shards of it, and, when the caller says it begins fetching the layers
+    ``fetch`` (peers read it at ``bulk``), those that began fetching it before
+    (``tracker/inventory.py``)."""
     book = getattr(request.app.state, "manifests", None)
     text = book.get(ref) if book is not None else None
     for served in models_of(request) if text is None else ():
@@ -71,12 +80,22 @@ async def manifest(
             text = served.info.manifest_json
     if text is None:
         raise NotFound("the tracker serves no model by that reference")
+    fingerprint = parse_manifest(text).fingerprint
     digest = hashlib.sha256(text.encode()).hexdigest()
     keys = auth_of(request).keys
+    peers = _peers(request, caller, fingerprint)
+    if fetch is not None and bulk is not None:
+        start, _, end = fetch.partition("-")
+        layers = LayerRange(int(start), int(end))  # LayerRangeError (400) when empty
+        fetchers = inventory_of(request).fetch_begun(caller, bulk, fingerprint, layers)
+        peers += [
+            _peer(keys, caller, f.node_id, f.bulk_address, f.layers, fingerprint, fetching=True)
+            for f in fetchers[:MAX_PEERS]
+        ]
     return {
         "manifest": text,
         "mac": manifest_mac(keys.node_key(caller), caller, digest),
-        "peers": _peers(request, caller, parse_manifest(text).fingerprint),
+        "peers": peers,
     }
 
 
@@ -89,14 +108,34 @@ def _peers(request: Request, caller: str, fingerprint: str) -> list[dict[str, An
     }
     keys = auth_of(request).keys
     return [
-        {
-            "node_id": h.node_id,
-            "address": h.bulk_address,
-            "layers": [h.shard.layer_start, h.shard.layer_end],
-            "token": keys.peer(h.node_id, caller, "pull", scope(fingerprint)),
-        }
+        _peer(
+            keys,
+            caller,
+            h.node_id,
+            h.bulk_address,
+            LayerRange(h.shard.layer_start, h.shard.layer_end),
+            fingerprint,
+        )
         for h in inventory_of(request).holders(fingerprint, up)[:MAX_PEERS]
     ]
+
+
+def _peer(
+    keys: MeshKeys,
+    caller: str,
+    node_id: str,
+    address: str,
+    layers: LayerRange,
+    fingerprint: str,
+    fetching: bool = False,
+) -> dict[str, Any]:
+    return {
+        "node_id": node_id,
+        "address": address,
+        "layers": [layers.start, layers.end],
+        "token": keys.peer(node_id, caller, "pull", scope(fingerprint)),
+        "fetching": fetching,  # still fetching it: bytes come as it checks them
+    }
 
 
 def _note_metrics_port(tracker: Tracker, node_id: str, port: int | None) -> None:

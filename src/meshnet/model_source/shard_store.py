@@ -41,6 +41,7 @@ from meshnet.model.gguf_split import parse_split_name, split_name
 from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.files import check_room, disk_errors, sync_dir
 from meshnet.model_source.header import ModelHeader, RemoteHeader
+from meshnet.model_source.live import LiveFetch
 from meshnet.model_source.manifest import Manifest, TensorHash
 from meshnet.model_source.peers import Peer, PeerRefused
 from meshnet.model_source.progress import ProgressBar
@@ -140,10 +141,13 @@ def fetch_shard(
     cfg: SourceConfig,
     progress: ProgressBar | None = None,
     peers: Sequence[Peer] = (),
+    live: LiveFetch | None = None,
 ) -> LocalShard:
     """The local shard of ``layers``: as kept, or fetched now (see the module), from
     ``peers`` holding its parts first (each part from the first that gives bytes
-    matching their hash), then from the hub (located only when a part needs it)."""
+    matching their hash), then from the hub (located only when a part needs it).
+    ``live`` (made for ``shard_paths``) is told each part as it is checked, so peers
+    may read it before the fetch ends (``live``)."""
     paths = shard_paths(cfg, manifest.fingerprint, layers, len(manifest.files))
     path = paths[0]
     if path.is_file():
@@ -155,7 +159,7 @@ def fetch_shard(
         local = _local_shards(cfg, manifest, layers)
         sources = Sources(hub, list(peers), manifest, cfg, local)
         fetch = _Fetch(sources, manifest, layers, cfg, paths)
-        fetch.progress = progress
+        fetch.progress, fetch.live = progress, live
         try:
             fetch.run()
         except (HashMismatch, DiskFull):
@@ -222,6 +226,7 @@ class _Fetch:
         self.manifest, self.layers, self.cfg = manifest, layers, cfg
         self.paths, self.path = paths, paths[0]
         self.progress: ProgressBar | None = None
+        self.live: LiveFetch | None = None
         self.partials = [p.with_name(p.name + ".partial") for p in paths]
         self.state_path = self.path.with_name(self.path.name + ".state.json")
 
@@ -242,6 +247,7 @@ class _Fetch:
             for t in todo:
                 if t.name not in state.verified:
                     self._tensor(fhs[t.part], t, state, header)
+                self._checked(fhs[t.part], t.part, t.offset, t.end)
             for fh in fhs:
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -274,7 +280,14 @@ class _Fetch:
             fh.write(raw)
             state.headers.add(part)
             state.save(self.state_path)
+        self._checked(fh, part, 0, entry.header_bytes)
         return RemoteHeader(raw, parse_layout(raw, self.paths[part].name))
+
+    def _checked(self, fh: BinaryIO, part: int, start: int, end: int) -> None:
+        """Bytes of ``part`` checked: written out (peers read the file), and told ``live``."""
+        if self.live is not None:
+            fh.flush()
+            self.live.checked(part, start, end)
 
     def _fetch_header(self, part: int) -> bytes:
         entry = self.manifest.files[part]

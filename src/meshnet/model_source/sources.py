@@ -5,8 +5,10 @@ Another whole shard file of the same model in the cache (the range a node served
 before a T3 reconfigure, or another node's of this machine) gives its tensors from
 disk: a reconfigure fetches only what the new range adds.
 
-A peer that refuses, drops the connection or gives bytes that fail their hash is
-not asked again during this fetch; the hub is tried ``cfg.attempts`` times per
+A peer still fetching a part itself (a single flight, ``live``) is asked again after
+a wait doubling from 0.1 s to 1 s, up to ``cfg.peer_wait_s`` for one chunk; then it
+counts as refusing. A peer that refuses, drops the connection or gives bytes that
+fail their hash is not asked again during this fetch; the hub is tried ``cfg.attempts`` times per
 part (each of its range requests retried on its own, ``ranged``). The hub's file
 is located only when a part needs it, so a mesh whose peers hold every part asks
 the hub for nothing.
@@ -15,6 +17,7 @@ the hub for nothing.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,13 +27,14 @@ from meshnet.errors import ModelSourceError
 from meshnet.layer_range import LayerRange
 from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.manifest import Manifest
-from meshnet.model_source.peers import Peer, PeerRefused, read_from_peer
+from meshnet.model_source.peers import Peer, PeerNotYet, PeerRefused, read_from_peer
 from meshnet.model_source.ranged import Sink, stream_range
 from meshnet.model_source.remote import RemoteModel, hf_headers
 
 log = logging.getLogger(__name__)
 
 HUB: Literal["hub"] = "hub"
+_FIRST_WAIT_S, _MAX_WAIT_S = 0.1, 1.0  # asking a peer again for bytes it is fetching
 
 
 @dataclass(frozen=True)
@@ -121,10 +125,7 @@ class Sources:
             sink(start, data)
             return
         if isinstance(source, Peer):
-            try:
-                data = read_from_peer(source, self.manifest.fingerprint, part, start, end - start)
-            except OSError as e:
-                raise PeerRefused(f"{source.node_id}: {e}") from None
+            data = self._from_peer(source, part, start, end)
             self.fetched += len(data)
             self.from_peers += len(data)
             sink(start, data)
@@ -136,6 +137,20 @@ class Sources:
             sink(offset, data)
 
         stream_range(model.files[part].url, start, end, headers, self.cfg, counted)
+
+    def _from_peer(self, peer: Peer, part: int, start: int, end: int) -> bytes:
+        """The bytes from ``peer``, waiting (bounded) while it fetches them itself."""
+        deadline, wait = time.monotonic() + self.cfg.peer_wait_s, _FIRST_WAIT_S
+        while True:
+            try:
+                return read_from_peer(peer, self.manifest.fingerprint, part, start, end - start)
+            except PeerNotYet:
+                if time.monotonic() + wait > deadline:
+                    raise PeerRefused(f"{peer.node_id}: not fetched in time") from None
+                time.sleep(wait)
+                wait = min(wait * 2, _MAX_WAIT_S)
+            except OSError as e:
+                raise PeerRefused(f"{peer.node_id}: {e}") from None
 
     def _hub_model(self) -> tuple[RemoteModel, dict[str, str]]:
         if self._model is None:

@@ -8,7 +8,10 @@ or a URL), every one checked against the manifest (``model_source.shard_store``)
 A shard fetched before (same model, same layers) is opened as it is, without a
 byte from the network but the manifest. Peers read this node's shards over its
 bulk port (``serve_peer``) with a token the tracker issued them; its heartbeats
-report them (``holdings``).
+report them (``holdings``). A node asking for the manifest to fetch a range says so
+(``fetch``, with its bulk address): the tracker names it to a node fetching the same
+range after it, which reads each tensor from it as soon as it is checked here
+(``model_source.live``: a single flight), not from the hub.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import FetchProgress, Holdings
 from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.inventory import held_shards
+from meshnet.model_source.live import LiveFetch
 from meshnet.model_source.manifest import Manifest, parse_manifest
 from meshnet.model_source.peers import Peer, scope, serve_request
 from meshnet.model_source.progress import ProgressBar
@@ -42,7 +46,7 @@ from meshnet.model_source.shard_store import (
     fetch_shard,
     remove_shard,
     shard_part_path,
-    shard_path,
+    shard_paths,
 )
 
 log = logging.getLogger(__name__)
@@ -62,27 +66,37 @@ class NodeModels:
         self.bulk_address: str | None = None  # where peers read our shards (set once bound)
         self._held: tuple[float, Holdings] | None = None
         self._fetching: tuple[str, LayerRange, ProgressBar] | None = None
+        self._live: dict[tuple[str, LayerRange], LiveFetch] = {}  # fetches peers may read
         self._serving: Path | None = None  # the shard file this node loaded last
         self._lock = threading.Lock()
 
     def shard(self, ref: str, layers: LayerRange) -> LocalShard:
         """The local shard of ``layers`` of ``ref``, fetched now when not kept."""
-        manifest, peers = self.manifest_and_peers(ref)
-        kept = shard_path(self.cfg, manifest.fingerprint, layers, len(manifest.files))
-        if kept.is_file():
-            return LocalShard(kept, manifest.fingerprint, layers)
+        manifest, peers = self.manifest_and_peers(ref, layers)
+        paths = shard_paths(self.cfg, manifest.fingerprint, layers, len(manifest.files))
+        if paths[0].is_file():
+            return LocalShard(paths[0], manifest.fingerprint, layers)
         bar = ProgressBar(f"{ref} {layers}", manifest.size, draw=self.cfg.progress)
         started = time.monotonic()
+        live, key = LiveFetch(paths), (manifest.fingerprint, layers)
         with self._lock:
             self._fetching = (ref, layers, bar)
+            self._live[key] = live
         try:
             shard = fetch_shard(
-                lambda: locate(parse_ref(ref), self.cfg), manifest, layers, self.cfg, bar, peers
+                lambda: locate(parse_ref(ref), self.cfg),
+                manifest,
+                layers,
+                self.cfg,
+                bar,
+                peers,
+                live,
             )
         finally:
             bar.close()
             with self._lock:
                 self._fetching = None
+                self._live.pop(key, None)
                 self._held = None  # report the new shard at the next beat
         log.info(
             "fetched layers %s of %s: %d of its %d bytes (%d from peers) in %.1f s",
@@ -108,9 +122,12 @@ class NodeModels:
         """The tracker's manifest of ``ref``, its signature checked with this node's key."""
         return self.manifest_and_peers(ref)[0]
 
-    def manifest_and_peers(self, ref: str) -> tuple[Manifest, list[Peer]]:
-        """The manifest (checked) and the peers holding shards of it, as the tracker says."""
-        answer = self._ask(ref)
+    def manifest_and_peers(
+        self, ref: str, fetching: LayerRange | None = None
+    ) -> tuple[Manifest, list[Peer]]:
+        """The manifest (checked) and the peers holding shards of it, as the tracker says;
+        ``fetching``: the range this node is about to fetch, said to the tracker."""
+        answer = self._ask(ref, fetching)
         try:
             text, mac = str(answer["manifest"]), str(answer["mac"])
             raw_peers = answer.get("peers") or []
@@ -152,17 +169,31 @@ class NodeModels:
             raise PermissionDenied("shard bytes go to peers with a token")
         require_peer(caller, "pull", scope(fingerprint))
 
-    def _path_of(self, fingerprint: str, layers: LayerRange, part: int) -> Path:
+    def _path_of(
+        self, fingerprint: str, layers: LayerRange, part: int, offset: int, length: int
+    ) -> Path:
+        """The file of a shard kept here, else of one being fetched (``PeerNotYet`` for
+        bytes it has not checked yet)."""
         if not _FINGERPRINT.match(fingerprint):
             raise ModelSourceError("not a fingerprint")
-        return shard_part_path(self.cfg, fingerprint, layers, part)
+        try:
+            return shard_part_path(self.cfg, fingerprint, layers, part)
+        except ModelSourceError:
+            with self._lock:
+                live = self._live.get((fingerprint, layers))
+            if live is None:
+                raise
+            return live.path_for(part, offset, length)
 
-    def _ask(self, ref: str) -> dict[str, object]:
+    def _ask(self, ref: str, fetching: LayerRange | None) -> dict[str, object]:
         auth = NodeAuth(self._node_id, self._key)
+        params = {"ref": ref}
+        if fetching is not None and self.bulk_address is not None:
+            params |= {"fetch": f"{fetching.start}-{fetching.end}", "bulk": self.bulk_address}
         for attempt in range(1, _TRACKER_TRIES + 1):
             try:
                 r = httpx.get(
-                    f"{self._tracker}/mesh/manifest", params={"ref": ref}, auth=auth, timeout=30
+                    f"{self._tracker}/mesh/manifest", params=params, auth=auth, timeout=30
                 )
             except httpx.TransportError as e:
                 if attempt == _TRACKER_TRIES:
