@@ -117,9 +117,9 @@ def test_up_serves_a_hub_reference_each_node_fetching_only_its_layers(
         if up.stdout is not None:
             up.stdout.close()
     size = q4_size(hub.root)  # published split: three parts
-    # `up` read the file once to plan and hash it; the tracker found that in the cache.
+    # `up` read the headers to plan (the tracker found them in the cache): no tensor.
     sent = {k: v - before.get(k, 0) for k, v in hub.sent.items()}
-    assert sent["up"] == size and sent.get("tracker", 0) == 0
+    assert 0 < sent["up"] < 0.1 * size and sent.get("tracker", 0) == 0
     for node in ("node-0", "node-1"):
         assert 0 < sent[node] < 0.6 * size, (node, sent[node], size)
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 from hub_models import N_LAYERS, Q4_PARTS, Q8, REPO, q4_size, unsplit_q4, write_hub
@@ -20,8 +21,10 @@ from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import free_port
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.gguf_split import split_fingerprint
+from meshnet.model.layer_bytes import range_holds
 from meshnet.model.shard import load_shard_file
 from meshnet.model_source.config import SourceConfig
+from meshnet.model_source.manifest import Manifest
 from meshnet.model_source.reference import parse_ref
 from meshnet.model_source.remote import locate
 from meshnet.model_source.shard_store import fetch_shard, shard_path, shard_paths
@@ -118,8 +121,8 @@ def test_a_node_fetches_only_its_layers_and_computes_as_the_whole_file(
     tracked = tracker_model(ref, _cfg(hub, tmp_path, "tracker"))
     size = q4_size(hub.root)
     shas = [hub.sha256(_file(hub, p)) for p in Q4_PARTS]
-    assert tracked.manifest.fingerprint == split_fingerprint(shas)
-    assert hub.sent["tracker"] == size  # read once, as a stream
+    assert tracked.manifest.fingerprint == split_fingerprint(shas)  # the hub's, unread
+    assert 0 < hub.sent["tracker"] < 0.1 * size  # its headers (64 KiB reads), no tensor
     info = open_gguf(tracked.path)
     assert info.value("llama.block_count") == N_LAYERS  # the header, kept
     cfg = _cfg(hub, tmp_path, "node-a")
@@ -136,15 +139,46 @@ def test_a_node_fetches_only_its_layers_and_computes_as_the_whole_file(
     assert np.array_equal(_forward(shard.path, half, ids), _forward(_whole(hub), half, ids))
     again = fetch_shard(model, tracked.manifest, half, cfg)  # kept: read nothing
     assert again.fetched_bytes == 0 and hub.sent["node-a"] == shard.fetched_bytes
+    # Trust on first fetch: the tracker read no tensor of the range; the node hashed each.
+    unknown = {t.name for t in tracked.manifest.tensors if t.blake3 is None}
+    read = {n for n in unknown if range_holds(n, half, N_LAYERS, tied_head=False)}
+    assert set(shard.learned) == read
+    blk = tracked.manifest.by_name()["blk.0.attn_q.weight"]
+    with _file(hub, Q4_PARTS[blk.part]).open("rb") as fh:
+        fh.seek(blk.offset)
+        assert shard.learned[blk.name] == blake3.blake3(fh.read(blk.nbytes)).hexdigest()
+
+
+def _learned(hub: HubServer, tmp: Path, ref: str, layers: LayerRange) -> Manifest:
+    """The tracker's manifest of ``ref`` with the hashes a first clean fetch of ``layers``
+    learned, as the tracker records them."""
+    manifest = tracker_model(ref, _cfg(hub, tmp, "tracker")).manifest
+    cfg = _cfg(hub, tmp, "first")
+    first = fetch_shard(locate(parse_ref(ref), cfg), manifest, layers, cfg)
+    return manifest.with_hashes(first.learned)
+
+
+class _Ledger:
+    """A tracker's record of learned hashes, in this process (``first_fetch.Ledger``)."""
+
+    def __init__(self, held: dict[str, str]) -> None:
+        self.held, self.told = held, dict[str, str]()
+
+    def recorded(self, name: str) -> str | None:
+        return self.held.get(name)
+
+    def report(self, name: str, digest: str) -> str | None:
+        self.told[name] = digest
+        return self.held.setdefault(name, digest)
 
 
 def test_a_corrupted_byte_is_refused_by_hash_and_fetched_again(
     hub: HubServer, tmp_path: Path
 ) -> None:
     ref = f"hf:{REPO}:Q4_K_M"
-    manifest = tracker_model(ref, _cfg(hub, tmp_path, "tracker")).manifest
-    cfg = _cfg(hub, tmp_path, "node-c")
     layers = LayerRange(N_LAYERS // 2, N_LAYERS)
+    manifest = _learned(hub, tmp_path, ref, layers)
+    cfg = _cfg(hub, tmp_path, "node-c")
     target = manifest.by_name()[f"blk.{N_LAYERS - 1}.ffn_down.weight"]
     assert target.part == 2  # the last part's
     hub.corrupt(f"{REPO}/{Q4_PARTS[2]}", target.offset + 100)
@@ -159,15 +193,35 @@ def test_a_corrupted_byte_is_refused_by_hash_and_fetched_again(
     assert np.array_equal(_forward(shard.path, layers, x), _forward(_whole(hub), layers, x))
 
 
+def test_a_first_fetch_whose_bytes_are_not_the_first_nodes_is_fetched_again(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    """Trust on first fetch: a node told, when it reports, that another node's hash came
+    first fetches the tensor again and checks it against that one."""
+    ref = f"hf:{REPO}:Q4_K_M"
+    layers = LayerRange(0, 1)
+    truth = _learned(hub, tmp_path, ref, layers)
+    manifest = tracker_model(ref, _cfg(hub, tmp_path, "tracker")).manifest  # none learned
+    target = manifest.by_name()["blk.0.ffn_up.weight"]
+    ledger = _Ledger({target.name: str(truth.by_name()[target.name].blake3)})
+    hub.corrupt(f"{REPO}/{Q4_PARTS[0]}", target.offset + 7)
+    cfg = _cfg(hub, tmp_path, "node-t")
+    shard = fetch_shard(locate(parse_ref(ref), cfg), manifest, layers, cfg, ledger=ledger)
+    assert ledger.told[target.name] != ledger.held[target.name]  # the corrupted bytes' hash
+    assert target.name not in shard.learned  # checked against the first node's instead
+    ids = np.array([2, 7])
+    assert np.array_equal(_forward(shard.path, layers, ids), _forward(_whole(hub), layers, ids))
+
+
 def test_a_hash_that_never_matches_is_typed_and_leaves_nothing(
     hub: HubServer, tmp_path: Path
 ) -> None:
     ref = f"hf:{REPO}:Q4_K_M"
-    manifest = tracker_model(ref, _cfg(hub, tmp_path, "tracker")).manifest
+    layers = LayerRange(0, 1)
+    manifest = _learned(hub, tmp_path, ref, layers)
     cfg = replace(_cfg(hub, tmp_path, "node-h"), attempts=2)
     target = manifest.by_name()["blk.0.attn_q.weight"]
     hub.corrupt(f"{REPO}/{Q4_PARTS[0]}", target.offset, times=2)  # each of the two tries
-    layers = LayerRange(0, 1)
     with pytest.raises(HashMismatch):
         fetch_shard(locate(parse_ref(ref), cfg), manifest, layers, cfg)
     path = shard_path(cfg, manifest.fingerprint, layers, len(Q4_PARTS))

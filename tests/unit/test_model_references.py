@@ -4,16 +4,24 @@ of ``meshnet.model_source`` (the hub itself is in tests/integration/test_model_s
 from __future__ import annotations
 
 from collections import namedtuple
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from meshnet.auth.signing import manifest_mac, verify_manifest
-from meshnet.errors import DiskFull, ModelRefNotFound, ModelSourceError, Unauthenticated
+from meshnet.errors import (
+    DiskFull,
+    ModelRefNotFound,
+    ModelSourceError,
+    RequestError,
+    Unauthenticated,
+)
 from meshnet.model_source.files import check_room
 from meshnet.model_source.manifest import FileHash, Manifest, TensorHash, parse_manifest
 from meshnet.model_source.quant import pick_files
 from meshnet.model_source.reference import HubRef, UrlRef, is_reference, parse_ref
+from meshnet.tracker.serving.manifests import ManifestBook
 
 FILES = [
     "README.md",
@@ -106,6 +114,24 @@ def test_a_manifest_round_trips_and_refuses_what_is_malformed() -> None:
     for bad in ("{", "[]", text.replace(",4096,", ",-1,"), outside, before_data, no_part):
         with pytest.raises(ModelSourceError):
             parse_manifest(bad)
+
+
+def test_hashes_learned_on_first_fetch_fill_only_unknown_ones() -> None:
+    m = _manifest()
+    unknown = replace(m, tensors=(m.tensors[0], replace(m.tensors[1], blake3=None)))
+    assert parse_manifest(unknown.to_json()) == unknown  # null: not known yet
+    assert unknown.layout_digest() == m.layout_digest() != unknown.digest()
+    filled = unknown.with_hashes({"u": "aa" * 32, "t": "bb" * 32})
+    assert [t.blake3 for t in filled.tensors] == ["ef" * 32, "aa" * 32]
+    book = ManifestBook()
+    assert book.learn(unknown, {"u": "11" * 32}) == {"u": "11" * 32}
+    assert book.learn(unknown, {"u": "22" * 32, "t": "33" * 32}) == {
+        "u": "11" * 32,  # the first told is kept
+        "t": "ef" * 32,  # the tracker's own
+    }
+    assert parse_manifest(book.with_learned(unknown.to_json())).tensors[1].blake3 == "11" * 32
+    with pytest.raises(RequestError):
+        book.learn(unknown, {"nope": "11" * 32})
 
 
 def test_a_manifest_signed_for_one_node_is_refused_by_another() -> None:

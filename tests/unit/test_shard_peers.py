@@ -17,7 +17,7 @@ from meshnet.model_source.peers import Peer, PeerNotYet, PeerRefused, read_from_
 from meshnet.model_source.shard_store import shard_path, shard_paths
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.model_fetch import NodeModels
-from meshnet.tracker.inventory import Inventory
+from meshnet.tracker.nodes.inventory import Inventory
 
 FP = "ab" * 32
 OTHER = "cd" * 32

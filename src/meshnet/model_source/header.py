@@ -1,6 +1,6 @@
 """A remote GGUF's header, read with range requests, and the tensors a layer range needs.
 
-The header's length is not known before it is parsed: the first MiB is read,
+The header's length is not known before it is parsed: the first 64 KiB is read,
 then twice as much until it parses (``HeaderTruncated`` says when to read on). A
 split GGUF has a header per part (``ModelHeader``): the first holds the metadata,
 each its own tensors.
@@ -18,7 +18,7 @@ from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.ranged import read_range
 from meshnet.model_source.remote import RemoteFile
 
-_FIRST_READ = 1 << 20
+_FIRST_READ = 64 << 10  # then twice as much: at most twice the header is read
 MAX_HEADER_BYTES = 1 << 30  # a header past this is a corrupt count, not a vocabulary
 
 

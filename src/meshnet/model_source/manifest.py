@@ -4,17 +4,23 @@ A model is one file or a split GGUF's parts (``model.gguf_split``): the manifest
 each file (its size, where its data starts, its header's BLAKE3) and each tensor with
 the part it lies in and its offset there. The tracker computes a manifest once
 (``tracker_source``: each file read once as a stream, its sha256 checked against the
-hub's) and hands it to
+hub's; or, for a hub file, only its headers: see below) and hands it to
 each node signed with that node's key (``auth.signing.manifest_mac``), so a node
 trusts no byte the network gives it, neither the hub's nor a peer's: the header's
 bytes and each tensor's are checked by their BLAKE3 before they are used.
+
+A tensor's BLAKE3 may be unknown (``None``): a tracker that read only a hub file's
+headers (``tracker_source``) learns each tensor's hash from the first node that
+fetches it from the hub (trust on first fetch, ``with_hashes``); every later fetch,
+from the hub or a peer, is checked against it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from meshnet.errors import ModelSourceError
@@ -30,7 +36,7 @@ class TensorHash:
     name: str
     offset: int  # from the start of its file
     nbytes: int
-    blake3: str  # hex
+    blake3: str | None  # hex; None: not known yet (see the module)
     part: int = 0  # the file it lies in (a split GGUF's part, from 0)
 
     @property
@@ -79,6 +85,22 @@ class Manifest:
         """sha256 of the canonical JSON: what a signature covers."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()
 
+    def layout_digest(self) -> str:
+        """sha256 of the model's layout (fingerprint, files, tensors less their hashes):
+        the same while hashes are learned."""
+        unhashed = replace(self, tensors=tuple(replace(t, blake3=None) for t in self.tensors))
+        return unhashed.digest()
+
+    def with_hashes(self, hashes: Mapping[str, str]) -> Manifest:
+        """This manifest with the unknown hashes of ``hashes``' tensors filled in."""
+        return replace(
+            self,
+            tensors=tuple(
+                replace(t, blake3=hashes[t.name]) if t.blake3 is None and t.name in hashes else t
+                for t in self.tensors
+            ),
+        )
+
 
 def parse_manifest(text: str | bytes) -> Manifest:
     """A manifest from its JSON; ``ModelSourceError`` for anything malformed."""
@@ -115,8 +137,9 @@ def _file(f: Any) -> FileHash:
 
 def _tensor(t: Any) -> TensorHash:
     name, part, offset, nbytes, digest = t
+    known = None if digest is None else _hex(digest)
     return TensorHash(
-        _name(name, "tensor name"), _count(offset), _count(nbytes), _hex(digest), _count(part)
+        _name(name, "tensor name"), _count(offset), _count(nbytes), known, _count(part)
     )
 
 

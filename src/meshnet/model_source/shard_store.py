@@ -28,7 +28,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -37,17 +37,32 @@ import blake3
 from meshnet.errors import DiskFull, HashMismatch, ModelSourceError
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_header import parse_layout
-from meshnet.model.gguf_split import parse_split_name, split_name
 from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.files import check_room, disk_errors, sync_dir
+from meshnet.model_source.first_fetch import Ledger, await_hash
 from meshnet.model_source.header import ModelHeader, RemoteHeader
 from meshnet.model_source.live import LiveFetch
 from meshnet.model_source.manifest import Manifest, TensorHash
 from meshnet.model_source.peers import Peer, PeerRefused
 from meshnet.model_source.progress import ProgressBar
+from meshnet.model_source.shard_names import (
+    remove_shard,
+    shard_layers,
+    shard_part_path,
+    shard_path,
+    shard_paths,
+    shards_dir,
+)
 from meshnet.model_source.sources import Hub, Source, Sources
 from meshnet.model_source.sources import LocalShard as DiskShard
 
+__all__ = [  # the shard files' names, from shard_names, as callers know them here
+    "remove_shard",
+    "shard_part_path",
+    "shard_path",
+    "shard_paths",
+    "shards_dir",
+]
 log = logging.getLogger(__name__)
 _HASH_READ = 1 << 22
 
@@ -60,46 +75,7 @@ class LocalShard:
     fetched_bytes: int = 0  # read from the network by this call
     from_peers: int = 0  # of which from peers, not the hub
     from_disk: int = 0  # copied from the model's other shards on this machine
-
-
-def shard_paths(
-    cfg: SourceConfig, fingerprint: str, layers: LayerRange, parts: int = 1
-) -> tuple[Path, ...]:
-    """The files of a shard of a model of ``parts`` files: the first is what opens it."""
-    folder, stem = shards_dir(cfg) / fingerprint, f"{layers.start}-{layers.end}"
-    if parts == 1:
-        return (folder / f"{stem}.gguf",)
-    return tuple(folder / split_name(stem, i, parts) for i in range(parts))
-
-
-def shard_path(cfg: SourceConfig, fingerprint: str, layers: LayerRange, parts: int = 1) -> Path:
-    """The file a shard is opened by (its first part's, of a split GGUF)."""
-    return shard_paths(cfg, fingerprint, layers, parts)[0]
-
-
-def remove_shard(path: Path) -> None:
-    """Remove the shard opened by ``path`` (every part of a split one)."""
-    split = parse_split_name(path.name)
-    parts = [path.with_name(split.part(i)) for i in range(split.count)] if split else [path]
-    for p in parts:
-        p.unlink(missing_ok=True)
-
-
-def shard_part_path(cfg: SourceConfig, fingerprint: str, layers: LayerRange, part: int) -> Path:
-    """The file holding part ``part`` of the shard kept here, whichever way it is split
-    (what a peer asking for bytes of it names)."""
-    whole = shard_path(cfg, fingerprint, layers)
-    if whole.is_file():
-        return whole
-    pattern = f"{layers.start}-{layers.end}-{part + 1:05d}-of-*.gguf"
-    found = sorted(whole.parent.glob(pattern))
-    if not found:
-        raise ModelSourceError(f"no part {part} of {layers} of {fingerprint[:12]} here")
-    return found[0]
-
-
-def shards_dir(cfg: SourceConfig) -> Path:
-    return cfg.cache_dir / "shards"
+    learned: dict[str, str] = field(default_factory=dict)  # first-fetch hashes (first_fetch)
 
 
 @dataclass
@@ -142,12 +118,14 @@ def fetch_shard(
     progress: ProgressBar | None = None,
     peers: Sequence[Peer] = (),
     live: LiveFetch | None = None,
+    ledger: Ledger | None = None,
 ) -> LocalShard:
     """The local shard of ``layers``: as kept, or fetched now (see the module), from
     ``peers`` holding its parts first (each part from the first that gives bytes
     matching their hash), then from the hub (located only when a part needs it).
     ``live`` (made for ``shard_paths``) is told each part as it is checked, so peers
-    may read it before the fetch ends (``live``)."""
+    may read it before the fetch ends (``live``). A tensor whose hash the manifest
+    leaves unknown is fetched as ``first_fetch`` says, its hash told to ``ledger``."""
     paths = shard_paths(cfg, manifest.fingerprint, layers, len(manifest.files))
     path = paths[0]
     if path.is_file():
@@ -159,7 +137,7 @@ def fetch_shard(
         local = _local_shards(cfg, manifest, layers)
         sources = Sources(hub, list(peers), manifest, cfg, local)
         fetch = _Fetch(sources, manifest, layers, cfg, paths)
-        fetch.progress, fetch.live = progress, live
+        fetch.progress, fetch.live, fetch.ledger = progress, live, ledger
         try:
             fetch.run()
         except (HashMismatch, DiskFull):
@@ -167,7 +145,13 @@ def fetch_shard(
             raise
         got = fetch.sources
         return LocalShard(
-            path, manifest.fingerprint, layers, got.fetched, got.from_peers, got.from_disk
+            path,
+            manifest.fingerprint,
+            layers,
+            got.fetched,
+            got.from_peers,
+            got.from_disk,
+            fetch.learned,
         )
 
 
@@ -176,28 +160,13 @@ def _local_shards(cfg: SourceConfig, manifest: Manifest, layers: LayerRange) -> 
     folder, n = shards_dir(cfg) / manifest.fingerprint, len(manifest.files)
     found: list[tuple[int, tuple[Path, ...], LayerRange]] = []
     for f in folder.glob("*-*.gguf") if folder.is_dir() else []:
-        other = _shard_layers(f.name, n)
+        other = shard_layers(f.name, n)
         if other is not None and other != layers:
             overlap = min(other.end, layers.end) - max(other.start, layers.start)
             paths = shard_paths(cfg, manifest.fingerprint, other, n)
             if all(p.is_file() for p in paths):
                 found.append((-overlap, paths, other))
     return [DiskShard(paths, other) for _, paths, other in sorted(found)]
-
-
-def _shard_layers(name: str, parts: int) -> LayerRange | None:
-    """The layers of the shard whose (first) file is named ``name``, of a model of
-    ``parts`` files; None for any other file."""
-    split = parse_split_name(name)
-    if (split is None) != (parts == 1) or (split is not None and split.no != 0):
-        return None
-    stem = split.prefix if split is not None else name.removesuffix(".gguf")
-    if split is not None and split.count != parts:
-        return None
-    start, _, end = stem.partition("-")
-    if start.isdigit() and end.isdigit() and int(start) < int(end):
-        return LayerRange(int(start), int(end))
-    return None
 
 
 @contextlib.contextmanager
@@ -227,13 +196,15 @@ class _Fetch:
         self.paths, self.path = paths, paths[0]
         self.progress: ProgressBar | None = None
         self.live: LiveFetch | None = None
+        self.ledger: Ledger | None = None
+        self.learned: dict[str, str] = {}
         self.partials = [p.with_name(p.name + ".partial") for p in paths]
         self.state_path = self.path.with_name(self.path.name + ".state.json")
 
     def run(self) -> None:
-        state = _State.load(self.state_path, self.manifest.digest())
+        state = _State.load(self.state_path, self.manifest.layout_digest())
         if not all(p.is_file() for p in self.partials):
-            state = _State(self.manifest.digest())
+            state = _State(self.manifest.layout_digest())
         with disk_errors(self.path), contextlib.ExitStack() as stack:
             fhs = [stack.enter_context(self._open(i)) for i in range(len(self.paths))]
             header = ModelHeader(tuple(self._header(fhs, i, state) for i in range(len(fhs))))
@@ -316,7 +287,16 @@ class _Fetch:
         return out
 
     def _tensor(self, fh: BinaryIO, t: TensorHash, state: _State, header: ModelHeader) -> None:
-        for source in self.sources.order(lambda layers: header.holds(t.name, layers)):
+        def holds(layers: LayerRange) -> bool:
+            return header.holds(t.name, layers)
+
+        held = any(holds(p.layers) for p in self.sources.peers)
+        if t.blake3 is None and self.ledger is not None and held:  # its hash may come
+            t = replace(t, blake3=await_hash(self.ledger, t.name, self.cfg.peer_wait_s))
+        if t.blake3 is None:
+            self._first_fetch(fh, t, state, header)
+            return
+        for source in self.sources.order(holds):
             try:
                 digest = self._download(fh, t, state, source)
             except PeerRefused as e:
@@ -330,6 +310,29 @@ class _Fetch:
             self.sources.mismatch(source, f"tensor {t.name}")
             state.done[t.name] = 0
         raise HashMismatch(f"{self.path.name}: tensor {t.name!r} never matched its manifest hash")
+
+    def _first_fetch(self, fh: BinaryIO, t: TensorHash, state: _State, header: ModelHeader) -> None:
+        """``t`` of unknown hash: from this machine's shards or the hub, its hash reported
+        (``first_fetch``); fetched again, checked, when the tracker holds another."""
+        holds = lambda layers: header.holds(t.name, layers)  # noqa: E731
+        for source in self.sources.order(holds, peers=False):
+            try:
+                digest = self._download(fh, t, state, source)
+            except PeerRefused as e:
+                self.sources.drop(source, e)
+                state.done[t.name] = 0
+                continue
+            recorded = self.ledger.report(t.name, digest) if self.ledger is not None else None
+            if recorded is not None and recorded != digest:
+                log.warning("tensor %s: the tracker holds another hash; fetched again", t.name)
+                state.done[t.name] = 0
+                self._tensor(fh, replace(t, blake3=recorded), state, header)
+                return
+            self.learned[t.name] = digest
+            state.verified.add(t.name)
+            state.save(self.state_path)
+            return
+        raise HashMismatch(f"{self.path.name}: tensor {t.name!r} could not be fetched")
 
     def _download(self, fh: BinaryIO, t: TensorHash, state: _State, source: Source) -> str:
         """Fetch what ``t`` lacks from ``source``; the BLAKE3 of all its bytes: of the part

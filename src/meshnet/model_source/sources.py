@@ -72,13 +72,16 @@ class Sources:
         self.from_peers = 0  # of which from peers
         self.from_disk = 0  # copied from local shards
 
-    def order(self, holds: Callable[[LayerRange], bool] | None) -> Iterator[Source]:
-        """The sources to try for one part, in order: local shards and peers holding it
-        (``holds`` of their layers; None: every one), then the hub ``cfg.attempts`` times."""
+    def order(
+        self, holds: Callable[[LayerRange], bool] | None, peers: bool = True
+    ) -> Iterator[Source]:
+        """The sources to try for one part, in order: local shards and (unless not
+        ``peers``) peers holding it (``holds`` of their layers; None: every one), then
+        the hub ``cfg.attempts`` times."""
         for shard in list(self.local):
             if shard in self.local and (holds is None or holds(shard.layers)):
                 yield shard
-        for peer in list(self.peers):
+        for peer in list(self.peers) if peers else ():
             if peer in self.peers and (holds is None or holds(peer.layers)):
                 yield peer
         for _ in range(self.cfg.attempts):

@@ -1,18 +1,19 @@
 """What a tracker keeps of a referenced model: its header, a few small tensors, the manifest.
 
-``tracker_model`` reads each file of the model (one, or a split GGUF's parts) once
-as a stream (range requests, retried and resumed like any fetch) and keeps only
-its header, the tensors every range reads (``rope_freqs``: the spec reads its
-values) in a sparse copy of the file at their own offsets, and the manifest of
-every tensor's BLAKE3, each file's sha256 checked against the hub's. Both are kept
-in the cache, so a restarted tracker reads nothing from the network. A local file
-stays where it is.
+Of a hub model (whose files' sha256s the hub gives), ``tracker_model`` reads only the
+headers and those tensors (``header_manifest``: the other tensors' hashes are learned
+from the nodes that fetch them first). Of a plain URL it reads each file of the
+model (one, or a split GGUF's parts) once as a stream (range requests, retried and
+resumed like any fetch) and keeps only its header, the tensors every range reads
+(``rope_freqs``: the spec reads its values) in a sparse copy of the file at their
+own offsets, and the manifest of every tensor's BLAKE3. Both are kept in the cache,
+so a restarted tracker reads nothing from the network. A local file stays where it
+is.
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,13 +25,12 @@ from meshnet.model.gguf_split import model_stem, split_fingerprint
 from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.files import atomic_write, sparse_partial, store_dir
 from meshnet.model_source.header import fetch_header
+from meshnet.model_source.header_manifest import PER_RANGE, headers_manifest
 from meshnet.model_source.manifest import FileHash, Manifest, TensorHash, parse_manifest
 from meshnet.model_source.progress import OnBytes
 from meshnet.model_source.ranged import stream_range
 from meshnet.model_source.reference import parse_ref
 from meshnet.model_source.remote import RemoteFile, RemoteModel, hf_headers, locate
-
-_PER_RANGE = re.compile(r"^(blk\.\d+\.|token_embd\.|output_norm\.|output\.)")
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,10 @@ def _base(f: RemoteFile) -> str:
 def _build(
     model: RemoteModel, paths: list[Path], cfg: SourceConfig, progress: OnBytes | None
 ) -> Manifest:
+    """The manifest: from the headers alone when the source gives each file's sha256 (the
+    hub), else from every file read once as a stream (a plain URL)."""
+    if model.fingerprint is not None:
+        return headers_manifest(model, model.fingerprint, paths, cfg, progress)
     headers = hf_headers(model, cfg)
     files, tensors, shas = [], [], []
     for part, (f, path) in enumerate(zip(model.files, paths, strict=True)):
@@ -108,7 +112,7 @@ def _build_file(
     spans = sorted(header.spans().items(), key=lambda kv: kv[1][0])
     hasher = _StreamHasher([(n, o, b) for n, (o, b) in spans])
     whole = hashlib.sha256()
-    keep = [(o, o + b) for n, (o, b) in spans if not _PER_RANGE.match(n)]
+    keep = [(o, o + b) for n, (o, b) in spans if not PER_RANGE.match(n)]
     with sparse_partial(path, f.size) as fh:
 
         def sink(offset: int, data: bytes) -> None:

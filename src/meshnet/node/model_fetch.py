@@ -11,7 +11,9 @@ bulk port (``serve_peer``) with a token the tracker issued them; its heartbeats
 report them (``holdings``). A node asking for the manifest to fetch a range says so
 (``fetch``, with its bulk address): the tracker names it to a node fetching the same
 range after it, which reads each tensor from it as soon as it is checked here
-(``model_source.live``: a single flight), not from the hub.
+(``model_source.live``: a single flight), not from the hub. The hashes of tensors it
+fetches first (the manifest leaves them unknown) go to the tracker as it checks them
+(``model_source.first_fetch``).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class NodeModels:
                 bar,
                 peers,
                 live,
+                _TrackerLedger(self, ref),
             )
         finally:
             bar.close()
@@ -136,6 +139,25 @@ class NodeModels:
             raise ModelSourceError("the tracker's manifest answer is malformed") from None
         verify_manifest(self._key, self._node_id, hashlib.sha256(text.encode()).hexdigest(), mac)
         return parse_manifest(text), peers
+
+    def report_hashes(self, ref: str, hashes: dict[str, str]) -> dict[str, str]:
+        """Tell the tracker the hashes of tensors fetched first here; the hashes it holds
+        for them after (none when it did not answer: the fetch goes on unreported)."""
+        try:
+            r = httpx.post(
+                f"{self._tracker}/mesh/hashes",
+                json={"ref": ref, "hashes": hashes},
+                auth=NodeAuth(self._node_id, self._key),
+                timeout=30,
+            )
+            held = r.json().get("recorded") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as e:
+            log.warning("the tracker did not take %d learned hashes: %s", len(hashes), e)
+            return {}
+        if not isinstance(held, dict):
+            log.warning("the tracker refused learned hashes: %s", r.status_code)
+            return {}
+        return {str(k): str(v) for k, v in held.items() if isinstance(v, str)}
 
     def holdings(self) -> Holdings:
         """What heartbeats report: the bulk port, the whole shards in the cache, and the
@@ -209,6 +231,24 @@ class NodeModels:
                 raise ModelSourceError("the tracker's manifest answer is malformed")
             return body
         raise FetchFailed(f"the tracker did not answer for {ref}")
+
+
+class _TrackerLedger:
+    """``first_fetch.Ledger`` through this node's tracker."""
+
+    def __init__(self, models: NodeModels, ref: str) -> None:
+        self._models, self._ref = models, ref
+
+    def recorded(self, name: str) -> str | None:
+        try:
+            t = self._models.manifest(self._ref).by_name().get(name)
+        except MeshnetError as e:
+            log.warning("no manifest from the tracker: %s", e)
+            return None
+        return t.blake3 if t is not None else None
+
+    def report(self, name: str, digest: str) -> str | None:
+        return self._models.report_hashes(self._ref, {name: digest}).get(name)
 
 
 def _peer(raw: Any) -> Peer:
