@@ -15,6 +15,8 @@ import pytest
 from hub_models import N_LAYERS, Q4_PARTS, Q8, REPO, q4_size, unsplit_q4, write_hub
 from hub_server import HubServer
 
+from meshnet.auth.keys import new_secret
+from meshnet.auth.mesh_keys import MeshKeys
 from meshnet.backends.base import BatchEntry
 from meshnet.errors import DiskFull, FetchFailed, HashMismatch, ModelRefNotFound
 from meshnet.layer_range import LayerRange
@@ -25,11 +27,14 @@ from meshnet.model.layer_bytes import range_holds
 from meshnet.model.shard import load_shard_file
 from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.manifest import Manifest
+from meshnet.model_source.peers import Peer, scope
 from meshnet.model_source.reference import parse_ref
 from meshnet.model_source.remote import locate
 from meshnet.model_source.shard_store import fetch_shard, shard_path, shard_paths
 from meshnet.model_source.tracker_source import tracker_model
 from meshnet.model_source.whole import local_model_path
+from meshnet.node.kv_offers import KVOffers
+from meshnet.node.model_fetch import NodeModels
 
 
 @pytest.fixture(scope="module")
@@ -162,9 +167,10 @@ class _Ledger:
     """A tracker's record of learned hashes, in this process (``first_fetch.Ledger``)."""
 
     def __init__(self, held: dict[str, str]) -> None:
-        self.held, self.told = held, dict[str, str]()
+        self.held, self.told, self.asked = held, dict[str, str](), set[str]()
 
     def recorded(self, name: str) -> str | None:
+        self.asked.add(name)
         return self.held.get(name)
 
     def report(self, name: str, digest: str) -> str | None:
@@ -211,6 +217,33 @@ def test_a_first_fetch_whose_bytes_are_not_the_first_nodes_is_fetched_again(
     assert target.name not in shard.learned  # checked against the first node's instead
     ids = np.array([2, 7])
     assert np.array_equal(_forward(shard.path, layers, ids), _forward(_whole(hub), layers, ids))
+
+
+def test_a_fetching_peer_whose_hashes_never_come_is_waited_on_once(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    """A single flight whose first node never reports: the second waits (bounded) for
+    one tensor's hash, then takes the rest from the hub without waiting again."""
+    ref = f"hf:{REPO}:Q4_K_M"
+    layers = LayerRange(0, 2)
+    manifest = tracker_model(ref, _cfg(hub, tmp_path, "tracker")).manifest
+    holder_cfg = _cfg(hub, tmp_path, "holder")
+    fetch_shard(locate(parse_ref(ref), holder_cfg), manifest, layers, holder_cfg)
+    keys = MeshKeys(new_secret())
+    holder = NodeModels("http://unused", "holder", keys.node_key("holder"), holder_cfg)
+    offers = KVOffers("127.0.0.1", "127.0.0.1", shards=holder.serve_peer)
+    try:
+        token = keys.peer("holder", "node-g", "pull", scope(manifest.fingerprint))
+        stalled = Peer("holder", offers.address, layers, token, fetching=True)
+        ledger = _Ledger({})
+        cfg = replace(_cfg(hub, tmp_path, "node-g"), peer_wait_s=0.3)
+        model = locate(parse_ref(ref), cfg)
+        shard = fetch_shard(model, manifest, layers, cfg, peers=[stalled], ledger=ledger)
+    finally:
+        offers.close()
+    assert len(ledger.asked) == 1 and set(ledger.told) == set(shard.learned)
+    assert shard.from_peers == sum(f.header_bytes for f in manifest.files)  # headers only
+    assert hub.sent["node-g"] == shard.fetched_bytes - shard.from_peers
 
 
 def test_a_hash_that_never_matches_is_typed_and_leaves_nothing(

@@ -39,6 +39,7 @@ class Peer:
     address: str  # its bulk port, host:port
     layers: LayerRange
     token: str  # lets this node read that peer's shards of the model
+    fetching: bool = False  # still fetching them itself (``live``)
 
 
 class PeerRefused(MeshnetError):

@@ -290,9 +290,11 @@ class _Fetch:
         def holds(layers: LayerRange) -> bool:
             return header.holds(t.name, layers)
 
-        held = any(holds(p.layers) for p in self.sources.peers)
-        if t.blake3 is None and self.ledger is not None and held:  # its hash may come
+        fetching = [p for p in self.sources.peers if p.fetching and holds(p.layers)]
+        if t.blake3 is None and self.ledger is not None and fetching:  # its hash may come
             t = replace(t, blake3=await_hash(self.ledger, t.name, self.cfg.peer_wait_s))
+            for peer in fetching if t.blake3 is None else ():  # no wait on them again
+                self.sources.drop(peer, ModelSourceError("its hashes do not come"))
         if t.blake3 is None:
             self._first_fetch(fh, t, state, header)
             return

@@ -256,7 +256,7 @@ def _peer(raw: Any) -> Peer:
     address, node_id, token = str(raw["address"]), str(raw["node_id"]), str(raw["token"])
     if not address or len(address) > 256 or len(token) > 1024:
         raise ValueError("a malformed peer")
-    return Peer(node_id, address, layers, token)
+    return Peer(node_id, address, layers, token, raw.get("fetching") is True)
 
 
 def progress_wanted() -> bool:
