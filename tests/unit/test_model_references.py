@@ -134,6 +134,17 @@ def test_hashes_learned_on_first_fetch_fill_only_unknown_ones() -> None:
         book.learn(unknown, {"nope": "11" * 32})
 
 
+def test_learned_hashes_outlive_a_tracker_restart(tmp_path: Path) -> None:
+    m = _manifest()
+    unknown = replace(m, tensors=(m.tensors[0], replace(m.tensors[1], blake3=None)))
+    ManifestBook(tmp_path).learn(unknown, {"u": "11" * 32})
+    with (tmp_path / f"{m.fingerprint}.jsonl").open("a") as fh:
+        fh.write('["u", "2')  # a write torn by a crash
+    again = ManifestBook(tmp_path)  # restarted
+    assert again.learn(unknown, {"u": "33" * 32}) == {"u": "11" * 32}
+    assert parse_manifest(again.with_learned(unknown.to_json())).tensors[1].blake3 == "11" * 32
+
+
 def test_a_manifest_signed_for_one_node_is_refused_by_another() -> None:
     key_a, key_b, digest = "11" * 32, "22" * 32, _manifest().digest()
     mac = manifest_mac(key_a, "node-a", digest)

@@ -8,18 +8,20 @@ latest ``MAX_ENTRIES``.
 
 It also keeps the tensor hashes nodes learned (trust on first fetch,
 ``model_source.first_fetch``): the first hash told for a tensor whose hash the
-manifest leaves unknown is kept, and every manifest given after carries it. In
-memory: a restarted tracker learns them again.
+manifest leaves unknown is kept (``learned_hashes``: on disk too, when given a
+folder), and every manifest given after carries it.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from pathlib import Path
 
 from meshnet.errors import RequestError
 from meshnet.model.info import ModelInfo
 from meshnet.model_source.manifest import Manifest, parse_manifest
+from meshnet.tracker.serving.learned_hashes import LearnedHashes
 
 MAX_ENTRIES = 64
 
@@ -27,9 +29,9 @@ MAX_ENTRIES = 64
 class ManifestBook:
     """Reference -> manifest JSON. Thread-safe (loads run in worker threads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, learned_dir: Path | None = None) -> None:
         self._by_ref: OrderedDict[str, str] = OrderedDict()
-        self._learned: dict[str, dict[str, str]] = {}  # fingerprint -> tensor -> BLAKE3
+        self._learned = LearnedHashes(learned_dir)
         self._lock = threading.Lock()
 
     def note(self, info: ModelInfo) -> ModelInfo:
@@ -49,8 +51,7 @@ class ManifestBook:
     def with_learned(self, text: str) -> str:
         """The manifest ``text`` with the hashes learned for its model filled in."""
         manifest = parse_manifest(text)
-        with self._lock:
-            learned = dict(self._learned.get(manifest.fingerprint, {}))
+        learned = self._learned.of(manifest.fingerprint)
         return manifest.with_hashes(learned).to_json() if learned else text
 
     def learn(self, manifest: Manifest, hashes: dict[str, str]) -> dict[str, str]:
@@ -62,11 +63,6 @@ class ManifestBook:
         for name in hashes:
             if name not in unknown and name not in known:
                 raise RequestError(f"the model has no tensor {name[:64]!r}")
-        with self._lock:
-            kept = self._learned.setdefault(manifest.fingerprint, {})
-            while len(self._learned) > MAX_ENTRIES:
-                del self._learned[next(iter(self._learned))]
-            for name, digest in hashes.items():
-                if name in unknown:
-                    kept.setdefault(name, digest)
-            return {n: known.get(n) or kept[n] for n in hashes}
+        fresh = {n: d for n, d in hashes.items() if n in unknown}
+        held = self._learned.learn(manifest.fingerprint, fresh)
+        return {n: known.get(n) or held[n] for n in hashes}
