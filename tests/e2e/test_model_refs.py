@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hub_models import N_LAYERS, Q4, Q8, REPO, write_hub
+from hub_models import N_LAYERS, Q4_PARTS, Q8, REPO, q4_size, unsplit_q4, write_hub
 from hub_server import HubServer
 
 from meshnet.auth.credentials import CREDENTIALS_FILE, read_user_credentials
@@ -110,16 +110,16 @@ def test_up_serves_a_hub_reference_each_node_fetching_only_its_layers(
             json={"model": "tiny-Q4_K_M", "prompt": PROMPT, "max_tokens": 12, "temperature": 0},
         )
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == _solo_text(hub.root / REPO / Q4, 12)
+        assert r.json()["choices"][0]["text"] == _solo_text(unsplit_q4(hub.root), 12)
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(timeout=60)
         if up.stdout is not None:
             up.stdout.close()
-    size = (hub.root / REPO / Q4).stat().st_size
-    # `up` read the file once to plan and hash it; the tracker found that in the cache.
+    size = q4_size(hub.root)  # published split: three parts
+    # `up` read the headers to plan (the tracker found them in the cache): no tensor.
     sent = {k: v - before.get(k, 0) for k, v in hub.sent.items()}
-    assert sent["up"] == size and sent.get("tracker", 0) == 0
+    assert 0 < sent["up"] < 0.1 * size and sent.get("tracker", 0) == 0
     for node in ("node-0", "node-1"):
         assert 0 < sent[node] < 0.6 * size, (node, sent[node], size)
 
@@ -136,7 +136,7 @@ def test_a_missing_quantization_is_a_typed_error_naming_the_files(
     )
     assert done.returncode == 2
     assert "model-ref-not-found" in done.stderr
-    assert Q4 in done.stderr and Q8 in done.stderr
+    assert Q4_PARTS[0] in done.stderr and Q8 in done.stderr
 
 
 def test_generate_runs_a_hub_file_as_the_same_file_by_path(hub: HubServer, tmp_path: Path) -> None:
@@ -152,6 +152,7 @@ def test_generate_runs_a_hub_file_as_the_same_file_by_path(hub: HubServer, tmp_p
         return done.stdout
 
     assert text(f"hf:{REPO}/{Q8}") == text(str(hub.root / REPO / Q8))
+    assert text(f"hf:{REPO}:Q4_K_M") == text(str(unsplit_q4(hub.root)))  # split: its parts
 
 
 def test_admin_serve_of_a_reference_loads_it_on_empty_nodes(
@@ -230,7 +231,7 @@ def test_a_second_node_fetches_its_range_from_the_first_not_the_hub(
             json={"model": "tiny-Q4_K_M", "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
         )
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == _solo_text(hub.root / REPO / Q4, 8)
+        assert r.json()["choices"][0]["text"] == _solo_text(unsplit_q4(hub.root), 8)
         held = httpx.get(f"{mesh.url}/admin/inventory", headers=mesh.admin_headers, timeout=10)
         assert held.status_code == 200, held.text
         ranges = {n["node_id"]: [s["layers"] for s in n["shards"]] for n in held.json()["nodes"]}
@@ -239,7 +240,7 @@ def test_a_second_node_fetches_its_range_from_the_first_not_the_hub(
         _widened_from_disk_and_peers(mesh, tmp_path / "second", half)
     finally:
         mesh.stop()
-    size = (hub.root / REPO / Q4).stat().st_size
+    size = q4_size(hub.root)
     assert 0.3 * size < hub.sent["first"] < 0.6 * size
     assert hub.sent["second"] == 0  # every byte, header included, from the first node
     assert (tmp_path / "second" / "shards").is_dir()
@@ -258,12 +259,13 @@ def _models_shows_and_prunes(
     assert [line.split()[:3] for line in shown.splitlines() if line.startswith("first")] == [
         ["first", "tiny-Q4_K_M", f"0:{N_LAYERS // 2}"]
     ]
-    (served,) = (cache / "shards").glob("*/*.gguf")
-    stale = served.with_name("0-1.gguf")
+    served = sorted((cache / "shards").glob("*/*.gguf"))
+    assert [p.name for p in served] == [f"0-{N_LAYERS // 2}-{p[-19:]}" for p in Q4_PARTS]
+    stale = served[0].with_name("0-1.gguf")
     stale.write_bytes(b"GGUF")
     assert main(["models", "prune", *admin, "--model-cache", str(cache)]) == 0
     assert "removed 1 file(s)" in capsys.readouterr().out
-    assert served.is_file() and not stale.exists()
+    assert all(p.is_file() for p in served) and not stale.exists()
 
 
 def _fetch_seen(mesh: LocalMesh, serving: Future[httpx.Response]) -> dict[str, Any]:
@@ -351,7 +353,7 @@ def _widened_from_disk_and_peers(mesh: LocalMesh, cache: Path, half: int) -> Non
     """``second`` reconfigured from ``[0, half)`` to ``[0, half + 2)``: its layers below
     ``half`` come from its own shard, the two more from ``tail`` (a peer), and its old
     shard file is dropped."""
-    (old,) = (cache / "shards").glob("*/*.gguf")
+    old = sorted((cache / "shards").glob("*/*.gguf"))
     body = {"t3": {"layer_start": 0, "layer_end": half + 2}}
     r = httpx.post(
         f"{mesh.url}/admin/nodes/second/configure",
@@ -360,5 +362,57 @@ def _widened_from_disk_and_peers(mesh: LocalMesh, cache: Path, half: int) -> Non
         timeout=120,
     )
     assert r.status_code == 200 and r.json()["applied"], r.text
-    assert [p.name for p in (cache / "shards").glob("*/*.gguf")] == [f"0-{half + 2}.gguf"]
-    assert not old.exists()
+    now = sorted(p.name for p in (cache / "shards").glob("*/*.gguf"))
+    assert now == [f"0-{half + 2}-{p[-19:]}" for p in Q4_PARTS]
+    assert not any(p.exists() for p in old)
+
+
+def test_a_node_fetching_a_range_another_is_fetching_reads_it_from_that_one(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    """A single flight: ``follow`` starts fetching ``lead``'s range while ``lead`` is still
+    fetching it from a slow hub; the tracker names ``lead`` to it, and every byte of its
+    shard comes from ``lead`` as ``lead`` checks it, none from the hub."""
+    half = N_LAYERS // 2
+    mesh = LocalMesh(
+        data_dir=tmp_path / "mesh",
+        model=f"hf:{REPO}:Q4_K_M",
+        extra_env=_hub_env(hub, tmp_path),
+        tracker_args=["--replicas", "0"],
+    )
+
+    def node(name: str, layers: LayerRange) -> None:
+        mesh.start_node(name, layers, extra=["--model-cache", str(tmp_path / name)])
+
+    before = dict(hub.sent)
+    try:
+        mesh.start_tracker()
+        mesh.wait_ready(expected_nodes=0, timeout_s=120, need_route=False)
+        hub.throttle(2.0)  # slow: lead is midway when follow begins (then fast again)
+        try:
+            node("lead", LayerRange(0, half))
+            _verified_midway(tmp_path / "lead", lambda names: len(names) > 0)
+            node("follow", LayerRange(0, half))
+            _verified_midway(tmp_path / "follow", lambda names: len(names) > 0)
+            # follow has checked tensors while lead's shard was not whole yet
+            assert list((tmp_path / "lead").glob("shards/*/*.partial"))
+        finally:
+            hub.throttle(0)
+        node("tail", LayerRange(half, N_LAYERS))
+        mesh.wait_ready(expected_nodes=3, timeout_s=120)
+        r = httpx.post(
+            f"{mesh.url}/v1/completions",
+            headers=mesh.api_headers,
+            timeout=120,
+            json={"model": "tiny-Q4_K_M", "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == _solo_text(unsplit_q4(hub.root), 8)
+    finally:
+        hub.throttle(0)
+        mesh.stop()
+    sent = {k: v - before.get(k, 0) for k, v in hub.sent.items()}
+    size = q4_size(hub.root)
+    assert 0.3 * size < sent["lead"] < 0.6 * size
+    assert sent.get("follow", 0) == 0  # the hub gave its range once, to lead
+    assert len(list((tmp_path / "follow").glob("shards/*/*.gguf"))) == len(Q4_PARTS)

@@ -4,16 +4,24 @@ of ``meshnet.model_source`` (the hub itself is in tests/integration/test_model_s
 from __future__ import annotations
 
 from collections import namedtuple
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from meshnet.auth.signing import manifest_mac, verify_manifest
-from meshnet.errors import DiskFull, ModelRefNotFound, ModelSourceError, Unauthenticated
+from meshnet.errors import (
+    DiskFull,
+    ModelRefNotFound,
+    ModelSourceError,
+    RequestError,
+    Unauthenticated,
+)
 from meshnet.model_source.files import check_room
-from meshnet.model_source.manifest import Manifest, TensorHash, parse_manifest
+from meshnet.model_source.manifest import FileHash, Manifest, TensorHash, parse_manifest
 from meshnet.model_source.quant import pick_files
 from meshnet.model_source.reference import HubRef, UrlRef, is_reference, parse_ref
+from meshnet.tracker.serving.manifests import ManifestBook
 
 FILES = [
     "README.md",
@@ -88,17 +96,53 @@ def test_without_a_default_file_the_only_model_is_taken() -> None:
 
 
 def _manifest() -> Manifest:
-    return Manifest("ab" * 32, 4096, 1024, "cd" * 32, (TensorHash("t", 1024, 100, "ef" * 32),))
+    files = (FileHash("m-00001-of-00002.gguf", 4096, 1024, "cd" * 32),)
+    files += (FileHash("m-00002-of-00002.gguf", 2048, 512, "dd" * 32),)
+    tensors = (TensorHash("t", 1024, 100, "ef" * 32), TensorHash("u", 512, 100, "ef" * 32, 1))
+    return Manifest("ab" * 32, files, tensors)
 
 
 def test_a_manifest_round_trips_and_refuses_what_is_malformed() -> None:
     m = _manifest()
     assert parse_manifest(m.to_json()) == m
     assert parse_manifest(m.to_json()).digest() == m.digest()
-    outside = m.to_json().replace('"t",1024,100', '"t",4090,100')
-    for bad in ("{", "[]", m.to_json().replace('"size":4096', '"size":-1'), outside):
+    assert m.size == 4096 + 2048
+    text = m.to_json()
+    outside = text.replace('"t",0,1024,100', '"t",0,4090,100')
+    before_data = text.replace('"u",1,512,100', '"u",1,100,100')
+    no_part = text.replace('"u",1,512', '"u",2,512')
+    for bad in ("{", "[]", text.replace(",4096,", ",-1,"), outside, before_data, no_part):
         with pytest.raises(ModelSourceError):
             parse_manifest(bad)
+
+
+def test_hashes_learned_on_first_fetch_fill_only_unknown_ones() -> None:
+    m = _manifest()
+    unknown = replace(m, tensors=(m.tensors[0], replace(m.tensors[1], blake3=None)))
+    assert parse_manifest(unknown.to_json()) == unknown  # null: not known yet
+    assert unknown.layout_digest() == m.layout_digest() != unknown.digest()
+    filled = unknown.with_hashes({"u": "aa" * 32, "t": "bb" * 32})
+    assert [t.blake3 for t in filled.tensors] == ["ef" * 32, "aa" * 32]
+    book = ManifestBook()
+    assert book.learn(unknown, {"u": "11" * 32}) == {"u": "11" * 32}
+    assert book.learn(unknown, {"u": "22" * 32, "t": "33" * 32}) == {
+        "u": "11" * 32,  # the first told is kept
+        "t": "ef" * 32,  # the tracker's own
+    }
+    assert parse_manifest(book.with_learned(unknown.to_json())).tensors[1].blake3 == "11" * 32
+    with pytest.raises(RequestError):
+        book.learn(unknown, {"nope": "11" * 32})
+
+
+def test_learned_hashes_outlive_a_tracker_restart(tmp_path: Path) -> None:
+    m = _manifest()
+    unknown = replace(m, tensors=(m.tensors[0], replace(m.tensors[1], blake3=None)))
+    ManifestBook(tmp_path).learn(unknown, {"u": "11" * 32})
+    with (tmp_path / f"{m.fingerprint}.jsonl").open("a") as fh:
+        fh.write('["u", "2')  # a write torn by a crash
+    again = ManifestBook(tmp_path)  # restarted
+    assert again.learn(unknown, {"u": "33" * 32}) == {"u": "11" * 32}
+    assert parse_manifest(again.with_learned(unknown.to_json())).tensors[1].blake3 == "11" * 32
 
 
 def test_a_manifest_signed_for_one_node_is_refused_by_another() -> None:

@@ -100,7 +100,8 @@ def run(args: argparse.Namespace, make_model: ModelMaker, goals: Goals) -> None:
     bin_dir = find_llamacpp(args.llamacpp)
     path: Path = args.model or make_model(bin_dir)
     file = open_gguf(path)
-    print(f"model {path} ({path.stat().st_size / 1e9:.2f} GB), backend {args.backend}")
+    size = sum(p.stat().st_size for p in file.parts)  # a split GGUF: its parts together
+    print(f"model {path} ({size / 1e9:.2f} GB), backend {args.backend}")
     if bin_dir is None:
         print("llama.cpp not found (bench/build_llamacpp.sh): meshnet's figures alone")
     step = step_bytes(file)

@@ -11,7 +11,6 @@ from meshnet.model_source.info import model_info
 from meshnet.model_source.progress import ProgressBar
 from meshnet.model_source.reference import is_reference, parse_ref
 from meshnet.model_source.remote import locate
-from meshnet.model_source.tracker_source import single_file
 from meshnet.model_source.whole import local_model_path
 
 MODEL_HELP = (
@@ -47,5 +46,5 @@ def header_info(text: str | None, client: str = "cli") -> ModelInfo:
 
 
 def _bar(text: str, client: str) -> ProgressBar:
-    size = single_file(locate(parse_ref(text), source_config(client))).size
+    size = locate(parse_ref(text), source_config(client)).size
     return ProgressBar(text, size)

@@ -5,7 +5,9 @@ The header is parsed by ``gguf_header`` (the ``gguf`` package's reader takes
 damaged file gives callers a ``ModelFileError`` naming the file and what is
 wrong. Tensor extents are checked against the file size so that a truncated
 file fails at open time, not halfway through loading a shard. Tensors are
-``gguf.ReaderTensor`` objects whose ``data`` views the file's memory map.
+``gguf.ReaderTensor`` objects whose ``data`` views the file's memory map. A split
+GGUF (``gguf_split``) is opened by its first part: its parts' tensors together, each
+viewing its own part's map.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import gguf
 import numpy as np
 
 from meshnet.errors import ModelFileError
-from meshnet.model.gguf_header import parse_header
+from meshnet.model.gguf_header import GGUFHeader, parse_header
+from meshnet.model.gguf_split import check_part, model_parts, split_fingerprint
 
 _HASH_CHUNK = 1 << 22
 
@@ -35,6 +38,17 @@ class GGUFFile:
     metadata: dict[str, Any] = field(repr=False)
     tensors: dict[str, gguf.ReaderTensor] = field(repr=False)
     _fingerprint: str | None = field(default=None, repr=False)
+    # A split GGUF's files in order (one file: ``(path,)``) and the part of each tensor.
+    parts: tuple[Path, ...] = field(default=(), repr=False)
+    part_of: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            self.parts = (self.path,)
+
+    def tensor_path(self, name: str) -> Path:
+        """The file holding tensor ``name``'s bytes (a split GGUF's part)."""
+        return self.parts[self.part_of.get(name, 0)]
 
     def has(self, key: str) -> bool:
         return key in self.metadata
@@ -63,10 +77,11 @@ class GGUFFile:
         """
         nbytes = _expected_bytes(t)
         out = np.empty(nbytes, np.uint8)
-        with self.path.open("rb", buffering=0) as fh:
+        path = self.tensor_path(t.name)
+        with path.open("rb", buffering=0) as fh:
             fh.seek(int(t.data_offset))
             if fh.readinto(out.data) != nbytes:
-                raise ModelFileError(f"{self.path.name}: tensor {t.name!r} is truncated")
+                raise ModelFileError(f"{path.name}: tensor {t.name!r} is truncated")
         return out
 
     def known_fingerprint(self, fingerprint: str) -> None:
@@ -75,18 +90,39 @@ class GGUFFile:
         self._fingerprint = fingerprint
 
     def fingerprint(self) -> str:
-        """The sha256 of the whole file, hex: the model's identity on the mesh."""
+        """The sha256 of the whole file, hex: the model's identity on the mesh (of a split
+        GGUF, the sha256 of its parts' sha256s: ``gguf_split.split_fingerprint``)."""
         if self._fingerprint is None:
-            self._fingerprint = sha256_file(self.path)
+            self._fingerprint = split_fingerprint([sha256_file(p) for p in self.parts])
         return self._fingerprint
 
 
 def open_gguf(path: str | os.PathLike[str], fingerprint: str | None = None) -> GGUFFile:
     """Parse ``path`` as GGUF; raise ``ModelFileError`` if it is missing, corrupt or truncated.
-    ``fingerprint``: see ``GGUFFile.known_fingerprint``."""
+    A split GGUF's first part opens every part (``gguf_split``). ``fingerprint``: see
+    ``GGUFFile.known_fingerprint``."""
     p = Path(path)
     if not p.is_file():
         raise ModelFileError(f"{p}: no such model file")
+    parts = model_parts(p)
+    headers = [_parse(part) for part in parts]
+    if len(parts) == 1:
+        return GGUFFile(p, headers[0].metadata, headers[0].tensors, fingerprint)
+    tensors: dict[str, gguf.ReaderTensor] = {}
+    part_of: dict[str, int] = {}
+    total = 0
+    for i, (part, header) in enumerate(zip(parts, headers, strict=True)):
+        total = check_part(header.metadata, i, len(parts), part.name)
+        for name, t in header.tensors.items():
+            if name in tensors:
+                raise ModelFileError(f"{part.name}: tensor {name!r} is in two parts")
+            tensors[name], part_of[name] = t, i
+    if total != len(tensors):
+        raise ModelFileError(f"{p.name}: the parts hold {len(tensors)} tensors of {total}")
+    return GGUFFile(p, headers[0].metadata, tensors, fingerprint, parts, part_of)
+
+
+def _parse(p: Path) -> GGUFHeader:
     try:
         with p.open("rb") as fh:
             mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
@@ -95,7 +131,7 @@ def open_gguf(path: str | os.PathLike[str], fingerprint: str | None = None) -> G
     header = parse_header(mapped, p.name)
     _release_pages(mapped)
     # The tensors' views keep the map open for as long as they live.
-    return GGUFFile(p, header.metadata, header.tensors, fingerprint)
+    return header
 
 
 def _release_pages(mapped: mmap.mmap) -> None:

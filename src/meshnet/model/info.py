@@ -15,6 +15,7 @@ import llguidance
 from meshnet.model.bundled import bundled_model_path
 from meshnet.model.chat import ChatTemplate, load_chat_template
 from meshnet.model.gguf_file import GGUFFile, open_gguf
+from meshnet.model.gguf_split import model_stem
 from meshnet.model.grammar_vocab import grammar_tokenizer
 from meshnet.model.spec import ModelSpec, read_spec
 from meshnet.model.tokenizer import TOKENIZER_ARRAYS, TextTokenizer, load_tokenizer
@@ -50,7 +51,7 @@ def load_model_info(
     """Read the metadata of the GGUF at ``path`` (the bundled model when None).
     ``fingerprint``: the model's sha256 when ``path`` is not the whole file (a
     tracker's sparse copy of a referenced model), else it is computed; ``name``:
-    the served name (default: the file name less ``.gguf``)."""
+    the served name (default: the file name less ``.gguf`` and a split suffix)."""
     p = Path(path) if path is not None else bundled_model_path()
     f = open_gguf(p)
     if fingerprint is not None:
@@ -61,7 +62,7 @@ def load_model_info(
     f.drop(TOKENIZER_ARRAYS)  # the tokenizer holds what it needs of them
     return ModelInfo(
         file=f,
-        name=name or p.name.removesuffix(".gguf"),
+        name=name or model_stem(p.name),
         path=p,
         fingerprint=f.fingerprint(),
         spec=spec,

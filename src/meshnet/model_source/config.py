@@ -27,6 +27,7 @@ class SourceConfig:
     max_backoff_s: float = 8.0
     chunk_bytes: int = 8 << 20  # one range request; progress is kept per chunk
     timeout_s: float = 30.0  # per request read
+    peer_wait_s: float = 60.0  # waiting on a peer still fetching a chunk, then the next source
     progress: bool = False  # draw a progress bar on stderr
 
     @property

@@ -1,7 +1,9 @@
 """A remote GGUF's header, read with range requests, and the tensors a layer range needs.
 
-The header's length is not known before it is parsed: the first MiB is read,
-then twice as much until it parses (``HeaderTruncated`` says when to read on).
+The header's length is not known before it is parsed: the first 64 KiB is read,
+then twice as much until it parses (``HeaderTruncated`` says when to read on). A
+split GGUF has a header per part (``ModelHeader``): the first holds the metadata,
+each its own tensors.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.ranged import read_range
 from meshnet.model_source.remote import RemoteFile
 
-_FIRST_READ = 1 << 20
+_FIRST_READ = 64 << 10  # then twice as much: at most twice the header is read
 MAX_HEADER_BYTES = 1 << 30  # a header past this is a corrupt count, not a vocabulary
 
 
@@ -31,28 +33,44 @@ class RemoteHeader:
         start = self.layout.data_start
         return {i.name: (start + i.offset, byte_count(i)) for i in self.layout.infos}
 
+
+@dataclass(frozen=True)
+class ModelHeader:
+    """The headers of a model's files (one, or a split GGUF's parts in order)."""
+
+    parts: tuple[RemoteHeader, ...]
+
+    def spans(self) -> dict[str, tuple[int, int, int]]:
+        """Each tensor's bytes: name -> (part, offset in that part, byte count)."""
+        return {
+            name: (i, offset, n)
+            for i, part in enumerate(self.parts)
+            for name, (offset, n) in part.spans().items()
+        }
+
     @property
     def n_layers(self) -> int:
-        arch = self.layout.metadata.get("general.architecture")
-        n = self.layout.metadata.get(f"{arch}.block_count")
+        metadata = self.parts[0].layout.metadata
+        arch = metadata.get("general.architecture")
+        n = metadata.get(f"{arch}.block_count")
         if not isinstance(n, int) or n < 1:
             raise ModelFileError(f"the header has no {arch}.block_count")
         return n
 
     @property
     def tied_head(self) -> bool:
-        return all(i.name != "output.weight" for i in self.layout.infos)
+        return all(i.name != "output.weight" for p in self.parts for i in p.layout.infos)
 
     def holds(self, name: str, layers: LayerRange) -> bool:
         """Whether a node serving ``layers`` reads the tensor ``name``."""
         return range_holds(name, layers, self.n_layers, self.tied_head)
 
     def needed(self, layers: LayerRange) -> list[str]:
-        """The tensors a node serving ``layers`` reads, in file order."""
+        """The tensors a node serving ``layers`` reads, in file order (part by part)."""
         layers.check_within(self.n_layers)
         spans, tied = self.spans(), self.tied_head
         held = [n for n in spans if range_holds(n, layers, self.n_layers, tied)]
-        return sorted(held, key=lambda n: spans[n][0])
+        return sorted(held, key=lambda n: spans[n][:2])
 
 
 def fetch_header(f: RemoteFile, headers: dict[str, str], cfg: SourceConfig) -> RemoteHeader:

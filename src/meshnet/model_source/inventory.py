@@ -16,7 +16,9 @@ from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.shard_store import shards_dir
 
 _FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
-_SHARD = re.compile(r"^(\d+)-(\d+)\.gguf(\.partial|\.state\.json|\.lock)?$")
+# <start>-<end>.gguf, or a split model's <start>-<end>-0000K-of-0000N.gguf; then what
+# an unfinished fetch adds
+_SHARD = re.compile(r"^(\d+)-(\d+)(-(\d{5})-of-\d{5})?\.gguf(\.partial|\.state\.json|\.lock)?$")
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class ShardFile:
     layers: LayerRange
     path: Path
     whole: bool  # False: an unfinished fetch's partial file, state or lock
+    first: bool = True  # the file a shard opens by (not a split shard's later part)
 
     @property
     def disk_bytes(self) -> int:
@@ -47,21 +50,28 @@ def shard_files(cfg: SourceConfig) -> list[ShardFile]:
             if m is None or int(m.group(1)) >= int(m.group(2)):
                 continue
             layers = LayerRange(int(m.group(1)), int(m.group(2)))
-            out.append(ShardFile(folder.name, layers, f, m.group(3) is None))
+            first = m.group(4) is None or int(m.group(4)) == 1
+            out.append(ShardFile(folder.name, layers, f, m.group(5) is None, first))
     return out
 
 
 def held_shards(cfg: SourceConfig) -> list[HeldShard]:
-    """The whole shards in the cache, as a heartbeat reports them (at most ``MAX_HELD``)."""
+    """The whole shards in the cache, as a heartbeat reports them (at most ``MAX_HELD``);
+    a split shard's bytes are its parts' together."""
+    files = shard_files(cfg)
     held = [
         HeldShard(
             fingerprint=s.fingerprint,
             layer_start=s.layers.start,
             layer_end=s.layers.end,
-            bytes=s.disk_bytes,
+            bytes=sum(
+                o.disk_bytes
+                for o in files
+                if o.whole and (o.fingerprint, o.layers) == (s.fingerprint, s.layers)
+            ),
         )
-        for s in shard_files(cfg)
-        if s.whole
+        for s in files
+        if s.whole and s.first
     ]
     return held[:MAX_HELD]
 

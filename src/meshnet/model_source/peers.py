@@ -2,12 +2,13 @@
 
 A fetching node connects to a peer's bulk port and sends ``MAGIC`` (where a KV
 fetch sends its 16-byte ticket), then one request: a 4-byte length and a JSON
-object (``token``, ``fingerprint``, ``layers``, ``offset``, ``length``). The token is a
-peer token the tracker issued for this caller to this peer (``pull``, scope
-``shard:FINGERPRINT``), checked with the peer's own key. The answer is one status
-byte (0: the bytes follow; else refused) and ``length`` bytes read from the peer's
-shard file. Nothing read is trusted: the fetcher checks every tensor against the
-manifest, as from the hub.
+object (``token``, ``fingerprint``, ``layers``, ``part``: the model's file, from 0;
+``offset``, ``length``). The token is a peer token the tracker issued for this
+caller to this peer (``pull``, scope ``shard:FINGERPRINT``), checked with the
+peer's own key. The answer is one status byte (0: the bytes follow; 2: not
+fetched yet, ask again: the peer is fetching them itself, ``live``; else refused)
+and ``length`` bytes read from the peer's shard file. Nothing read is trusted: the
+fetcher checks every tensor against the manifest, as from the hub.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from meshnet.layer_range import LayerRange
 MAGIC = b"meshnet-shard-v1"  # 16 bytes: never a random KV ticket (2^-128)
 MAX_REQUEST = 4096
 MAX_LENGTH = 16 << 20  # one request's bytes (a fetcher asks for cfg.chunk_bytes, 8 MiB)
-_OK, _REFUSED = 0, 1
+_OK, _REFUSED, _NOT_YET = 0, 1, 2
 _TIMEOUT_S = 30.0
 _LEN = struct.Struct("<I")
 
@@ -38,6 +39,7 @@ class Peer:
     address: str  # its bulk port, host:port
     layers: LayerRange
     token: str  # lets this node read that peer's shards of the model
+    fetching: bool = False  # still fetching them itself (``live``)
 
 
 class PeerRefused(MeshnetError):
@@ -45,19 +47,26 @@ class PeerRefused(MeshnetError):
     retryable = True
 
 
+class PeerNotYet(PeerRefused):
+    """The peer is fetching the bytes asked for itself and has not checked them yet."""
+
+    kind = "peer-not-yet"
+
+
 def scope(fingerprint: str) -> str:
     """The peer token scope that allows reading a model's shards."""
     return f"shard:{fingerprint}"
 
 
-def read_from_peer(peer: Peer, fingerprint: str, offset: int, length: int) -> bytes:
-    """``length`` bytes at ``offset`` of ``peer``'s shard file of ``fingerprint``;
-    ``PeerRefused`` (or ``OSError``) when it cannot give them."""
+def read_from_peer(peer: Peer, fingerprint: str, part: int, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset`` of ``peer``'s shard file of ``fingerprint`` (its file
+    ``part``); ``PeerRefused`` (or ``OSError``) when it cannot give them."""
     request = json.dumps(
         {
             "token": peer.token,
             "fingerprint": fingerprint,
             "layers": [peer.layers.start, peer.layers.end],
+            "part": part,
             "offset": offset,
             "length": length,
         }
@@ -65,13 +74,18 @@ def read_from_peer(peer: Peer, fingerprint: str, offset: int, length: int) -> by
     host, _, port = peer.address.rpartition(":")
     with socket.create_connection((host.strip("[]"), int(port)), timeout=_TIMEOUT_S) as conn:
         conn.sendall(MAGIC + _LEN.pack(len(request)) + request)
-        if _recv_exact(conn, 1) != bytes([_OK]):
+        status = _recv_exact(conn, 1)
+        if status == bytes([_NOT_YET]):
+            raise PeerNotYet(f"{peer.node_id} has not fetched bytes {offset}+{length} yet")
+        if status != bytes([_OK]):
             raise PeerRefused(f"{peer.node_id} refused bytes {offset}+{length}")
         return _recv_exact(conn, length)
 
 
 Authorize = Callable[[str, str], None]  # (token, fingerprint): raises unless allowed
-ShardPath = Callable[[str, LayerRange], Path]
+# (fingerprint, layers, part, offset, length) -> the file holding them; PeerNotYet when
+# they are being fetched
+ShardPath = Callable[[str, LayerRange, int, int, int], Path]
 
 
 def serve_request(conn: socket.socket, authorize: Authorize, path_of: ShardPath) -> None:
@@ -83,14 +97,21 @@ def serve_request(conn: socket.socket, authorize: Authorize, path_of: ShardPath)
         raw = json.loads(_recv_exact(conn, n))
         fingerprint, token = str(raw["fingerprint"]), str(raw["token"])
         layers = LayerRange(int(raw["layers"][0]), int(raw["layers"][1]))
-        offset, length = int(raw["offset"]), int(raw["length"])
+        offset, length, part = int(raw["offset"]), int(raw["length"]), int(raw.get("part", 0))
         authorize(token, fingerprint)
-        path = path_of(fingerprint, layers)
-        if not (offset >= 0 and 0 < length <= MAX_LENGTH) or offset + length > path.stat().st_size:
+        if not (offset >= 0 and 0 < length <= MAX_LENGTH):
+            raise ValueError("range outside the shard")
+        path = path_of(fingerprint, layers, part, offset, length)
+        if offset + length > path.stat().st_size:
             raise ValueError("range outside the shard")
         with path.open("rb") as fh:
             fh.seek(offset)
             data = fh.read(length)
+        if len(data) != length:
+            raise ValueError("the shard file is short")
+    except PeerNotYet:
+        conn.sendall(bytes([_NOT_YET]))
+        return
     except (MeshnetError, ValueError, KeyError, TypeError, IndexError, OSError):
         conn.sendall(bytes([_REFUSED]))
         return

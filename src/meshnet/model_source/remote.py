@@ -3,7 +3,8 @@
 ``locate`` asks the hub for the repository's files (``HfApi.model_info`` with
 their sizes and LFS sha256s), picks the file(s) (``quant.pick_files``) and
 returns where to read them, pinned to the commit it saw. A plain URL is asked
-for its size and ETag with ``get_hf_file_metadata``. The hub's errors become
+for its size and ETag with ``get_hf_file_metadata``. A file or URL that names a part
+of a split GGUF (``-0000K-of-0000N.gguf``) names all its parts. The hub's errors become
 typed ones: a missing repository, revision, file or quantization is
 ``ModelRefNotFound`` naming the model files there are; no answer is
 ``FetchFailed``.
@@ -11,6 +12,7 @@ typed ones: a missing repository, revision, file or quantization is
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import httpx2
@@ -25,6 +27,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import build_hf_headers
 
 from meshnet.errors import FetchFailed, ModelRefNotFound, ModelSourceError
+from meshnet.model.gguf_split import parse_split_name, split_fingerprint
 from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.quant import model_files, pick_files
 from meshnet.model_source.reference import HubRef, ModelRef, UrlRef
@@ -47,9 +50,20 @@ class RemoteModel:
 
     @property
     def key(self) -> str:
-        """What identifies these bytes for caching: the sha256, else URL and ETag."""
-        first = self.files[0]
-        return first.sha256 or f"{first.url}|{first.etag}|{first.size}"
+        """What identifies these bytes for caching: the sha256s, else URLs and ETags."""
+        return "\n".join(f.sha256 or f"{f.url}|{f.etag}|{f.size}" for f in self.files)
+
+    @property
+    def size(self) -> int:
+        """Every file's bytes together."""
+        return sum(f.size for f in self.files)
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The model's fingerprint from the hub's sha256s (``gguf_split.split_fingerprint``),
+        known without reading a byte; None when the source gives no sha256 (a plain URL)."""
+        shas = [f.sha256 for f in self.files]
+        return split_fingerprint([s for s in shas if s]) if all(shas) else None
 
 
 def hf_headers(model: RemoteModel, cfg: SourceConfig) -> dict[str, str]:
@@ -88,7 +102,7 @@ def _locate_hub(ref: HubRef, cfg: SourceConfig) -> RemoteModel:
         if ref.filename not in siblings:
             there = ", ".join(model_files(siblings)) or "no .gguf file"
             raise ModelRefNotFound(f"{ref}: no such file in hf:{ref.repo} (files there: {there})")
-        names: tuple[str, ...] = (ref.filename,)
+        names = _all_parts(ref.filename, siblings, str(ref))
     else:
         names = pick_files(siblings, ref.quant, ref.repo)
     commit = info.sha or ref.revision
@@ -104,10 +118,30 @@ def _locate_hub(ref: HubRef, cfg: SourceConfig) -> RemoteModel:
     return RemoteModel(ref, tuple(files), commit)
 
 
+def _all_parts(name: str, there: Iterable[str], ref: str) -> tuple[str, ...]:
+    """``name``, or all the parts of the split GGUF it is a part of, in order."""
+    split = parse_split_name(name)
+    if split is None:
+        return (name,)
+    parts = tuple(split.part(i) for i in range(split.count))
+    missing = [p for p in parts if p not in there]
+    if missing:
+        raise ModelRefNotFound(f"{ref}: split GGUF parts missing: {', '.join(missing)}")
+    return parts
+
+
 def _locate_url(ref: UrlRef, cfg: SourceConfig) -> RemoteModel:
-    meta = get_hf_file_metadata(
-        ref.url, token=False, user_agent=cfg.user_agent, retry_on_errors=True
-    )
-    if meta.size is None:
-        raise FetchFailed(f"{ref}: the server gave no size (Content-Length)")
-    return RemoteModel(ref, (RemoteFile(ref.filename, ref.url, meta.size, None, meta.etag),), None)
+    base, _, query = ref.url.partition("?")
+    folder = base.rsplit("/", 1)[0]
+    split = parse_split_name(ref.filename)
+    names = [split.part(i) for i in range(split.count)] if split else [ref.filename]
+    files = []
+    for name in names:
+        url = f"{folder}/{name}" + (f"?{query}" if query else "") if split else ref.url
+        meta = get_hf_file_metadata(
+            url, token=False, user_agent=cfg.user_agent, retry_on_errors=True
+        )
+        if meta.size is None:
+            raise FetchFailed(f"{url}: the server gave no size (Content-Length)")
+        files.append(RemoteFile(name, url, meta.size, None, meta.etag))
+    return RemoteModel(ref, tuple(files), None)

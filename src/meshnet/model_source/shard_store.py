@@ -5,16 +5,19 @@ A node serving ``[start, end)`` of a model it does not have whole keeps
 length holding the original header and, at their own offsets, only the tensors
 that range reads (``RemoteHeader.needed``). It is a valid GGUF for what the
 loader reads of that range, so a restarted node opens it as it is; the rest of
-its length is holes, which take no disk.
+its length is holes, which take no disk. Of a split GGUF it keeps a file per part,
+``<start>-<end>-0000K-of-0000N.gguf``, each holding its part's header and the range's
+tensors in it; the loader opens them by the first (``model.gguf_split``).
 
-While it is fetched it is ``NAME.partial`` beside ``NAME.state.json`` (which
+While it is fetched it is ``NAME.partial`` (per part) beside ``NAME.state.json`` (which
 tensors are checked, how far the others got). The header and each tensor are
 checked against the signed manifest's BLAKE3 before the tensor counts as
 fetched; a tensor that fails is fetched again (``cfg.attempts`` times, then
 ``HashMismatch``). A fetch that stops (a dropped source after its retries:
 ``FetchFailed``; the process killed) resumes from the state; a hash that never
 matches or a full disk (``DiskFull``, also checked before the first byte)
-removes the partial file and its state. The final name appears only whole.
+removes the partial file and its state. The final name appears only whole (a split
+shard's first part last: it is whole once its first part is there).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -36,13 +39,30 @@ from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_header import parse_layout
 from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.files import check_room, disk_errors, sync_dir
-from meshnet.model_source.header import RemoteHeader
+from meshnet.model_source.first_fetch import Ledger, await_hash
+from meshnet.model_source.header import ModelHeader, RemoteHeader
+from meshnet.model_source.live import LiveFetch
 from meshnet.model_source.manifest import Manifest, TensorHash
 from meshnet.model_source.peers import Peer, PeerRefused
 from meshnet.model_source.progress import ProgressBar
+from meshnet.model_source.shard_names import (
+    remove_shard,
+    shard_layers,
+    shard_part_path,
+    shard_path,
+    shard_paths,
+    shards_dir,
+)
 from meshnet.model_source.sources import Hub, Source, Sources
 from meshnet.model_source.sources import LocalShard as DiskShard
 
+__all__ = [  # the shard files' names, from shard_names, as callers know them here
+    "remove_shard",
+    "shard_part_path",
+    "shard_path",
+    "shard_paths",
+    "shards_dir",
+]
 log = logging.getLogger(__name__)
 _HASH_READ = 1 << 22
 
@@ -55,26 +75,23 @@ class LocalShard:
     fetched_bytes: int = 0  # read from the network by this call
     from_peers: int = 0  # of which from peers, not the hub
     from_disk: int = 0  # copied from the model's other shards on this machine
-
-
-def shard_path(cfg: SourceConfig, fingerprint: str, layers: LayerRange) -> Path:
-    return shards_dir(cfg) / fingerprint / f"{layers.start}-{layers.end}.gguf"
-
-
-def shards_dir(cfg: SourceConfig) -> Path:
-    return cfg.cache_dir / "shards"
+    learned: dict[str, str] = field(default_factory=dict)  # first-fetch hashes (first_fetch)
 
 
 @dataclass
 class _State:
     digest: str  # the manifest's: a state of another manifest is discarded
-    header: bool = False
+    headers: set[int] = field(default_factory=set)  # the parts whose header is written
     done: dict[str, int] = field(default_factory=dict)  # tensor -> bytes written
     verified: set[str] = field(default_factory=set)
 
     def save(self, path: Path) -> None:
         tmp = path.with_name(path.name + ".tmp")
-        body = {**self.__dict__, "verified": sorted(self.verified)}
+        body = {
+            **self.__dict__,
+            "headers": sorted(self.headers),
+            "verified": sorted(self.verified),
+        }
         tmp.write_text(json.dumps(body))
         tmp.replace(path)
 
@@ -82,7 +99,12 @@ class _State:
     def load(cls, path: Path, digest: str) -> _State:
         try:
             raw = json.loads(path.read_text())
-            state = cls(raw["digest"], bool(raw["header"]), dict(raw["done"]), set(raw["verified"]))
+            state = cls(
+                raw["digest"],
+                {int(i) for i in raw["headers"]},
+                dict(raw["done"]),
+                set(raw["verified"]),
+            )
         except (OSError, ValueError, KeyError, TypeError):
             return cls(digest)
         return state if state.digest == digest else cls(digest)
@@ -95,21 +117,27 @@ def fetch_shard(
     cfg: SourceConfig,
     progress: ProgressBar | None = None,
     peers: Sequence[Peer] = (),
+    live: LiveFetch | None = None,
+    ledger: Ledger | None = None,
 ) -> LocalShard:
     """The local shard of ``layers``: as kept, or fetched now (see the module), from
     ``peers`` holding its parts first (each part from the first that gives bytes
-    matching their hash), then from the hub (located only when a part needs it)."""
-    path = shard_path(cfg, manifest.fingerprint, layers)
+    matching their hash), then from the hub (located only when a part needs it).
+    ``live`` (made for ``shard_paths``) is told each part as it is checked, so peers
+    may read it before the fetch ends (``live``). A tensor whose hash the manifest
+    leaves unknown is fetched as ``first_fetch`` says, its hash told to ``ledger``."""
+    paths = shard_paths(cfg, manifest.fingerprint, layers, len(manifest.files))
+    path = paths[0]
     if path.is_file():
         return LocalShard(path, manifest.fingerprint, layers)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path.with_name(path.name + ".lock")):
         if path.is_file():  # another process fetched it meanwhile
             return LocalShard(path, manifest.fingerprint, layers)
-        local = _local_shards(cfg, manifest.fingerprint, layers)
+        local = _local_shards(cfg, manifest, layers)
         sources = Sources(hub, list(peers), manifest, cfg, local)
-        fetch = _Fetch(sources, manifest, layers, cfg, path)
-        fetch.progress = progress
+        fetch = _Fetch(sources, manifest, layers, cfg, paths)
+        fetch.progress, fetch.live, fetch.ledger = progress, live, ledger
         try:
             fetch.run()
         except (HashMismatch, DiskFull):
@@ -117,22 +145,28 @@ def fetch_shard(
             raise
         got = fetch.sources
         return LocalShard(
-            path, manifest.fingerprint, layers, got.fetched, got.from_peers, got.from_disk
+            path,
+            manifest.fingerprint,
+            layers,
+            got.fetched,
+            got.from_peers,
+            got.from_disk,
+            fetch.learned,
         )
 
 
-def _local_shards(cfg: SourceConfig, fingerprint: str, layers: LayerRange) -> list[DiskShard]:
-    """The model's other whole shard files on this machine, most overlapping first."""
-    folder = shards_dir(cfg) / fingerprint
-    found: list[tuple[int, Path, LayerRange]] = []
+def _local_shards(cfg: SourceConfig, manifest: Manifest, layers: LayerRange) -> list[DiskShard]:
+    """The model's other whole shards on this machine, most overlapping first."""
+    folder, n = shards_dir(cfg) / manifest.fingerprint, len(manifest.files)
+    found: list[tuple[int, tuple[Path, ...], LayerRange]] = []
     for f in folder.glob("*-*.gguf") if folder.is_dir() else []:
-        start, _, end = f.name.removesuffix(".gguf").partition("-")
-        if start.isdigit() and end.isdigit() and int(start) < int(end):
-            other = LayerRange(int(start), int(end))
-            if other != layers:
-                overlap = min(other.end, layers.end) - max(other.start, layers.start)
-                found.append((-overlap, f, other))
-    return [DiskShard(f, other) for _, f, other in sorted(found)]
+        other = shard_layers(f.name, n)
+        if other is not None and other != layers:
+            overlap = min(other.end, layers.end) - max(other.start, layers.start)
+            paths = shard_paths(cfg, manifest.fingerprint, other, n)
+            if all(p.is_file() for p in paths):
+                found.append((-overlap, paths, other))
+    return [DiskShard(paths, other) for _, paths, other in sorted(found)]
 
 
 @contextlib.contextmanager
@@ -155,20 +189,25 @@ class _Fetch:
         manifest: Manifest,
         layers: LayerRange,
         cfg: SourceConfig,
-        path: Path,
+        paths: tuple[Path, ...],
     ) -> None:
         self.sources = sources
-        self.manifest, self.layers, self.cfg, self.path = manifest, layers, cfg, path
+        self.manifest, self.layers, self.cfg = manifest, layers, cfg
+        self.paths, self.path = paths, paths[0]
         self.progress: ProgressBar | None = None
-        self.partial = path.with_name(path.name + ".partial")
-        self.state_path = path.with_name(path.name + ".state.json")
+        self.live: LiveFetch | None = None
+        self.ledger: Ledger | None = None
+        self.learned: dict[str, str] = {}
+        self.partials = [p.with_name(p.name + ".partial") for p in paths]
+        self.state_path = self.path.with_name(self.path.name + ".state.json")
 
     def run(self) -> None:
-        state = _State.load(self.state_path, self.manifest.digest())
-        if not self.partial.is_file():
-            state = _State(self.manifest.digest())
-        with disk_errors(self.path), self._open() as fh:
-            header = self._header(fh, state)
+        state = _State.load(self.state_path, self.manifest.layout_digest())
+        if not all(p.is_file() for p in self.partials):
+            state = _State(self.manifest.layout_digest())
+        with disk_errors(self.path), contextlib.ExitStack() as stack:
+            fhs = [stack.enter_context(self._open(i)) for i in range(len(self.paths))]
+            header = ModelHeader(tuple(self._header(fhs, i, state) for i in range(len(fhs))))
             todo = self._tensors(header)
             left = sum(
                 t.nbytes - state.done.get(t.name, 0) for t in todo if t.name not in state.verified
@@ -178,64 +217,88 @@ class _Fetch:
                 self.progress.plan(left)
             for t in todo:
                 if t.name not in state.verified:
-                    self._tensor(fh, t, state, header)
-            fh.flush()
-            os.fsync(fh.fileno())
-        self.partial.replace(self.path)
+                    self._tensor(fhs[t.part], t, state, header)
+                self._checked(fhs[t.part], t.part, t.offset, t.end)
+            for fh in fhs:
+                fh.flush()
+                os.fsync(fh.fileno())
+        for partial, path in reversed(list(zip(self.partials, self.paths, strict=True))):
+            partial.replace(path)  # the first part last: whole once it is there
         self.state_path.unlink(missing_ok=True)
         sync_dir(self.path.parent)
 
     def discard(self) -> None:
-        self.partial.unlink(missing_ok=True)
+        for partial in self.partials:
+            partial.unlink(missing_ok=True)
         self.state_path.unlink(missing_ok=True)
 
-    def _open(self) -> BinaryIO:
-        if not self.partial.is_file():
-            with self.partial.open("wb") as fh:
-                fh.truncate(self.manifest.size)  # sparse: only what is written takes disk
-        return self.partial.open("r+b")
+    def _open(self, part: int) -> BinaryIO:
+        partial = self.partials[part]
+        if not partial.is_file():
+            with partial.open("wb") as fh:
+                fh.truncate(self.manifest.files[part].size)  # sparse: holes take no disk
+        return partial.open("r+b")
 
-    def _header(self, fh: BinaryIO, state: _State) -> RemoteHeader:
-        n = self.manifest.header_bytes
+    def _header(self, fhs: list[BinaryIO], part: int, state: _State) -> RemoteHeader:
+        entry, fh = self.manifest.files[part], fhs[part]
         raw = b""
-        if state.header:
+        if part in state.headers:
             fh.seek(0)
-            raw = fh.read(n)
-        if blake3.blake3(raw).hexdigest() != self.manifest.header_blake3:
-            raw = self._fetch_header(n)
+            raw = fh.read(entry.header_bytes)
+        if blake3.blake3(raw).hexdigest() != entry.header_blake3:
+            raw = self._fetch_header(part)
             fh.seek(0)
             fh.write(raw)
-            state.header = True
+            state.headers.add(part)
             state.save(self.state_path)
-        return RemoteHeader(raw, parse_layout(raw, self.path.name))
+        self._checked(fh, part, 0, entry.header_bytes)
+        return RemoteHeader(raw, parse_layout(raw, self.paths[part].name))
 
-    def _fetch_header(self, n: int) -> bytes:
+    def _checked(self, fh: BinaryIO, part: int, start: int, end: int) -> None:
+        """Bytes of ``part`` checked: written out (peers read the file), and told ``live``."""
+        if self.live is not None:
+            fh.flush()
+            self.live.checked(part, start, end)
+
+    def _fetch_header(self, part: int) -> bytes:
+        entry = self.manifest.files[part]
         for source in self.sources.order(None):
             try:
-                raw = self.sources.read(source, 0, n)
+                raw = self.sources.read(source, part, 0, entry.header_bytes)
                 self._counted(len(raw))
             except PeerRefused as e:
                 self.sources.drop(source, e)
                 continue
-            if blake3.blake3(raw).hexdigest() == self.manifest.header_blake3:
+            if blake3.blake3(raw).hexdigest() == entry.header_blake3:
                 return raw
-            self.sources.mismatch(source, "the header")
-        raise HashMismatch(f"{self.path.name}: the header never matched the manifest")
+            self.sources.mismatch(source, f"the header of {entry.name}")
+        raise HashMismatch(f"{entry.name}: the header never matched the manifest")
 
-    def _tensors(self, header: RemoteHeader) -> list[TensorHash]:
+    def _tensors(self, header: ModelHeader) -> list[TensorHash]:
         """The manifest's entries of the tensors ``layers`` reads, checked against the
-        (checked) header's own offsets and sizes."""
+        (checked) headers' own parts, offsets and sizes."""
         known, spans = self.manifest.by_name(), header.spans()
         out = []
         for name in header.needed(self.layers):
             t = known.get(name)
-            if t is None or (t.offset, t.nbytes) != spans[name]:
+            if t is None or (t.part, t.offset, t.nbytes) != spans[name]:
                 raise ModelSourceError(f"{self.path.name}: the manifest disagrees on {name!r}")
             out.append(t)
         return out
 
-    def _tensor(self, fh: BinaryIO, t: TensorHash, state: _State, header: RemoteHeader) -> None:
-        for source in self.sources.order(lambda layers: header.holds(t.name, layers)):
+    def _tensor(self, fh: BinaryIO, t: TensorHash, state: _State, header: ModelHeader) -> None:
+        def holds(layers: LayerRange) -> bool:
+            return header.holds(t.name, layers)
+
+        fetching = [p for p in self.sources.peers if p.fetching and holds(p.layers)]
+        if t.blake3 is None and self.ledger is not None and fetching:  # its hash may come
+            t = replace(t, blake3=await_hash(self.ledger, t.name, self.cfg.peer_wait_s))
+            for peer in fetching if t.blake3 is None else ():  # no wait on them again
+                self.sources.drop(peer, ModelSourceError("its hashes do not come"))
+        if t.blake3 is None:
+            self._first_fetch(fh, t, state, header)
+            return
+        for source in self.sources.order(holds):
             try:
                 digest = self._download(fh, t, state, source)
             except PeerRefused as e:
@@ -249,6 +312,29 @@ class _Fetch:
             self.sources.mismatch(source, f"tensor {t.name}")
             state.done[t.name] = 0
         raise HashMismatch(f"{self.path.name}: tensor {t.name!r} never matched its manifest hash")
+
+    def _first_fetch(self, fh: BinaryIO, t: TensorHash, state: _State, header: ModelHeader) -> None:
+        """``t`` of unknown hash: from this machine's shards or the hub, its hash reported
+        (``first_fetch``); fetched again, checked, when the tracker holds another."""
+        holds = lambda layers: header.holds(t.name, layers)  # noqa: E731
+        for source in self.sources.order(holds, peers=False):
+            try:
+                digest = self._download(fh, t, state, source)
+            except PeerRefused as e:
+                self.sources.drop(source, e)
+                state.done[t.name] = 0
+                continue
+            recorded = self.ledger.report(t.name, digest) if self.ledger is not None else None
+            if recorded is not None and recorded != digest:
+                log.warning("tensor %s: the tracker holds another hash; fetched again", t.name)
+                state.done[t.name] = 0
+                self._tensor(fh, replace(t, blake3=recorded), state, header)
+                return
+            self.learned[t.name] = digest
+            state.verified.add(t.name)
+            state.save(self.state_path)
+            return
+        raise HashMismatch(f"{self.path.name}: tensor {t.name!r} could not be fetched")
 
     def _download(self, fh: BinaryIO, t: TensorHash, state: _State, source: Source) -> str:
         """Fetch what ``t`` lacks from ``source``; the BLAKE3 of all its bytes: of the part
@@ -265,7 +351,7 @@ class _Fetch:
 
         while pos < t.end:
             end = min(t.end, pos + self.cfg.chunk_bytes)
-            self.sources.stream(source, pos, end, sink)
+            self.sources.stream(source, t.part, pos, end, sink)
             pos = end
             state.done[t.name] = pos - t.offset
             state.save(self.state_path)

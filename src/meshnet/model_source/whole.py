@@ -4,7 +4,9 @@
 A hub file goes through ``hf_hub_download`` into the hub's own cache (its
 layout, ``HF_TOKEN``, ``HF_ENDPOINT``; with ``HF_HUB_OFFLINE`` the quantization is
 picked among the files already cached). A plain URL is fetched by ranges into
-meshnet's cache, resumably (``NAME.partial``), and renamed when whole.
+meshnet's cache, resumably (``NAME.partial``), and renamed when whole. A split
+GGUF's parts are all fetched, side by side; the path is its first part's, which the
+loader opens them by (``model.gguf_split``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ from meshnet.model_source.progress import OnBytes
 from meshnet.model_source.quant import pick_files
 from meshnet.model_source.ranged import stream_range
 from meshnet.model_source.reference import HubRef, UrlRef, is_reference, parse_ref
-from meshnet.model_source.remote import RemoteModel, hf_headers, locate
-from meshnet.model_source.tracker_source import single_file
+from meshnet.model_source.remote import RemoteFile, RemoteModel, hf_headers, locate
 
 
 def local_model_path(text: str, cfg: SourceConfig, progress: OnBytes | None = None) -> Path:
@@ -33,11 +34,10 @@ def local_model_path(text: str, cfg: SourceConfig, progress: OnBytes | None = No
     if isinstance(ref, HubRef) and constants.is_offline_mode():
         return _cached_hub_file(ref, cfg)
     model = locate(ref, cfg)
-    f = single_file(model)
     if isinstance(ref, UrlRef):
-        return _url_file(model, cfg, progress)
+        return [_url_file(model, f, cfg, progress) for f in model.files][0]  # noqa: RUF015
     try:
-        return Path(
+        paths = [
             hf_hub_download(
                 ref.repo,
                 f.name,
@@ -46,9 +46,11 @@ def local_model_path(text: str, cfg: SourceConfig, progress: OnBytes | None = No
                 endpoint=cfg.endpoint,
                 user_agent=cfg.user_agent,
             )
-        )
+            for f in model.files
+        ]
     except HfHubHTTPError as e:
         raise FetchFailed(f"{ref}: {e}") from None
+    return Path(paths[0])
 
 
 def _cached_hub_file(ref: HubRef, cfg: SourceConfig) -> Path:
@@ -70,8 +72,9 @@ def _cached_hub_file(ref: HubRef, cfg: SourceConfig) -> Path:
     return folder / chosen[0]
 
 
-def _url_file(model: RemoteModel, cfg: SourceConfig, progress: OnBytes | None) -> Path:
-    f = model.files[0]
+def _url_file(
+    model: RemoteModel, f: RemoteFile, cfg: SourceConfig, progress: OnBytes | None
+) -> Path:
     path = store_dir(cfg, model) / f.name
     if path.is_file():
         return path

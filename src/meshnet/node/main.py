@@ -153,6 +153,12 @@ def serve(cfg: NodeConfig) -> int:
     model_path = cfg.model_path or str(bundled_model_path())
     source = cfg.source or source_config(cfg.node_id, progress=progress_wanted())
     models = NodeModels(cfg.tracker_url, cfg.node_id, cfg.node_key, source)
+    listen_host = cfg.listen.rsplit(":", 1)[0].strip("[]")
+    host = cfg.advertise_host or listen_host
+    # Node-to-node KV moves go over this bulk port, and peers' reads of our shards: bound
+    # before the first fetch, which a node fetching the same range may read as it goes.
+    offers = KVOffers(listen_host, host, shards=models.serve_peer)
+    models.bulk_address = offers.address
     if cfg.layers is not None:
         try:
             if is_reference(model_path):
@@ -163,6 +169,7 @@ def serve(cfg: NodeConfig) -> int:
                 engine.load(model_path, cfg.layers).result()
         except KVBudgetExhausted as e:  # --ctx past the budget: a setup error, said plainly
             print(f"meshnet node: {e}", file=sys.stderr)
+            offers.close()
             engine.stop()
             return 2
     gate = NodeGate(cfg.node_key)
@@ -173,11 +180,6 @@ def serve(cfg: NodeConfig) -> int:
         interceptors=[gate],
         options=[*MESSAGE_OPTIONS, *cfg.relay_timeouts.keepalive.server_options()],
     )
-    listen_host = cfg.listen.rsplit(":", 1)[0].strip("[]")
-    host = cfg.advertise_host or listen_host
-    # Node-to-node KV moves go over this bulk port, and peers' reads of our shards.
-    offers = KVOffers(listen_host, host, shards=models.serve_peer)
-    models.bulk_address = offers.address
     start_dir = [] if is_reference(model_path) else [Path(model_path).parent]
     dirs = ModelDirs.of([*cfg.model_dirs, *start_dir])
     identity = NodeIdentity(cfg.node_id, model_path, dirs, models)

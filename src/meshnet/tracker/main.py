@@ -98,7 +98,8 @@ def tracker_auth(cfg: TrackerProcessConfig, db: Database, keys: MeshKeys) -> Tra
 
 def serve(cfg: TrackerProcessConfig) -> int:
     source = cfg.source or source_config("tracker")
-    manifests = ManifestBook()  # what nodes fetching a referenced model are given
+    # what nodes fetching a referenced model are given, with the hashes nodes learned
+    manifests = ManifestBook(cfg.data_dir / "learned-hashes")
 
     def load_info(path: str | None) -> ModelInfo:
         return manifests.note(model_info(path, source))

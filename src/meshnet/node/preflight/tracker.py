@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from meshnet.auth.node_http import NodeAuth
+from meshnet.model.gguf_split import model_stem
 from meshnet.node.preflight.model import ModelFacts
 from meshnet.node.preflight.result import Check, Scope, fail, ok, skip
 
@@ -44,7 +45,7 @@ def check_served_model(health: Mapping[str, object], facts: ModelFacts | None) -
     the same name (the file's, less ``.gguf``)."""
     if facts is None:
         return skip("tracker model", "no model of this node to compare", Scope.PEER)
-    ours, served = facts.path.name.removesuffix(".gguf"), health.get("model")
+    ours, served = model_stem(facts.path.name), health.get("model")
     fingerprint = health.get("fingerprint")
     fix = "--model the same GGUF file as the tracker's"
     models = health.get("models")

@@ -1,6 +1,9 @@
 """Which shards each node holds on disk and where it serves them: what its heartbeats
 say (``mesh_messages.Holdings``). The tracker tells a node fetching a range which peers
 hold it (``GET /mesh/manifest``), and the admin views show it (``GET /admin/inventory``).
+It also keeps the fetches nodes said they were starting (``fetch=`` on that call): a
+node fetching a range is told of those that began fetching it before it, and reads
+from them as they go (``model_source.live``) rather than from the hub.
 
 In memory: a restarted tracker learns it again from the next heartbeats.
 """
@@ -8,12 +11,14 @@ In memory: a restarted tracker learns it again from the next heartbeats.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import HeldShard, Holdings
 
 MAX_NODES = 4096  # nodes remembered; the oldest report goes past it
+FETCH_TTL_S = 3600.0  # a fetch said begun and never seen ended is forgotten after this
 
 
 @dataclass(frozen=True)
@@ -23,11 +28,23 @@ class Holder:
     shard: HeldShard
 
 
+@dataclass(frozen=True)
+class Fetcher:
+    """A node that said it began fetching ``layers`` of ``fingerprint``."""
+
+    node_id: str
+    bulk_address: str
+    fingerprint: str
+    layers: LayerRange
+    since: float  # monotonic: who began first
+
+
 class Inventory:
-    """Node id -> its latest holdings. Thread-safe."""
+    """Node id -> its latest holdings, and the fetch it said it began. Thread-safe."""
 
     def __init__(self) -> None:
         self._by_node: dict[str, Holdings] = {}
+        self._fetches: dict[str, Fetcher] = {}
         self._lock = threading.Lock()
 
     def note(self, node_id: str, holdings: Holdings) -> None:
@@ -36,6 +53,36 @@ class Inventory:
             self._by_node[node_id] = holdings
             while len(self._by_node) > MAX_NODES:
                 del self._by_node[next(iter(self._by_node))]
+            f = self._fetches.get(node_id)
+            if f is not None and any(
+                (s.fingerprint, s.layer_start, s.layer_end)
+                == (f.fingerprint, f.layers.start, f.layers.end)
+                for s in holdings.shards
+            ):
+                del self._fetches[node_id]  # fetched: a holder now
+
+    def fetch_begun(
+        self, node_id: str, bulk_address: str, fingerprint: str, layers: LayerRange
+    ) -> list[Fetcher]:
+        """``node_id`` begins fetching ``layers``; the other nodes fetching ``fingerprint``
+        that began before it (a node saying it again keeps its place), oldest first."""
+        now = time.monotonic()
+        with self._lock:
+            for key in [k for k, f in self._fetches.items() if now - f.since > FETCH_TTL_S]:
+                del self._fetches[key]
+            was = self._fetches.pop(node_id, None)
+            kept = was is not None and (was.fingerprint, was.layers) == (fingerprint, layers)
+            since = was.since if was is not None and kept else now
+            mine = Fetcher(node_id, bulk_address, fingerprint, layers, since)
+            self._fetches[node_id] = mine
+            while len(self._fetches) > MAX_NODES:
+                del self._fetches[next(iter(self._fetches))]
+            earlier = [
+                f
+                for f in self._fetches.values()
+                if f.fingerprint == fingerprint and f.since < mine.since
+            ]
+        return sorted(earlier, key=lambda f: f.since)
 
     def nodes(self) -> dict[str, Holdings]:
         with self._lock:
