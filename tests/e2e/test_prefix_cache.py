@@ -203,3 +203,46 @@ def test_n_choices_compute_their_prompt_once(cached: LocalMesh, uncached: LocalM
     before = tracker_counter(cached, "meshnet_prompt_tokens_cached")
     assert choices(cached) == choices(uncached)  # exact: what each choice gives uncached
     assert tracker_counter(cached, "meshnet_prompt_tokens_cached") - before == 2 * 3 * BLOCK
+
+
+def test_a_sessions_first_turn_opens_on_a_cached_prefix(
+    cached: LocalMesh, uncached: LocalMesh
+) -> None:
+    """A session whose system prompt a completion computed before starts on its blocks:
+    the same ids as a cache-off mesh's session, turn after turn, those positions neither
+    computed again nor billed."""
+    from billing import billed, ledger
+    from session_client import new_session, op, turn
+
+    system = " ".join(f"policy {i}: keep to the facts given." for i in range(3))
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "x"}],
+        "temperature": 0,
+        "max_tokens": 2,
+    }
+    r = httpx.post(f"{cached.url}/v1/chat/completions", json=body, headers=cached.api_headers)
+    assert r.status_code == 200, r.text
+    before = tracker_counter(cached, "meshnet_prompt_tokens_cached")
+
+    def session(mesh: LocalMesh) -> list[dict[str, Any]]:
+        sid = new_session(mesh, system)
+        turns = [turn(mesh, sid, c, max_tokens=8) for c in ("hello there", "and then?")]
+        assert op(mesh, sid, "evict")["state"] == "evicted"  # its KV to snapshot files
+        return [*turns, turn(mesh, sid, "thanks", max_tokens=8)]
+
+    first, second, third = session(cached)
+    ref_first, ref_second, ref_third = session(uncached)
+    reused = first["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert reused >= 2 * BLOCK and reused % BLOCK == 0  # the system prompt's blocks
+    assert ref_first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert tracker_counter(cached, "meshnet_prompt_tokens_cached") - before == reused
+    assert first["ids"] == ref_first["ids"]
+    assert second["resume_path"] == "hot"  # its KV was kept between the turns
+    assert second["ids"] == ref_second["ids"]
+    # each hop billed the first turn's positions from the first it computed
+    spans = billed(ledger(cached, first["turn_id"]))
+    assert spans and all(ranges[0][0] == reused for ranges in spans.values()), spans
+    # the prefix is a step of the session's history: a snapshot of it resumes exactly
+    assert third["resume_path"] == "snapshot", third
+    assert third["ids"] == ref_third["ids"]

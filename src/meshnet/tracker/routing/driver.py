@@ -212,16 +212,13 @@ class RouteDriver:
 
     async def open(self, gen: Generation, prompt_ids: Sequence[int] = ()) -> None:
         """Open the generation's first epoch on every hop; raise the first hop's failure.
-        Given its prompt, each hop starts with the same cached prefix of it, if any
-        (tracker/routing/prefix_open.py), and keeps its blocks once computed; a session's first
-        turn only fills the caches (its steps are the session's history)."""
-        if prompt_ids and self.limits.prefix_cache and not gen.keep:
+        Given its prompt (a stateless request's, or a session's first turn's), each hop
+        starts with the same cached prefix of it, if any, as step 0
+        (tracker/routing/prefix_open.py), and keeps its blocks once computed."""
+        if prompt_ids and self.limits.prefix_cache and gen.first_step == 0:
             await open_on_prefix(self.epochs, gen, prompt_ids)
             return
-        fill = None
-        if prompt_ids and self.limits.prefix_cache and gen.first_step == 0:
-            fill = (np.asarray(prompt_ids, dtype=np.int64), 0)
-        gen.links, _ = await self.epochs.open(gen, gen.route, {}, prefix=fill)
+        gen.links, _ = await self.epochs.open(gen, gen.route, {})
 
     async def resume(self, gen: Generation, held: tuple[int, int]) -> bool:
         """Open a session's turn, every hop resuming the KV of ``held`` (positions, steps).

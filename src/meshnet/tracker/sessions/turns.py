@@ -142,9 +142,10 @@ class TurnRunner:
         for step, step_ids in enumerate(session.history):
             gen.record_input(0, step, np.asarray(step_ids, dtype=np.int64))
         try:
-            if not session.history:  # its prompt's blocks go to the nodes' prefix caches
+            if not session.history:  # opens on the nodes' cached prefix of its prompt
                 await self.tracker.driver.open(gen, ids)
-                if self.tracker.config.prefix.on:
+                self.tracker.metrics.cached_prompt_tokens.labels("turn").inc(gen.reused)
+                if self.tracker.config.prefix.on:  # and its blocks go to their caches
                     self.tracker.prefixes.record(route, block_keys(ids))
             elif path == "reprefill":
                 await self.tracker.driver.open(gen)
@@ -173,7 +174,7 @@ class TurnRunner:
             session,
             kv_epoch=done.epoch,
             route=done.route,
-            history=[*session.history, ids, *([t] for t in out[:-1])],
+            history=[*session.history, *_prompt_steps(ids, gen.reused), *([t] for t in out[:-1])],
             tail=[out[-1]],
             closed=out[-1] in self.tracker.model.tokenizer.eog_ids,
             snapshot_id=None,
@@ -187,6 +188,7 @@ class TurnRunner:
                 "prompt_tokens": len(ids),
                 "completion_tokens": len(out),
                 "total_tokens": len(ids) + len(out),
+                "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
             },
             "resume_path": path,
             "resume_ms": round((ready - t0) * 1000, 2),
@@ -276,6 +278,12 @@ class TurnRunner:
                 timeout=_RELEASE_TIMEOUT_S,
                 metadata=self.tracker.channels.signed(hop.node_id, "Release"),
             )
+
+
+def _prompt_steps(ids: list[int], reused: int) -> list[list[int]]:
+    """The steps a turn's prompt was fed in: a cached prefix the hops opened on is a step
+    of its own (step 0 of a first turn), the rest of the prompt the next."""
+    return [ids[:reused], ids[reused:]] if reused else [ids]
 
 
 def sampling_params(request: dict[str, Any]) -> SamplingParams:
