@@ -115,9 +115,12 @@ class _Tensors:
         self._w.add_tensor(name, array if self._values is None else self._values(name, array))
 
 
-def write_arch_gguf(path: Path, case: ArchCase, values: Values | None = None) -> Path:
+def write_arch_gguf(
+    path: Path, case: ArchCase, values: Values | None = None, window: int = WINDOW
+) -> Path:
     """Write ``case`` as a float32 GGUF at ``path`` and return it. ``values`` replaces
-    each tensor's drawn values (the quantized oracles' dequantized weights)."""
+    each tensor's drawn values (the quantized oracles' dequantized weights); ``window``:
+    the sliding window of a family that has one."""
     rng = np.random.default_rng(case.seed)
     arch = case.architecture
     w = gguf.GGUFWriter(str(path), arch)
@@ -144,7 +147,7 @@ def write_arch_gguf(path: Path, case: ArchCase, values: Values | None = None) ->
             w.add_expert_shared_feed_forward_length(case.d_ff)
     if arch == "deepseek2":
         _deepseek2_keys(w, case)
-    _FAMILY_KEYS.get(arch, _no_keys)(w)
+    _FAMILY_KEYS.get(arch, _no_keys)(w, window)
     add_tokenizer(w)
     _write_tensors(_Tensors(w, values), rng, case, len(vocabulary()[0]))
     finish(w)
@@ -292,30 +295,30 @@ def _deepseek2_keys(w: gguf.GGUFWriter, case: ArchCase) -> None:
         w.add_rope_scaling_yarn_log_mul(case.yarn_log_multiplier)
 
 
-def _gemma2_keys(w: gguf.GGUFWriter) -> None:
-    w.add_sliding_window(WINDOW)
+def _gemma2_keys(w: gguf.GGUFWriter, window: int) -> None:
+    w.add_sliding_window(window)
     w.add_attn_logit_softcapping(3.0)  # far below Gemma's 50: small scores must feel it
     w.add_final_logit_softcapping(5.0)
 
 
-def _gemma3_keys(w: gguf.GGUFWriter) -> None:
-    w.add_sliding_window(WINDOW)
+def _gemma3_keys(w: gguf.GGUFWriter, window: int) -> None:
+    w.add_sliding_window(window)
     w.add_sliding_window_pattern(3)  # layers 0, 1, 3, 4 local; 2, 5 global
     w.add_rope_freq_base_swa(10000.0)
 
 
-def _gpt_oss_keys(w: gguf.GGUFWriter) -> None:
-    w.add_sliding_window(WINDOW)  # even layers local
+def _gpt_oss_keys(w: gguf.GGUFWriter, window: int) -> None:
+    w.add_sliding_window(window)  # even layers local
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(4.0)
     w.add_rope_scaling_orig_ctx_len(64)
 
 
-def _no_keys(w: gguf.GGUFWriter) -> None:
+def _no_keys(w: gguf.GGUFWriter, window: int) -> None:
     pass
 
 
-_FAMILY_KEYS: dict[str, Callable[[gguf.GGUFWriter], None]] = {
+_FAMILY_KEYS: dict[str, Callable[[gguf.GGUFWriter, int], None]] = {
     "gemma2": _gemma2_keys,
     "gemma3": _gemma3_keys,
     "gpt-oss": _gpt_oss_keys,

@@ -229,21 +229,58 @@ class SequenceKV:
                 offset += size
         return out.view(np.uint8).data
 
-    def load_bytes(self, length: int, payload: bytes | bytearray) -> None:
-        """Fill this empty cache with ``length`` positions made by ``export_bytes``."""
+    def _loaded_sizes(self, length: int) -> tuple[int, int]:
+        """The capacity and ring of a cache loaded with ``length`` positions: exactly them,
+        a ring only its window's tiles (and the rewind room)."""
+        ring = min(_tiles(length), _tiles(self._window + REWIND_ROOM)) if self.rings else 0
+        return grown_capacity(0, length), ring
+
+    def load_growth_bytes(self, length: int) -> int:
+        """Bytes an empty cache takes once ``start_loaded(length)``."""
+        return self._bytes(*self._loaded_sizes(length))
+
+    def start_loaded(self, length: int) -> None:
+        """Make this empty cache hold ``length`` positions whose keys and values the caller
+        then ``put``s: each layer's last ``kept(layer, length)`` (an import, a prefix)."""
         if self.length:
-            raise ValueError("load_bytes needs an empty cache")
-        if len(payload) != self.payload_bytes(length):
-            raise ValueError(f"{len(payload)} bytes do not hold {length} positions")
-        self._capacity = grown_capacity(0, length)
-        if self.rings:  # the ring of a window, not of the whole length
-            self._ring = min(_tiles(length), _tiles(self._window + REWIND_ROOM))
+            raise ValueError("a load needs an empty cache")
+        self._capacity, self._ring = self._loaded_sizes(length)
         self._keys, self._values = [], []
         for layer in range(self.n_layers):
             size = self._ring if self._is_ring(layer) else self._capacity
             shape = (self.n_kv_heads, size, self.head_dim)
             self._keys.append(np.zeros(shape, self.dtype))
             self._values.append(np.zeros(shape, self.dtype))
+        self.length = length
+        self._kept_from = max(0, length - self._window) if self._window else 0
+
+    def put(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store committed positions ``start ..`` of ``layer`` (``[n_kv_heads, n,
+        head_dim]``), within the last ``kept(layer, length)`` (after ``start_loaded``)."""
+        stop = start + k.shape[1]
+        if start < self.length - self.kept(layer, self.length) or stop > self.length:
+            raise ValueError(f"positions {start}..{stop} are not layer {layer}'s to hold")
+        at = self._slots(layer, start, stop)
+        self._keys[layer][:, at] = k
+        self._values[layer][:, at] = v
+
+    def read(self, layer: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Copies of the keys and values of committed positions ``start .. stop`` of
+        ``layer``; None where its ring no longer holds them all."""
+        if stop > self.length or start < 0:
+            raise ValueError(f"positions {start}..{stop} of {self.length}")
+        if self.windows[layer] and start < self._kept_from:
+            return None  # gone round a ring, or never loaded (an import keeps the window)
+        at = self._slots(layer, start, stop)
+        return self._keys[layer][:, at].copy(), self._values[layer][:, at].copy()
+
+    def load_bytes(self, length: int, payload: bytes | bytearray) -> None:
+        """Fill this empty cache with ``length`` positions made by ``export_bytes``."""
+        if self.length:
+            raise ValueError("load_bytes needs an empty cache")
+        if len(payload) != self.payload_bytes(length):
+            raise ValueError(f"{len(payload)} bytes do not hold {length} positions")
+        self.start_loaded(length)
         data = np.frombuffer(payload, self.dtype)
         offset = 0
         for arrays in (self._keys, self._values):
@@ -253,8 +290,6 @@ class SequenceKV:
                 part = data[offset : offset + size].reshape(self.n_kv_heads, kept, self.head_dim)
                 array[:, self._slots(layer, length - kept, length)] = part
                 offset += size
-        self.length = length
-        self._kept_from = max(0, length - self._window) if self._window else 0
 
     def truncate(self, length: int) -> None:
         """Forget every position from ``length`` on (e.g. to re-run a suffix);

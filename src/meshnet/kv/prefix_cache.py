@@ -12,6 +12,16 @@ Reusing a block is exact: KV of a position depends only on the tokens up to it
 (meshnet computes a row identically alone, batched or chunked), so a prompt
 prefilled after a cached prefix gives the bits a whole prefill gives.
 
+**Windowed layers** (Gemma 2/3, gpt-oss: a row sees only its last ``window``
+positions) keep a ring of their last positions (kv/cache.py), so a block's
+positions may have gone round the ring before they are copied. A block holds
+the windowed layers' keys and values where the ring still had them when it was
+stored (always, for a prompt: its full blocks are copied after every chunk of
+its prefill), and none otherwise. A prefix of ``k`` blocks is loaded only when
+the blocks its last ``window`` positions fall in hold their windowed parts, and
+a windowed layer is given only those positions: what it would hold after
+computing the prefix itself, so the next row sees the same keys either way.
+
 The cache is bounded in bytes; the least recently used block goes first, and
 only a block no other block extends (a lookup touches a prefix's blocks from its
 last to its first, so parents are always more recent than their children). It
@@ -54,13 +64,31 @@ class _Block:
     key: bytes
     tokens: bytes  # the block's ids, int64 little-endian
     parent: _Block | None
-    keys: list[np.ndarray]  # per layer [n_kv_heads, BLOCK_TOKENS, head_dim]
-    values: list[np.ndarray]
+    # per layer [n_kv_heads, BLOCK_TOKENS, head_dim]; None: a windowed layer's ring had
+    # let these positions go when the block was stored
+    keys: list[np.ndarray | None]
+    values: list[np.ndarray | None]
     children: int = 0  # cached blocks that extend this one
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.nbytes = sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+        self.nbytes = sum(a.nbytes for a in (*self.keys, *self.values) if a is not None)
+
+    @property
+    def whole(self) -> bool:
+        """Whether it holds every layer's positions (the windowed ones' too)."""
+        return all(a is not None for a in self.keys)
+
+
+def loadable(blocks: list[_Block], window: int) -> int:
+    """How many of ``blocks`` (a ``match``) can be loaded: the most ``k`` whose last
+    ``window`` positions (every position when 0) lie in blocks that are ``whole``."""
+    for k in range(len(blocks), 0, -1):
+        end = k * BLOCK_TOKENS
+        first = max(0, end - window) // BLOCK_TOKENS if window else 0
+        if all(b.whole for b in blocks[first:k]):
+            return k
+    return 0
 
 
 @dataclass(frozen=True)
@@ -119,19 +147,23 @@ class PrefixCache:
         return found
 
     def load(self, blocks: list[_Block], kv: SequenceKV) -> int:
-        """Fill the empty ``kv`` with ``blocks`` (a ``match``); the positions loaded."""
-        if kv.length:
-            raise ValueError("a prefix loads into an empty cache")
+        """Fill the empty ``kv`` with ``blocks`` (a ``match`` cut to what is ``loadable``):
+        each layer's last ``kv.kept`` positions of them; the positions loaded."""
         n = len(blocks) * BLOCK_TOKENS
         if not n:
             return 0
-        kv.reserve(n)
+        kv.start_loaded(n)
         for layer in range(kv.n_layers):  # one copy, each block straight into its place
-            keys, values = kv.buffers(layer)
+            first = n - kv.kept(layer, n)
             for i, b in enumerate(blocks):
-                keys[:, i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS] = b.keys[layer]
-                values[:, i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS] = b.values[layer]
-        kv.advance(n)
+                start = i * BLOCK_TOKENS
+                keys, values = b.keys[layer], b.values[layer]
+                if start + BLOCK_TOKENS <= first:
+                    continue  # before the layer's window
+                if keys is None or values is None:
+                    raise ValueError("a block without its windowed layers' KV was loaded")
+                skip = max(first - start, 0)
+                kv.put(layer, start + skip, keys[:, skip:], values[:, skip:])
         self._hits += 1
         self._reused += n
         return n
@@ -157,6 +189,8 @@ class PrefixCache:
                 block = self._copy(keys[i], want, parent, kv, i)
             elif block.parent is not parent or block.tokens != want:
                 break  # a colliding key: leave the one held
+            elif not block.whole:
+                self._complete(block, kv, i)
             added.append(block)
             parent = block
         self._touch(path + added)
@@ -166,12 +200,13 @@ class PrefixCache:
     def _copy(
         self, key: bytes, tokens: bytes, parent: _Block | None, kv: SequenceKV, i: int
     ) -> _Block:
-        start, end = i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS
-        keys, values = [], []
+        start = i * BLOCK_TOKENS
+        keys: list[np.ndarray | None] = []
+        values: list[np.ndarray | None] = []
         for layer in range(kv.n_layers):
-            k, v = kv.view(layer, 0)
-            keys.append(k[:, start:end].copy())
-            values.append(v[:, start:end].copy())
+            held = kv.read(layer, start, start + BLOCK_TOKENS)
+            keys.append(None if held is None else held[0])
+            values.append(None if held is None else held[1])
         block = _Block(key, tokens, parent, keys, values)
         if parent is not None:
             parent.children += 1
@@ -179,6 +214,16 @@ class PrefixCache:
         self.nbytes += block.nbytes
         self._stored += 1
         return block
+
+    def _complete(self, block: _Block, kv: SequenceKV, i: int) -> None:
+        """Give a block stored without its windowed layers' KV what ``kv`` holds of it."""
+        start = i * BLOCK_TOKENS
+        for layer, k in enumerate(block.keys):
+            held = None if k is not None else kv.read(layer, start, start + BLOCK_TOKENS)
+            if held is not None:
+                block.keys[layer], block.values[layer] = held
+                self.nbytes += held[0].nbytes + held[1].nbytes
+                block.nbytes += held[0].nbytes + held[1].nbytes
 
     def _touch(self, path: list[_Block]) -> None:
         """Most recent last: a path's blocks from its end to its start, so a parent is

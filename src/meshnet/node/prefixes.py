@@ -6,7 +6,8 @@ step 0: the driver then sends the rest of the prompt as step 1, and every hop
 of the route agrees on the length because the driver asks each for the same
 (node/engine.py answers what it loaded; tracker/routing/prefix_open.py settles on it).
 As the session's steps commit, the full blocks of its prompt it has computed
-are copied into the cache. Run on the engine's loop thread only.
+are copied into the cache (after every chunk of its prefill, while a windowed
+layer's ring still holds them). Run on the engine's loop thread only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshnet.errors import MalformedBundle
-from meshnet.kv.prefix_cache import BLOCK_TOKENS, PrefixCache
+from meshnet.kv.prefix_cache import BLOCK_TOKENS, PrefixCache, loadable
 from meshnet.node.scheduler import Slot
 
 
@@ -49,13 +50,14 @@ def reuse_prefix(
     """Start the fresh ``slot`` with the longest cached prefix of ``ask`` that the KV
     budget has room for (``fits``; ``make_room`` evicts cached blocks for it); the
     positions loaded (then step 0 is committed)."""
-    if not cache.enabled or not _cacheable(slot):
+    if not cache.enabled:
         return 0
     slot.prefix, slot.prefix_blocks = ask.ids, 0
     if ask.reuse < BLOCK_TOKENS:
         return 0
     blocks = cache.match(ask.ids, ask.reuse)
-    need = slot.kv.growth_bytes(len(blocks) * BLOCK_TOKENS)
+    blocks = blocks[: loadable(blocks, max(slot.kv.windows))]
+    need = slot.kv.load_growth_bytes(len(blocks) * BLOCK_TOKENS)
     if not blocks or not fits(need):
         return 0
     make_room(need)  # the blocks matched stay alive in ``blocks`` if evicted meanwhile
@@ -63,13 +65,6 @@ def reuse_prefix(
     slot.prefix_blocks = len(blocks)
     slot.steps = 1
     return n
-
-
-def _cacheable(slot: Slot) -> bool:
-    """Whether the slot's KV holds every position of every layer in position order: a
-    layer with a sliding window keeps only its window (a ring, kv/cache.py), which
-    blocks of the whole prefix cannot be copied out of or into."""
-    return not any(slot.kv.windows)
 
 
 def keep_prefix(cache: PrefixCache, slot: Slot | None) -> None:
