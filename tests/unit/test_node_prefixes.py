@@ -19,11 +19,11 @@ B = BLOCK_TOKENS
 
 
 @contextmanager
-def running(tiny_path: Path, config: EngineConfig) -> Iterator[NodeEngine]:
+def running(tiny_path: Path, config: EngineConfig, n_layers: int = 4) -> Iterator[NodeEngine]:
     e = NodeEngine(config)
     e.start()
     try:
-        e.load(str(tiny_path), LayerRange(0, 4)).result(timeout=30)
+        e.load(str(tiny_path), LayerRange(0, n_layers)).result(timeout=30)
         yield e
     finally:
         e.stop()
@@ -73,22 +73,23 @@ def test_a_prefix_that_leaves_nothing_to_compute_is_refused() -> None:
         PrefixAsk.checked(np.arange(300), 0, 256)
 
 
-def test_a_windowed_model_neither_reuses_nor_fills_the_cache() -> None:
-    from meshnet.kv.cache import SequenceKV
-    from meshnet.kv.prefix_cache import PrefixCache
-    from meshnet.node.prefixes import keep_prefix, reuse_prefix
-    from meshnet.node.scheduler import Slot
+def test_a_windowed_model_reuses_a_cached_prefix_exactly(tmp_path: Path) -> None:
+    """On a Gemma-3-shaped model whose window (24) spans blocks, prefilled 32 rows a
+    forward (its rings go round before the prompt ends): the shared blocks are reused and
+    the rest of the prompt gives the logits of a whole prefill with no cache."""
+    from tinyarch import CASES, write_arch_gguf
 
-    cache = PrefixCache(1 << 20)
-    ids = _ids(3 * B, 4)
-    dense = Slot(1, SequenceKV(2, 1, 4))
-    dense.kv.reserve(len(ids))
-    for layer in range(2):
-        dense.kv.write(layer, np.ones((1, len(ids), 4), np.float32), np.ones((1, len(ids), 4)))
-    dense.kv.advance(len(ids))
-    dense.prefix = ids
-    keep_prefix(cache, dense)
-    assert cache.stats().blocks == 3
-    windowed = Slot(1, SequenceKV(2, 1, 4, windows=(8, 0), rings=True))
-    assert reuse_prefix(cache, windowed, PrefixAsk(ids, len(ids) - 1), lambda n: True, print) == 0
-    assert windowed.kv.length == 0 and windowed.prefix is None
+    path = write_arch_gguf(tmp_path / "g.gguf", CASES["gemma3"], window=24)
+    prompt = _ids(9 * B + 3, 5)
+    other = np.concatenate([prompt[: 5 * B + 4], _ids(2 * B, 6)])  # five whole blocks shared
+    chunked = EngineConfig(prefill_chunk=32)
+    with running(path, EngineConfig(prefix_cache_bytes=0), 6) as plain:
+        plain.open("w", 1).result(5)
+        whole = _step(plain, "w", 0, other)
+    with running(path, chunked, 6) as engine:
+        engine.open("a", 1, prefix=PrefixAsk(prompt, len(prompt) - 1)).result(5)
+        _step(engine, "a", 0, prompt)
+        opened = engine.open("b", 1, prefix=PrefixAsk(other, len(other) - 1)).result(5)
+        assert (opened.kv_tokens, opened.steps) == (5 * B, 1)
+        rest = _step(engine, "b", 1, other[5 * B :])
+    assert np.array_equal(rest, whole)
