@@ -17,6 +17,7 @@ from meshnet.model.gguf_file import GGUFFile, open_gguf
 from meshnet.model.layer_bytes import (
     LayerBytes,
     float32_bytes,
+    kv_bytes,
     layer_bytes_of,
     model_layer_bytes,
 )
@@ -85,6 +86,26 @@ def test_kv_per_token_is_what_the_cache_allocates_per_position(tmp_path: Path) -
     layers = LayerRange(1, 3)
     per_position = SequenceKV(len(layers), 2, 16).growth_bytes(64) // 64  # 2 kv heads of 16
     assert sizes.kv_bytes_per_token(layers) == per_position == 2 * 2 * 2 * 16 * 4
+
+
+def test_kv_bytes_caps_each_windowed_layer_at_its_window() -> None:
+    assert kv_bytes([0, 8, 24], 10, 5) == 10 * (5 + 5 + 5)  # short of every window
+    assert kv_bytes([0, 8, 24], 10, 20) == 10 * (20 + 8 + 20)
+    assert kv_bytes([0, 8, 24], 10, 100) == 10 * (100 + 8 + 24)
+    assert kv_bytes([], 10, 100) == 0
+
+
+def test_planning_and_preflight_count_windowed_layers_at_their_window(tmp_path: Path) -> None:
+    """A Gemma-3-shaped file (6 layers, 2 and 5 global, a window of 8): a node's KV per
+    token is the global layers' rate plus the windows spread over the context, far
+    under counting every layer dense."""
+    _, sizes = _sizes(write_arch_gguf(tmp_path / "g.gguf", CASES["gemma3"]))
+    per, ctx = sizes.kv_layer_token, sizes.context
+    assert sizes.windows == (8, 8, 0, 8, 8, 0)
+    assert sizes.kv_bytes(LayerRange(0, 6), 1000) == (2 * 1000 + 4 * 8) * per
+    assert sizes.kv_bytes(LayerRange(3, 5), 1000) == 2 * 8 * per  # windowed only
+    assert sizes.kv_bytes_per_token(LayerRange(0, 6)) == -(-(2 * ctx + 4 * 8) * per // ctx)
+    assert sizes.kv_bytes_per_token(LayerRange(0, 6)) < 6 * per / 2
 
 
 def _moe_gguf(path: Path, dense: int = 2, moe: int = 4, n_experts: int = 8) -> Path:

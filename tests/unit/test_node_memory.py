@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+from tinyarch import CASES, write_arch_gguf
 
 from meshnet.benchmark.node_memory import Rss, session_kv_bytes, shard_file_bytes
 from meshnet.layer_range import LayerRange
+from meshnet.model.gguf_file import open_gguf
+from meshnet.model.spec import read_spec
 
 
 def _tensors(n_layers: int, tied: bool) -> dict[str, int]:
@@ -31,10 +36,13 @@ def test_an_untied_head_is_held_by_the_last_shard_only() -> None:
     assert whole == sum(t.values())  # one node holds every tensor once
 
 
-def test_kv_of_a_sequence_is_what_the_cache_allocates() -> None:
-    # 3 layers x (K and V) x 2 heads x 64 positions (the cache's least capacity) x 8 dims x 4 B
-    assert session_kv_bytes(LayerRange(0, 3), 2, 8, 10) == 3 * 2 * 2 * 64 * 8 * 4
-    assert session_kv_bytes(LayerRange(0, 3), 2, 8, 100) == 3 * 2 * 2 * 100 * 8 * 4
+def test_kv_of_a_sequence_caps_windowed_layers_at_their_window(tmp_path: Path) -> None:
+    # Gemma-3-shaped: 6 layers, 2 and 5 global, the others a window of 8
+    spec = read_spec(open_gguf(write_arch_gguf(tmp_path / "g.gguf", CASES["gemma3"])))
+    per = 2 * spec.n_kv_heads * spec.head_dim * 4  # one layer, one position: K and V
+    assert session_kv_bytes(LayerRange(0, 3), spec, 5) == 3 * 5 * per
+    assert session_kv_bytes(LayerRange(0, 3), spec, 100) == (8 + 8 + 100) * per
+    assert session_kv_bytes(LayerRange(0, 6), spec, 100) == (4 * 8 + 2 * 100) * per
 
 
 def test_rss_of_this_process_is_read() -> None:

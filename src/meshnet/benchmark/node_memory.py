@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshnet.errors import MeshnetError
-from meshnet.kv.cache import SequenceKV
 from meshnet.layer_range import LayerRange
-from meshnet.model.layer_bytes import layer_bytes_of
+from meshnet.model.layer_bytes import kv_bytes, kv_layer_token, layer_bytes_of
+from meshnet.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ def shard_file_bytes(names: Mapping[str, int], layers: LayerRange, n_layers: int
     return sizes.range_bytes(layers)
 
 
-def session_kv_bytes(layers: LayerRange, n_kv_heads: int, head_dim: int, positions: int) -> int:
-    """Bytes the node's KV cache allocates for one sequence of ``positions`` positions."""
-    return SequenceKV(len(layers), n_kv_heads, head_dim).growth_bytes(positions)
+def session_kv_bytes(layers: LayerRange, spec: ModelSpec, positions: int) -> int:
+    """Bytes of KV one sequence of ``positions`` positions holds on the node serving
+    ``layers``: windowed layers only their window (``layer_bytes.kv_bytes``)."""
+    windows = [spec.layer_window(i) for i in range(layers.start, layers.end)]
+    return kv_bytes(windows, kv_layer_token(spec), positions)

@@ -173,5 +173,5 @@ def _node_memory(
         layers,
         Rss.of(pid),
         shard_file_bytes(setup.tensor_bytes, layers, spec.n_layers),
-        session_kv_bytes(layers, spec.n_kv_heads, spec.head_dim, positions),
+        session_kv_bytes(layers, spec, positions),
     )

@@ -21,8 +21,8 @@ header); no tensor data is.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import gguf
 
@@ -56,6 +56,8 @@ class LayerBytes:
     shared: int  # tensors of no layer that every range holds (rope_freqs.weight)
     tied_head: bool  # the last range holds the embedding as its head
     kv_layer_token: int  # KV bytes of one layer for one position: 2 * n_kv_heads * head_dim * 4
+    windows: tuple[int, ...] = ()  # per layer: its sliding window, 0 for none (empty: none)
+    context: int = 0  # the model's trained context, what a per-token figure averages over
 
     @property
     def n_layers(self) -> int:
@@ -82,10 +84,21 @@ class LayerBytes:
             held += self.embedding
         return held + (self.head if last else 0)
 
-    def kv_bytes_per_token(self, layers: LayerRange) -> int:
-        """KV bytes one position of one sequence takes on a node serving ``layers``."""
+    def kv_bytes(self, layers: LayerRange, positions: int) -> int:
+        """KV bytes one sequence of ``positions`` positions takes on a node serving
+        ``layers``, each windowed layer capped at its window (``kv_bytes``)."""
         layers.check_within(self.n_layers)
-        return len(layers) * self.kv_layer_token
+        windows = self.windows or (0,) * self.n_layers
+        return kv_bytes(windows[layers.start : layers.end], self.kv_layer_token, positions)
+
+    def kv_bytes_per_token(self, layers: LayerRange) -> int:
+        """KV bytes a position takes on a node serving ``layers``, averaged over a sequence
+        of the model's whole context (rounded up): the dense layers' rate, plus the
+        windowed layers' windows spread over the context. With no window (or no known
+        context) every layer's rate."""
+        if not self.context:
+            return self.kv_bytes(layers, 1)
+        return -(-self.kv_bytes(layers, self.context) // self.context)
 
     def split(self, parts: int) -> list[LayerRange]:
         """``parts`` contiguous ranges whose largest holds the fewest bytes
@@ -93,16 +106,31 @@ class LayerBytes:
         return split_by_bytes(self.layers, parts, self.embedding, self.last_bytes)
 
 
+def kv_bytes(windows: Sequence[int], kv_layer_token: int, positions: int) -> int:
+    """KV bytes of one sequence of ``positions`` positions on layers whose sliding windows
+    are ``windows`` (0: the layer sees every position), ``kv_layer_token`` bytes a layer
+    and a position: a windowed layer keeps only its last ``window`` positions
+    (kv/cache.py). What ``meshnet up`` plans with, the node's preflight checks its KV
+    budget with and ``meshnet bench`` measures a node's memory against."""
+    return kv_layer_token * sum(min(positions, w) if w else positions for w in windows)
+
+
 def model_layer_bytes(f: GGUFFile, spec: ModelSpec, held: TensorBytes = file_bytes) -> LayerBytes:
     """The parts of ``f`` (whose spec is ``spec``) as a node holds them (``held``: per
     tensor, the file's bytes by default); ``ModelFileError`` for a tensor of a layer the
     model does not have."""
     sizes = {name: held(t) for name, t in f.tensors.items()}
-    kv_layer_token = 2 * spec.n_kv_heads * spec.head_dim * _KV_ITEM
     try:
-        return layer_bytes_of(sizes, spec.n_layers, spec.tied_head, kv_layer_token)
+        sized = layer_bytes_of(sizes, spec.n_layers, spec.tied_head, kv_layer_token(spec))
     except ModelFileError as e:
         raise ModelFileError(f"{f.path.name}: {e.message}") from None
+    windows = tuple(spec.layer_window(i) for i in range(spec.n_layers))
+    return replace(sized, windows=windows, context=spec.context_length)
+
+
+def kv_layer_token(spec: ModelSpec) -> int:
+    """KV bytes of one layer of ``spec`` for one position: float32 keys and values."""
+    return 2 * spec.n_kv_heads * spec.head_dim * _KV_ITEM
 
 
 def range_holds(name: str, layers: LayerRange, n_layers: int, tied_head: bool) -> bool:
