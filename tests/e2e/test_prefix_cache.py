@@ -246,3 +246,32 @@ def test_a_sessions_first_turn_opens_on_a_cached_prefix(
     # the prefix is a step of the session's history: a snapshot of it resumes exactly
     assert third["resume_path"] == "snapshot", third
     assert third["ids"] == ref_third["ids"]
+
+
+def test_a_windowed_model_reuses_its_prefix_and_answers_the_same(
+    mesh_factory: MeshFactory, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A Gemma-3-shaped model (windows of 24 positions, wider than a block, in layers of
+    both nodes), its prompts prefilled 32 rows a forward so the rings go round before a
+    prompt ends: a prompt sharing a prefix, ending on either side of a window's edge,
+    reuses its whole blocks and decodes the ids a cache-off mesh does."""
+    from tinyarch import CASES, write_arch_gguf
+
+    path = write_arch_gguf(tmp_path_factory.mktemp("win") / "g3.gguf", CASES["gemma3"], window=24)
+    chunk = ["--prefill-chunk", "32"]
+    on = mesh_factory("0:3,3:6", model=path, node_args=chunk)
+    off = mesh_factory("0:3,3:6", model=path, node_args=[*chunk, "--prefix-cache-mb", "0"])
+
+    def run(mesh: LocalMesh, ids: list[int]) -> dict[str, Any]:
+        body = {"model": "g3", "prompt": ids, "temperature": 0, "max_tokens": 8}
+        r = httpx.post(f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers)
+        assert r.status_code == 200, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+    base = prompt(31, 9 * BLOCK + 5)
+    assert cached_tokens(run(on, base)) == 0
+    for shared in (3 * BLOCK + 1, 4 * BLOCK + 9, 6 * BLOCK - 1):
+        other = prompt(40 + shared, shared + 30, base[:shared])
+        reply = run(on, other)
+        assert cached_tokens(reply) == shared // BLOCK * BLOCK
+        assert ids(reply) == ids(run(off, other))
