@@ -107,3 +107,29 @@ def test_the_replica_holding_the_prefix_is_chosen_until_load_outweighs_it(
         stop.set()
         for t in threads:
             t.join(timeout=60)
+
+
+def test_a_sessions_first_turn_goes_to_the_replica_holding_its_system_prompt(
+    mesh_factory: MeshFactory, tiny_factory: Any
+) -> None:
+    """A chat completion computed a system prompt on node-1; a session with that system
+    prompt opens its first turn there (by load alone it would go to node-0), on the
+    cached blocks."""
+    from session_client import new_session, turn
+
+    model = Path(tiny_factory("long.gguf", context_length=1024))
+    mesh = mesh_factory("0:4,0:4", model=model)
+    system = " ".join(f"rule {i}: answer in kind." for i in range(4))
+    body = {
+        "model": "long",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "x"}],
+        "max_tokens": 2,
+        "meshnet": {"route": ["node-1"]},
+    }
+    r = httpx.post(f"{mesh.url}/v1/chat/completions", json=body, headers=mesh.admin_headers)
+    assert r.status_code == 200, r.text
+    assert _route(r.json()) == ["node-1"]
+    _wait_idle(mesh)
+    first = turn(mesh, new_session(mesh, system), "hello", max_tokens=4)
+    assert [h["node_id"] for h in first["route"]] == ["node-1"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * BLOCK

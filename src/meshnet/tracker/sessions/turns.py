@@ -134,8 +134,11 @@ class TurnRunner:
         t0 = time.monotonic()
         ids, params = self.check(session, turn.request)
         epoch = self.store.next_epoch(session.id)
-        route, path, failures = await self._place(session)
-        _, held = self.tracker.reserve(route)  # Overloaded: the outbox tries again later
+        if session.history:
+            route, path, failures = await self._place(session)
+            _, held = self.tracker.reserve(route)  # Overloaded: the outbox tries again later
+        else:  # a first turn: routed by load and by what its nodes hold of the prompt
+            (route, held), path, failures = self.tracker.reserve(None, ids), "hot", []
         gen = self.tracker.driver.new_generation(turn.id, route, params)  # ledger records
         gen.session_id, gen.keep, gen.epoch = session.id, True, epoch
         gen.first_step = session.steps
@@ -158,8 +161,6 @@ class TurnRunner:
             for link in gen.links:
                 link.close()
             raise
-        if not session.history:
-            path = "hot"  # nothing to resume: a new session's first turn
         history = [t for step in session.history for t in step]
         done: DoneEvent | None = None
         async for event in self.tracker.drive(gen, held, ids, params, history):
