@@ -87,7 +87,9 @@ def _reference(chain: Chain, ids: list[int]) -> list[np.ndarray]:
     return _decode(chain, seq, logits)
 
 
-def _cached(chain: Chain, caches: list[PrefixCache], ids: list[int]) -> tuple[int, list]:
+def _cached(
+    chain: Chain, caches: list[PrefixCache], ids: list[int]
+) -> tuple[int, list[np.ndarray]]:
     """Start ``ids`` on the longest prefix every shard can load (as the hops agree on
     one), compute the rest; the positions reused and the logits."""
     window = max(max(kv.windows) for kv in chain.new_sequence())
