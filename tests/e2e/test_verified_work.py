@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import MeshFactory
+from conftest import NO_ROOM, MeshFactory
 from faults import nodes
 from gguf import GGMLQuantizationType as QT
 from verification_views import ledger, wait_state
@@ -46,9 +46,10 @@ def _complete(mesh: LocalMesh, body: dict[str, Any] = BODY) -> dict[str, Any]:
 def _mesh_with_cheater(mesh_factory: MeshFactory, model: Path, cheat: str, after: int) -> LocalMesh:
     """A tracker at rate 1.0, an honest node of layers 2:4 and the cheater on 0:2; once
     the cheater's state is settled, an empty node (placement, or a failover's heal, gives
-    it 0:2 when the cheater is out)."""
+    it 0:2 when the cheater is out). NO_ROOM: node-0 is never widened over 0:2, so the
+    routes the tests expect are the spares'."""
     args = ["--verify-rate", "1.0"]
-    mesh = mesh_factory("2:4", model=model, tracker_args=args, need_route=False)
+    mesh = mesh_factory("2:4", model=model, tracker_args=args, need_route=False, node_args=NO_ROOM)
     prefix = [sys.executable, LAUNCHER, cheat, str(after), "--"]
     mesh.start_node("cheater", LayerRange(0, 2), prefix=prefix)
     return mesh
@@ -74,9 +75,11 @@ def test_calibration_keeps_every_kind_of_cheater_out(
 ) -> None:
     """One cheater of each kind registers for layers 0:2 beside an honest 2:4: every
     one is quarantined by calibration, none is ever routed, and an empty node that
-    placement gives 0:2 serves the honest answer."""
+    placement gives 0:2 serves the honest answer (NO_ROOM: not node-0 widened over it)."""
     args = ["--verify-rate", "1.0"]
-    mesh = mesh_factory("2:4", model=long_tiny, tracker_args=args, need_route=False)
+    mesh = mesh_factory(
+        "2:4", model=long_tiny, tracker_args=args, need_route=False, node_args=NO_ROOM
+    )
     for cheat in CHEATS:
         how = f"file:{lookalikes[cheat]}" if cheat in lookalikes else cheat
         prefix = [sys.executable, LAUNCHER, how, "0", "--"]
