@@ -24,7 +24,8 @@ from meshnet.model_source.info import model_info
 from meshnet.model_source.whole import local_model_path
 from meshnet.tracker.links.channels import ChannelPool
 from meshnet.tracker.nodes.store import Store
-from meshnet.tracker.routing.driver import DriverLimits, RouteDriver
+from meshnet.tracker.routing.driver import RouteDriver
+from meshnet.tracker.routing.limits import DriverLimits
 from meshnet.tracker.service import Tracker, TrackerConfig
 from meshnet.tracker.serving.leader_lease import PLACEMENT, Leadership, Lease, holder_id
 from meshnet.tracker.serving.manifests import ManifestBook

@@ -61,7 +61,8 @@ from meshnet.tracker.nodes.routes import (
     splice,
 )
 from meshnet.tracker.nodes.store import Store
-from meshnet.tracker.routing.driver import DoneEvent, Fabric, Reroute, RouteDriver, TokenEvent
+from meshnet.tracker.routing.driver import DoneEvent, RouteDriver, TokenEvent
+from meshnet.tracker.routing.failover import Fabric, Reroute
 from meshnet.tracker.routing.generation import Generation
 from meshnet.tracker.serving.leader_lease import Leadership
 from meshnet.tracker.serving.placement import LoadResult, configure_span, unload_node
