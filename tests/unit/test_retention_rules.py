@@ -19,6 +19,7 @@ from meshnet.tracker.accounting.ledger import AttemptStatus, LedgerRecord
 from meshnet.tracker.accounting.work_checks import SpanCheck, checks
 from meshnet.tracker.nodes.store import Store
 from meshnet.tracker.serving.bench_store import BenchStore, RouteFigures
+from meshnet.tracker.sessions.records import SessionState, SnapshotFile, TurnStatus
 from meshnet.tracker.sessions.retention import (
     DAY,
     HOUR,
@@ -27,12 +28,7 @@ from meshnet.tracker.sessions.retention import (
     Retention,
     RetentionPolicy,
 )
-from meshnet.tracker.sessions.session_store import (
-    SessionState,
-    SessionStore,
-    SnapshotFile,
-    TurnStatus,
-)
+from meshnet.tracker.sessions.session_store import SessionStore
 from meshnet.tracker.sessions.snapshots import SnapshotStore
 from meshnet.tracker.storage.database import Database, open_database
 

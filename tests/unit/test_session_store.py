@@ -14,13 +14,8 @@ from meshnet.layer_range import LayerRange
 from meshnet.tracker.nodes.routes import Hop
 from meshnet.tracker.nodes.store import Store
 from meshnet.tracker.sessions.outbox import OutboxConfig, backoff_s
-from meshnet.tracker.sessions.session_store import (
-    EPOCH_STRIDE,
-    SessionState,
-    SessionStore,
-    SnapshotFile,
-    TurnStatus,
-)
+from meshnet.tracker.sessions.records import EPOCH_STRIDE, SessionState, SnapshotFile, TurnStatus
+from meshnet.tracker.sessions.session_store import SessionStore
 from meshnet.tracker.storage.database import Database, open_database
 
 REQUEST = {"content": "hi", "max_tokens": 4, "temperature": 0.0}

@@ -34,7 +34,7 @@ from meshnet.tracker.accounting import billing
 from meshnet.tracker.routing.driver import TokenEvent
 from meshnet.tracker.sessions.outbox import Outbox
 from meshnet.tracker.sessions.parking import park_json
-from meshnet.tracker.sessions.session_store import TurnRecord, TurnStatus
+from meshnet.tracker.sessions.records import TurnRecord, TurnStatus
 
 router = APIRouter()
 
