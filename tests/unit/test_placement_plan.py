@@ -10,12 +10,12 @@ from typing import Any
 from node_records import node_record
 
 from meshnet.layer_range import LayerRange
+from meshnet.tracker.links.configure import LoadResult
 from meshnet.tracker.nodes.inventory import Inventory
 from meshnet.tracker.nodes.registry import NodeRecord
 from meshnet.tracker.nodes.routes import Hop
 from meshnet.tracker.serving.placement import (
     Load,
-    LoadResult,
     Placement,
     PlacementConfig,
     plan_placement,

@@ -32,13 +32,13 @@ from meshnet.errors import (
 from meshnet.layer_range import LayerRange
 from meshnet.model.info import ModelInfo
 from meshnet.tracker.links.channels import ChannelPool
+from meshnet.tracker.links.configure import LoadResult
 from meshnet.tracker.links.hop_link import answers
 from meshnet.tracker.nodes.admission import Admission
 from meshnet.tracker.nodes.registry import NodeRecord, NodeState
 from meshnet.tracker.nodes.routes import Hop, Route, backend_of, plan_chain, splice
 from meshnet.tracker.nodes.store import Store
 from meshnet.tracker.routing.failover import Reroute
-from meshnet.tracker.serving.placement import LoadResult
 from meshnet.tracker.watch.metrics import TrackerMetrics
 
 log = logging.getLogger(__name__)

@@ -40,6 +40,7 @@ from meshnet.model.sampling import SamplingParams
 from meshnet.tracker.accounting.ledger import LedgerRecord, LedgerSpool
 from meshnet.tracker.healing import PROBE_TIMEOUT_S, Healing
 from meshnet.tracker.links.channels import ChannelPool
+from meshnet.tracker.links.configure import LoadResult, configure_span, unload_node
 from meshnet.tracker.links.hop_link import answers
 from meshnet.tracker.nodes.admission import Admission, AdmissionConfig, Reservation
 from meshnet.tracker.nodes.inventory import Inventory
@@ -58,7 +59,6 @@ from meshnet.tracker.routing.driver import DoneEvent, RouteDriver, TokenEvent
 from meshnet.tracker.routing.failover import Fabric, Reroute
 from meshnet.tracker.routing.generation import Generation
 from meshnet.tracker.serving.leader_lease import Leadership
-from meshnet.tracker.serving.placement import LoadResult, configure_span, unload_node
 from meshnet.tracker.trust.verification import Verification
 from meshnet.tracker.trust.verifier import TrustedModel
 from meshnet.tracker.watch.metrics import GenerationMeter, TrackerMetrics
