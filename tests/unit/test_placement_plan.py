@@ -207,7 +207,7 @@ def test_zero_replicas_never_calls_a_node() -> None:
 
 
 class _Leader:
-    """A placement lease this tracker holds or not (tracker/serving/leader_lease.py)."""
+    """A placement lease this tracker holds or not (tracker/storage/leader_lease.py)."""
 
     def __init__(self, leads: bool) -> None:
         self.leading = leads

@@ -58,7 +58,7 @@ from meshnet.tracker.nodes.store import Store
 from meshnet.tracker.routing.driver import DoneEvent, RouteDriver, TokenEvent
 from meshnet.tracker.routing.failover import Fabric, Reroute
 from meshnet.tracker.routing.generation import Generation
-from meshnet.tracker.serving.leader_lease import Leadership
+from meshnet.tracker.storage.leader_lease import Leadership
 from meshnet.tracker.trust.verification import Verification
 from meshnet.tracker.trust.verifier import TrustedModel
 from meshnet.tracker.watch.metrics import GenerationMeter, TrackerMetrics
@@ -125,7 +125,7 @@ class Tracker(Healing):
         # The shards of models by reference each node holds on disk (its heartbeats):
         # placement prefers a node holding a span, a fetching node is told its peers.
         self.inventory = Inventory()
-        # Trackers sharing a database take turns at placement (tracker/serving/leader_lease.py):
+        # Trackers sharing a database take turns at placement (tracker/storage/leader_lease.py):
         # the placement controllers act only while this holds the lease. None: always.
         self.leader: Leadership | None = None
 

@@ -34,7 +34,7 @@ back (exponential backoff from ``backoff_s``, capped at ``backoff_max_s``) and
 the node that failed is used last until it loads something.
 
 Several trackers on one database each run a controller, but only the one
-holding the placement lease acts (``Tracker.leader``, tracker/serving/leader_lease.py):
+holding the placement lease acts (``Tracker.leader``, tracker/storage/leader_lease.py):
 the others plan nothing until it lapses, so one gap is never loaded by two
 trackers. The lease is checked again before each load.
 """
@@ -57,8 +57,8 @@ from meshnet.tracker.loops import LoopHealth
 from meshnet.tracker.nodes.inventory import Inventory
 from meshnet.tracker.nodes.registry import NodeId, NodeRecord, NodeState
 from meshnet.tracker.nodes.store import Store
-from meshnet.tracker.serving.leader_lease import Leadership
 from meshnet.tracker.serving.widening import Load, Sizes, plan_absorb, plan_widening
+from meshnet.tracker.storage.leader_lease import Leadership
 
 
 class _Replicas(Protocol):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshnet.errors import IdempotencyConflict, NotFound, SessionGone, error_for_kind
-from meshnet.tracker.sessions.records import (
+from meshnet.tracker.session_data.records import (
     ENDED,
     FINAL,
     TURN_COLUMNS,
@@ -25,7 +25,7 @@ from meshnet.tracker.sessions.records import (
     parse_turn,
     route_json,
 )
-from meshnet.tracker.sessions.session_rows import SessionRows
+from meshnet.tracker.session_data.session_rows import SessionRows
 from meshnet.tracker.storage.database import parse_rows
 
 

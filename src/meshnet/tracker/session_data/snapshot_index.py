@@ -7,7 +7,7 @@ the file itself is removed, so the index never names a missing file.
 
 from __future__ import annotations
 
-from meshnet.tracker.sessions.records import (
+from meshnet.tracker.session_data.records import (
     ENDED,
     SNAPSHOT_COLUMNS,
     SessionRecord,
@@ -15,7 +15,7 @@ from meshnet.tracker.sessions.records import (
     SnapshotFile,
     parse_snapshot,
 )
-from meshnet.tracker.sessions.session_rows import SessionRows
+from meshnet.tracker.session_data.session_rows import SessionRows
 
 
 class SnapshotIndex(SessionRows):

@@ -8,8 +8,8 @@ records.py.
 
 from __future__ import annotations
 
-from meshnet.tracker.sessions.snapshot_index import SnapshotIndex
-from meshnet.tracker.sessions.turn_rows import TurnRows
+from meshnet.tracker.session_data.snapshot_index import SnapshotIndex
+from meshnet.tracker.session_data.turn_rows import TurnRows
 
 
 class SessionStore(TurnRows, SnapshotIndex):

@@ -91,7 +91,7 @@ class TurnRecord:
 @dataclass(frozen=True)
 class SnapshotFile:
     """One shard's snapshot, as indexed: its KV stream is ``chunks`` rows of the
-    database (tracker/sessions/snapshot_rows.py), or, written by a meshnet before snapshots
+    database (tracker/session_data/snapshot_rows.py), or, written by a meshnet before snapshots
     moved there (``chunks`` 0), the file at ``path`` on one tracker's disk."""
 
     snapshot_id: str

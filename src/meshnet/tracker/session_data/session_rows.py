@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from meshnet.errors import NotFound, SessionGone
-from meshnet.tracker.sessions.records import (
+from meshnet.tracker.session_data.records import (
     ENDED,
     EPOCH_STRIDE,
     SESSION_COLUMNS,
