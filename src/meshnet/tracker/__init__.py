@@ -1,7 +1,8 @@
 """The tracker: registry, route driver, sessions, verification and the HTTP API's use cases.
 
 Its rooms, lowest first: ``storage`` → ``accounting`` → ``nodes`` → ``links`` →
-``trust`` → ``routing`` → ``session_data`` → ``watch`` → ``service`` (the ``Tracker``,
-with ``healing``) → ``serving`` → ``sessions``, and ``main`` assembling them; ``loops``
-is shared by all. A room imports only rooms before it: there is no import circle.
+``trust`` → ``routing`` → ``session_data`` → ``watch`` → ``planning`` → ``healing`` →
+``service`` (the ``Tracker``) → ``serving`` → ``sessions``, and ``main`` assembling
+them; ``loops`` is shared by all. A room imports only rooms before it: there is no
+import circle (the contract ``tracker-rooms`` in pyproject.toml checks it).
 """

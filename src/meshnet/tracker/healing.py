@@ -11,7 +11,7 @@ placement controller's (``placement``): it uses ``load`` under the same lock.
 
 ``Healing`` is the part of the ``Tracker`` (service.py) that does this; the
 tracker supplies its registry, admission, metrics and the few use cases
-declared at the top of the class.
+declared at the top of the class; it plans with ``RoutePlanning`` (planning.py).
 """
 
 from __future__ import annotations
@@ -30,14 +30,12 @@ from meshnet.errors import (
     WorkerDeath,
 )
 from meshnet.layer_range import LayerRange
-from meshnet.model.info import ModelInfo
 from meshnet.tracker.links.channels import ChannelPool
 from meshnet.tracker.links.configure import LoadResult
 from meshnet.tracker.links.hop_link import answers
-from meshnet.tracker.nodes.admission import Admission
 from meshnet.tracker.nodes.registry import NodeRecord, NodeState
-from meshnet.tracker.nodes.routes import Hop, Route, backend_of, plan_chain, splice
-from meshnet.tracker.nodes.store import Store
+from meshnet.tracker.nodes.routes import Hop, Route, backend_of, splice
+from meshnet.tracker.planning import RoutePlanning
 from meshnet.tracker.routing.failover import Reroute
 from meshnet.tracker.watch.metrics import TrackerMetrics
 
@@ -58,23 +56,12 @@ DEAD_KINDS = frozenset(
 _PROBED_KINDS = frozenset({HeartbeatLost.kind, DeadlineExceeded.kind})
 
 
-class Healing:
+class Healing(RoutePlanning):
     """Marking failed nodes down, rerouting failing generations, healing spans."""
 
-    store: Store
-    model: ModelInfo
     channels: ChannelPool
-    admission: Admission
     metrics: TrackerMetrics
     heal_lock: asyncio.Lock  # one Configure at a time (failover heals and placement)
-
-    def route(self, backend: str | None = None) -> Route:
-        """A complete route (the tracker's planner)."""
-        raise NotImplementedError
-
-    def usable(self, route: Route) -> bool:
-        """Whether every hop of ``route`` still serves it (the tracker's)."""
-        raise NotImplementedError
 
     async def load(self, node: NodeRecord, span: LayerRange) -> LoadResult:
         """Tell an empty node to load ``span`` (the tracker's)."""
@@ -142,16 +129,6 @@ class Healing:
             raise NoRoute("a node of the named route is down or serves other layers now")
         self._note_failover(failed, error, "same named route, next epoch")
         return Reroute(route)
-
-    def _replicas(
-        self, span: LayerRange, exclude: frozenset[str], backend: str | None = None
-    ) -> Route | None:
-        nodes = self.store.nodes()
-        streams = self.admission.streams
-        try:
-            return plan_chain(nodes, self.model.fingerprint, span, streams, exclude, backend)
-        except NoRoute:
-            return None
 
     async def _heal(
         self, span: LayerRange, exclude: frozenset[str], backend: str | None = None
