@@ -15,7 +15,7 @@ import httpx
 
 from meshnet.local_mesh import LocalMesh
 from meshnet.protocol import meshnet_pb2 as pb
-from meshnet.tracker.sessions.snapshot_rows import ROW_BYTES
+from meshnet.tracker.session_data.snapshot_rows import ROW_BYTES
 
 TURNS = ["hello there", "tell me more", "and then?", "thanks"]
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from meshnet.model.sampling import SamplingParams
-from meshnet.tracker.routing.driver import _extends, _run_end
 from meshnet.tracker.routing.generation import Generation
+from meshnet.tracker.routing.relay import _extends, _run_end
 
 
 def _drive(first_step: int, max_tokens: int) -> tuple[list[int], int]:

@@ -8,7 +8,8 @@ from pathlib import Path
 from meshnet.mesh_messages import NodeAnnouncement, NodeLoad
 from meshnet.tracker.accounting.ledger import AttemptStatus, LedgerRecord
 from meshnet.tracker.nodes.store import Store
-from meshnet.tracker.sessions.session_store import SessionState, SessionStore
+from meshnet.tracker.session_data.records import SessionState
+from meshnet.tracker.session_data.session_store import SessionStore
 from meshnet.tracker.storage.database import SQLiteDatabase
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from meshnet.errors import DatabaseUnavailable
-from meshnet.tracker.serving.leader_lease import Leadership, Lease
 from meshnet.tracker.storage.database import Database, open_database
+from meshnet.tracker.storage.leader_lease import Leadership, Lease
 
 TTL = 10.0
 

@@ -17,11 +17,11 @@ from meshnet.api.app import sweep_forever
 from meshnet.errors import DatabaseUnavailable
 from meshnet.tracker.loops import LoopHealth
 from meshnet.tracker.nodes.store import Store
+from meshnet.tracker.session_data.session_store import SessionStore
+from meshnet.tracker.session_data.snapshots import SnapshotStore
 from meshnet.tracker.sessions.outbox import Outbox, OutboxConfig
 from meshnet.tracker.sessions.retention import Retention, RetentionPolicy
-from meshnet.tracker.sessions.session_store import SessionStore
 from meshnet.tracker.sessions.sessions import SessionPolicy, Sessions
-from meshnet.tracker.sessions.snapshots import SnapshotStore
 from meshnet.tracker.storage.database import open_database
 
 FAILURES: list[Exception] = [

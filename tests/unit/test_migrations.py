@@ -13,12 +13,12 @@ from meshnet.api.tenants import TenantStore
 from meshnet.errors import SchemaTooNew
 from meshnet.tracker.nodes.store import Store
 from meshnet.tracker.serving.bench_store import BenchStore
-from meshnet.tracker.serving.leader_lease import Lease
 from meshnet.tracker.serving.served_store import ServedStore
-from meshnet.tracker.sessions.session_models import SessionModels
-from meshnet.tracker.sessions.session_store import SessionStore
-from meshnet.tracker.sessions.snapshot_rows import SnapshotRows
+from meshnet.tracker.session_data.session_models import SessionModels
+from meshnet.tracker.session_data.session_store import SessionStore
+from meshnet.tracker.session_data.snapshot_rows import SnapshotRows
 from meshnet.tracker.storage.database import Database, open_database
+from meshnet.tracker.storage.leader_lease import Lease
 from meshnet.tracker.storage.migrations import MIGRATIONS, Migration, columns, migrate
 
 # The tables as the first tracker made them (425744a).

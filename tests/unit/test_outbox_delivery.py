@@ -20,14 +20,10 @@ import pytest
 
 from meshnet.errors import DatabaseUnavailable, NoRoute, RequestError, WorkerDeath
 from meshnet.tracker.accounting.ledger import AttemptStatus, LedgerRecord, LedgerSpool
+from meshnet.tracker.session_data.records import SessionRecord, TurnRecord, TurnStatus
+from meshnet.tracker.session_data.session_store import SessionStore
+from meshnet.tracker.session_data.snapshots import SnapshotStore
 from meshnet.tracker.sessions.outbox import Outbox, OutboxConfig, after_failure
-from meshnet.tracker.sessions.session_store import (
-    SessionRecord,
-    SessionStore,
-    TurnRecord,
-    TurnStatus,
-)
-from meshnet.tracker.sessions.snapshots import SnapshotStore
 from meshnet.tracker.sessions.turns import TurnOutcome
 from meshnet.tracker.storage.database import open_database
 

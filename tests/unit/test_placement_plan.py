@@ -10,12 +10,12 @@ from typing import Any
 from node_records import node_record
 
 from meshnet.layer_range import LayerRange
+from meshnet.tracker.links.configure import LoadResult
 from meshnet.tracker.nodes.inventory import Inventory
 from meshnet.tracker.nodes.registry import NodeRecord
 from meshnet.tracker.nodes.routes import Hop
 from meshnet.tracker.serving.placement import (
     Load,
-    LoadResult,
     Placement,
     PlacementConfig,
     plan_placement,
@@ -207,7 +207,7 @@ def test_zero_replicas_never_calls_a_node() -> None:
 
 
 class _Leader:
-    """A placement lease this tracker holds or not (tracker/serving/leader_lease.py)."""
+    """A placement lease this tracker holds or not (tracker/storage/leader_lease.py)."""
 
     def __init__(self, leads: bool) -> None:
         self.leading = leads

@@ -19,6 +19,9 @@ from meshnet.tracker.accounting.ledger import AttemptStatus, LedgerRecord
 from meshnet.tracker.accounting.work_checks import SpanCheck, checks
 from meshnet.tracker.nodes.store import Store
 from meshnet.tracker.serving.bench_store import BenchStore, RouteFigures
+from meshnet.tracker.session_data.records import SessionState, SnapshotFile, TurnStatus
+from meshnet.tracker.session_data.session_store import SessionStore
+from meshnet.tracker.session_data.snapshots import SnapshotStore
 from meshnet.tracker.sessions.retention import (
     DAY,
     HOUR,
@@ -27,13 +30,6 @@ from meshnet.tracker.sessions.retention import (
     Retention,
     RetentionPolicy,
 )
-from meshnet.tracker.sessions.session_store import (
-    SessionState,
-    SessionStore,
-    SnapshotFile,
-    TurnStatus,
-)
-from meshnet.tracker.sessions.snapshots import SnapshotStore
 from meshnet.tracker.storage.database import Database, open_database
 
 REQUEST = {"content": "hi", "max_tokens": 4, "temperature": 0.0}

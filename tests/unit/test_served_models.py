@@ -29,7 +29,7 @@ from meshnet.tracker.serving.model_admin import check_assignments, choose_assign
 from meshnet.tracker.serving.placement import Load
 from meshnet.tracker.serving.served import MAX_MODELS, ModelState, ServedModel, ServedModels
 from meshnet.tracker.serving.served_store import ServedRow, ServedStore
-from meshnet.tracker.sessions.session_models import SessionModels
+from meshnet.tracker.session_data.session_models import SessionModels
 from meshnet.tracker.storage.database import open_database
 
 # --- the served set ----------------------------------------------------------------------
@@ -231,7 +231,7 @@ def test_the_admin_view_lists_each_nodes_bytes(tiny_path: Path) -> None:
 
 
 def test_a_session_is_on_the_model_it_was_bound_to(tmp_path: Path) -> None:
-    from meshnet.tracker.sessions.session_store import SessionStore
+    from meshnet.tracker.session_data.session_store import SessionStore
 
     db = open_database(tmp_path / "t.db")
     SessionStore(db)  # the turns table the conversation is read from

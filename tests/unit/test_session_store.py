@@ -13,14 +13,14 @@ from meshnet.errors import IdempotencyConflict, NotFound, SessionGone
 from meshnet.layer_range import LayerRange
 from meshnet.tracker.nodes.routes import Hop
 from meshnet.tracker.nodes.store import Store
-from meshnet.tracker.sessions.outbox import OutboxConfig, backoff_s
-from meshnet.tracker.sessions.session_store import (
+from meshnet.tracker.session_data.records import (
     EPOCH_STRIDE,
     SessionState,
-    SessionStore,
     SnapshotFile,
     TurnStatus,
 )
+from meshnet.tracker.session_data.session_store import SessionStore
+from meshnet.tracker.sessions.outbox import OutboxConfig, backoff_s
 from meshnet.tracker.storage.database import Database, open_database
 
 REQUEST = {"content": "hi", "max_tokens": 4, "temperature": 0.0}

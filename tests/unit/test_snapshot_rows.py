@@ -17,9 +17,10 @@ import pytest
 from meshnet.errors import KVImportFailed
 from meshnet.layer_range import LayerRange
 from meshnet.protocol import meshnet_pb2 as pb
-from meshnet.tracker.sessions.session_store import SessionState, SessionStore, SnapshotFile
-from meshnet.tracker.sessions.snapshot_rows import ROW_BYTES, RowReader
-from meshnet.tracker.sessions.snapshots import SnapshotStore, SnapshotTarget
+from meshnet.tracker.session_data.records import SessionState, SnapshotFile
+from meshnet.tracker.session_data.session_store import SessionStore
+from meshnet.tracker.session_data.snapshot_rows import ROW_BYTES, RowReader
+from meshnet.tracker.session_data.snapshots import SnapshotStore, SnapshotTarget
 from meshnet.tracker.storage.database import Database, open_database
 
 SID = "sess-1"

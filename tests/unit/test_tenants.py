@@ -11,7 +11,7 @@ from meshnet.api.tenants import Quotas, Tenant, TenantStore
 from meshnet.auth.credentials import new_admin_token, new_api_key
 from meshnet.auth.keys import digest
 from meshnet.errors import NotFound, QuotaExceeded, RequestError, Unauthenticated
-from meshnet.tracker.sessions.session_store import SessionStore
+from meshnet.tracker.session_data.session_store import SessionStore
 from meshnet.tracker.storage.database import open_database
 
 

@@ -13,10 +13,11 @@ from node_records import node_record
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import NodeLoad
 from meshnet.model.layer_bytes import LayerBytes
+from meshnet.tracker.links.configure import LoadResult
 from meshnet.tracker.nodes.inventory import Inventory
 from meshnet.tracker.nodes.registry import NodeRecord
 from meshnet.tracker.nodes.routes import Hop
-from meshnet.tracker.serving.placement import LoadResult, Placement, PlacementConfig, plan_placement
+from meshnet.tracker.serving.placement import Placement, PlacementConfig, plan_placement
 from meshnet.tracker.serving.widening import Load, chains, headroom
 
 FP = "f" * 64

@@ -37,8 +37,8 @@ from meshnet.tracker.serving.model_admin import ModelAdmin
 from meshnet.tracker.serving.placement import Placement
 from meshnet.tracker.serving.route_bench import RouteBench
 from meshnet.tracker.serving.served import ServedModel, ServedModels
+from meshnet.tracker.session_data.session_list import SessionList
 from meshnet.tracker.sessions.retention import Retention
-from meshnet.tracker.sessions.session_list import SessionList
 from meshnet.tracker.watch.events import EventLog
 from meshnet.tracker.watch.state_watch import StateWatch
 

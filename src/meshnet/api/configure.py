@@ -35,7 +35,7 @@ from meshnet.layer_range import LayerRange
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.nodes.registry import NodeRecord, NodeState
 from meshnet.tracker.service import Tracker
-from meshnet.tracker.sessions.session_store import SessionState
+from meshnet.tracker.session_data.records import SessionState
 from meshnet.tracker.sessions.sessions import Sessions
 
 log = logging.getLogger(__name__)

@@ -32,9 +32,9 @@ from meshnet.errors import MeshnetError, NotFound, RequestError, SessionGone, er
 from meshnet.model.sampling import MAX_STOP_STRINGS
 from meshnet.tracker.accounting import billing
 from meshnet.tracker.routing.driver import TokenEvent
+from meshnet.tracker.session_data.records import TurnRecord, TurnStatus
 from meshnet.tracker.sessions.outbox import Outbox
 from meshnet.tracker.sessions.parking import park_json
-from meshnet.tracker.sessions.session_store import TurnRecord, TurnStatus
 
 router = APIRouter()
 

@@ -14,9 +14,9 @@ from meshnet.errors import ModelNotFound
 from meshnet.tracker.service import Tracker
 from meshnet.tracker.serving.model_admin import ModelAdmin
 from meshnet.tracker.serving.served import ServedModels
+from meshnet.tracker.session_data.session_models import SessionModels
 from meshnet.tracker.sessions.model_turns import ModelTurns
 from meshnet.tracker.sessions.outbox import Outbox
-from meshnet.tracker.sessions.session_models import SessionModels
 from meshnet.tracker.sessions.sessions import Sessions
 
 

@@ -22,8 +22,8 @@ from fastapi.responses import StreamingResponse
 from meshnet.api.auth import require_admin
 from meshnet.api.state import sessions_of
 from meshnet.errors import NotFound, Overloaded, RequestError
-from meshnet.tracker.sessions.session_list import MAX_PAGE, SessionFilter, SessionList
-from meshnet.tracker.sessions.session_store import SessionState
+from meshnet.tracker.session_data.records import SessionState
+from meshnet.tracker.session_data.session_list import MAX_PAGE, SessionFilter, SessionList
 from meshnet.tracker.watch.events import EventLog
 
 router = APIRouter(dependencies=[Depends(require_admin)])

@@ -9,7 +9,7 @@ from meshnet.cli.options import add_options, declare_kv_pace, declare_tracker_op
 from meshnet.tracker.main import TrackerProcessConfig, serve
 from meshnet.tracker.nodes.admission import AdmissionConfig
 from meshnet.tracker.nodes.prefix_routes import PrefixRouting
-from meshnet.tracker.routing.driver import DriverLimits
+from meshnet.tracker.routing.limits import DriverLimits
 from meshnet.tracker.service import TrackerConfig
 from meshnet.tracker.sessions.outbox import OutboxConfig
 from meshnet.tracker.sessions.retention import RetentionPolicy

@@ -1,6 +1,8 @@
 """The tracker: registry, route driver, sessions, verification and the HTTP API's use cases.
 
-Its rooms, lowest first: ``storage`` → ``accounting`` → ``nodes`` → ``links`` → ``trust`` →
-``routing`` → ``watch`` → ``service`` (the ``Tracker``) → ``serving`` → ``sessions``, with
-``main`` assembling them; ``loops`` is shared by all. A room imports only rooms before it.
+Its rooms, lowest first: ``storage`` → ``accounting`` → ``nodes`` → ``links`` →
+``trust`` → ``routing`` → ``session_data`` → ``watch`` → ``planning`` → ``healing`` →
+``service`` (the ``Tracker``) → ``serving`` → ``sessions``, and ``main`` assembling
+them; ``loops`` is shared by all. A room imports only rooms before it: there is no
+import circle (the contract ``tracker-rooms`` in pyproject.toml checks it).
 """

@@ -24,22 +24,23 @@ from meshnet.model_source.info import model_info
 from meshnet.model_source.whole import local_model_path
 from meshnet.tracker.links.channels import ChannelPool
 from meshnet.tracker.nodes.store import Store
-from meshnet.tracker.routing.driver import DriverLimits, RouteDriver
+from meshnet.tracker.routing.driver import RouteDriver
+from meshnet.tracker.routing.limits import DriverLimits
 from meshnet.tracker.service import Tracker, TrackerConfig
-from meshnet.tracker.serving.leader_lease import PLACEMENT, Leadership, Lease, holder_id
 from meshnet.tracker.serving.manifests import ManifestBook
 from meshnet.tracker.serving.model_admin import ModelAdmin
 from meshnet.tracker.serving.placement import Placement
 from meshnet.tracker.serving.served import ServedModel, ServedModels, model_tracker
 from meshnet.tracker.serving.served_store import ServedStore
+from meshnet.tracker.session_data.session_models import SessionModels
+from meshnet.tracker.session_data.session_store import SessionStore
+from meshnet.tracker.session_data.snapshots import SnapshotStore
 from meshnet.tracker.sessions.model_turns import ModelTurns
 from meshnet.tracker.sessions.outbox import Outbox, OutboxConfig
 from meshnet.tracker.sessions.retention import Retention, RetentionPolicy
-from meshnet.tracker.sessions.session_models import SessionModels
-from meshnet.tracker.sessions.session_store import SessionStore
 from meshnet.tracker.sessions.sessions import SessionPolicy, Sessions
-from meshnet.tracker.sessions.snapshots import SnapshotStore
 from meshnet.tracker.storage.database import Database, open_database
+from meshnet.tracker.storage.leader_lease import PLACEMENT, Leadership, Lease, holder_id
 from meshnet.tracker.storage.migrations import migrate
 from meshnet.tracker.trust.verifier import TrustedModel
 
@@ -71,7 +72,7 @@ class TrackerProcessConfig:
     source: SourceConfig | None = None
     # How long one KV transfer (a snapshot's export or import) may take, by its size.
     kv_pace: TransferPace = field(default_factory=TransferPace)
-    # The placement lease (tracker/serving/leader_lease.py): only its holder, among the trackers
+    # The placement lease (tracker/storage/leader_lease.py): only its holder, among the trackers
     # on the database, runs placement. 0: this tracker places whatever others do.
     placement_lease_s: float = 10.0
 

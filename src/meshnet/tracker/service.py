@@ -1,17 +1,14 @@
-"""The tracker's use cases: choose a route, start a generation, fail over, account.
+"""The tracker's use cases: start a generation on a route, account it, cancel it.
 
-Capacity (a tracker slot, a stream on every node of the route) is reserved
-before a route is opened (``admission``); what does not fit waits briefly or
-gets ``Overloaded``. Failures met while opening a route (a dead or
+The route is chosen, and its capacity (a tracker slot, a stream on every node
+of it) reserved, before it is opened (planning.py, ``admission``); what does
+not fit waits briefly or gets ``Overloaded``. Failures met while opening a route (a dead or
 misconfigured node) mark that node down and the route is planned again, so a
-node killed between requests costs the next request nothing but a retry; a
-node that is only slow (a timeout, late heartbeats) is marked down only when a
-probe on a fresh connection confirms it is gone. Failures mid-generation come
-back from the driver as a ``reroute``: the failed span is given to a replica,
-or an empty node is told to load it (healing). Healing without a failing
-generation is the placement controller's (``placement``): it uses ``load``
-under the same lock. Generations can be cancelled by id, and a node whose
-heartbeats stop fails the steps waiting on it at once.
+node killed between requests costs the next request nothing but a retry.
+Failures mid-generation come back from the driver as a ``reroute``, and nodes
+are marked down, probed and healed, by the part of the tracker in healing.py.
+Generations can be cancelled by id, and a node whose heartbeats stop fails
+the steps waiting on it at once.
 """
 
 from __future__ import annotations
@@ -26,17 +23,13 @@ from dataclasses import dataclass, field
 
 from meshnet.engine.request import check_request
 from meshnet.errors import (
-    DeadlineExceeded,
     HeartbeatLost,
     KVBudgetExhausted,
-    MalformedBundle,
     MeshnetError,
     NoRoute,
     Overloaded,
-    RequestError,
     StreamReset,
     VerificationFailed,
-    WorkerDeath,
 )
 from meshnet.kv.prefix_cache import block_keys
 from meshnet.layer_range import LayerRange
@@ -44,27 +37,23 @@ from meshnet.mesh_messages import Heartbeat, NodeAnnouncement
 from meshnet.model.info import ModelInfo
 from meshnet.model.sampling import SamplingParams
 from meshnet.tracker.accounting.ledger import LedgerRecord, LedgerSpool
+from meshnet.tracker.healing import PROBE_TIMEOUT_S, Healing
 from meshnet.tracker.links.channels import ChannelPool
+from meshnet.tracker.links.configure import LoadResult, configure_span, unload_node
 from meshnet.tracker.links.hop_link import answers
 from meshnet.tracker.nodes.admission import Admission, AdmissionConfig, Reservation
 from meshnet.tracker.nodes.inventory import Inventory
-from meshnet.tracker.nodes.prefix_routes import PrefixIndex, PrefixRouting, route_by_prefix
-from meshnet.tracker.nodes.registry import NodeRecord, NodeState
+from meshnet.tracker.nodes.prefix_routes import PrefixIndex, PrefixRouting
+from meshnet.tracker.nodes.registry import NodeRecord
 from meshnet.tracker.nodes.routes import (
     Hop,
     Route,
-    backend_of,
-    pinned_route,
-    plan_chain,
-    plan_route,
-    requested_route,
-    splice,
 )
 from meshnet.tracker.nodes.store import Store
-from meshnet.tracker.routing.driver import DoneEvent, Fabric, Reroute, RouteDriver, TokenEvent
+from meshnet.tracker.routing.driver import DoneEvent, RouteDriver, TokenEvent
+from meshnet.tracker.routing.failover import Fabric, Reroute
 from meshnet.tracker.routing.generation import Generation
-from meshnet.tracker.serving.leader_lease import Leadership
-from meshnet.tracker.serving.placement import LoadResult, configure_span, unload_node
+from meshnet.tracker.storage.leader_lease import Leadership
 from meshnet.tracker.trust.verification import Verification
 from meshnet.tracker.trust.verifier import TrustedModel
 from meshnet.tracker.watch.metrics import GenerationMeter, TrackerMetrics
@@ -72,7 +61,6 @@ from meshnet.tracker.watch.metrics import GenerationMeter, TrackerMetrics
 log = logging.getLogger(__name__)
 
 _OPEN_ATTEMPTS = 4
-_PROBE_TIMEOUT_S = 2.0  # a node that does not answer Info in this long is gone
 
 
 @dataclass(frozen=True)
@@ -95,22 +83,13 @@ class Started:
     events: AsyncGenerator[TokenEvent | DoneEvent, None]
 
 
-# Failures after which a node is not trusted with the replacement: it is marked down.
-_DEAD_KINDS = frozenset(
-    {
-        WorkerDeath.kind,
-        VerificationFailed.kind,
-        HeartbeatLost.kind,
-        DeadlineExceeded.kind,
-        MalformedBundle.kind,
-    }
-)
-# Of those, the ones a merely slow node also gives: marked down only when a probe fails.
-_PROBED_KINDS = frozenset({HeartbeatLost.kind, DeadlineExceeded.kind})
+class Tracker(Healing):
+    """Routes generations over the registered nodes. Call from the event loop only.
 
+    Its route planning is ``RoutePlanning``'s (planning.py), its failure handling
+    ``Healing``'s (healing.py)."""
 
-class Tracker:
-    """Routes generations over the registered nodes. Call from the event loop only."""
+    config: TrackerConfig
 
     def __init__(
         self,
@@ -146,127 +125,9 @@ class Tracker:
         # The shards of models by reference each node holds on disk (its heartbeats):
         # placement prefers a node holding a span, a fetching node is told its peers.
         self.inventory = Inventory()
-        # Trackers sharing a database take turns at placement (tracker/serving/leader_lease.py):
+        # Trackers sharing a database take turns at placement (tracker/storage/leader_lease.py):
         # the placement controllers act only while this holds the lease. None: always.
         self.leader: Leadership | None = None
-
-    def _pinned(self) -> list[str] | None:
-        """The pinned route, when it is of this model (with several models served, a pin
-        holds nodes of one of them; the others route as if none were set)."""
-        pinned = self.store.pinned()
-        if pinned is None:
-            return None
-        fingerprints = {n.fingerprint for n in self.store.nodes() if n.node_id in pinned}
-        other = bool(fingerprints) and self.model.fingerprint not in fingerprints
-        return None if other else pinned
-
-    def context_limit(self) -> int:
-        """Positions a sequence of this model may reach: its trained context, or less
-        where a routable node serving it says so (``meshnet node --ctx``): the least of
-        them, so that no route a request may take cuts it short."""
-        said = [
-            n.load.context
-            for n in self.store.nodes()
-            if n.routable and n.fingerprint == self.model.fingerprint and n.load.context
-        ]
-        return min([self.model.spec.context_length, *said])
-
-    def route(self, backend: str | None = None) -> Route:
-        """The pinned route when one is set, else the least-loaded complete chain (on
-        ``backend``, when a failover must keep its generation's numerics)."""
-        nodes = self.store.nodes()
-        spec = self.model.spec
-        pinned = self._pinned()
-        if pinned is not None:
-            down = [n.node_id for n in nodes if n.node_id in pinned and not n.routable]
-            if down:
-                raise NoRoute(f"pinned route has nodes down: {', '.join(down)}")
-            try:
-                return pinned_route(pinned, nodes, self.model.fingerprint, spec.n_layers)
-            except RequestError as e:
-                raise NoRoute(f"pinned route is unusable: {e.message}") from None
-        return plan_route(
-            nodes, self.model.fingerprint, spec.n_layers, self.admission.streams, backend
-        )
-
-    def reserve(
-        self, route: Route | None = None, prompt_ids: Sequence[int] = ()
-    ) -> tuple[Route, Reservation]:
-        """A route (planned among nodes with a free stream, unless given) and its
-        capacity, reserved; ``Overloaded`` when routes exist but are all full. Given
-        the prompt, a route whose nodes hold a cached prefix of it may be chosen over
-        a less loaded one (tracker/nodes/prefix_routes.py)."""
-        if route is not None:
-            return route, self.admission.reserve(h.node_id for h in route)
-        nodes = self.store.nodes()
-        full = self.admission.full_nodes(nodes)
-        pinned = self._pinned()
-        if pinned is None and full:
-            spec = self.model.spec
-            try:
-                route = plan_chain(
-                    nodes,
-                    self.model.fingerprint,
-                    LayerRange(0, spec.n_layers),
-                    self.admission.streams,
-                    full,
-                )
-            except NoRoute:
-                self.route()  # NoRoute when there is none even with the full nodes
-                raise self.admission.overloaded("every route's nodes are at capacity") from None
-        else:
-            route = self.route()
-            busy = [h.node_id for h in route if h.node_id in full]
-            if busy:
-                raise self.admission.overloaded(f"nodes {', '.join(busy)} are at capacity")
-        if pinned is None and prompt_ids and self.config.prefix.on:
-            route = self._by_prefix(route, nodes, full, prompt_ids)
-        return route, self.admission.reserve(h.node_id for h in route)
-
-    def _by_prefix(
-        self,
-        base: Route,
-        nodes: Sequence[NodeRecord],
-        full: frozenset[str],
-        prompt_ids: Sequence[int],
-    ) -> Route:
-        """``base`` or a route whose nodes hold more of the prompt, whichever costs less."""
-        return route_by_prefix(
-            base,
-            nodes,
-            self.model.fingerprint,
-            self.model.spec.n_layers,
-            self.admission.streams,
-            full,
-            self.prefixes,
-            block_keys(prompt_ids),
-            len(prompt_ids),
-            self.config.prefix.load_tokens,
-        )
-
-    def requested_route(self, node_ids: Sequence[str]) -> Route:
-        """The route a request names, checked against the registry now; ``RequestError``
-        (400) with the reason when a node is unknown, down, empty or of another model, or
-        the chain does not cover the layers exactly once."""
-        nodes = self.store.nodes()
-        spec = self.model.spec
-        return requested_route(node_ids, nodes, self.model.fingerprint, spec.n_layers)
-
-    def reserve_named(self, route: Route) -> Reservation:
-        """Capacity for a generation on the route its request named: ``Overloaded`` when
-        one of its nodes has no stream left (it is never swapped for another)."""
-        full = self.admission.full_nodes(self.store.nodes())
-        busy = [h.node_id for h in route if h.node_id in full]
-        if busy:
-            raise self.admission.overloaded(f"nodes {', '.join(busy)} are at capacity")
-        return self.admission.reserve(h.node_id for h in route)
-
-    def pin(self, node_ids: Sequence[str]) -> Route:
-        route = pinned_route(
-            node_ids, self.store.nodes(), self.model.fingerprint, self.model.spec.n_layers
-        )
-        self.store.pin(node_ids)
-        return route
 
     async def start(
         self,
@@ -356,22 +217,6 @@ class Tracker:
         meter = self.metrics.generation("turn", len(prompt_ids), time.monotonic())
         return self._accounted(gen, held, run, meter)
 
-    def usable(self, route: Route) -> bool:
-        """Whether every hop's node is up and still serves that hop's layers of this model."""
-        nodes = {n.node_id: n for n in self.store.nodes()}
-        for hop in route:
-            n = nodes.get(hop.node_id)
-            if n is None or not n.routable or n.layers != hop.layers or n.address != hop.address:
-                return False
-            if n.fingerprint != self.model.fingerprint:
-                return False
-        return bool(route)
-
-    def single_hop_for(self, span: LayerRange) -> Hop | None:
-        """One node serving exactly ``span`` (the least loaded), or None."""
-        chain = self._replicas(span, frozenset())
-        return chain[0] if chain is not None and len(chain) == 1 else None
-
     def cancel(self, generation_id: str, reason: str = "cancelled by request") -> bool:
         """Cancel a running generation on every hop; False when none has that id."""
         gen = self._generations.get(generation_id)
@@ -414,102 +259,8 @@ class Tracker:
             for link in gen.links:  # and when the driver never started
                 link.close()
 
-    # --- the driver's fabric -------------------------------------------------------
-
-    async def reroute(self, route: Route, failed: Hop | None, error: MeshnetError) -> Reroute:
-        """A route without the failed hop's fault: a replica chain for its span, an
-        empty node healed to serve it, or (failing both) any complete route."""
-        try:
-            new = await self._reroute(route, failed, error)
-        except MeshnetError as e:
-            self._note_failover(failed, error, f"no replacement: {e.message}")
-            raise
-        healed = f"healed {new.healed}; " if new.healed else ""
-        now = " > ".join(h.node_id for h in new.route)
-        self._note_failover(failed, error, f"{healed}now {now}")
-        return new
-
-    def _note_failover(self, failed: Hop | None, error: MeshnetError, detail: str) -> None:
-        self.metrics.failover(failed.node_id if failed else "", error.kind, detail)
-
-    async def _reroute(self, route: Route, failed: Hop | None, error: MeshnetError) -> Reroute:
-        # Every replacement computes as the route did: the generation stays exact.
-        backend = backend_of(route, self.store.nodes())
-        if failed is None:
-            return Reroute(self.route(backend))
-        index = route.index(failed)
-        exclude: frozenset[str] = frozenset()
-        span = failed.layers
-        if error.kind in _DEAD_KINDS:
-            exclude = frozenset({failed.node_id})
-            if not await self._node_failed(failed.node_id, error.kind, failed.address):
-                # Slow, not gone: a replica takes the span if there is one, else it does.
-                chain = self._replicas(span, exclude, backend) or self._replicas(
-                    span, frozenset(), backend
-                )
-                if chain is not None:
-                    return Reroute(splice(route, index, chain))
-                return Reroute(self.route(backend))
-        # A live node (stream reset, lost KV) keeps its channel: other generations use it,
-        # and gRPC reconnects a broken one by itself.
-        chain = self._replicas(span, exclude, backend)
-        if chain is not None:
-            return Reroute(splice(route, index, chain))
-        async with self.heal_lock:  # two failovers must not configure one empty node twice
-            chain = self._replicas(span, exclude, backend)
-            if chain is not None:
-                return Reroute(splice(route, index, chain))
-            healed = await self._heal(span, exclude, backend)
-        if healed is not None:
-            return Reroute(splice(route, index, (healed,)), healed.node_id)
-        return Reroute(self.route(backend))
-
     def record(self, records: Iterable[LedgerRecord]) -> None:
         self.ledger.submit(records)
-
-    async def keep_route(self, route: Route, failed: Hop | None, error: MeshnetError) -> Reroute:
-        """The failover of a generation on a named route: the same nodes on a new epoch
-        while every one is up and unchanged; ``NoRoute`` once one is gone (the request
-        asked for these nodes, so no other takes their place)."""
-        if (
-            failed is not None
-            and error.kind in _DEAD_KINDS
-            and await self._node_failed(failed.node_id, error.kind, failed.address)
-        ):
-            raise NoRoute(f"node {failed.node_id} of the named route is down")
-        if not self.usable(route):
-            raise NoRoute("a node of the named route is down or serves other layers now")
-        self._note_failover(failed, error, "same named route, next epoch")
-        return Reroute(route)
-
-    def _replicas(
-        self, span: LayerRange, exclude: frozenset[str], backend: str | None = None
-    ) -> Route | None:
-        nodes = self.store.nodes()
-        streams = self.admission.streams
-        try:
-            return plan_chain(nodes, self.model.fingerprint, span, streams, exclude, backend)
-        except NoRoute:
-            return None
-
-    async def _heal(
-        self, span: LayerRange, exclude: frozenset[str], backend: str | None = None
-    ) -> Hop | None:
-        """Tell an empty node (of ``backend``, if given) to load ``span``; the hop it
-        now serves, or None."""
-        empty = [
-            n
-            for n in self.store.nodes()
-            if n.state is NodeState.UP
-            and n.layers is None
-            and n.node_id not in exclude
-            and backend in (None, n.backend)
-        ]
-        for node in empty:
-            loaded = await self.load(node, span)
-            if loaded.hop is not None:
-                return loaded.hop
-        return None
 
     async def load(self, node: NodeRecord, span: LayerRange) -> LoadResult:
         """Tell ``node`` (an empty one, or one placement widens) to load ``span`` of this
@@ -587,49 +338,12 @@ class Tracker:
         for gen in self.generations():
             gen.node_lost(node_id, verdict)
 
-    async def _node_failed(self, node_id: str, kind: str, met_at: str = "") -> bool:
-        """Mark a node that failed a call down; True when it was. A timeout or silence
-        is first checked by a probe: a node that answers is slow, not gone, and stays up.
-        A broken stream (the node answered a probe on a fresh connection) is no verdict
-        on the node: its channel is dialled afresh, it stays up. ``met_at``: the address
-        the failure came from; a node registered at another address since is a new
-        process, which the old one's failure says nothing about (it stays up)."""
-        if not node_id:
-            return False
-        if kind == VerificationFailed.kind:
-            return True  # quarantined already (NodeTrust.quarantine)
-        node = self.store.node(node_id)
-        address = node.address if node is not None else None
-        if met_at and address and address != met_at:
-            log.info(
-                "node %s failed (%s) at %s, but it runs at %s now", node_id, kind, met_at, address
-            )
-            return False
-        if kind == StreamReset.kind:
-            log.info("node %s: its stream broke but it answers; dialling it afresh", node_id)
-            if address:
-                self.channels.retire(address)
-            return False
-        if (
-            kind in _PROBED_KINDS
-            and address
-            and await answers(self.channels.keys, address, node_id, _PROBE_TIMEOUT_S)
-        ):
-            log.info("node %s was %s but answers a probe: kept up", node_id, kind)
-            return False
-        log.warning("node %s failed (%s): marked down", node_id, kind)
-        self.metrics.node_down(node_id, kind)  # first: a scrape that sees it down counts it
-        self.store.mark_down(node_id, kind)
-        if address:
-            self.channels.retire(address)
-        return True
-
     async def sweep(self) -> list[str]:
         """Mark down nodes that went silent and do not answer a probe, and fail the
         steps waiting on them (``heartbeat-lost``)."""
         silent = self.store.silent(time.time(), self.config.heartbeat_timeout_s)
         alive = await asyncio.gather(
-            *(answers(self.channels.keys, n.address, n.node_id, _PROBE_TIMEOUT_S) for n in silent)
+            *(answers(self.channels.keys, n.address, n.node_id, PROBE_TIMEOUT_S) for n in silent)
         )
         lost = [n.node_id for n, up in zip(silent, alive, strict=True) if not up]
         for node_id in lost:

@@ -38,9 +38,10 @@ from meshnet.layer_range import LayerRange
 from meshnet.model.info import ModelInfo, load_model_info
 from meshnet.model.layer_bytes import LayerBytes, model_layer_bytes
 from meshnet.protocol import meshnet_pb2 as pb
+from meshnet.tracker.links.configure import configure_span
 from meshnet.tracker.nodes.registry import NodeRecord, NodeState
 from meshnet.tracker.service import Tracker
-from meshnet.tracker.serving.placement import Placement, PlacementConfig, configure_span
+from meshnet.tracker.serving.placement import Placement, PlacementConfig
 from meshnet.tracker.serving.served import ModelState, ServedModel, ServedModels, model_tracker
 from meshnet.tracker.serving.served_store import ServedRow, ServedStore
 from meshnet.tracker.serving.widening import Load

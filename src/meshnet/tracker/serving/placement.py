@@ -34,7 +34,7 @@ back (exponential backoff from ``backoff_s``, capped at ``backoff_max_s``) and
 the node that failed is used last until it loads something.
 
 Several trackers on one database each run a controller, but only the one
-holding the placement lease acts (``Tracker.leader``, tracker/serving/leader_lease.py):
+holding the placement lease acts (``Tracker.leader``, tracker/storage/leader_lease.py):
 the others plan nothing until it lapses, so one gap is never loaded by two
 trackers. The lease is checked again before each load.
 """
@@ -47,36 +47,54 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-import grpc
+from typing import Protocol
 
 from meshnet.layer_range import LayerRange
+from meshnet.model.info import ModelInfo
 from meshnet.model.layer_bytes import LayerBytes, file_bytes, float32_bytes, model_layer_bytes
-from meshnet.protocol import meshnet_pb2 as pb
-from meshnet.tracker.links.channels import ChannelPool
+from meshnet.tracker.links.configure import LoadResult
 from meshnet.tracker.loops import LoopHealth
+from meshnet.tracker.nodes.inventory import Inventory
 from meshnet.tracker.nodes.registry import NodeId, NodeRecord, NodeState
-from meshnet.tracker.nodes.routes import Hop
+from meshnet.tracker.nodes.store import Store
 from meshnet.tracker.serving.widening import Load, Sizes, plan_absorb, plan_widening
-
-if TYPE_CHECKING:
-    from meshnet.tracker.service import Tracker
-
-log = logging.getLogger(__name__)
+from meshnet.tracker.storage.leader_lease import Leadership
 
 
-@dataclass(frozen=True)
-class LoadResult:
-    """What a load came to: the hop the node serves now, or why not."""
+class _Replicas(Protocol):
+    @property
+    def replicas(self) -> int: ...
 
-    hop: Hop | None
-    failure: str = ""  # when ``hop`` is None: the node's refusal or the call's error
-    emptied: bool = False  # an unload that succeeded (no hop: the node serves nothing)
+
+class Mesh(Protocol):
+    """What the controller needs of its model's tracker (``service.Tracker`` is one):
+    the registry, the model, what nodes hold on disk, whether it leads placement, and
+    ``load`` and ``unload`` under its lock."""
 
     @property
-    def ok(self) -> bool:
-        return self.hop is not None or self.emptied
+    def config(self) -> _Replicas: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def model(self) -> ModelInfo: ...
+
+    @property
+    def inventory(self) -> Inventory: ...
+
+    @property
+    def heal_lock(self) -> asyncio.Lock: ...
+
+    @property
+    def leader(self) -> Leadership | None: ...
+
+    async def load(self, node: NodeRecord, span: LayerRange) -> LoadResult: ...
+
+    async def unload(self, node: NodeRecord) -> LoadResult: ...
+
+
+log = logging.getLogger(__name__)
 
 
 def plan_placement(
@@ -197,46 +215,6 @@ def _cut(span: LayerRange, cuts: Set[int]) -> list[LayerRange]:
     return [LayerRange(a, b) for a, b in itertools.pairwise(edges)]
 
 
-async def configure_span(
-    channels: ChannelPool,
-    node: NodeRecord,
-    span: LayerRange,
-    fingerprint: str,
-    timeout_s: float,
-    model_path: str = "",
-) -> LoadResult:
-    """Send ``node`` a T3 ``Configure`` for ``span`` of ``model_path`` (as the node sees
-    it; "": its start model); the hop when it loaded the model with ``fingerprint``.
-    Changes nothing in the registry."""
-    load = pb.LoadShard(model_path=model_path, layer_start=span.start, layer_end=span.end)
-    request = pb.ConfigureRequest(load=load)
-    try:
-        reply = await channels.stub(node.address).Configure(
-            request, timeout=timeout_s, metadata=channels.signed(node.node_id, "Configure")
-        )
-    except grpc.aio.AioRpcError as e:
-        return LoadResult(None, f"Configure failed: {e.code().name} {e.details() or ''}".strip())
-    if not reply.applied:
-        return LoadResult(None, f"refused: {reply.failure.kind}: {reply.failure.message}")
-    if reply.fingerprint != fingerprint:
-        return LoadResult(None, f"loaded another model ({reply.fingerprint[:12]})")
-    return LoadResult(Hop(node.node_id, node.address, span))
-
-
-async def unload_node(channels: ChannelPool, node: NodeRecord, timeout_s: float) -> LoadResult:
-    """Send ``node`` a T3 ``Configure`` to empty itself. Changes nothing in the registry."""
-    request = pb.ConfigureRequest(load=pb.LoadShard())
-    try:
-        reply = await channels.stub(node.address).Configure(
-            request, timeout=timeout_s, metadata=channels.signed(node.node_id, "Configure")
-        )
-    except grpc.aio.AioRpcError as e:
-        return LoadResult(None, f"Configure failed: {e.code().name} {e.details() or ''}".strip())
-    if not reply.applied:
-        return LoadResult(None, f"refused: {reply.failure.kind}: {reply.failure.message}")
-    return LoadResult(None, emptied=True)
-
-
 @dataclass(frozen=True)
 class PlacementConfig:
     interval_s: float = 1.0  # between passes: about a node's heartbeat
@@ -269,7 +247,7 @@ class Placement:
 
     def __init__(
         self,
-        tracker: Tracker,
+        tracker: Mesh,
         config: PlacementConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         sizes: Sizes | None = None,

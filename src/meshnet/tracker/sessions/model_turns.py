@@ -20,9 +20,10 @@ from meshnet.model.chat import ChatMessage
 from meshnet.model.sampling import SamplingParams
 from meshnet.tracker.service import Tracker
 from meshnet.tracker.serving.served import ServedModel, ServedModels
-from meshnet.tracker.sessions.session_models import SessionModels
-from meshnet.tracker.sessions.session_store import SessionRecord, SessionStore, TurnRecord
-from meshnet.tracker.sessions.snapshots import SnapshotStore
+from meshnet.tracker.session_data.records import SessionRecord, TurnRecord
+from meshnet.tracker.session_data.session_models import SessionModels
+from meshnet.tracker.session_data.session_store import SessionStore
+from meshnet.tracker.session_data.snapshots import SnapshotStore
 from meshnet.tracker.sessions.turns import OnToken, TurnOutcome, TurnRunner
 
 

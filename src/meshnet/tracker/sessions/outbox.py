@@ -45,13 +45,9 @@ from meshnet.errors import (
     QuotaExceeded,
 )
 from meshnet.tracker.loops import LoopHealth
-from meshnet.tracker.sessions.session_store import (
-    SessionRecord,
-    SessionStore,
-    TurnRecord,
-    TurnStatus,
-)
-from meshnet.tracker.sessions.snapshots import SnapshotStore
+from meshnet.tracker.session_data.records import SessionRecord, TurnRecord, TurnStatus
+from meshnet.tracker.session_data.session_store import SessionStore
+from meshnet.tracker.session_data.snapshots import SnapshotStore
 from meshnet.tracker.sessions.turns import OnToken, TurnOutcome, TurnRunner
 
 log = logging.getLogger(__name__)

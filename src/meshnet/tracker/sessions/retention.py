@@ -38,8 +38,8 @@ from meshnet.tracker.accounting.work_checks import purge_checks
 from meshnet.tracker.loops import LoopHealth
 from meshnet.tracker.nodes.store import Store
 from meshnet.tracker.serving.bench_store import BenchStore
-from meshnet.tracker.sessions.session_store import SessionStore
-from meshnet.tracker.sessions.snapshots import SnapshotStore
+from meshnet.tracker.session_data.session_store import SessionStore
+from meshnet.tracker.session_data.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
 

@@ -27,14 +27,10 @@ from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.loops import LoopHealth
 from meshnet.tracker.nodes.routes import Hop, route_json
 from meshnet.tracker.service import Tracker
+from meshnet.tracker.session_data.records import SessionRecord, SessionState, SnapshotFile
+from meshnet.tracker.session_data.session_store import SessionStore
+from meshnet.tracker.session_data.snapshots import SnapshotStore, SnapshotTarget
 from meshnet.tracker.sessions.parking import HopPark, ParkBackoff, park_route
-from meshnet.tracker.sessions.session_store import (
-    SessionRecord,
-    SessionState,
-    SessionStore,
-    SnapshotFile,
-)
-from meshnet.tracker.sessions.snapshots import SnapshotStore, SnapshotTarget
 from meshnet.tracker.sessions.turns import TurnRunner, history_hash
 
 log = logging.getLogger(__name__)

@@ -41,13 +41,9 @@ from meshnet.tracker.accounting.ledger import LedgerSpool
 from meshnet.tracker.nodes.routes import Hop, Route, route_json
 from meshnet.tracker.routing.driver import DoneEvent, TokenEvent
 from meshnet.tracker.service import Tracker
-from meshnet.tracker.sessions.session_store import (
-    SessionRecord,
-    SessionStore,
-    SnapshotFile,
-    TurnRecord,
-)
-from meshnet.tracker.sessions.snapshots import SnapshotStore
+from meshnet.tracker.session_data.records import SessionRecord, SnapshotFile, TurnRecord
+from meshnet.tracker.session_data.session_store import SessionStore
+from meshnet.tracker.session_data.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
 

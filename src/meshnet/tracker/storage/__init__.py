@@ -1,5 +1,6 @@
-"""Storage: one SQL interface over SQLite and PostgreSQL, and the numbered migrations.
+"""Storage: one SQL interface over SQLite and PostgreSQL, its migrations, and leases.
 
-Owns the database connection and its schema history, nothing about what the rows mean.
-May import: nothing else from the tracker (the bottom room).
+Owns the database connection and its schema history, and the lease that makes one
+tracker among those sharing a database the leader (of placement); nothing about what
+the other rows mean. May import: ``tracker.loops`` only (the bottom room).
 """

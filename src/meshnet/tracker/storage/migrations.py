@@ -79,7 +79,7 @@ def _ledger_commitments(tx: Tx, dialect: str) -> None:
 
 def _snapshots_in_database(tx: Tx, dialect: str) -> None:
     """Snapshots move into the database (``snapshot_chunks``, made by
-    tracker/sessions/snapshot_rows.py): an index row says how many chunk rows hold its
+    tracker/session_data/snapshot_rows.py): an index row says how many chunk rows hold its
     stream. The rows already there keep 0 and their ``path``: a file on the disk
     of the tracker that wrote it, still read from there (snapshots.py)."""
     add_column(tx, dialect, "snapshots", "chunks", "BIGINT NOT NULL DEFAULT 0")

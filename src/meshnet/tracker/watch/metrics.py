@@ -37,7 +37,7 @@ from meshnet.model.info import ModelInfo
 from meshnet.tracker.nodes.admission import Admission
 from meshnet.tracker.nodes.registry import NodeRecord, NodeState
 from meshnet.tracker.nodes.store import Store
-from meshnet.tracker.sessions.session_store import SessionState
+from meshnet.tracker.session_data.records import SessionState
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from meshnet.tracker.loops import LoopHealth
 from meshnet.tracker.nodes.store import Store
-from meshnet.tracker.sessions.session_store import SessionStore
+from meshnet.tracker.session_data.session_store import SessionStore
 from meshnet.tracker.watch.events import EventLog
 
 States = dict[tuple[str, str], str]  # (kind, id) -> state

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 from meshnet.model.chat import ChatMessage
-from meshnet.tracker.sessions.session_store import TurnStatus
+from meshnet.tracker.session_data.records import TurnStatus
 from meshnet.tracker.storage.database import Database
 
 _SCHEMA = """

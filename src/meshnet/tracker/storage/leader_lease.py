@@ -1,7 +1,7 @@
 """One placement leader among the trackers on a database: a lease row, renewed by its holder.
 
 Trackers sharing a PostgreSQL database each run a placement controller
-(placement.py); left alone, two would see one gap at once and load it twice.
+(tracker/serving/placement.py); left alone, two would see one gap at once and load it twice.
 The lease makes one of them the leader: a row of ``leases`` names its holder
 (one tracker process) and when it expires. The holder renews it every
 ``ttl_s / 3``; another tracker takes it only once it has expired (its holder

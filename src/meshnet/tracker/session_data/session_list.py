@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshnet.tracker.sessions.session_models import SessionModels
-from meshnet.tracker.sessions.session_store import SessionState
+from meshnet.tracker.session_data.records import SessionState
+from meshnet.tracker.session_data.session_models import SessionModels
 from meshnet.tracker.storage.database import Database
 
 MAX_PAGE = 500

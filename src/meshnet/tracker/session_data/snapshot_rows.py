@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from meshnet.errors import KVImportFailed
-from meshnet.tracker.sessions.session_store import SessionState, SnapshotFile
+from meshnet.tracker.session_data.records import SessionState, SnapshotFile
 from meshnet.tracker.storage.database import Database
 
 ROW_BYTES = 1 << 20  # one row's share of a stream: a frame (up to 8 MiB) spans several

@@ -36,8 +36,9 @@ from meshnet.kv.pace import TransferPace
 from meshnet.kv.transfer import MAX_CHUNK_BYTES
 from meshnet.layer_range import LayerRange
 from meshnet.protocol import meshnet_pb2 as pb
-from meshnet.tracker.sessions.session_store import SessionStore, SnapshotFile
-from meshnet.tracker.sessions.snapshot_rows import SnapshotRows
+from meshnet.tracker.session_data.records import SnapshotFile
+from meshnet.tracker.session_data.session_store import SessionStore
+from meshnet.tracker.session_data.snapshot_rows import SnapshotRows
 from meshnet.tracker.storage.database import Database
 
 _LENGTH = struct.Struct(">I")
