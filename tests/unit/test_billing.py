@@ -143,7 +143,7 @@ def test_a_ledger_made_by_an_older_version_gains_the_commitments_column(tmp_path
         )
     db = open_database(path)
     try:
-        assert migrate(db) == [1]
+        assert 1 in migrate(db)  # the commitments column, with every later migration
         store = Store(db)
         assert migrate(db) == []  # a second start finds the column there
         store.record_attempts([work("new", "a", (0, 4), (0, 2))], NOW)

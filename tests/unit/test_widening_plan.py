@@ -137,6 +137,7 @@ class _Tracker:
         self.config = SimpleNamespace(replicas=1)
         self.inventory = Inventory()
         self.store = SimpleNamespace(nodes=lambda: sorted(self.nodes.values(), key=_id))
+        self.leader = None  # no placement lease: this tracker places alone
 
     async def load(self, n: NodeRecord, span: LayerRange) -> LoadResult:
         assert self.heal_lock.locked()
