@@ -10,30 +10,28 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import NO_ROOM, MeshFactory
+from conftest import NO_ROOM, MeshFactory, SoloIds
 from faults import wait_until_up
 from streams import Streamed, stream_completion
+from tiny_requests import long_completion
 
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
 
-PROMPT = [5, 17, 42, 99, 3, 64, 128, 7]
-BODY: dict[str, Any] = {
-    "model": "long",
-    "prompt": PROMPT,
-    "max_tokens": 120,
-    "temperature": 0.7,
-    "seed": 3,
-}
+BODY = long_completion(seed=3)
 WAITS = ["--route-wait", "60"]
 
 
 @pytest.fixture(scope="module")
-def mesh(mesh_factory: MeshFactory, tiny_factory: Any) -> LocalMesh:
+def mesh(mesh_factory: MeshFactory, long_tiny: Path) -> LocalMesh:
     """No replica, no empty node, and no memory offered for more layers (no survivor is
     widened): a dead node's range is served again only when it comes back."""
-    model = Path(tiny_factory("long.gguf", context_length=1024))
-    return mesh_factory("0:2,2:4", model=model, tracker_args=WAITS, node_args=NO_ROOM)
+    return mesh_factory("0:2,2:4", model=long_tiny, tracker_args=WAITS, node_args=NO_ROOM)
+
+
+@pytest.fixture(scope="module")
+def expected(long_tiny: Path, solo_ids: SoloIds) -> list[int]:
+    return solo_ids(long_tiny, BODY)
 
 
 def _complete(mesh: LocalMesh, body: dict[str, Any] = BODY) -> httpx.Response:
@@ -41,9 +39,9 @@ def _complete(mesh: LocalMesh, body: dict[str, Any] = BODY) -> httpx.Response:
     return httpx.post(url, json=body, headers=mesh.api_headers, timeout=120)
 
 
-def test_a_generation_waits_for_its_only_node_to_return_and_ends_exact(mesh: LocalMesh) -> None:
-    expected = _complete(mesh).json()["meshnet"]["ids"]
-
+def test_a_generation_waits_for_its_only_node_to_return_and_ends_exact(
+    mesh: LocalMesh, expected: list[int]
+) -> None:
     def restart(n: int, s: Streamed) -> None:
         if n == 10:
             mesh.kill_node("node-1")  # the only node of [2, 4): no replacement now
@@ -57,8 +55,9 @@ def test_a_generation_waits_for_its_only_node_to_return_and_ends_exact(mesh: Loc
     wait_until_up(mesh, "node-1")
 
 
-def test_a_request_with_no_complete_route_waits_for_one(mesh: LocalMesh) -> None:
-    expected = _complete(mesh).json()["meshnet"]["ids"]
+def test_a_request_with_no_complete_route_waits_for_one(
+    mesh: LocalMesh, expected: list[int]
+) -> None:
     mesh.kill_node("node-1")
     answers: list[httpx.Response] = []
     sent = threading.Thread(target=lambda: answers.append(_complete(mesh)))

@@ -6,39 +6,29 @@ import random
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from conftest import MeshFactory
+from conftest import MeshFactory, SoloIds
 from faults import assert_billed_once, raw_forward, wait_ledger, wait_until_up
 from streams import Streamed, serving, stream_completion
+from tiny_requests import PROMPT, long_completion
 
 from meshnet.layer_range import LayerRange
-from meshnet.local_mesh import LocalMesh
 from meshnet.model.gguf_file import sha256_file
 from meshnet.protocol import meshnet_pb2 as pb
 
-PROMPT = [5, 17, 42, 99, 3, 64, 128, 7]
-BODY: dict[str, Any] = {
-    "model": "long",
-    "prompt": PROMPT,
-    "max_tokens": 300,  # long enough that a kill after token 60 lands mid-stream
-    "temperature": 0.7,
-    "seed": 3,  # samples 300 tokens without an eos on the long tiny model
-}
+# Long enough that a kill after token 60 lands mid-stream: seed 3 samples 300 tokens
+# without an eos on the long tiny model.
+BODY = long_completion(seed=3, max_tokens=300)
 
 
 @pytest.fixture(scope="module")
-def long_tiny(tiny_factory: Any) -> Path:
-    """The tiny model with room for long generations (it never samples its eos)."""
-    return Path(tiny_factory("long.gguf", context_length=1024))
-
-
-def _reference(mesh: LocalMesh, body: dict[str, Any] = BODY) -> list[int]:
-    r = httpx.post(f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers, timeout=60)
-    assert r.status_code == 200, r.text
-    return list(r.json()["meshnet"]["ids"])
+def expected(long_tiny: Path, solo_ids: SoloIds) -> list[int]:
+    """What the request gives in-process: every faulted stream must end with it."""
+    ids = solo_ids(long_tiny, BODY)
+    assert len(ids) == BODY["max_tokens"]  # every kill point below lands mid-stream
+    return ids
 
 
 def _positions(ids: list[int]) -> int:
@@ -47,14 +37,12 @@ def _positions(ids: list[int]) -> int:
 
 
 def test_killing_a_replicated_node_mid_stream_gives_identical_output_20_times(
-    mesh_factory: MeshFactory, long_tiny: Path
+    mesh_factory: MeshFactory, long_tiny: Path, expected: list[int]
 ) -> None:
     # The kills are seen by the broken stream, not by heartbeats; on 2 busy cores the
     # restart of the last round's node (load, warm-up) can hold the replica's heartbeats
     # past the usual 2 s, and a replica marked down leaves nothing to fail over to.
     mesh = mesh_factory("0:2,2:4,2:4", model=long_tiny, heartbeat_timeout_s=8.0)
-    expected = _reference(mesh)
-    assert len(expected) == BODY["max_tokens"]  # every kill point below lands mid-stream
     rng = random.Random(20261203)
     for rep in range(20):
         # A replica must be live before its twin is killed.
@@ -86,10 +74,9 @@ def test_killing_a_replicated_node_mid_stream_gives_identical_output_20_times(
 
 
 def test_with_no_replica_an_empty_node_is_healed_into_the_route(
-    mesh_factory: MeshFactory, long_tiny: Path
+    mesh_factory: MeshFactory, long_tiny: Path, expected: list[int]
 ) -> None:
     mesh = mesh_factory("0:2,2:4,empty", model=long_tiny)
-    expected = _reference(mesh)
 
     def kill(n: int, s: Streamed) -> None:
         if n == 10:
@@ -116,7 +103,7 @@ def test_with_no_replica_an_empty_node_is_healed_into_the_route(
 
 
 def test_a_frozen_node_is_failed_by_its_deadline_and_its_late_steps_are_stale(
-    mesh_factory: MeshFactory, long_tiny: Path
+    mesh_factory: MeshFactory, long_tiny: Path, expected: list[int]
 ) -> None:
     mesh = mesh_factory(
         "0:2,2:4,2:4",
@@ -124,7 +111,13 @@ def test_a_frozen_node_is_failed_by_its_deadline_and_its_late_steps_are_stale(
         tracker_args=["--step-timeout", "1.0"],
         heartbeat_timeout_s=30.0,  # the step deadline, not the heartbeats, must catch it
     )
-    expected = _reference(mesh)
+    # A whole run first, unfaulted: the hops are linked and warm before the 1 s deadline
+    # is what the freeze is measured against.
+    first = httpx.post(
+        f"{mesh.url}/v1/completions", json=BODY, headers=mesh.api_headers, timeout=60
+    )
+    assert first.status_code == 200, first.text
+    assert first.json()["meshnet"]["ids"] == expected
     frozen: list[str] = []
 
     def freeze(n: int, s: Streamed) -> None:

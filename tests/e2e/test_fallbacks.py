@@ -22,13 +22,12 @@ import grpc
 import httpx
 import numpy as np
 import pytest
-from conftest import MeshFactory
+from conftest import MeshFactory, SoloIds
 from faults import address, info, signed
 from prometheus_client.parser import text_string_to_metric_families
-from solo import solo_completion_ids
 from streams import Streamed, at, serving, stream_completion
+from tiny_requests import long_completion
 
-from meshnet.engine.local import load_local_model
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
 from meshnet.model.gguf_file import sha256_file
@@ -36,14 +35,7 @@ from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 
-PROMPT = [5, 17, 42, 99, 3, 64, 128, 7]
-BODY: dict[str, Any] = {
-    "model": "long",
-    "prompt": PROMPT,
-    "max_tokens": 120,
-    "temperature": 0.7,
-    "seed": 3,
-}
+BODY = long_completion(seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +44,8 @@ def model(tiny_factory: Any) -> Path:
 
 
 @pytest.fixture(scope="module")
-def expected(model: Path) -> list[int]:
-    ids = solo_completion_ids(load_local_model(model), BODY)
+def expected(model: Path, solo_ids: SoloIds) -> list[int]:
+    ids = solo_ids(model, BODY)
     assert len(ids) == BODY["max_tokens"]
     return ids
 

@@ -12,31 +12,23 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import MeshFactory
-from solo import solo_completion_ids
+from conftest import MeshFactory, SoloIds
 from streams import stream_completion
+from tiny_requests import long_completion
 
-from meshnet.engine.local import load_local_model
 from meshnet.local_mesh import LocalMesh
 
-PROMPT = [5, 17, 42, 99, 3, 64, 128, 7]
-BODY: dict[str, Any] = {
-    "model": "long",
-    "prompt": PROMPT,
-    "max_tokens": 120,
-    "temperature": 0.7,
-    "seed": 11,
-}
+BODY = long_completion(seed=11)
 
 
 @pytest.fixture(scope="module")
-def model(tiny_factory: Any) -> Path:
-    return Path(tiny_factory("long.gguf", context_length=1024))
+def model(long_tiny: Path) -> Path:
+    return long_tiny
 
 
 @pytest.fixture(scope="module")
-def expected(model: Path) -> list[int]:
-    return solo_completion_ids(load_local_model(model), BODY)
+def expected(model: Path, solo_ids: SoloIds) -> list[int]:
+    return solo_ids(model, BODY)
 
 
 def _counter(mesh: LocalMesh, node: str, name: str) -> float:

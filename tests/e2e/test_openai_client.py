@@ -9,6 +9,7 @@ import numpy as np
 import openai
 import pytest
 from conftest import MeshFactory
+from tiny_requests import openai_client
 
 from meshnet.engine.local import LocalModel
 from meshnet.local_mesh import LocalMesh
@@ -25,8 +26,7 @@ def mesh(mesh_factory: MeshFactory) -> LocalMesh:
 
 @pytest.fixture(scope="module")
 def client(mesh: LocalMesh) -> Iterator[openai.OpenAI]:
-    key = mesh.credentials.api_key
-    with openai.OpenAI(base_url=f"{mesh.url}/v1", api_key=key, max_retries=0) as c:
+    with openai_client(mesh) as c:
         yield c
 
 

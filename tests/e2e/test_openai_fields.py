@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from conftest import MeshFactory
+from tiny_requests import openai_client
 
 from meshnet.local_mesh import LocalMesh
 
@@ -29,8 +30,7 @@ def mesh(mesh_factory: MeshFactory) -> LocalMesh:
 
 @pytest.fixture(scope="module")
 def client(mesh: LocalMesh) -> Iterator[openai.OpenAI]:
-    key = mesh.credentials.api_key
-    with openai.OpenAI(base_url=f"{mesh.url}/v1", api_key=key, max_retries=0) as c:
+    with openai_client(mesh) as c:
         yield c
 
 

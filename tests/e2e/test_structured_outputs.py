@@ -16,6 +16,7 @@ import openai
 import pytest
 from conftest import MeshFactory
 from streams import at, serving, stream_completion
+from tiny_requests import openai_client
 
 from meshnet.local_mesh import LocalMesh
 from meshnet.model.info import load_model_info
@@ -47,8 +48,7 @@ def mesh(mesh_factory: MeshFactory) -> LocalMesh:
 
 @pytest.fixture(scope="module")
 def client(mesh: LocalMesh) -> Iterator[openai.OpenAI]:
-    key = mesh.credentials.api_key
-    with openai.OpenAI(base_url=f"{mesh.url}/v1", api_key=key, max_retries=0) as c:
+    with openai_client(mesh) as c:
         yield c
 
 
