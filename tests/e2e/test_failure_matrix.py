@@ -16,40 +16,39 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from conftest import MeshFactory
+from conftest import MeshFactory, SoloIds
 from faults import address, assert_billed_once, raw_forward, signed, wait_ledger
-from solo import solo_completion_ids
 from streams import Streamed, at, serving, stream_completion
 from tcp_proxy import TcpProxy
+from tiny_requests import PROMPT, long_completion
 
-from meshnet.engine.local import load_local_model
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh, free_port
 from meshnet.model.gguf_file import sha256_file
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 
-PROMPT = [5, 17, 42, 99, 3, 64, 128, 7]
-BODY: dict[str, Any] = {
-    "model": "long",
-    "prompt": PROMPT,
-    "max_tokens": 300,
-    "temperature": 0.7,
-    "seed": 3,  # 300 tokens without an eos: every event lands mid-stream
-}
+BODY = long_completion(seed=3, max_tokens=300)  # no eos: every event lands mid-stream
 Ledger = set[tuple[str, int, str, str]]  # (node, epoch, status, kind)
 
 
 @pytest.fixture(scope="module")
-def model(tiny_factory: Any) -> Path:
-    return Path(tiny_factory("long.gguf", context_length=1024))
+def model(long_tiny: Path) -> Path:
+    return long_tiny
 
 
 @pytest.fixture(scope="module")
-def expected(model: Path) -> list[int]:
-    ids = solo_completion_ids(load_local_model(model), BODY)
+def expected(model: Path, solo_ids: SoloIds) -> list[int]:
+    ids = solo_ids(model, BODY)
     assert len(ids) == 300
     return ids
+
+
+@pytest.fixture(scope="module")
+def pair(mesh_factory: MeshFactory, model: Path) -> LocalMesh:
+    """A -> B, no replica: the scenarios that kill no node share it. Each reads only its
+    own generation's ledger records, and leaves A and B serving what they served."""
+    return mesh_factory("0:2,2:4", model=model)
 
 
 def _b(s: Streamed) -> str:
@@ -85,8 +84,8 @@ def _failed_over(
     assert_billed_once(records, 4, len(PROMPT) + len(expected) - 1)
 
 
-def test_clean(mesh_factory: MeshFactory, model: Path, expected: list[int]) -> None:
-    mesh = mesh_factory("0:2,2:4", model=model)
+def test_clean(pair: LocalMesh, expected: list[int]) -> None:
+    mesh = pair
     s = stream_completion(mesh, BODY)
     assert s.ids == expected and s.final is not None and s.final["recoveries"] == []
     records, ledger = _ledger(mesh, s)
@@ -125,8 +124,8 @@ def test_a_frozen_node(
     _failed_over(mesh, s, expected, kind, frozen[0], other)
 
 
-def test_cancel(mesh_factory: MeshFactory, model: Path) -> None:
-    mesh = mesh_factory("0:2,2:4", model=model)
+def test_cancel(pair: LocalMesh) -> None:
+    mesh = pair
 
     def cancel(s: Streamed) -> None:
         httpx.post(
@@ -179,8 +178,8 @@ def test_stream_reset(proxy_mesh: tuple[LocalMesh, TcpProxy], expected: list[int
     _failed_over(mesh, s, expected, "stream-reset", "node-1", "node-1")  # B is alive: reused
 
 
-def test_stale_epoch(mesh_factory: MeshFactory, model: Path, expected: list[int]) -> None:
-    mesh = mesh_factory("0:2,2:4", model=model)
+def test_stale_epoch(pair: LocalMesh, model: Path, expected: list[int]) -> None:
+    mesh = pair
     fingerprint = sha256_file(model)
     answers: list[pb.ForwardResponse] = []
 
@@ -201,8 +200,9 @@ def test_stale_epoch(mesh_factory: MeshFactory, model: Path, expected: list[int]
     assert ledger == {("node-0", 1, "completed", ""), ("node-1", 1, "completed", "")}
 
 
-def test_cache_miss(mesh_factory: MeshFactory, model: Path, expected: list[int]) -> None:
-    mesh = mesh_factory("0:2,2:4", model=model)
+def test_cache_miss(pair: LocalMesh, expected: list[int]) -> None:
+    """B reloads its shard mid-stream (its KV is gone); it then serves 2:4 as before."""
+    mesh = pair
 
     def reload_b(s: Streamed) -> None:
         load = pb.ConfigureRequest(load=pb.LoadShard(layer_start=2, layer_end=4))
