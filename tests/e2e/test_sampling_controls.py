@@ -13,13 +13,11 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import MeshFactory
+from conftest import MeshFactory, SoloIds
 from faults import nodes, wait_kv_idle, wait_until_up
-from solo import solo_completion_ids
 from streams import Streamed, serving, stream_completion
 from verification_views import ledger, wait_state
 
-from meshnet.engine.local import load_local_model
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
 
@@ -42,8 +40,9 @@ LAUNCHER = str(Path(__file__).parent / "dishonest_node.py")
 
 
 @pytest.fixture(scope="module")
-def long_tiny(tiny_factory: Any) -> Path:
-    return Path(tiny_factory("long.gguf", context_length=1024))
+def two_nodes(mesh_factory: MeshFactory, long_tiny: Path) -> LocalMesh:
+    """A -> B, no other option: the tests that kill nothing and configure nothing share it."""
+    return mesh_factory("0:2,2:4", model=long_tiny)
 
 
 def _ids(mesh: LocalMesh, body: dict[str, Any]) -> list[int]:
@@ -54,12 +53,19 @@ def _ids(mesh: LocalMesh, body: dict[str, Any]) -> list[int]:
 
 @pytest.mark.parametrize("layout", ["0:4", "0:2,2:4"], ids=["one-node", "two-nodes"])
 def test_the_mesh_gives_the_in_process_ids(
-    mesh_factory: MeshFactory, long_tiny: Path, layout: str
+    mesh_factory: MeshFactory,
+    long_tiny: Path,
+    solo_ids: SoloIds,
+    request: pytest.FixtureRequest,
+    layout: str,
 ) -> None:
     """The last hop samples with the controls as the in-process engine does; a node
     holding every layer runs its steps by itself (autorun), carrying the ids on."""
-    mesh = mesh_factory(layout, model=long_tiny)
-    assert _ids(mesh, CONTROLLED) == solo_completion_ids(load_local_model(long_tiny), CONTROLLED)
+    if layout == "0:2,2:4":
+        mesh: LocalMesh = request.getfixturevalue("two_nodes")
+    else:
+        mesh = mesh_factory(layout, model=long_tiny)
+    assert _ids(mesh, CONTROLLED) == solo_ids(long_tiny, CONTROLLED)
 
 
 def test_a_failover_mid_generation_with_penalties_gives_the_same_ids(
@@ -120,10 +126,8 @@ def test_a_last_hop_that_ignores_the_penalties_is_caught(
     assert not any(r["billable"] for r in ledger(mesh, "cheater"))
 
 
-def test_n_choices_equal_solo_runs_and_a_hang_up_frees_them_all(
-    mesh_factory: MeshFactory, long_tiny: Path
-) -> None:
-    mesh = mesh_factory("0:2,2:4", model=long_tiny)
+def test_n_choices_equal_solo_runs_and_a_hang_up_frees_them_all(two_nodes: LocalMesh) -> None:
+    mesh = two_nodes
     body = {**CONTROLLED, "max_tokens": 40}
     r = httpx.post(
         f"{mesh.url}/v1/completions", json={**body, "n": 3}, headers=mesh.api_headers, timeout=120
