@@ -19,8 +19,11 @@ def solo_chat_ids(model: LocalModel, body: dict[str, Any]) -> list[int]:
 
 
 def solo_completion_ids(model: LocalModel, body: dict[str, Any]) -> list[int]:
-    """The ids a completion ``body`` whose prompt is token ids generates in-process."""
-    return generate(model.chain, model.tokenizer, body["prompt"], _params(body)).ids
+    """The ids a completion ``body`` generates in-process; a text prompt is encoded as
+    the tracker encodes it (no special tokens added)."""
+    prompt = body["prompt"]
+    ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    return generate(model.chain, model.tokenizer, ids, _params(body)).ids
 
 
 def _params(body: dict[str, Any]) -> SamplingParams:

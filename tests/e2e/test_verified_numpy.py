@@ -16,8 +16,10 @@ import httpx
 import pytest
 from conftest import MeshFactory
 from faults import nodes
+from solo import solo_completion_ids
 from verification_views import ledger, wait_state
 
+from meshnet.engine.local import load_local_model
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
 from meshnet.protocol.commitments import SKETCH_BYTES
@@ -31,15 +33,10 @@ VERIFY = ["--verify-rate", "1.0"]
 
 
 @pytest.fixture(scope="module")
-def long_tiny(tiny_factory: Any) -> Path:
-    return Path(tiny_factory("long.gguf", context_length=1024))
-
-
-@pytest.fixture(scope="module")
-def numpy_ids(mesh_factory: MeshFactory, long_tiny: Path) -> list[int]:
-    """What the same numpy mesh answers with verification off."""
-    mesh = mesh_factory("0:2,2:4", model=long_tiny, node_args=NUMPY)
-    return _complete(mesh)["meshnet"]["ids"]
+def numpy_ids(long_tiny: Path) -> list[int]:
+    """What the numpy backend answers, unverified: the request run in-process on two
+    chained numpy shards, [0, 2) and [2, 4), as the meshes below split the layers."""
+    return solo_completion_ids(load_local_model(long_tiny, split=2, backend="numpy"), BODY)
 
 
 def _complete(mesh: LocalMesh) -> dict[str, Any]:
