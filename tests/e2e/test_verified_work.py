@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import NO_ROOM, MeshFactory
+from conftest import NO_ROOM, MeshFactory, SoloIds
 from faults import nodes
 from gguf import GGMLQuantizationType as QT
 from verification_views import ledger, wait_state
@@ -27,14 +27,9 @@ LAUNCHER = str(Path(__file__).parent / "dishonest_node.py")
 
 
 @pytest.fixture(scope="module")
-def long_tiny(tiny_factory: Any) -> Path:
-    return Path(tiny_factory("long.gguf", context_length=1024))
-
-
-@pytest.fixture(scope="module")
-def honest_ids(mesh_factory: MeshFactory, long_tiny: Path) -> list[int]:
-    """What an honest mesh (verification off) answers."""
-    return _complete(mesh_factory("0:2,2:4", model=long_tiny))["meshnet"]["ids"]
+def honest_ids(long_tiny: Path, solo_ids: SoloIds) -> list[int]:
+    """What an honest computation answers: the request run in-process."""
+    return solo_ids(long_tiny, BODY)
 
 
 def _complete(mesh: LocalMesh, body: dict[str, Any] = BODY) -> dict[str, Any]:
