@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import MeshFactory
+from conftest import NO_ROOM, MeshFactory
 from faults import nodes
 from solo import solo_completion_ids
 from verification_views import ledger, wait_state
@@ -89,9 +89,10 @@ def test_calibration_keeps_numpy_cheaters_out(
 ) -> None:
     """A numpy node that skips a layer, and one whose weights differ, register for 0:2
     beside an honest numpy 2:4: both are quarantined by calibration, never routed, and
-    an empty numpy node that placement gives 0:2 serves the honest answer."""
+    an empty numpy node that placement gives 0:2 serves the honest answer (node-0
+    offers no room to be widened over 0:2 itself)."""
     mesh = mesh_factory(
-        "2:4", model=long_tiny, tracker_args=VERIFY, node_args=NUMPY, need_route=False
+        "2:4", model=long_tiny, tracker_args=VERIFY, node_args=[*NUMPY, *NO_ROOM], need_route=False
     )
     cheats = ("skip-layer", "weights")
     for cheat in cheats:
