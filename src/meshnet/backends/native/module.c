@@ -315,6 +315,7 @@ typedef struct {
 static const char *EXPERTS_CAPSULE = "meshnet.native.experts";
 
 static void release_experts(held_experts_t *he) {
+    free((void *)he->m.router_lanes);
     release_views(&he->hold);
     PyMem_Free(he->ffns);
     PyMem_Free(he);
@@ -362,6 +363,7 @@ static PyObject *experts(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "the router or the experts' biases do not fit");
         goto fail;
     }
+    m->router_lanes = router_lanes(&m->router); /* NULL: the general matmul routes */
     for (Py_ssize_t e = 0; e < E; e++) {
         ffn_t *f = &he->ffns[e];
         if (read_parts(PyTuple_GET_ITEM(gate_ups, e), 2, 0, &he->hold, f->gate_up,

@@ -21,6 +21,67 @@
  * costs a token dearly on a busy machine. The bits are the same either way. */
 #define EXPERT_PARALLEL_ROWS 16
 
+/* The F32 router of a few rows is multiplied from router_lanes: groups of 8 expert rows
+ * stored column by column, ROUTER_CHAINS groups at a time so that their FMA chains
+ * overlap. Each logit takes the operations of the general F32 matmul (matmul_tile.h's
+ * ftile): per block of 32 columns one FMA chain from zero in column order, added to a
+ * sum from zero; only the transposing of each block's rows on every call is gone (it
+ * was most of a decode step's routing). No thread team: 64 x 1024 multiply-adds are
+ * microseconds, a team's start and barrier more on a busy machine. */
+#define ROUTER_GROUP 8
+#define ROUTER_CHAINS 4
+
+static Py_ssize_t router_groups(const qmat_t *router) {
+    const Py_ssize_t g = (router->rows + ROUTER_GROUP - 1) / ROUTER_GROUP;
+    return (g + ROUTER_CHAINS - 1) / ROUTER_CHAINS * ROUTER_CHAINS;
+}
+
+float *router_lanes(const qmat_t *router) {
+    if (router->type != F32 || router->q8) return NULL;
+    const Py_ssize_t cols = router->nb * QK, groups = router_groups(router);
+    float *lanes = calloc((size_t)(groups * cols * ROUTER_GROUP), sizeof(float));
+    if (lanes == NULL) return NULL;
+    const float *w = (const float *)router->packed;
+    for (Py_ssize_t r = 0; r < router->rows; r++)
+        for (Py_ssize_t c = 0; c < cols; c++)
+            lanes[((r / ROUTER_GROUP) * cols + c) * ROUTER_GROUP + r % ROUTER_GROUP] =
+                w[r * cols + c];
+    return lanes;
+}
+
+/* logits [T, n_experts] = router h for T rows of h, from router_lanes. */
+static void route_few(const moe_t *m, const float *h, Py_ssize_t T, float *logits) {
+    const Py_ssize_t cols = m->router.nb * QK, groups = router_groups(&m->router);
+    const int E = m->n_experts;
+    for (Py_ssize_t t = 0; t < T; t++) {
+        const float *x = h + t * cols;
+        for (Py_ssize_t g0 = 0; g0 < groups; g0 += ROUTER_CHAINS) {
+            const float *w = m->router_lanes + g0 * cols * ROUTER_GROUP;
+            __m256 acc[ROUTER_CHAINS];
+            for (int i = 0; i < ROUTER_CHAINS; i++) acc[i] = _mm256_setzero_ps();
+            for (Py_ssize_t b = 0; b < cols; b += QK) {
+                __m256 s[ROUTER_CHAINS];
+                for (int i = 0; i < ROUTER_CHAINS; i++) s[i] = _mm256_setzero_ps();
+                for (Py_ssize_t c = b; c < b + QK; c++) {
+                    const __m256 xc = _mm256_set1_ps(x[c]);
+                    for (int i = 0; i < ROUTER_CHAINS; i++)
+                        s[i] = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(w + (i * cols + c) * ROUTER_GROUP), xc, s[i]);
+                }
+                for (int i = 0; i < ROUTER_CHAINS; i++) acc[i] = _mm256_add_ps(acc[i], s[i]);
+            }
+            for (int i = 0; i < ROUTER_CHAINS; i++) {
+                float lane[ROUTER_GROUP];
+                _mm256_storeu_ps(lane, acc[i]);
+                for (int l = 0; l < ROUTER_GROUP; l++) {
+                    const Py_ssize_t e = (g0 + i) * ROUTER_GROUP + l;
+                    if (e < E) logits[t * E + e] = lane[l];
+                }
+            }
+        }
+    }
+}
+
 /* One thread's room for an expert's rows: in, out [T, d], gate/up [T, 2 d_ff], act. */
 typedef struct {
     float *x, *y, *gu, *act;
@@ -118,7 +179,10 @@ int moe_rows(const moe_t *m, const float *h, Py_ssize_t T, Py_ssize_t d, float *
              float *out, int threads, int wide) {
     const int k = m->n_used, E = m->n_experts;
     moe_scratch_t s = cut_scratch(m, T, d, scratch);
-    if (qmatmul(&m->router, h, T, s.logits, threads, wide) < 0) return -1;
+    if (m->router_lanes != NULL && T <= EXPERT_PARALLEL_ROWS)
+        route_few(m, h, T, s.logits);
+    else if (qmatmul(&m->router, h, T, s.logits, threads, wide) < 0)
+        return -1;
     for (Py_ssize_t t = 0; t < T; t++) {
         float *row = s.logits + t * E;
         if (m->router_bias != NULL) add_into(row, m->router_bias, E);

@@ -208,7 +208,13 @@ typedef struct {
     Py_ssize_t d_ff;
     int gating, normalize;
     int act; /* the experts' activation (ACT_*) */
+    const float *router_lanes; /* an F32 router turned for a few rows (router_lanes), or NULL */
 } moe_t;
+
+/* An F32 router [E, d] turned into groups of 8 rows, each [d][8] (the last group padded
+ * with zeros), so that a few rows' logits need no transposing; NULL when out of memory or
+ * the router is not F32. Free with free(). */
+float *router_lanes(const qmat_t *router);
 
 /* The floats of scratch moe_rows needs for T rows of width d on ``threads`` threads. */
 Py_ssize_t moe_scratch_floats(const moe_t *m, Py_ssize_t T, Py_ssize_t d, int threads);

@@ -341,6 +341,13 @@ int q8matmul_many(const qmat_t *const *ws, int n, const float *x, Py_ssize_t T,
         vectors[i] = (ws[i]->rows + lanes - 1) / lanes;
         first[i + 1] = first[i] + (vectors[i] + unit - 1) / unit;
     }
+    if (threads == 1) { /* a mixture's experts each on a thread of their own: no team */
+        for (int i = 0; i < n; i++)
+            if (isa512) q8rows_avx512(&jobs[i], 0, vectors[i]);
+            else q8rows_avx2(&jobs[i], 0, vectors[i]);
+        free(in.buf);
+        return 0;
+    }
     /* one team for all the matrices, their units in one sequence split as split.h says */
     split_run_t *runs = split_runs(first[n], threads);
     if (runs == NULL) {
