@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from meshnet.cli.options import add_options, declare_kv_pace, declare_tracker_options, kv_pace
-from meshnet.tracker.main import TrackerProcessConfig, serve
+from meshnet.cli.tracker_process import TrackerProcessConfig, serve
 from meshnet.tracker.nodes.admission import AdmissionConfig
 from meshnet.tracker.nodes.prefix_routes import PrefixRouting
 from meshnet.tracker.routing.limits import DriverLimits

@@ -2,7 +2,8 @@
 
 Its rooms, lowest first: ``storage`` → ``accounting`` → ``nodes`` → ``links`` →
 ``trust`` → ``routing`` → ``session_data`` → ``watch`` → ``planning`` → ``healing`` →
-``service`` (the ``Tracker``) → ``serving`` → ``sessions``, and ``main`` assembling
-them; ``loops`` is shared by all. A room imports only rooms before it: there is no
-import circle (the contract ``tracker-rooms`` in pyproject.toml checks it).
+``service`` (the ``Tracker``) → ``serving`` → ``sessions``; ``loops`` is shared by
+all, and ``cli/tracker_process.py`` assembles them under the HTTP API. A room imports
+only rooms before it: there is no import circle (the contract ``tracker-rooms`` in
+pyproject.toml checks it).
 """
