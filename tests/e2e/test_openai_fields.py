@@ -110,6 +110,8 @@ def test_fields_that_ask_for_nothing_pass(client: openai.OpenAI) -> None:
         ("logit_bias", {"07": 1}),
         ("n", 0),
         ("n", 17),
+        ("cache_salt", ""),
+        ("cache_salt", "s" * 257),
     ],
 )
 def test_controls_out_of_range_are_a_400_naming_them(

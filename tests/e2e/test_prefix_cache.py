@@ -31,11 +31,33 @@ def uncached(mesh_factory: MeshFactory, tiny_path: Path) -> LocalMesh:
     return mesh_factory("0:2,2:4", model=tiny_path, node_args=["--prefix-cache-mb", "0"])
 
 
-def complete(mesh: LocalMesh, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+def complete(
+    mesh: LocalMesh,
+    prompt: list[int],
+    max_tokens: int = 8,
+    headers: dict[str, str] | None = None,
+    **fields: Any,
+) -> dict[str, Any]:
+    """A completion as the mesh's tenant (or the one whose ``headers`` are given)."""
     body = {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": max_tokens}
-    r = httpx.post(f"{mesh.url}/v1/completions", json=body, headers=mesh.api_headers, timeout=120)
+    r = httpx.post(
+        f"{mesh.url}/v1/completions",
+        json=body | fields,
+        headers=headers or mesh.api_headers,
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
+
+
+def tenant(mesh: LocalMesh, tenant_id: str) -> dict[str, str]:
+    """The headers of a new tenant's API key."""
+    admin = mesh.admin_headers
+    r = httpx.post(f"{mesh.url}/admin/tenants", json={"id": tenant_id}, headers=admin)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{mesh.url}/admin/tenants/{tenant_id}/keys", headers=admin)
+    assert r.status_code == 200, r.text
+    return {"Authorization": f"Bearer {r.json()['api_key']}"}
 
 
 def cached_tokens(reply: dict[str, Any]) -> int:
@@ -288,3 +310,53 @@ def test_a_windowed_model_reuses_its_prefix_and_answers_the_same(
         reply = run(on, other)
         assert cached_tokens(reply) == shared // BLOCK * BLOCK
         assert ids(reply) == ids(run(off, other))
+
+
+def test_another_tenants_identical_prompt_is_not_a_hit(
+    cached: LocalMesh, uncached: LocalMesh
+) -> None:
+    """The prefix cache is scoped per tenant: a second tenant sending the very prompt the
+    first sent learns nothing (no cached tokens, its prefix computed on every hop); each
+    tenant's own prompt again is a hit; the ids are the same every way."""
+    other = tenant(cached, "prefix-other")
+    ask = prompt(63, 4 * BLOCK + 7)  # a seed (mod 90) no other test of this mesh uses
+    full = (len(ask) - 1) // BLOCK * BLOCK  # what a hit reuses: every full block but the last id
+    want = ids(complete(uncached, ask))
+    mine = complete(cached, ask)
+    stored = node_counter(cached, "node-0", "meshnet_node_prefix_stored_blocks")
+    theirs = complete(cached, ask, headers=other)
+    assert cached_tokens(mine) == 0 and cached_tokens(theirs) == 0
+    # the second tenant's prefill computed (and keeps, in its own scope) every block
+    after = node_counter(cached, "node-0", "meshnet_node_prefix_stored_blocks")
+    assert after - stored == len(ask) // BLOCK
+    assert cached_tokens(complete(cached, ask)) == full  # each tenant's own: a hit
+    assert cached_tokens(again := complete(cached, ask, headers=other)) == full
+    assert ids(mine) == ids(theirs) == ids(again) == want
+    # a cache_salt narrows the scope further: a hit only with the same salt
+    salted = complete(cached, ask, cache_salt="s-1")
+    assert cached_tokens(salted) == 0
+    assert cached_tokens(complete(cached, ask, cache_salt="s-1")) == full
+    assert cached_tokens(complete(cached, ask, headers=other, cache_salt="s-1")) == 0
+    assert ids(salted) == want
+
+
+def test_another_tenants_session_does_not_start_on_a_tenants_prefix(cached: LocalMesh) -> None:
+    """A session is its tenant's: its first turn finds no prefix another tenant's
+    completion left, and its own tenant's next session does find its blocks."""
+    from session_client import TrackerApi, new_session, turn
+
+    other = TrackerApi(cached.url, tenant(cached, "prefix-sessions"))
+    system = " ".join(f"clause {i}: reply in one line." for i in range(4))
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "x"}],
+        "temperature": 0,
+        "max_tokens": 2,
+    }
+    r = httpx.post(f"{cached.url}/v1/chat/completions", json=body, headers=cached.api_headers)
+    assert r.status_code == 200, r.text
+    theirs = turn(other, new_session(other, system), "hello")
+    assert theirs["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    again = turn(other, new_session(other, system), "hello")
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * BLOCK
+    assert again["ids"] == theirs["ids"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,38 @@ def _wait_idle(mesh: LocalMesh) -> None:
     raise AssertionError("the nodes never went idle")
 
 
+@contextmanager
+def _busy(mesh: LocalMesh, node_id: str, n: int) -> Iterator[None]:
+    """``n`` long generations in flight on ``node_id`` (the operator's, on a named route)
+    while the block runs; stopped after it."""
+    started = threading.Barrier(n + 1)
+    stop = threading.Event()
+
+    def busy() -> None:
+        # 700 tokens without an eos on the long tiny model: in flight while the next is routed
+        body = {"model": "long", "prompt": [5, 17, 42, 99, 3, 64, 128, 7], "max_tokens": 700}
+        body.update(seed=3)
+        body.update(temperature=0.7, meshnet={"route": [node_id]})
+
+        def on_token(k: int, s: Streamed) -> bool | None:
+            if k == 1:
+                started.wait(timeout=60)
+            return stop.is_set() or None
+
+        stream_completion(_Admin(mesh.url, mesh.admin_headers), body, on_token)
+
+    threads = [threading.Thread(target=busy) for _ in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        started.wait(timeout=60)
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+
+
 def test_the_replica_holding_the_prefix_is_chosen_until_load_outweighs_it(
     mesh_factory: MeshFactory, tiny_factory: Any
 ) -> None:
@@ -69,67 +103,49 @@ def test_the_replica_holding_the_prefix_is_chosen_until_load_outweighs_it(
     mesh = mesh_factory(
         "0:4,0:4", model=model, tracker_args=["--prefix-load-tokens", str(LOAD_TOKENS)]
     )
-    system = _ids(1, 4 * BLOCK)
-    first = _complete(mesh, _ids(2, 70, system), route=["node-1"])  # node-1 computes it
-    assert _route(first) == ["node-1"]
+    system = _ids(1, 6 * BLOCK)
+    n = 6 * BLOCK + 6
+    first = _complete(mesh, _ids(2, n, system))  # both idle: ties go by node id
+    assert _route(first) == ["node-0"]
     _wait_idle(mesh)
-    # Both idle: by load alone node-0 (ties go by node id); node-1 holds 64 of 70 ids.
-    second = _complete(mesh, _ids(3, 70, system))
-    assert _route(second) == ["node-1"]
-    assert _cached(second) == 4 * BLOCK
-    # Three long generations on node-1: 70 - 64 + 3 * 40 tokens of work there against
-    # 70 on node-0, which gets the next one.
-    started = threading.Barrier(4)
-    stop = threading.Event()
-
-    def busy() -> None:
-        # 700 tokens without an eos on the long tiny model: in flight while the next is routed
-        body = {"model": "long", "prompt": [5, 17, 42, 99, 3, 64, 128, 7], "max_tokens": 700}
-        body.update(seed=3)
-        body.update(temperature=0.7, meshnet={"route": ["node-1"]})
-
-        def on_token(n: int, s: Streamed) -> bool | None:
-            if n == 1:
-                started.wait(timeout=60)
-            return stop.is_set() or None
-
-        stream_completion(_Admin(mesh.url, mesh.admin_headers), body, on_token)
-
-    threads = [threading.Thread(target=busy) for _ in range(3)]
-    for t in threads:
-        t.start()
-    try:
-        started.wait(timeout=60)
-        third = _complete(mesh, _ids(4, 70, system))
-        assert _route(third) == ["node-0"]
-        assert _cached(third) == 0
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=60)
+    # One generation on node-0: by load alone node-1 gets the next. Node-0 holds 96 of its
+    # 102 ids: 6 + 40 tokens of work there (6 + 80 once node-0 reports the generation in
+    # its heartbeat too) against 102 on node-1.
+    with _busy(mesh, "node-0", 1):
+        second = _complete(mesh, _ids(3, n, system))
+    assert _route(second) == ["node-0"]
+    assert _cached(second) == 6 * BLOCK
+    _wait_idle(mesh)
+    # Three: 6 + 3 * 40 tokens of work on node-0 against 102 on node-1, which gets it.
+    with _busy(mesh, "node-0", 3):
+        third = _complete(mesh, _ids(4, n, system))
+    assert _route(third) == ["node-1"]
+    assert _cached(third) == 0
 
 
 def test_a_sessions_first_turn_goes_to_the_replica_holding_its_system_prompt(
     mesh_factory: MeshFactory, tiny_factory: Any
 ) -> None:
-    """A chat completion computed a system prompt on node-1; a session with that system
-    prompt opens its first turn there (by load alone it would go to node-0), on the
-    cached blocks."""
+    """A chat completion computed a system prompt on node-0; a session of the same
+    tenant with that system prompt opens its first turn there, on the cached blocks,
+    though node-0 runs a generation and by load alone it would go to node-1."""
     from session_client import new_session, turn
 
     model = Path(tiny_factory("long.gguf", context_length=1024))
-    mesh = mesh_factory("0:4,0:4", model=model)
-    system = " ".join(f"rule {i}: answer in kind." for i in range(4))
+    mesh = mesh_factory(
+        "0:4,0:4", model=model, tracker_args=["--prefix-load-tokens", str(LOAD_TOKENS)]
+    )
+    system = " ".join(f"rule {i}: answer in kind, and briefly." for i in range(16))
     body = {
         "model": "long",
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": "x"}],
         "max_tokens": 2,
-        "meshnet": {"route": ["node-1"]},
     }
-    r = httpx.post(f"{mesh.url}/v1/chat/completions", json=body, headers=mesh.admin_headers)
+    r = httpx.post(f"{mesh.url}/v1/chat/completions", json=body, headers=mesh.api_headers)
     assert r.status_code == 200, r.text
-    assert _route(r.json()) == ["node-1"]
+    assert _route(r.json()) == ["node-0"]  # both idle: ties go by node id
     _wait_idle(mesh)
-    first = turn(mesh, new_session(mesh, system), "hello", max_tokens=4)
-    assert [h["node_id"] for h in first["route"]] == ["node-1"]
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * BLOCK
+    with _busy(mesh, "node-0", 1):  # worth 40 tokens (80 once reported): less than the hit
+        first = turn(mesh, new_session(mesh, system), "hello", max_tokens=4)
+    assert [h["node_id"] for h in first["route"]] == ["node-0"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] >= 6 * BLOCK

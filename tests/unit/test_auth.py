@@ -13,7 +13,13 @@ from meshnet.auth.credentials import (
     node_credential,
     read_user_credentials,
 )
-from meshnet.auth.keys import CredentialError, ensure_mesh_secret, new_secret, node_key
+from meshnet.auth.keys import (
+    SCOPE_BYTES,
+    CredentialError,
+    ensure_mesh_secret,
+    new_secret,
+    node_key,
+)
 from meshnet.auth.mesh_keys import SERVICE, MeshKeys
 from meshnet.auth.signing import (
     MAX_SKEW_S,
@@ -34,6 +40,18 @@ def test_each_node_has_its_own_key_and_only_the_secret_derives_it() -> None:
     assert node_key(SECRET, "a") != node_key(SECRET, "b")
     assert node_key(SECRET, "a") == node_key(SECRET, "a")
     assert node_key(new_secret(), "a") != node_key(SECRET, "a")
+
+
+def test_a_prefix_scope_is_the_tenants_own_and_names_no_one() -> None:
+    keys = MeshKeys(SECRET)
+    alice = keys.prefix_scope("alice")
+    assert len(alice) == SCOPE_BYTES and b"alice" not in alice
+    assert keys.prefix_scope("alice") == alice  # every request of one tenant shares it
+    assert keys.prefix_scope("bob") != alice
+    assert keys.prefix_scope("alice", "s1") not in (alice, keys.prefix_scope("alice", "s2"))
+    # a tenant's salt cannot reach another tenant's scope ("a" + "lice" is not "alice")
+    assert keys.prefix_scope("a", "lice") != alice
+    assert MeshKeys(new_secret()).prefix_scope("alice") != alice  # only the secret derives it
 
 
 def test_a_tracker_call_checks_out_only_with_the_nodes_key_and_method() -> None:

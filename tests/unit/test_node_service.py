@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from meshnet.kv.prefix_cache import BLOCK_TOKENS, MAX_SCOPE_BYTES
 from meshnet.model.gguf_file import sha256_file
 from meshnet.node.service import NodeService
 from meshnet.protocol import codec
@@ -165,3 +166,50 @@ def test_the_end_of_the_call_frees_the_sessions_kv(service: NodeService, tiny_pa
     service.engine.open("other", 1).result(5)  # the loop has applied the release by now
     assert service.engine.stats().sessions == 1
     replies.close()
+
+
+def _prompt(n: int) -> np.ndarray:
+    return (np.arange(n, dtype=np.int64) * 31) % 90 + 10
+
+
+def _scoped_open(tiny_path: Path, sid: str, prompt: np.ndarray, scope: bytes) -> pb.ForwardRequest:
+    return _open(
+        tiny_path,
+        session_id=sid,
+        prefix_ids=prompt.tolist(),
+        prefix_reuse=len(prompt) - 1,
+        prefix_scope=scope,
+    )
+
+
+def test_a_prompt_is_reused_only_under_the_scope_it_was_cached_in(
+    service: NodeService, tiny_path: Path
+) -> None:
+    prompt = _prompt(2 * BLOCK_TOKENS + 5)
+    first = [_scoped_open(tiny_path, "a", prompt, b"alice"), _step(0, prompt)]
+    replies = list(service.Forward(iter(first), FakeContext(None)))  # type: ignore[arg-type]
+    assert _kinds(replies) == ["opened", "result"]
+    held: dict[bytes, tuple[int, int]] = {}
+    for sid, scope in (("b", b"bob"), ("u", b""), ("c", b"alice")):
+        opened = list(
+            service.Forward(iter([_scoped_open(tiny_path, sid, prompt, scope)]), FakeContext(None))
+        )  # type: ignore[arg-type]
+        held[scope] = (opened[0].opened.kv_tokens, opened[0].opened.steps)
+    # identical ids: another tenant's scope (or none) finds nothing, the same one its blocks
+    assert held == {b"bob": (0, 0), b"": (0, 0), b"alice": (2 * BLOCK_TOKENS, 1)}
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(prefix_ids=[5, 6, 7], prefix_scope=bytes(MAX_SCOPE_BYTES + 1)),
+        dict(prefix_scope=b"a scope with no prompt"),
+    ],
+)
+def test_a_hostile_prefix_scope_is_refused_and_opens_nothing(
+    service: NodeService, tiny_path: Path, changes: dict[str, object]
+) -> None:
+    replies = list(service.Forward(iter([_open(tiny_path, **changes)]), FakeContext(None)))  # type: ignore[arg-type]
+    assert _kinds(replies) == ["failure"]
+    assert replies[0].failure.kind == "malformed-bundle"
+    assert service.engine.stats().sessions == 0

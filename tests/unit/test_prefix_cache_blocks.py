@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from meshnet.kv.cache import SequenceKV
-from meshnet.kv.prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys
+from meshnet.kv.prefix_cache import BLOCK_TOKENS, MAX_SCOPE_BYTES, PrefixCache, block_keys
 
 B = BLOCK_TOKENS
 
@@ -85,3 +86,39 @@ def test_an_off_cache_keeps_nothing() -> None:
     ids = np.arange(2 * B)
     cache.store(ids, filled(2 * B), 0)
     assert cache.stats().blocks == 0 and cache.match(ids, 2 * B) == []
+
+
+def test_keys_differ_by_scope() -> None:
+    ids = list(range(3 * B))
+    alice, bob = block_keys(ids, scope=b"alice"), block_keys(ids, scope=b"bob")
+    assert all(x != y for x, y in zip(alice, bob, strict=True))
+    assert all(x != y for x, y in zip(alice, block_keys(ids), strict=True))  # unscoped
+    assert block_keys(ids, scope=b"alice") == alice  # one scope's keys are stable
+    with pytest.raises(ValueError):
+        block_keys(ids, scope=bytes(MAX_SCOPE_BYTES + 1))
+
+
+def test_a_lookup_under_another_scope_misses_with_identical_ids() -> None:
+    ids = np.arange(3 * B + 2)
+    cache = PrefixCache(1 << 20)
+    assert cache.store(ids, filled(len(ids)), 0, b"alice") == 3
+    assert cache.match(ids, len(ids) - 1, b"bob") == []
+    assert cache.match(ids, len(ids) - 1) == []  # nor unscoped
+    assert len(cache.match(ids, len(ids) - 1, b"alice")) == 3
+    # the other scope stores its own copy, and each finds only its own
+    cache.store(ids, filled(len(ids), 1), 0, b"bob")
+    assert cache.stats().blocks == 6
+    mine, theirs = cache.match(ids, 3 * B, b"alice"), cache.match(ids, 3 * B, b"bob")
+    assert len(mine) == len(theirs) == 3
+    assert all(a is not b for a, b in zip(mine, theirs, strict=True))
+
+
+def test_a_colliding_key_cannot_give_another_scopes_blocks() -> None:
+    ids = np.arange(2 * B)
+    cache = PrefixCache(1 << 20)
+    cache.store(ids, filled(len(ids)), 0, b"alice")
+    # Make bob's first key the same as alice's (a hash collision): same ids, other scope.
+    cache._blocks[block_keys(ids, scope=b"bob")[0]] = cache._blocks[
+        block_keys(ids, scope=b"alice")[0]
+    ]
+    assert cache.match(ids, len(ids), b"bob") == []

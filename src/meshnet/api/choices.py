@@ -7,7 +7,8 @@ request's own solo run. The prompt is computed once: choice 0 opens first, and
 its prefill fills the route's prefix caches (kv/prefix_cache.py) as it commits;
 the others open once its first token has come, routed by prefix to those nodes,
 and start from the cached blocks (only the prompt's last partial block is
-computed again). Where the caches are off, each choice computes it.
+computed again): they share its prefix-cache scope, the request's. Where the
+caches are off, each choice computes it.
 """
 
 from __future__ import annotations
@@ -56,14 +57,18 @@ async def open_choices(
     named: Route | None,
     meters: Sequence[Meter],
     tenant: str,
+    scope: bytes,
 ) -> list[Choice]:
     """Start one generation per ``params`` (charged to its meter, billed to ``tenant``),
     up to each one's first event: the first alone, then the others together (on its
-    cached prefill); when any fails, every other is closed and the first failure raised."""
+    cached prefill, in the prefix-cache ``scope``: ``Tracker.prefix_scope``); when any
+    fails, every other is closed and the first failure raised."""
 
     async def one(index: int) -> Choice:
         try:
-            started = await tracker.start(prompt_ids, params[index], top_logprobs, named)
+            started = await tracker.start(
+                prompt_ids, params[index], top_logprobs, named, scope=scope
+            )
         except BaseException:
             meters[index].end()
             raise

@@ -31,7 +31,8 @@ from meshnet.errors import UnsupportedField
 Endpoint = Literal["chat", "text"]
 
 # Both endpoints; ``top_k``, ``repetition_penalty``, ``min_p``, ``ignore_eos`` and
-# ``meshnet`` are meshnet's own (llama.cpp and vLLM take the first four too).
+# ``meshnet`` are meshnet's own (llama.cpp and vLLM take the first four too);
+# ``cache_salt`` is vLLM's (a narrower prefix-cache scope: docs/prefix-cache.md).
 _COMMON = frozenset(
     {
         "model",
@@ -52,6 +53,7 @@ _COMMON = frozenset(
         "stream_options",
         "n",
         "logprobs",
+        "cache_salt",
         "meshnet",
     }
 )

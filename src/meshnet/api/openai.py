@@ -147,7 +147,9 @@ async def _complete(
     # The prefills run before the response starts, so their failures (a full KV
     # budget, a dead node) still get their own HTTP status, not a 200 and an error.
     top = body.top_logprobs_wanted
-    choices = await open_choices(tracker, prompt_ids, params, top, named, slots, tenant)
+    # The prompt's prefix-cache scope: its tenant's, narrowed by a cache_salt.
+    scope = tracker.prefix_scope(tenant, body.cache_salt or "")
+    choices = await open_choices(tracker, prompt_ids, params, top, named, slots, tenant, scope)
     shape = LogprobShape(kind, tracker.model.tokenizer)
     shaped = plan if plan is not None and plan.shapes_reply else None
     reply = _Reply(kind, tracker.model.name, choices, shape, echo)

@@ -32,6 +32,7 @@ MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 1024
 DEFAULT_MAX_TOKENS = 256
 MAX_CHOICES = 16  # n: each choice is a generation of its own on the mesh
+MAX_CACHE_SALT = 256  # characters of a cache_salt (vLLM suggests 43: 256 bits, base64)
 
 
 class _Lenient(BaseModel):
@@ -128,6 +129,9 @@ class _Sampling(_Lenient):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     response_format: ResponseFormat | None = None  # structured outputs (api/structured.py)
+    # vLLM's: the prompt's prefix-cache scope is narrowed to the requests of this tenant
+    # that send the same salt (docs/prefix-cache.md)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
     meshnet: MeshnetOptions | None = None
 
     @model_validator(mode="before")

@@ -3,9 +3,11 @@
 The tracker holds the **mesh secret**. Each node holds only its own **node key**,
 ``HMAC(mesh secret, node id)``: the tracker can derive any node's key, a node
 cannot derive another's, so a node id is bound to its credential and nothing but
-the tracker can speak for the mesh. User-facing secrets (API keys, the admin
-token) are random and kept only as SHA-256 digests; every comparison of a
-secret is constant-time.
+the tracker can speak for the mesh. A tenant's **prefix scope** (what the nodes'
+prefix caches key its prompts under, kv/prefix_cache.py) is derived the same way,
+under another label: nodes learn no tenant id from it and cannot make one up.
+User-facing secrets (API keys, the admin token) are random and kept only as
+SHA-256 digests; every comparison of a secret is constant-time.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from meshnet.errors import MeshnetError
 MESH_SECRET_FILE = "mesh.secret"
 _SECRET_BYTES = 32
 _NODE_KEY_LABEL = b"meshnet node key v1\0"
+_SCOPE_LABEL = b"meshnet prefix scope v1\0"
+SCOPE_BYTES = 16  # a scope's length: enough that no two tenants' ever meet
 
 
 class CredentialError(MeshnetError):
@@ -39,6 +43,14 @@ def node_key(mesh_secret: str, node_id: str) -> str:
     """The credential of node ``node_id`` (hex), derived from the mesh secret."""
     mac = hmac.new(bytes.fromhex(mesh_secret), _NODE_KEY_LABEL + node_id.encode(), "sha256")
     return mac.hexdigest()
+
+
+def prefix_scope(mesh_secret: str, tenant: str, salt: str = "") -> bytes:
+    """The prefix-cache scope of ``tenant``'s requests that send ``salt`` (a request's
+    ``cache_salt``; empty: none), derived from the mesh secret."""
+    name = tenant.encode()
+    message = _SCOPE_LABEL + len(name).to_bytes(4, "little") + name + salt.encode()
+    return hmac.new(bytes.fromhex(mesh_secret), message, "sha256").digest()[:SCOPE_BYTES]
 
 
 def digest(secret: str) -> str:

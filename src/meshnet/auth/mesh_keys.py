@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from meshnet.auth.keys import node_key
+from meshnet.auth.keys import node_key, prefix_scope
 from meshnet.auth.signing import METADATA_KEY, PeerKind, peer_token, sign_tracker_call
 from meshnet.protocol import meshnet_pb2 as pb
 
@@ -17,9 +17,17 @@ class MeshKeys:
 
     def __init__(self, mesh_secret: str) -> None:
         self._key = lru_cache(maxsize=4096)(lambda node_id: node_key(mesh_secret, node_id))
+        self._scope = lru_cache(maxsize=4096)(
+            lambda tenant, salt: prefix_scope(mesh_secret, tenant, salt)
+        )
 
     def node_key(self, node_id: str) -> str:
         return str(self._key(node_id))
+
+    def prefix_scope(self, tenant: str, salt: str = "") -> bytes:
+        """What the nodes' prefix caches key ``tenant``'s prompts under (with a request's
+        ``salt``, a narrower scope of its own): opaque to them."""
+        return bytes(self._scope(tenant, salt))
 
     def call(self, node_id: str, method: str) -> Metadata:
         """Metadata for the tracker's call of ``method`` (e.g. "Forward") on ``node_id``."""

@@ -139,6 +139,7 @@ def serve(cfg: TrackerProcessConfig) -> int:
         Outbox(session_store, runner, snapshots, cfg.outbox),
     )
     auth = tracker_auth(cfg, store.db, keys)
+    runner.owner_of = auth.tenants.owner  # a session's turns are in its tenant's cache scope
 
     def purge_session_rows(limit: int) -> int:
         """The rows of sessions no longer kept: their owner and their model."""

@@ -3,11 +3,17 @@
 A prompt's positions are cut into blocks of ``BLOCK_TOKENS`` from position 0;
 block ``i``'s key is a chain hash, SHA-256 of block ``i - 1``'s key and block
 ``i``'s token ids, so one key names the whole prefix up to the block's end
-(vLLM's prefix caching keys its blocks the same way). A block keeps a copy of
+(vLLM's prefix caching keys its blocks the same way). Block 0's parent is the
+root of the request's **scope** (``scope_root``): the tracker derives a scope
+from each request's tenant (auth/mesh_keys.py), so a prompt stored under one
+scope is never found under another, even with identical ids, and one tenant
+cannot learn by timing, or by ``cached_tokens``, what another sent (vLLM's
+``cache_salt``). A block keeps a copy of
 this shard's keys and values for its positions, the token ids, and its parent
 block itself: a lookup walks the prompt's keys from the first, and takes a
 block only where its tokens are the prompt's and its parent is the block just
-taken, so even a colliding hash cannot hand a request KV of another prefix.
+taken (and was stored under the lookup's scope), so even a colliding hash cannot
+hand a request KV of another prefix, or another scope's.
 Reusing a block is exact: KV of a position depends only on the tokens up to it
 (meshnet computes a row identically alone, batched or chunked), so a prompt
 prefilled after a cached prefix gives the bits a whole prefill gives.
@@ -43,15 +49,26 @@ import numpy as np
 from meshnet.kv.cache import SequenceKV
 
 BLOCK_TOKENS = 16  # positions per block: what a prefix is reused in multiples of
-_ROOT = b"meshnet-prefix-v1"  # the parent key of block 0
+MAX_SCOPE_BYTES = 64  # the longest scope an open may name
+_ROOT = b"meshnet-prefix-v2\0"  # what every scope's root is derived from
 
 
-def block_keys(ids: Sequence[int] | np.ndarray, blocks: int | None = None) -> list[bytes]:
-    """The chain keys of the first ``blocks`` full blocks of ``ids`` (all by default)."""
+def scope_root(scope: bytes = b"") -> bytes:
+    """The parent key of block 0 under ``scope`` (empty: the unscoped cache)."""
+    if len(scope) > MAX_SCOPE_BYTES:
+        raise ValueError(f"a prefix scope has at most {MAX_SCOPE_BYTES} bytes")
+    return hashlib.sha256(_ROOT + scope).digest()
+
+
+def block_keys(
+    ids: Sequence[int] | np.ndarray, blocks: int | None = None, scope: bytes = b""
+) -> list[bytes]:
+    """The chain keys of the first ``blocks`` full blocks of ``ids`` (all by default)
+    under ``scope``."""
     tokens = np.asarray(ids, dtype="<i8")
     n = len(tokens) // BLOCK_TOKENS if blocks is None else blocks
     keys: list[bytes] = []
-    parent = _ROOT
+    parent = scope_root(scope)
     for i in range(n):
         block = tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]
         parent = hashlib.sha256(parent + block.tobytes()).digest()
@@ -62,6 +79,7 @@ def block_keys(ids: Sequence[int] | np.ndarray, blocks: int | None = None) -> li
 @dataclass(eq=False)
 class _Block:
     key: bytes
+    scope: bytes  # what it was stored under
     tokens: bytes  # the block's ids, int64 little-endian
     parent: _Block | None
     # per layer [n_kv_heads, BLOCK_TOKENS, head_dim]; None: a windowed layer's ring had
@@ -73,6 +91,11 @@ class _Block:
 
     def __post_init__(self) -> None:
         self.nbytes = sum(a.nbytes for a in (*self.keys, *self.values) if a is not None)
+
+    def extends(self, parent: _Block | None, tokens: bytes, scope: bytes) -> bool:
+        """Whether this is the block of ``tokens`` after ``parent`` under ``scope``
+        (not a key that collides with it)."""
+        return self.parent is parent and self.tokens == tokens and self.scope == scope
 
     @property
     def whole(self) -> bool:
@@ -129,17 +152,17 @@ class PrefixCache:
             self._evicted,
         )
 
-    def match(self, ids: np.ndarray, limit: int) -> list[_Block]:
+    def match(self, ids: np.ndarray, limit: int, scope: bytes = b"") -> list[_Block]:
         """The cached blocks of the longest prefix of ``ids`` of at most ``limit``
-        positions, in order; touched, so they go last."""
+        positions stored under ``scope``, in order; touched, so they go last."""
         found: list[_Block] = []
         tokens = np.asarray(ids, dtype="<i8")
         blocks = min(limit, len(tokens)) // BLOCK_TOKENS
         parent: _Block | None = None
-        for i, key in enumerate(block_keys(tokens, blocks)):
+        for i, key in enumerate(block_keys(tokens, blocks, scope)):
             block = self._blocks.get(key)
             want = tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS].tobytes()
-            if block is None or block.parent is not parent or block.tokens != want:
+            if block is None or not block.extends(parent, want, scope):
                 break
             found.append(block)
             parent = block
@@ -168,16 +191,17 @@ class PrefixCache:
         self._reused += n
         return n
 
-    def store(self, ids: np.ndarray, kv: SequenceKV, done: int) -> int:
-        """Keep the full blocks of ``ids`` that ``kv`` holds, from block ``done`` on (the
-        ones before it are cached already or were loaded from here); the blocks done
-        after. Stops at a block whose key another prefix holds (a collision)."""
+    def store(self, ids: np.ndarray, kv: SequenceKV, done: int, scope: bytes = b"") -> int:
+        """Keep the full blocks of ``ids`` that ``kv`` holds under ``scope``, from block
+        ``done`` on (the ones before it are cached already or were loaded from here);
+        the blocks done after. Stops at a block whose key another prefix holds (a
+        collision)."""
         tokens = np.asarray(ids, dtype="<i8")
         blocks = min(len(tokens), kv.length) // BLOCK_TOKENS
         if not self.enabled or blocks <= done:
             return max(done, blocks)
-        keys = block_keys(tokens, blocks)
-        path = self.match(tokens, done * BLOCK_TOKENS)
+        keys = block_keys(tokens, blocks, scope)
+        path = self.match(tokens, done * BLOCK_TOKENS, scope)
         if len(path) < done:  # evicted meanwhile: store from where the cache ends
             done = len(path)
         parent = path[-1] if path else None
@@ -186,8 +210,8 @@ class PrefixCache:
             want = tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS].tobytes()
             block = self._blocks.get(keys[i])
             if block is None:
-                block = self._copy(keys[i], want, parent, kv, i)
-            elif block.parent is not parent or block.tokens != want:
+                block = self._copy(keys[i], scope, want, parent, kv, i)
+            elif not block.extends(parent, want, scope):
                 break  # a colliding key: leave the one held
             elif not block.whole:
                 self._complete(block, kv, i)
@@ -198,7 +222,13 @@ class PrefixCache:
         return blocks
 
     def _copy(
-        self, key: bytes, tokens: bytes, parent: _Block | None, kv: SequenceKV, i: int
+        self,
+        key: bytes,
+        scope: bytes,
+        tokens: bytes,
+        parent: _Block | None,
+        kv: SequenceKV,
+        i: int,
     ) -> _Block:
         start = i * BLOCK_TOKENS
         keys: list[np.ndarray | None] = []
@@ -207,7 +237,7 @@ class PrefixCache:
             held = kv.read(layer, start, start + BLOCK_TOKENS)
             keys.append(None if held is None else held[0])
             values.append(None if held is None else held[1])
-        block = _Block(key, tokens, parent, keys, values)
+        block = _Block(key, scope, tokens, parent, keys, values)
         if parent is not None:
             parent.children += 1
         self._blocks[key] = block

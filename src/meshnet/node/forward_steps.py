@@ -83,7 +83,10 @@ class StepHandling:
             if o.resume:
                 raise MalformedBundle("a prompt's prefix opens a fresh session, not a resumed one")
             limit = shard.spec.context_length
-            prefix = PrefixAsk.checked(np.asarray(o.prefix_ids), o.prefix_reuse, limit)
+            ids = np.asarray(o.prefix_ids)
+            prefix = PrefixAsk.checked(ids, o.prefix_reuse, limit, o.prefix_scope)
+        elif o.prefix_scope:
+            raise MalformedBundle("a prefix scope without a prompt's prefix")
         opened = self.engine.open(o.session_id, o.epoch, o.resume, rewind, prefix)
         return opened.result(CONTROL_TIMEOUT_S)
 

@@ -7,7 +7,9 @@ of the route agrees on the length because the driver asks each for the same
 (node/engine.py answers what it loaded; tracker/routing/prefix_open.py settles on it).
 As the session's steps commit, the full blocks of its prompt it has computed
 are copied into the cache (after every chunk of its prefill, while a windowed
-layer's ring still holds them). Run on the engine's loop thread only.
+layer's ring still holds them). Both are under the open's scope: the tracker's
+name for the request's tenant, so one tenant's prompts are never another's hits.
+Run on the engine's loop thread only.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshnet.errors import MalformedBundle
-from meshnet.kv.prefix_cache import BLOCK_TOKENS, PrefixCache, loadable
+from meshnet.kv.prefix_cache import BLOCK_TOKENS, MAX_SCOPE_BYTES, PrefixCache, loadable
 from meshnet.node.scheduler import Slot
 
 
@@ -28,16 +30,20 @@ class PrefixAsk:
 
     ids: np.ndarray  # the prompt's token ids [T], int64, from position 0
     reuse: int  # the most positions to start with from the cache (0: none)
+    scope: bytes = b""  # whose cache: looked up and stored under it (empty: unscoped)
 
     @staticmethod
-    def checked(ids: np.ndarray, reuse: int, max_tokens: int) -> PrefixAsk:
-        """``MalformedBundle`` when the prompt is longer than the model's context or
-        ``reuse`` leaves none of it to compute."""
+    def checked(ids: np.ndarray, reuse: int, max_tokens: int, scope: bytes = b"") -> PrefixAsk:
+        """``MalformedBundle`` when the prompt is longer than the model's context,
+        ``reuse`` leaves none of it to compute, or the scope is longer than
+        ``MAX_SCOPE_BYTES``."""
+        if len(scope) > MAX_SCOPE_BYTES:
+            raise MalformedBundle(f"a prefix scope of {len(scope)} bytes is past {MAX_SCOPE_BYTES}")
         if len(ids) > max_tokens:
             raise MalformedBundle(f"a prefix of {len(ids)} ids is past {max_tokens} positions")
         if reuse >= max(len(ids), 1) and reuse:
             raise MalformedBundle(f"reusing {reuse} positions of a {len(ids)}-id prompt")
-        return PrefixAsk(np.asarray(ids, dtype=np.int64), int(reuse))
+        return PrefixAsk(np.asarray(ids, dtype=np.int64), int(reuse), bytes(scope))
 
 
 def reuse_prefix(
@@ -52,10 +58,10 @@ def reuse_prefix(
     positions loaded (then step 0 is committed)."""
     if not cache.enabled:
         return 0
-    slot.prefix, slot.prefix_blocks = ask.ids, 0
+    slot.prefix, slot.prefix_blocks, slot.prefix_scope = ask.ids, 0, ask.scope
     if ask.reuse < BLOCK_TOKENS:
         return 0
-    blocks = cache.match(ask.ids, ask.reuse)
+    blocks = cache.match(ask.ids, ask.reuse, ask.scope)
     blocks = blocks[: loadable(blocks, max(slot.kv.windows))]
     need = slot.kv.load_growth_bytes(len(blocks) * BLOCK_TOKENS)
     if not blocks or not fits(need):
@@ -74,6 +80,6 @@ def keep_prefix(cache: PrefixCache, slot: Slot | None) -> None:
     if not cache.enabled:
         slot.prefix = None
         return
-    slot.prefix_blocks = cache.store(slot.prefix, slot.kv, slot.prefix_blocks)
+    slot.prefix_blocks = cache.store(slot.prefix, slot.kv, slot.prefix_blocks, slot.prefix_scope)
     if slot.prefix_blocks >= len(slot.prefix) // BLOCK_TOKENS:
         slot.prefix = None  # every full block is kept (or was refused): nothing more

@@ -50,9 +50,11 @@ class Slot:
     # says the hop before it sent, should that hop's word and its own differ.
     inputs: RowLog = field(default_factory=RowLog)
     # The prompt ids whose full blocks the prefix cache keeps once computed (None: no
-    # more to keep), and how many of those blocks are kept or were loaded from it.
+    # more to keep), how many of those blocks are kept or were loaded from it, and the
+    # scope they are kept under (kv/prefix_cache.py: another scope never finds them).
     prefix: np.ndarray | None = None
     prefix_blocks: int = 0
+    prefix_scope: bytes = b""
 
     def keep_sent(self, step: int, x: np.ndarray) -> None:
         old = self.sent.get(step)

@@ -107,6 +107,7 @@ class Open(_message.Message):
     NEXT_TOKEN_FIELD_NUMBER: _builtins.int
     PREFIX_IDS_FIELD_NUMBER: _builtins.int
     PREFIX_REUSE_FIELD_NUMBER: _builtins.int
+    PREFIX_SCOPE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     epoch: _builtins.int
     """one attempt of a route; a newer epoch fences older ones"""
@@ -135,6 +136,12 @@ class Open(_message.Message):
     next_token: _builtins.str
     """The tracker's token that lets this node relay to the next hop (meshnet.auth.signing)."""
     prefix_reuse: _builtins.int
+    prefix_scope: _builtins.bytes
+    """Whose prefix cache the prompt's blocks are in: the root of their chain keys, so a
+    lookup under one scope never finds what another stored (the tracker derives it
+    from the request's tenant with a secret: it names no one). At most 64 bytes;
+    empty: the unscoped cache.
+    """
     @_builtins.property
     def sampling(self) -> Global___Sampling:
         """Only on the last hop: sample each step's last row there and answer a Sampled."""
@@ -166,10 +173,11 @@ class Open(_message.Message):
         next_token: _builtins.str = ...,
         prefix_ids: _abc.Iterable[_builtins.int] | None = ...,
         prefix_reuse: _builtins.int = ...,
+        prefix_scope: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "fingerprint", b"fingerprint", "keep", b"keep", "layer_end", b"layer_end", "layer_start", b"layer_start", "next_address", b"next_address", "next_node_id", b"next_node_id", "next_token", b"next_token", "prefix_ids", b"prefix_ids", "prefix_reuse", b"prefix_reuse", "resume", b"resume", "rewind", b"rewind", "rewind_steps", b"rewind_steps", "rewind_tokens", b"rewind_tokens", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "fingerprint", b"fingerprint", "keep", b"keep", "layer_end", b"layer_end", "layer_start", b"layer_start", "next_address", b"next_address", "next_node_id", b"next_node_id", "next_token", b"next_token", "prefix_ids", b"prefix_ids", "prefix_reuse", b"prefix_reuse", "prefix_scope", b"prefix_scope", "resume", b"resume", "rewind", b"rewind", "rewind_steps", b"rewind_steps", "rewind_tokens", b"rewind_tokens", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

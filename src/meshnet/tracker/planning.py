@@ -85,12 +85,12 @@ class RoutePlanning:
         )
 
     def reserve(
-        self, route: Route | None = None, prompt_ids: Sequence[int] = ()
+        self, route: Route | None = None, prompt_ids: Sequence[int] = (), scope: bytes = b""
     ) -> tuple[Route, Reservation]:
         """A route (planned among nodes with a free stream, unless given) and its
         capacity, reserved; ``Overloaded`` when routes exist but are all full. Given
-        the prompt, a route whose nodes hold a cached prefix of it may be chosen over
-        a less loaded one (tracker/nodes/prefix_routes.py)."""
+        the prompt, a route whose nodes hold a cached prefix of it under ``scope`` (its
+        tenant's) may be chosen over a less loaded one (tracker/nodes/prefix_routes.py)."""
         if route is not None:
             return route, self.admission.reserve(h.node_id for h in route)
         nodes = self.store.nodes()
@@ -115,7 +115,7 @@ class RoutePlanning:
             if busy:
                 raise self.admission.overloaded(f"nodes {', '.join(busy)} are at capacity")
         if pinned is None and prompt_ids and self.config.prefix.on:
-            route = self._by_prefix(route, nodes, full, prompt_ids)
+            route = self._by_prefix(route, nodes, full, prompt_ids, scope)
         return route, self.admission.reserve(h.node_id for h in route)
 
     def _by_prefix(
@@ -124,8 +124,10 @@ class RoutePlanning:
         nodes: Sequence[NodeRecord],
         full: frozenset[str],
         prompt_ids: Sequence[int],
+        scope: bytes,
     ) -> Route:
-        """``base`` or a route whose nodes hold more of the prompt, whichever costs less."""
+        """``base`` or a route whose nodes hold more of the prompt (under ``scope``),
+        whichever costs less."""
         return route_by_prefix(
             base,
             nodes,
@@ -134,7 +136,7 @@ class RoutePlanning:
             self.admission.streams,
             full,
             self.prefixes,
-            block_keys(prompt_ids),
+            block_keys(prompt_ids, scope=scope),
             len(prompt_ids),
             self.config.prefix.load_tokens,
         )

@@ -135,6 +135,7 @@ class Tracker(Healing):
         params: SamplingParams,
         top_logprobs: int = -1,
         named: Route | None = None,
+        scope: bytes = b"",
     ) -> Started:
         """Open a route for a generation; ``NoRoute`` or ``Overloaded`` when impossible.
 
@@ -144,11 +145,13 @@ class Tracker(Healing):
         alternatives reported with each token's log-probability (-1: none).
         ``named``: the route the request named (``requested_route``); the generation
         runs on exactly its nodes, and fails (``NoRoute``) rather than leave them.
+        ``scope``: whose prefix cache entries the prompt may reuse and fills
+        (``prefix_scope``: its tenant's; empty, the unscoped cache of internal callers).
         """
         check_request(self.model.spec, prompt_ids, params, self.context_limit())
         t0 = time.monotonic()
         try:
-            return await self._start(prompt_ids, params, top_logprobs, named, t0)
+            return await self._start(prompt_ids, params, top_logprobs, named, scope, t0)
         except (KVBudgetExhausted, Overloaded) as e:
             self.metrics.refusals.labels(e.kind).inc()
             raise
@@ -159,13 +162,14 @@ class Tracker(Healing):
         params: SamplingParams,
         top_logprobs: int,
         named: Route | None,
+        scope: bytes,
         t0: float,
     ) -> Started:
         last: Exception | None = None
         for _ in range(_OPEN_ATTEMPTS):
             with self.metrics.waiting.track_inprogress():
                 if named is None:
-                    reserve = functools.partial(self.reserve, None, prompt_ids)
+                    reserve = functools.partial(self.reserve, None, prompt_ids, scope)
                     route, held = await self.admission.acquire(reserve)
                 else:
                     route = named
@@ -173,6 +177,7 @@ class Tracker(Healing):
                         functools.partial(self.reserve_named, named)
                     )
             gen = self.driver.new_generation(uuid.uuid4().hex, route, params, top_logprobs)
+            gen.prefix_scope = scope
             try:
                 await self.driver.open(gen, prompt_ids)
             except (KVBudgetExhausted, Overloaded):
@@ -196,12 +201,18 @@ class Tracker(Healing):
                 raise
             self.metrics.cached_prompt_tokens.labels("completion").inc(gen.reused)
             if self.config.prefix.on:  # the route's nodes keep the prompt's full blocks
-                self.prefixes.record(route, block_keys(prompt_ids))
+                self.prefixes.record(route, block_keys(prompt_ids, scope=scope))
             fabric: Fabric = self if named is None else _NamedRoute(self)
             run = self.driver.run(gen, prompt_ids, params, fabric)
             meter = self.metrics.generation("completion", len(prompt_ids), t0)
             return Started(gen.id, route, gen.epoch, self._accounted(gen, held, run, meter))
         raise NoRoute(f"could not open a route: {last}")
+
+    def prefix_scope(self, tenant: str, salt: str = "") -> bytes:
+        """The scope of ``tenant``'s prompts in the nodes' prefix caches (narrowed by a
+        request's ``cache_salt``): a keyed hash under the mesh secret, so a node learns no
+        tenant id from it, and no tenant's prompt is another's cache hit."""
+        return self.channels.keys.prefix_scope(tenant, salt)
 
     def drive(
         self,

@@ -10,7 +10,9 @@ per worker from the requests it routed the same way. What the index cannot see
 (a node's own evictions, a restart) costs only a missed hit: the hops agree on
 what they really hold when the route opens (tracker/routing/prefix_open.py), so a wrong
 guess never changes an answer. The index keeps, per node, the block keys it
-was sent, least recently used first, bounded like a node's cache.
+was sent, least recently used first, bounded like a node's cache: the keys the
+nodes use, under the request's scope (its tenant's, kv/prefix_cache.py), so a
+prompt is drawn only to a prefix its own tenant left.
 
 The choice weighs a prefix hit against load as Dynamo's KV router does, in
 prompt tokens: a route costs the prompt tokens it must still compute plus

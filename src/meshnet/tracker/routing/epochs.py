@@ -135,6 +135,7 @@ class EpochOpener:
             else "",
             prefix_ids=prefix[0].tolist() if prefix else (),
             prefix_reuse=prefix[1] if prefix else 0,
+            prefix_scope=gen.prefix_scope if prefix else b"",
         )
         try:
             link, opened = await self._open_stream(gen, hop, message)

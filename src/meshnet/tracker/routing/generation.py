@@ -96,6 +96,7 @@ class Generation:
     # every hop: a failover that recomputes them is the mesh's cost, not billed again.
     billed_from: int = 0
     reused: int = 0  # prompt positions the hops started with from their prefix caches
+    prefix_scope: bytes = b""  # whose prefix cache entries those are: its tenant's
     links: list[HopLink] = field(default_factory=list)
     ring: Ring | None = None  # the readers of ``links`` while they run round a ring
     inputs: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)  # layer -> step -> x

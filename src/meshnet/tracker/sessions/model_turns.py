@@ -69,6 +69,7 @@ class ModelTurns(TurnRunner):
         if runner is None or runner.tracker is not model.tracker:
             runner = ModelRunner(model.tracker, self.store, self.snapshots, self.bound)
             self._runners[model.name] = runner
+        runner.owner_of = self.owner_of  # whose sessions are whose is the same on every model
         return runner
 
     def placed(self, session: SessionRecord) -> tuple[ServedModel, SessionRecord, str | None]:

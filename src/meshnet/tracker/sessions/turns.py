@@ -52,6 +52,11 @@ ALL_EPOCHS = 2**63 - 1  # a release of a session that has ended
 _RELEASE_TIMEOUT_S = 10.0
 
 OnToken = Callable[[TokenEvent], Awaitable[None]]
+Owners = Callable[[str], str | None]  # a session's tenant (None: it has none)
+
+
+def _no_owner(session_id: str) -> str | None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,9 @@ class TurnRunner:
         self.store = store
         self.snapshots = snapshots
         self._background: set[asyncio.Task[None]] = set()
+        # Whose each session is (the API's ownership table, set where the app is
+        # assembled): its first turn's prompt is in that tenant's prefix-cache scope.
+        self.owner_of: Owners = _no_owner
 
     @property
     def ledger(self) -> LedgerSpool:
@@ -123,6 +131,11 @@ class TurnRunner:
             )
         return ids, params
 
+    def prefix_scope(self, session: SessionRecord) -> bytes:
+        """The prefix-cache scope of the session's tenant (empty: a session nobody owns)."""
+        owner = self.owner_of(session.id)
+        return b"" if owner is None else self.tracker.prefix_scope(owner)
+
     async def run(
         self, session: SessionRecord, turn: TurnRecord, on_token: OnToken | None = None
     ) -> TurnOutcome:
@@ -130,13 +143,15 @@ class TurnRunner:
         t0 = time.monotonic()
         ids, params = self.check(session, turn.request)
         epoch = self.store.next_epoch(session.id)
+        scope = b"" if session.history else self.prefix_scope(session)  # a first turn's
         if session.history:
             route, path, failures = await self._place(session)
             _, held = self.tracker.reserve(route)  # Overloaded: the outbox tries again later
         else:  # a first turn: routed by load and by what its nodes hold of the prompt
-            (route, held), path, failures = self.tracker.reserve(None, ids), "hot", []
+            (route, held), path, failures = self.tracker.reserve(None, ids, scope), "hot", []
         gen = self.tracker.driver.new_generation(turn.id, route, params)  # ledger records
         gen.session_id, gen.keep, gen.epoch = session.id, True, epoch
+        gen.prefix_scope = scope
         gen.first_step = session.steps
         for step, step_ids in enumerate(session.history):
             gen.record_input(0, step, np.asarray(step_ids, dtype=np.int64))
@@ -145,7 +160,7 @@ class TurnRunner:
                 await self.tracker.driver.open(gen, ids)
                 self.tracker.metrics.cached_prompt_tokens.labels("turn").inc(gen.reused)
                 if self.tracker.config.prefix.on:  # and its blocks go to their caches
-                    self.tracker.prefixes.record(route, block_keys(ids))
+                    self.tracker.prefixes.record(route, block_keys(ids, scope=scope))
             elif path == "reprefill":
                 await self.tracker.driver.open(gen)
             elif not await self.tracker.driver.resume(gen, (session.kv_tokens, session.steps)):
