@@ -22,21 +22,17 @@
 #define TILE ATTENTION_TILE
 #define ROWS 8  /* a unit's rows of one sequence: they share each key tile */
 
-/* Four keys' dot products with q over hd (a multiple of 8): per key one 8-lane FMA chain,
- * then the fixed horizontal sum; four chains side by side only to hide FMA latency. */
-static inline void dot4(const float *q, const float *k, int hd, float *scores) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int c = 0; c < hd; c += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + c);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + c), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + hd + c), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * hd + c), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * hd + c), a3);
-    }
-    scores[0] = hsum256(a0);
-    scores[1] = hsum256(a1);
-    scores[2] = hsum256(a2);
-    scores[3] = hsum256(a3);
+/* The four scores hsum256(a0) .. hsum256(a3) at once, each with hsum256's own sums:
+ * ((v0 + v4) + (v1 + v5)) + ((v2 + v6) + (v3 + v7)) (the halves added, then adjacent pairs
+ * twice), so a score's bits do not depend on which keys share its reduction. */
+static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 x01 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20),
+                                     _mm256_permute2f128_ps(a0, a1, 0x31));
+    const __m256 x23 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a3, 0x20),
+                                     _mm256_permute2f128_ps(a2, a3, 0x31));
+    const __m256 h = _mm256_hadd_ps(x01, x23);
+    const __m256 h2 = _mm256_hadd_ps(h, h); /* low: a0, a2; high: a1, a3 */
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1));
 }
 
 static inline float dot(const float *q, const float *k, int hd) {
@@ -46,52 +42,115 @@ static inline float dot(const float *q, const float *k, int hd) {
     return hsum256(acc);
 }
 
-/* One pair's partial over the n (1 .. TILE) positions whose keys and values start at
- * ``keys``, ``values``: part[0] = m, part[1] = l, part[2 ..] = acc [hd]. Scores are
- * q . k * scale, soft-capped when the family says so; e^(s - m) in 8-lane chunks (each
- * lane's result its own), l summed lane j % 8 then folded, acc one FMA chain per element
- * over the positions in order. */
-static void partial(const heads_t *sh, const float *q, const float *keys, const float *values,
-                    int n, float *part) {
+/* Scores of P (1 or 2) queries q[x] against the n keys from ``k``, into s[x][0 .. n): per
+ * (query, key) one 8-lane FMA chain over hd (a multiple of 8) and hsum256's sums, whatever
+ * P; P queries and four keys side by side so each load serves several chains. */
+static inline __attribute__((always_inline)) void dots(const int P, const float *const *q,
+                                                       const float *k, int hd, int n,
+                                                       float *const *s) {
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *kj = k + (Py_ssize_t)j * hd;
+        __m256 a[2][4];
+        for (int x = 0; x < P; x++)
+            for (int y = 0; y < 4; y++) a[x][y] = _mm256_setzero_ps();
+        for (int c = 0; c < hd; c += 8) {
+            __m256 qv[2];
+            for (int x = 0; x < P; x++) qv[x] = _mm256_loadu_ps(q[x] + c);
+            for (int y = 0; y < 4; y++) {
+                const __m256 kv = _mm256_loadu_ps(kj + y * hd + c);
+                for (int x = 0; x < P; x++) a[x][y] = _mm256_fmadd_ps(qv[x], kv, a[x][y]);
+            }
+        }
+        for (int x = 0; x < P; x++) _mm_storeu_ps(s[x] + j, hsum4(a[x][0], a[x][1], a[x][2], a[x][3]));
+    }
+    for (; j < n; j++)
+        for (int x = 0; x < P; x++) s[x][j] = dot(q[x], k + (Py_ssize_t)j * hd, hd);
+}
+
+/* acc[x][c0 .. c0 + 8 W) = sum over j in order of e[x][j] v[j] for P queries (at most 4)
+ * and W vectors (P W at most 12, W at most 8): per element one FMA chain from zero over
+ * the positions, whatever P and W; each value vector loaded once for the P queries. */
+static inline __attribute__((always_inline)) void weigh(const int P, const int W,
+                                                        const float *const *e,
+                                                        const float *values, int hd, int n,
+                                                        int c0, float *const *acc) {
+    __m256 a[4][8];
+    for (int x = 0; x < P; x++)
+        for (int w = 0; w < W; w++) a[x][w] = _mm256_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        const float *v = values + (Py_ssize_t)j * hd + c0;
+        __m256 vv[8];
+        for (int w = 0; w < W; w++) vv[w] = _mm256_loadu_ps(v + 8 * w);
+        for (int x = 0; x < P; x++) {
+            const __m256 p = _mm256_broadcast_ss(e[x] + j);
+            for (int w = 0; w < W; w++) a[x][w] = _mm256_fmadd_ps(p, vv[w], a[x][w]);
+        }
+    }
+    for (int x = 0; x < P; x++)
+        for (int w = 0; w < W; w++) _mm256_storeu_ps(acc[x] + c0 + 8 * w, a[x][w]);
+}
+
+/* weigh over every column of the head, in blocks of as many vectors as fit beside P. */
+#define WEIGH_ALL(P, WIDE)                                                           \
+    do {                                                                             \
+        int c0 = 0;                                                                  \
+        for (; c0 + 8 * (WIDE) <= hd; c0 += 8 * (WIDE)) weigh(P, WIDE, e, values, hd, n, c0, acc); \
+        for (; c0 + 16 <= hd; c0 += 16) weigh(P, 2, e, values, hd, n, c0, acc);      \
+        for (; c0 < hd; c0 += 8) weigh(P, 1, e, values, hd, n, c0, acc);             \
+    } while (0)
+
+static void weigh_all(int P, const float *const *e, const float *values, int hd, int n,
+                      float *const *acc) {
+    switch (P) {
+    case 4: WEIGH_ALL(4, 3); break;
+    case 3: WEIGH_ALL(3, 4); break;
+    case 2: WEIGH_ALL(2, 6); break;
+    default: WEIGH_ALL(1, 8); break;
+    }
+}
+
+/* The partials of np (1 .. 4) queries q[x] of one row (so one range of positions) over
+ * the n (1 .. TILE) positions whose keys and values start at ``keys``, ``values``:
+ * part[x][0] = m, part[x][1] = l, part[x][2 ..] = acc [hd]. Scores are q . k * scale,
+ * soft-capped when the family says so; e^(s - m) in 8-lane chunks (each lane's result its
+ * own), l summed lane j % 8 then folded, acc one FMA chain per element over the positions
+ * in order: each query's partial the same bits whichever queries share the call. */
+static void partials(const heads_t *sh, const float *const *q, int np, const float *keys,
+                     const float *values, int n, float *const *part) {
     const int hd = sh->hd;
     const float scale = sh->scale, cap = sh->softcap;
-    float s[TILE];
-    int j = 0;
-    for (; j + 4 <= n; j += 4) dot4(q, keys + j * hd, hd, s + j);
-    for (; j < n; j++) s[j] = dot(q, keys + j * hd, hd);
-    float top = -INFINITY;
-    for (j = 0; j < n; j++) {
-        s[j] = s[j] * scale;
-        if (cap > 0) s[j] = cap * tanhf(s[j] / cap);
-        top = s[j] > top ? s[j] : top;
-    }
-    const __m256 vtop = _mm256_set1_ps(top);
-    __m256 total = _mm256_setzero_ps();
-    for (j = 0; j < n; j += 8) {
-        float lanes[8] = {0};
-        const int m = n - j < 8 ? n - j : 8;
-        memcpy(lanes, s + j, m * sizeof(float));
-        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(lanes), vtop));
-        _mm256_storeu_ps(lanes, e);
-        memset(lanes + m, 0, (8 - m) * sizeof(float)); /* lanes past the end add nothing */
-        total = _mm256_add_ps(total, _mm256_loadu_ps(lanes));
-        memcpy(s + j, lanes, m * sizeof(float));
-    }
-    part[0] = top;
-    part[1] = hsum256(total);
-    float *acc = part + 2;
-    for (int c0 = 0; c0 < hd; c0 += 64) { /* up to eight 8-lane chains in registers */
-        const int width = hd - c0 < 64 ? (hd - c0) / 8 : 8;
-        __m256 a[8];
-        for (int k = 0; k < width; k++) a[k] = _mm256_setzero_ps();
-        for (j = 0; j < n; j++) {
-            const __m256 p = _mm256_set1_ps(s[j]);
-            const float *v = values + j * hd + c0;
-            for (int k = 0; k < width; k++)
-                a[k] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * k), a[k]);
+    float buf[4][TILE];
+    float *s[4] = {buf[0], buf[1], buf[2], buf[3]};
+    int x = 0;
+    for (; x + 2 <= np; x += 2) dots(2, q + x, keys, hd, n, s + x);
+    if (x < np) dots(1, q + x, keys, hd, n, s + x);
+    for (x = 0; x < np; x++) {
+        float *sx = s[x];
+        float top = -INFINITY;
+        for (int j = 0; j < n; j++) {
+            sx[j] = sx[j] * scale;
+            if (cap > 0) sx[j] = cap * tanhf(sx[j] / cap);
+            top = sx[j] > top ? sx[j] : top;
         }
-        for (int k = 0; k < width; k++) _mm256_storeu_ps(acc + c0 + 8 * k, a[k]);
+        const __m256 vtop = _mm256_set1_ps(top);
+        __m256 total = _mm256_setzero_ps();
+        for (int j = 0; j < n; j += 8) {
+            float lanes[8] = {0};
+            const int m = n - j < 8 ? n - j : 8;
+            memcpy(lanes, sx + j, m * sizeof(float));
+            __m256 ev = exp256(_mm256_sub_ps(_mm256_loadu_ps(lanes), vtop));
+            _mm256_storeu_ps(lanes, ev);
+            memset(lanes + m, 0, (8 - m) * sizeof(float)); /* lanes past the end add nothing */
+            total = _mm256_add_ps(total, _mm256_loadu_ps(lanes));
+            memcpy(sx + j, lanes, m * sizeof(float));
+        }
+        part[x][0] = top;
+        part[x][1] = hsum256(total);
     }
+    float *acc[4];
+    for (x = 0; x < np; x++) acc[x] = part[x] + 2;
+    weigh_all(np, (const float *const *)s, values, hd, n, acc);
 }
 
 /* state (M, L, A [hd]) <- the fold of the partial ``part`` into it. A fresh state is
@@ -169,7 +228,8 @@ static inline void in_tile(const heads_t *sh, const seq_t *s, Py_ssize_t i, Py_s
 }
 
 /* The partials of every pair of unit u in tile t, into parts[(r * g + head) * (hd + 2)]
- * (a pair that sees nothing of the tile is skipped). */
+ * (a pair that sees nothing of the tile is skipped); a row's query heads four at a time,
+ * so each key and value of the tile is read once for them. */
 static void tile_parts(const heads_t *sh, const float *qs, const unit_t *u, Py_ssize_t t,
                        float *parts) {
     const int hd = sh->hd, g = sh->n_heads / sh->n_kv;
@@ -180,11 +240,17 @@ static void tile_parts(const heads_t *sh, const float *qs, const unit_t *u, Py_s
         Py_ssize_t a, b;
         in_tile(sh, s, u->i0 + r, t, &a, &b);
         if (a >= b) continue;
-        for (int x = 0; x < g; x++) {
-            const int h = u->kv * g + x;
-            const float *q = qs + ((s->row + u->i0 + r) * sh->n_heads + h) * hd;
-            partial(sh, q, keys + slot(s, a) * hd, values + slot(s, a) * hd, (int)(b - a),
-                    parts + (r * g + x) * (Py_ssize_t)(hd + 2));
+        for (int x0 = 0; x0 < g; x0 += 4) {
+            const int np = g - x0 < 4 ? g - x0 : 4;
+            const float *q[4];
+            float *part[4];
+            for (int x = 0; x < np; x++) {
+                const int h = u->kv * g + x0 + x;
+                q[x] = qs + ((s->row + u->i0 + r) * sh->n_heads + h) * hd;
+                part[x] = parts + (r * g + x0 + x) * (Py_ssize_t)(hd + 2);
+            }
+            partials(sh, q, np, keys + slot(s, a) * hd, values + slot(s, a) * hd,
+                     (int)(b - a), part);
         }
     }
 }
