@@ -157,3 +157,32 @@ def test_the_reference_in_blocks_of_rows_equals_it_whole(monkeypatch: pytest.Mon
     whole = _reference(q, k, v, window=100)
     monkeypatch.setattr(layers, "ROWS", 64)
     assert np.allclose(_reference(q, k, v, window=100), whole, atol=1e-12)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("hd", [8, 24, 64, 104])
+def test_a_query_heads_bits_do_not_depend_on_the_heads_beside_it(group: int, hd: int) -> None:
+    """The query heads of one KV head share each key and value load (up to four at a time,
+    several column widths of the values): each head's output is the bits it gets alone."""
+    length = 150
+    rng = np.random.default_rng(group * 1000 + hd)
+    q = rng.standard_normal((length, group, hd)).astype(np.float32)
+    k = rng.standard_normal((length, 1, hd)).astype(np.float32)
+    v = rng.standard_normal((length, 1, hd)).astype(np.float32)
+
+    def attend(heads: np.ndarray) -> np.ndarray:
+        n = heads.shape[1]
+        keys = np.zeros((1, length, hd), np.float32)
+        values = np.zeros((1, length, hd), np.float32)
+        out = np.empty((length, n * hd), np.float32)
+        entry = [(keys, values, 0, length, 0)]
+        native.attend(heads.copy(), k, v, out, entry, length, n, 1, hd, 2, hd**-0.5, 0, 100)
+        return out.reshape(length, n, hd)
+
+    together = attend(q)
+    keys = k.transpose(1, 0, 2).astype(np.float64)
+    values = v.transpose(1, 0, 2).astype(np.float64)
+    expect = causal_attention(q.astype(np.float64), keys, values, 0, hd**-0.5, 0.0, 100, None)
+    assert np.allclose(together.reshape(length, -1), expect.reshape(length, -1), atol=2e-5)
+    for x in range(group):
+        assert np.array_equal(attend(q[:, x : x + 1])[:, 0], together[:, x])

@@ -125,25 +125,45 @@ static void partials(const heads_t *sh, const float *const *q, int np, const flo
     int x = 0;
     for (; x + 2 <= np; x += 2) dots(2, q + x, keys, hd, n, s + x);
     if (x < np) dots(1, q + x, keys, hd, n, s + x);
+    const __m256 vscale = _mm256_set1_ps(scale);
     for (x = 0; x < np; x++) {
         float *sx = s[x];
+        /* the scores scaled (and capped), and their max: exact in any order */
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        int j = 0;
+        if (cap > 0) {
+            for (; j < n; j++) sx[j] = cap * tanhf(sx[j] * scale / cap);
+            j = 0;
+            for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sx + j));
+        } else {
+            for (; j + 8 <= n; j += 8) {
+                const __m256 sv = _mm256_mul_ps(_mm256_loadu_ps(sx + j), vscale);
+                _mm256_storeu_ps(sx + j, sv);
+                vmax = _mm256_max_ps(vmax, sv);
+            }
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmax);
         float top = -INFINITY;
-        for (int j = 0; j < n; j++) {
-            sx[j] = sx[j] * scale;
-            if (cap > 0) sx[j] = cap * tanhf(sx[j] / cap);
+        for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+        for (; j < n; j++) {
+            if (cap <= 0) sx[j] = sx[j] * scale;
             top = sx[j] > top ? sx[j] : top;
         }
         const __m256 vtop = _mm256_set1_ps(top);
         __m256 total = _mm256_setzero_ps();
-        for (int j = 0; j < n; j += 8) {
-            float lanes[8] = {0};
-            const int m = n - j < 8 ? n - j : 8;
-            memcpy(lanes, sx + j, m * sizeof(float));
-            __m256 ev = exp256(_mm256_sub_ps(_mm256_loadu_ps(lanes), vtop));
-            _mm256_storeu_ps(lanes, ev);
-            memset(lanes + m, 0, (8 - m) * sizeof(float)); /* lanes past the end add nothing */
+        for (j = 0; j + 8 <= n; j += 8) {
+            const __m256 ev = exp256(_mm256_sub_ps(_mm256_loadu_ps(sx + j), vtop));
+            _mm256_storeu_ps(sx + j, ev);
+            total = _mm256_add_ps(total, ev);
+        }
+        if (j < n) { /* lanes past the end add nothing */
+            const int m = n - j;
+            for (int i = 0; i < 8; i++) lanes[i] = i < m ? sx[j + i] : 0.0f;
+            _mm256_storeu_ps(lanes, exp256(_mm256_sub_ps(_mm256_loadu_ps(lanes), vtop)));
+            for (int i = m; i < 8; i++) lanes[i] = 0.0f;
             total = _mm256_add_ps(total, _mm256_loadu_ps(lanes));
-            memcpy(sx + j, lanes, m * sizeof(float));
+            for (int i = 0; i < m; i++) sx[j + i] = lanes[i];
         }
         part[x][0] = top;
         part[x][1] = hsum256(total);
