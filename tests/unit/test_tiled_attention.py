@@ -5,6 +5,11 @@ run it (one long row's tiles spread over the threads)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -186,3 +191,32 @@ def test_a_query_heads_bits_do_not_depend_on_the_heads_beside_it(group: int, hd:
     assert np.allclose(together.reshape(length, -1), expect.reshape(length, -1), atol=2e-5)
     for x in range(group):
         assert np.array_equal(attend(q[:, x : x + 1])[:, 0], together[:, x])
+
+
+_BY_ISA = """
+import sys
+import numpy as np
+from meshnet.backends import _native as native
+rng = np.random.default_rng(5)
+T, H, HKV, HD = 200, 8, 2, 104  # four heads a group: AVX-512's value blocks where it runs
+q = rng.standard_normal((T, H, HD)).astype(np.float32)
+k = rng.standard_normal((T, HKV, HD)).astype(np.float32)
+v = rng.standard_normal((T, HKV, HD)).astype(np.float32)
+keys, values = np.zeros((HKV, T, HD), np.float32), np.zeros((HKV, T, HD), np.float32)
+out = np.empty((T, H * HD), np.float32)
+native.attend(q, k, v, out, [(keys, values, 0, T, 0)], T, H, HKV, HD, 2)
+np.save(sys.argv[1], out)
+"""
+
+
+def test_the_avx2_and_widest_vectors_give_the_same_bits(tmp_path: Path) -> None:
+    outs = []
+    for isa in ("avx2", "auto"):
+        env = {**os.environ, "MESHNET_ISA": isa}
+        path = tmp_path / f"{isa}.npy"
+        done = subprocess.run(
+            [sys.executable, "-c", _BY_ISA, str(path)], env=env, capture_output=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        outs.append(np.load(path))
+    assert np.array_equal(outs[0], outs[1])

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "isa.h"
 #include "native.h"
 
 #define TILE ATTENTION_TILE
@@ -91,10 +92,41 @@ static inline __attribute__((always_inline)) void weigh(const int P, const int W
         for (int w = 0; w < W; w++) _mm256_storeu_ps(acc[x] + c0 + 8 * w, a[x][w]);
 }
 
+/* weigh with 16-lane vectors (AVX-512's 32 registers hold four queries x four vectors):
+ * lane for lane the same FMA chains, so the same bits. */
+static inline __attribute__((always_inline, target("avx512f"))) void weigh16(
+    const int P, const int W, const float *const *e, const float *values, int hd, int n,
+    int c0, float *const *acc) {
+    __m512 a[4][4];
+    for (int x = 0; x < P; x++)
+        for (int w = 0; w < W; w++) a[x][w] = _mm512_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        const float *v = values + (Py_ssize_t)j * hd + c0;
+        __m512 vv[4];
+        for (int w = 0; w < W; w++) vv[w] = _mm512_loadu_ps(v + 16 * w);
+        for (int x = 0; x < P; x++) {
+            const __m512 p = _mm512_set1_ps(e[x][j]);
+            for (int w = 0; w < W; w++) a[x][w] = _mm512_fmadd_ps(p, vv[w], a[x][w]);
+        }
+    }
+    for (int x = 0; x < P; x++)
+        for (int w = 0; w < W; w++) _mm512_storeu_ps(acc[x] + c0 + 16 * w, a[x][w]);
+}
+
+/* The columns from 0 that four queries' 16-lane blocks of 64 (then 32) cover. */
+static __attribute__((target("avx512f"))) int weigh16_all(const float *const *e,
+                                                          const float *values, int hd, int n,
+                                                          float *const *acc) {
+    int c0 = 0;
+    for (; c0 + 64 <= hd; c0 += 64) weigh16(4, 4, e, values, hd, n, c0, acc);
+    for (; c0 + 32 <= hd; c0 += 32) weigh16(4, 2, e, values, hd, n, c0, acc);
+    return c0;
+}
+
 /* weigh over every column of the head, in blocks of as many vectors as fit beside P. */
 #define WEIGH_ALL(P, WIDE)                                                           \
     do {                                                                             \
-        int c0 = 0;                                                                  \
+        int c0 = (P) == 4 && wide_isa_selected() ? weigh16_all(e, values, hd, n, acc) : 0; \
         for (; c0 + 8 * (WIDE) <= hd; c0 += 8 * (WIDE)) weigh(P, WIDE, e, values, hd, n, c0, acc); \
         for (; c0 + 16 <= hd; c0 += 16) weigh(P, 2, e, values, hd, n, c0, acc);      \
         for (; c0 < hd; c0 += 8) weigh(P, 1, e, values, hd, n, c0, acc);             \
