@@ -69,6 +69,44 @@ static inline __attribute__((always_inline)) void dots(const int P, const float 
         for (int x = 0; x < P; x++) s[x][j] = dot(q[x], k + (Py_ssize_t)j * hd, hd);
 }
 
+/* dots of four queries with 16-lane vectors: a register holds two queries' 8-lane chains
+ * side by side against one key broadcast to both halves, so each chain is the one dots
+ * runs (the same bits); the halves reduced by hsum4. qp: scratch of 4 hd floats. */
+static __attribute__((target("avx512f,avx512dq"))) void dots16(const float *const *q, const float *k,
+                                                      int hd, int n, float *qp,
+                                                      float *const *s) {
+    for (int c = 0; c < hd; c += 8) /* [q0 | q1] and [q2 | q3] per 8 columns */
+        for (int x = 0; x < 4; x++)
+            memcpy(qp + (x / 2) * 2 * hd + 2 * c + 8 * (x % 2), q[x] + c, 8 * sizeof(float));
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *kj = k + (Py_ssize_t)j * hd;
+        __m512 a[2][4];
+        for (int x = 0; x < 2; x++)
+            for (int y = 0; y < 4; y++) a[x][y] = _mm512_setzero_ps();
+        for (int c = 0; c < hd; c += 8) {
+            const __m512 q01 = _mm512_loadu_ps(qp + 2 * c);
+            const __m512 q23 = _mm512_loadu_ps(qp + 2 * hd + 2 * c);
+            for (int y = 0; y < 4; y++) {
+                const __m512 kv = _mm512_broadcast_f32x8(_mm256_loadu_ps(kj + y * hd + c));
+                a[0][y] = _mm512_fmadd_ps(q01, kv, a[0][y]);
+                a[1][y] = _mm512_fmadd_ps(q23, kv, a[1][y]);
+            }
+        }
+        for (int x = 0; x < 2; x++) {
+            __m256 lo[4], hi[4];
+            for (int y = 0; y < 4; y++) {
+                lo[y] = _mm512_castps512_ps256(a[x][y]);
+                hi[y] = _mm512_extractf32x8_ps(a[x][y], 1);
+            }
+            _mm_storeu_ps(s[2 * x] + j, hsum4(lo[0], lo[1], lo[2], lo[3]));
+            _mm_storeu_ps(s[2 * x + 1] + j, hsum4(hi[0], hi[1], hi[2], hi[3]));
+        }
+    }
+    for (; j < n; j++)
+        for (int x = 0; x < 4; x++) s[x][j] = dot(q[x], k + (Py_ssize_t)j * hd, hd);
+}
+
 /* acc[x][c0 .. c0 + 8 W) = sum over j in order of e[x][j] v[j] for P queries (at most 4)
  * and W vectors (P W at most 12, W at most 8): per element one FMA chain from zero over
  * the positions, whatever P and W; each value vector loaded once for the P queries. */
@@ -155,6 +193,11 @@ static void partials(const heads_t *sh, const float *const *q, int np, const flo
     float buf[4][TILE];
     float *s[4] = {buf[0], buf[1], buf[2], buf[3]};
     int x = 0;
+    if (np == 4 && wide_isa_selected() && hd <= 256) {
+        float qp[4 * 256];
+        dots16(q, keys, hd, n, qp, s);
+        x = 4;
+    }
     for (; x + 2 <= np; x += 2) dots(2, q + x, keys, hd, n, s + x);
     if (x < np) dots(1, q + x, keys, hd, n, s + x);
     const __m256 vscale = _mm256_set1_ps(scale);
