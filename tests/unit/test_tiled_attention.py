@@ -5,6 +5,11 @@ run it (one long row's tiles spread over the threads)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -157,3 +162,61 @@ def test_the_reference_in_blocks_of_rows_equals_it_whole(monkeypatch: pytest.Mon
     whole = _reference(q, k, v, window=100)
     monkeypatch.setattr(layers, "ROWS", 64)
     assert np.allclose(_reference(q, k, v, window=100), whole, atol=1e-12)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("hd", [8, 24, 64, 104])
+def test_a_query_heads_bits_do_not_depend_on_the_heads_beside_it(group: int, hd: int) -> None:
+    """The query heads of one KV head share each key and value load (up to four at a time,
+    several column widths of the values): each head's output is the bits it gets alone."""
+    length = 150
+    rng = np.random.default_rng(group * 1000 + hd)
+    q = rng.standard_normal((length, group, hd)).astype(np.float32)
+    k = rng.standard_normal((length, 1, hd)).astype(np.float32)
+    v = rng.standard_normal((length, 1, hd)).astype(np.float32)
+
+    def attend(heads: np.ndarray) -> np.ndarray:
+        n = heads.shape[1]
+        keys = np.zeros((1, length, hd), np.float32)
+        values = np.zeros((1, length, hd), np.float32)
+        out = np.empty((length, n * hd), np.float32)
+        entry = [(keys, values, 0, length, 0)]
+        native.attend(heads.copy(), k, v, out, entry, length, n, 1, hd, 2, hd**-0.5, 0, 100)
+        return out.reshape(length, n, hd)
+
+    together = attend(q)
+    keys = k.transpose(1, 0, 2).astype(np.float64)
+    values = v.transpose(1, 0, 2).astype(np.float64)
+    expect = causal_attention(q.astype(np.float64), keys, values, 0, hd**-0.5, 0.0, 100, None)
+    assert np.allclose(together.reshape(length, -1), expect.reshape(length, -1), atol=2e-5)
+    for x in range(group):
+        assert np.array_equal(attend(q[:, x : x + 1])[:, 0], together[:, x])
+
+
+_BY_ISA = """
+import sys
+import numpy as np
+from meshnet.backends import _native as native
+rng = np.random.default_rng(5)
+T, H, HKV, HD = 200, 8, 2, 104  # four heads a group: AVX-512's value blocks where it runs
+q = rng.standard_normal((T, H, HD)).astype(np.float32)
+k = rng.standard_normal((T, HKV, HD)).astype(np.float32)
+v = rng.standard_normal((T, HKV, HD)).astype(np.float32)
+keys, values = np.zeros((HKV, T, HD), np.float32), np.zeros((HKV, T, HD), np.float32)
+out = np.empty((T, H * HD), np.float32)
+native.attend(q, k, v, out, [(keys, values, 0, T, 0)], T, H, HKV, HD, 2)
+np.save(sys.argv[1], out)
+"""
+
+
+def test_the_avx2_and_widest_vectors_give_the_same_bits(tmp_path: Path) -> None:
+    outs = []
+    for isa in ("avx2", "auto"):
+        env = {**os.environ, "MESHNET_ISA": isa}
+        path = tmp_path / f"{isa}.npy"
+        done = subprocess.run(
+            [sys.executable, "-c", _BY_ISA, str(path)], env=env, capture_output=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        outs.append(np.load(path))
+    assert np.array_equal(outs[0], outs[1])

@@ -17,26 +17,23 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "isa.h"
 #include "native.h"
 
 #define TILE ATTENTION_TILE
 #define ROWS 8  /* a unit's rows of one sequence: they share each key tile */
 
-/* Four keys' dot products with q over hd (a multiple of 8): per key one 8-lane FMA chain,
- * then the fixed horizontal sum; four chains side by side only to hide FMA latency. */
-static inline void dot4(const float *q, const float *k, int hd, float *scores) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int c = 0; c < hd; c += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + c);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + c), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + hd + c), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * hd + c), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * hd + c), a3);
-    }
-    scores[0] = hsum256(a0);
-    scores[1] = hsum256(a1);
-    scores[2] = hsum256(a2);
-    scores[3] = hsum256(a3);
+/* The four scores hsum256(a0) .. hsum256(a3) at once, each with hsum256's own sums:
+ * ((v0 + v4) + (v1 + v5)) + ((v2 + v6) + (v3 + v7)) (the halves added, then adjacent pairs
+ * twice), so a score's bits do not depend on which keys share its reduction. */
+static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 x01 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20),
+                                     _mm256_permute2f128_ps(a0, a1, 0x31));
+    const __m256 x23 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a3, 0x20),
+                                     _mm256_permute2f128_ps(a2, a3, 0x31));
+    const __m256 h = _mm256_hadd_ps(x01, x23);
+    const __m256 h2 = _mm256_hadd_ps(h, h); /* low: a0, a2; high: a1, a3 */
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1));
 }
 
 static inline float dot(const float *q, const float *k, int hd) {
@@ -46,52 +43,209 @@ static inline float dot(const float *q, const float *k, int hd) {
     return hsum256(acc);
 }
 
-/* One pair's partial over the n (1 .. TILE) positions whose keys and values start at
- * ``keys``, ``values``: part[0] = m, part[1] = l, part[2 ..] = acc [hd]. Scores are
- * q . k * scale, soft-capped when the family says so; e^(s - m) in 8-lane chunks (each
- * lane's result its own), l summed lane j % 8 then folded, acc one FMA chain per element
- * over the positions in order. */
-static void partial(const heads_t *sh, const float *q, const float *keys, const float *values,
-                    int n, float *part) {
+/* Scores of P (1 or 2) queries q[x] against the n keys from ``k``, into s[x][0 .. n): per
+ * (query, key) one 8-lane FMA chain over hd (a multiple of 8) and hsum256's sums, whatever
+ * P; P queries and four keys side by side so each load serves several chains. */
+static inline __attribute__((always_inline)) void dots(const int P, const float *const *q,
+                                                       const float *k, int hd, int n,
+                                                       float *const *s) {
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *kj = k + (Py_ssize_t)j * hd;
+        __m256 a[2][4];
+        for (int x = 0; x < P; x++)
+            for (int y = 0; y < 4; y++) a[x][y] = _mm256_setzero_ps();
+        for (int c = 0; c < hd; c += 8) {
+            __m256 qv[2];
+            for (int x = 0; x < P; x++) qv[x] = _mm256_loadu_ps(q[x] + c);
+            for (int y = 0; y < 4; y++) {
+                const __m256 kv = _mm256_loadu_ps(kj + y * hd + c);
+                for (int x = 0; x < P; x++) a[x][y] = _mm256_fmadd_ps(qv[x], kv, a[x][y]);
+            }
+        }
+        for (int x = 0; x < P; x++) _mm_storeu_ps(s[x] + j, hsum4(a[x][0], a[x][1], a[x][2], a[x][3]));
+    }
+    for (; j < n; j++)
+        for (int x = 0; x < P; x++) s[x][j] = dot(q[x], k + (Py_ssize_t)j * hd, hd);
+}
+
+/* dots of four queries with 16-lane vectors: a register holds two queries' 8-lane chains
+ * side by side against one key broadcast to both halves, so each chain is the one dots
+ * runs (the same bits); the halves reduced by hsum4. qp: scratch of 4 hd floats. */
+static __attribute__((target("avx512f,avx512dq"))) void dots16(const float *const *q, const float *k,
+                                                      int hd, int n, float *qp,
+                                                      float *const *s) {
+    for (int c = 0; c < hd; c += 8) /* [q0 | q1] and [q2 | q3] per 8 columns */
+        for (int x = 0; x < 4; x++)
+            memcpy(qp + (x / 2) * 2 * hd + 2 * c + 8 * (x % 2), q[x] + c, 8 * sizeof(float));
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *kj = k + (Py_ssize_t)j * hd;
+        __m512 a[2][4];
+        for (int x = 0; x < 2; x++)
+            for (int y = 0; y < 4; y++) a[x][y] = _mm512_setzero_ps();
+        for (int c = 0; c < hd; c += 8) {
+            const __m512 q01 = _mm512_loadu_ps(qp + 2 * c);
+            const __m512 q23 = _mm512_loadu_ps(qp + 2 * hd + 2 * c);
+            for (int y = 0; y < 4; y++) {
+                const __m512 kv = _mm512_broadcast_f32x8(_mm256_loadu_ps(kj + y * hd + c));
+                a[0][y] = _mm512_fmadd_ps(q01, kv, a[0][y]);
+                a[1][y] = _mm512_fmadd_ps(q23, kv, a[1][y]);
+            }
+        }
+        for (int x = 0; x < 2; x++) {
+            __m256 lo[4], hi[4];
+            for (int y = 0; y < 4; y++) {
+                lo[y] = _mm512_castps512_ps256(a[x][y]);
+                hi[y] = _mm512_extractf32x8_ps(a[x][y], 1);
+            }
+            _mm_storeu_ps(s[2 * x] + j, hsum4(lo[0], lo[1], lo[2], lo[3]));
+            _mm_storeu_ps(s[2 * x + 1] + j, hsum4(hi[0], hi[1], hi[2], hi[3]));
+        }
+    }
+    for (; j < n; j++)
+        for (int x = 0; x < 4; x++) s[x][j] = dot(q[x], k + (Py_ssize_t)j * hd, hd);
+}
+
+/* acc[x][c0 .. c0 + 8 W) = sum over j in order of e[x][j] v[j] for P queries (at most 4)
+ * and W vectors (P W at most 12, W at most 8): per element one FMA chain from zero over
+ * the positions, whatever P and W; each value vector loaded once for the P queries. */
+static inline __attribute__((always_inline)) void weigh(const int P, const int W,
+                                                        const float *const *e,
+                                                        const float *values, int hd, int n,
+                                                        int c0, float *const *acc) {
+    __m256 a[4][8];
+    for (int x = 0; x < P; x++)
+        for (int w = 0; w < W; w++) a[x][w] = _mm256_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        const float *v = values + (Py_ssize_t)j * hd + c0;
+        __m256 vv[8];
+        for (int w = 0; w < W; w++) vv[w] = _mm256_loadu_ps(v + 8 * w);
+        for (int x = 0; x < P; x++) {
+            const __m256 p = _mm256_broadcast_ss(e[x] + j);
+            for (int w = 0; w < W; w++) a[x][w] = _mm256_fmadd_ps(p, vv[w], a[x][w]);
+        }
+    }
+    for (int x = 0; x < P; x++)
+        for (int w = 0; w < W; w++) _mm256_storeu_ps(acc[x] + c0 + 8 * w, a[x][w]);
+}
+
+/* weigh with 16-lane vectors (AVX-512's 32 registers hold four queries x four vectors):
+ * lane for lane the same FMA chains, so the same bits. */
+static inline __attribute__((always_inline, target("avx512f"))) void weigh16(
+    const int P, const int W, const float *const *e, const float *values, int hd, int n,
+    int c0, float *const *acc) {
+    __m512 a[4][4];
+    for (int x = 0; x < P; x++)
+        for (int w = 0; w < W; w++) a[x][w] = _mm512_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        const float *v = values + (Py_ssize_t)j * hd + c0;
+        __m512 vv[4];
+        for (int w = 0; w < W; w++) vv[w] = _mm512_loadu_ps(v + 16 * w);
+        for (int x = 0; x < P; x++) {
+            const __m512 p = _mm512_set1_ps(e[x][j]);
+            for (int w = 0; w < W; w++) a[x][w] = _mm512_fmadd_ps(p, vv[w], a[x][w]);
+        }
+    }
+    for (int x = 0; x < P; x++)
+        for (int w = 0; w < W; w++) _mm512_storeu_ps(acc[x] + c0 + 16 * w, a[x][w]);
+}
+
+/* The columns from 0 that four queries' 16-lane blocks of 64 (then 32) cover. */
+static __attribute__((target("avx512f"))) int weigh16_all(const float *const *e,
+                                                          const float *values, int hd, int n,
+                                                          float *const *acc) {
+    int c0 = 0;
+    for (; c0 + 64 <= hd; c0 += 64) weigh16(4, 4, e, values, hd, n, c0, acc);
+    for (; c0 + 32 <= hd; c0 += 32) weigh16(4, 2, e, values, hd, n, c0, acc);
+    return c0;
+}
+
+/* weigh over every column of the head, in blocks of as many vectors as fit beside P. */
+#define WEIGH_ALL(P, WIDE)                                                           \
+    do {                                                                             \
+        int c0 = (P) == 4 && wide_isa_selected() ? weigh16_all(e, values, hd, n, acc) : 0; \
+        for (; c0 + 8 * (WIDE) <= hd; c0 += 8 * (WIDE)) weigh(P, WIDE, e, values, hd, n, c0, acc); \
+        for (; c0 + 16 <= hd; c0 += 16) weigh(P, 2, e, values, hd, n, c0, acc);      \
+        for (; c0 < hd; c0 += 8) weigh(P, 1, e, values, hd, n, c0, acc);             \
+    } while (0)
+
+static void weigh_all(int P, const float *const *e, const float *values, int hd, int n,
+                      float *const *acc) {
+    switch (P) {
+    case 4: WEIGH_ALL(4, 3); break;
+    case 3: WEIGH_ALL(3, 4); break;
+    case 2: WEIGH_ALL(2, 6); break;
+    default: WEIGH_ALL(1, 8); break;
+    }
+}
+
+/* The partials of np (1 .. 4) queries q[x] of one row (so one range of positions) over
+ * the n (1 .. TILE) positions whose keys and values start at ``keys``, ``values``:
+ * part[x][0] = m, part[x][1] = l, part[x][2 ..] = acc [hd]. Scores are q . k * scale,
+ * soft-capped when the family says so; e^(s - m) in 8-lane chunks (each lane's result its
+ * own), l summed lane j % 8 then folded, acc one FMA chain per element over the positions
+ * in order: each query's partial the same bits whichever queries share the call. */
+static void partials(const heads_t *sh, const float *const *q, int np, const float *keys,
+                     const float *values, int n, float *const *part) {
     const int hd = sh->hd;
     const float scale = sh->scale, cap = sh->softcap;
-    float s[TILE];
-    int j = 0;
-    for (; j + 4 <= n; j += 4) dot4(q, keys + j * hd, hd, s + j);
-    for (; j < n; j++) s[j] = dot(q, keys + j * hd, hd);
-    float top = -INFINITY;
-    for (j = 0; j < n; j++) {
-        s[j] = s[j] * scale;
-        if (cap > 0) s[j] = cap * tanhf(s[j] / cap);
-        top = s[j] > top ? s[j] : top;
+    float buf[4][TILE];
+    float *s[4] = {buf[0], buf[1], buf[2], buf[3]};
+    int x = 0;
+    if (np == 4 && wide_isa_selected() && hd <= 256) {
+        float qp[4 * 256];
+        dots16(q, keys, hd, n, qp, s);
+        x = 4;
     }
-    const __m256 vtop = _mm256_set1_ps(top);
-    __m256 total = _mm256_setzero_ps();
-    for (j = 0; j < n; j += 8) {
-        float lanes[8] = {0};
-        const int m = n - j < 8 ? n - j : 8;
-        memcpy(lanes, s + j, m * sizeof(float));
-        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(lanes), vtop));
-        _mm256_storeu_ps(lanes, e);
-        memset(lanes + m, 0, (8 - m) * sizeof(float)); /* lanes past the end add nothing */
-        total = _mm256_add_ps(total, _mm256_loadu_ps(lanes));
-        memcpy(s + j, lanes, m * sizeof(float));
-    }
-    part[0] = top;
-    part[1] = hsum256(total);
-    float *acc = part + 2;
-    for (int c0 = 0; c0 < hd; c0 += 64) { /* up to eight 8-lane chains in registers */
-        const int width = hd - c0 < 64 ? (hd - c0) / 8 : 8;
-        __m256 a[8];
-        for (int k = 0; k < width; k++) a[k] = _mm256_setzero_ps();
-        for (j = 0; j < n; j++) {
-            const __m256 p = _mm256_set1_ps(s[j]);
-            const float *v = values + j * hd + c0;
-            for (int k = 0; k < width; k++)
-                a[k] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * k), a[k]);
+    for (; x + 2 <= np; x += 2) dots(2, q + x, keys, hd, n, s + x);
+    if (x < np) dots(1, q + x, keys, hd, n, s + x);
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (x = 0; x < np; x++) {
+        float *sx = s[x];
+        /* the scores scaled (and capped), and their max: exact in any order */
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        int j = 0;
+        if (cap > 0) {
+            for (; j < n; j++) sx[j] = cap * tanhf(sx[j] * scale / cap);
+            j = 0;
+            for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sx + j));
+        } else {
+            for (; j + 8 <= n; j += 8) {
+                const __m256 sv = _mm256_mul_ps(_mm256_loadu_ps(sx + j), vscale);
+                _mm256_storeu_ps(sx + j, sv);
+                vmax = _mm256_max_ps(vmax, sv);
+            }
         }
-        for (int k = 0; k < width; k++) _mm256_storeu_ps(acc + c0 + 8 * k, a[k]);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmax);
+        float top = -INFINITY;
+        for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+        for (; j < n; j++) {
+            if (cap <= 0) sx[j] = sx[j] * scale;
+            top = sx[j] > top ? sx[j] : top;
+        }
+        const __m256 vtop = _mm256_set1_ps(top);
+        __m256 total = _mm256_setzero_ps();
+        for (j = 0; j + 8 <= n; j += 8) {
+            const __m256 ev = exp256(_mm256_sub_ps(_mm256_loadu_ps(sx + j), vtop));
+            _mm256_storeu_ps(sx + j, ev);
+            total = _mm256_add_ps(total, ev);
+        }
+        if (j < n) { /* lanes past the end add nothing */
+            const int m = n - j;
+            for (int i = 0; i < 8; i++) lanes[i] = i < m ? sx[j + i] : 0.0f;
+            _mm256_storeu_ps(lanes, exp256(_mm256_sub_ps(_mm256_loadu_ps(lanes), vtop)));
+            for (int i = m; i < 8; i++) lanes[i] = 0.0f;
+            total = _mm256_add_ps(total, _mm256_loadu_ps(lanes));
+            for (int i = 0; i < m; i++) sx[j + i] = lanes[i];
+        }
+        part[x][0] = top;
+        part[x][1] = hsum256(total);
     }
+    float *acc[4];
+    for (x = 0; x < np; x++) acc[x] = part[x] + 2;
+    weigh_all(np, (const float *const *)s, values, hd, n, acc);
 }
 
 /* state (M, L, A [hd]) <- the fold of the partial ``part`` into it. A fresh state is
@@ -169,7 +323,8 @@ static inline void in_tile(const heads_t *sh, const seq_t *s, Py_ssize_t i, Py_s
 }
 
 /* The partials of every pair of unit u in tile t, into parts[(r * g + head) * (hd + 2)]
- * (a pair that sees nothing of the tile is skipped). */
+ * (a pair that sees nothing of the tile is skipped); a row's query heads four at a time,
+ * so each key and value of the tile is read once for them. */
 static void tile_parts(const heads_t *sh, const float *qs, const unit_t *u, Py_ssize_t t,
                        float *parts) {
     const int hd = sh->hd, g = sh->n_heads / sh->n_kv;
@@ -180,11 +335,17 @@ static void tile_parts(const heads_t *sh, const float *qs, const unit_t *u, Py_s
         Py_ssize_t a, b;
         in_tile(sh, s, u->i0 + r, t, &a, &b);
         if (a >= b) continue;
-        for (int x = 0; x < g; x++) {
-            const int h = u->kv * g + x;
-            const float *q = qs + ((s->row + u->i0 + r) * sh->n_heads + h) * hd;
-            partial(sh, q, keys + slot(s, a) * hd, values + slot(s, a) * hd, (int)(b - a),
-                    parts + (r * g + x) * (Py_ssize_t)(hd + 2));
+        for (int x0 = 0; x0 < g; x0 += 4) {
+            const int np = g - x0 < 4 ? g - x0 : 4;
+            const float *q[4];
+            float *part[4];
+            for (int x = 0; x < np; x++) {
+                const int h = u->kv * g + x0 + x;
+                q[x] = qs + ((s->row + u->i0 + r) * sh->n_heads + h) * hd;
+                part[x] = parts + (r * g + x0 + x) * (Py_ssize_t)(hd + 2);
+            }
+            partials(sh, q, np, keys + slot(s, a) * hd, values + slot(s, a) * hd,
+                     (int)(b - a), part);
         }
     }
 }
