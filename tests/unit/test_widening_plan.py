@@ -15,7 +15,7 @@ from meshnet.mesh_messages import NodeLoad
 from meshnet.model.layer_bytes import LayerBytes
 from meshnet.tracker.links.configure import LoadResult
 from meshnet.tracker.nodes.inventory import Inventory
-from meshnet.tracker.nodes.registry import NodeRecord
+from meshnet.tracker.nodes.registry import NodeRecord, NodeState
 from meshnet.tracker.nodes.routes import Hop
 from meshnet.tracker.serving.placement import Placement, PlacementConfig, plan_placement
 from meshnet.tracker.serving.widening import Load, chains, headroom
@@ -54,6 +54,15 @@ def plan(nodes: list[NodeRecord], replicas: int = 1, **kw: object) -> list[tuple
 def test_the_survivor_of_two_nodes_widens_over_its_dead_peer() -> None:
     assert plan([node("a", "0:2", free=FITS), node("b", "2:4", up=False)]) == [("a", "0:4")]
     assert plan([node("a", "0:2", up=False), node("b", "2:4", free=FITS)]) == [("b", "0:4")]
+
+
+def test_a_range_a_new_node_is_calibrating_is_not_widened_over() -> None:
+    """A node that registered for a gap is being checked before it is routed: its range
+    is about to be served, so no neighbour reloads over it (and then absorbs it)."""
+    newcomer = replace(node("b", "2:4", up=False), state=NodeState.CALIBRATING)
+    assert plan([node("a", "0:2", free=FITS), newcomer]) == []
+    failed = replace(newcomer, state=NodeState.QUARANTINED)  # out: its range is a gap
+    assert plan([node("a", "0:2", free=FITS), failed]) == [("a", "0:4")]
 
 
 def test_an_empty_node_is_preferred_to_widening() -> None:

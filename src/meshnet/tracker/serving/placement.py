@@ -134,7 +134,11 @@ def plan_placement(
     if sizes is None:
         return loads
     taken = set(busy) | {load.node_id for load in loads}
-    gaps = _gaps(cover, known)  # what the empty nodes' loads left uncovered
+    # What the empty nodes' loads left uncovered, less the ranges of nodes being
+    # calibrated: those are about to be served, and widening would only absorb them.
+    checking = [n.layers for n in ours if n.state is NodeState.CALIBRATING and n.layers]
+    pending = [a + b for a, b in zip(cover, _coverage(checking, n_layers), strict=True)]
+    gaps = _gaps(pending, known)
     loads += plan_widening(nodes, fingerprint, gaps, sizes, context, held, taken, avoid)
     taken |= {load.node_id for load in loads}
     return loads + plan_absorb(nodes, fingerprint, n_layers, sizes, context, taken)
