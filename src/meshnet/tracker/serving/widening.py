@@ -1,8 +1,9 @@
 """Covering a dead peer's layers on a live node, and absorbing the peer when it returns.
 
 With no empty node to load a gap (layers a node served before and no up node serves
-now, nor a node being calibrated for them), placement widens a live node next to it: a node serving ``[15, 30)`` beside a
-dead ``[0, 15)`` is told to serve ``[0, 30)`` (one contiguous shard: a node holds one).
+now, nor a node being calibrated for them), placement widens a live node next to it: a
+node serving ``[15, 30)`` beside a dead ``[0, 15)`` is told to serve ``[0, 30)`` (one
+contiguous shard: a node holds one).
 It is the same T3 ``Configure`` as any load: the wider shard loads beside the old one,
 then the node drains and swaps, its sessions' KV dropped (their next steps miss and fail
 over exactly, as after any T3).
