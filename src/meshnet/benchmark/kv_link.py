@@ -30,6 +30,7 @@ import numpy as np
 from meshnet.auth.mesh_keys import MeshKeys
 from meshnet.auth.signing import PREFIX_KEY
 from meshnet.benchmark.delay_proxy import DelayProxy
+from meshnet.benchmark.kv_stream import PREFIX, whole_model_header
 from meshnet.kv.transfer import export_frames
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh, free_port
@@ -37,8 +38,6 @@ from meshnet.model.info import load_model_info
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.codec import MESSAGE_OPTIONS
-
-PREFIX = "bench-prefix"  # the token prefix hash the benchmark vouches for, as the tracker does
 
 
 @dataclass(frozen=True)
@@ -88,19 +87,7 @@ def measure_kv_link(model: str | None, sizes: list[int], delay_ms: float) -> lis
                     for i, tokens in enumerate(sizes):
                         nbytes = tokens * per_token
                         payload = rng.standard_normal(nbytes // 4).astype(np.float32).tobytes()
-                        header = pb.KVHeader(
-                            fingerprint=info.fingerprint,
-                            layer_start=0,
-                            layer_end=spec.n_layers,
-                            session_id=f"bench-{i}",
-                            epoch=1,
-                            tokens=tokens,
-                            steps=1,
-                            token_prefix_hash=PREFIX,
-                            dtype="float32",
-                            n_kv_heads=spec.n_kv_heads,
-                            head_dim=spec.head_dim,
-                        )
+                        header = whole_model_header(info, f"bench-{i}", tokens)
                         put_s, pull_s, failure = _move(
                             keys, (id_a, to_a), (id_b, to_b), header, payload, far_a
                         )

@@ -28,7 +28,7 @@ from meshnet.auth.signing import PREFIX_KEY
 from meshnet.kv.transfer import export_frames
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
-from meshnet.model.info import load_model_info
+from meshnet.model.info import ModelInfo, load_model_info
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
 from meshnet.protocol.codec import MESSAGE_OPTIONS
@@ -57,15 +57,15 @@ class KVStreamThroughput:
         return self.nbytes / min(self.tcp_s) / 1e6
 
 
-def measure_kv_stream(model: str | None, tokens: int, rounds: int) -> KVStreamThroughput:
-    info = load_model_info(model)
+def whole_model_header(info: ModelInfo, session_id: str, tokens: int) -> pb.KVHeader:
+    """The header of a float32 KV stream of every layer of ``info``'s model, one step of
+    ``tokens`` positions, under the prefix hash the benchmarks vouch for."""
     spec = info.spec
-    whole = LayerRange(0, spec.n_layers)
-    header = pb.KVHeader(
+    return pb.KVHeader(
         fingerprint=info.fingerprint,
         layer_start=0,
         layer_end=spec.n_layers,
-        session_id="bench",
+        session_id=session_id,
         epoch=1,
         tokens=tokens,
         steps=1,
@@ -74,6 +74,13 @@ def measure_kv_stream(model: str | None, tokens: int, rounds: int) -> KVStreamTh
         n_kv_heads=spec.n_kv_heads,
         head_dim=spec.head_dim,
     )
+
+
+def measure_kv_stream(model: str | None, tokens: int, rounds: int) -> KVStreamThroughput:
+    info = load_model_info(model)
+    spec = info.spec
+    whole = LayerRange(0, spec.n_layers)
+    header = whole_model_header(info, "bench", tokens)
     nbytes = 2 * spec.n_layers * spec.n_kv_heads * tokens * spec.head_dim * 4
     payload = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32).tobytes()
     with tempfile.TemporaryDirectory(prefix="meshnet-kv-") as tmp:
