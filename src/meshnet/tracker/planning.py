@@ -14,11 +14,15 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from meshnet.errors import NoRoute, RequestError
-from meshnet.kv.prefix_cache import block_keys
 from meshnet.layer_range import LayerRange
 from meshnet.model.info import ModelInfo
 from meshnet.tracker.nodes.admission import Admission, Reservation
-from meshnet.tracker.nodes.prefix_routes import PrefixIndex, PrefixRouting, route_by_prefix
+from meshnet.tracker.nodes.prefix_routes import (
+    PrefixIndex,
+    PrefixRouting,
+    PromptBlocks,
+    route_by_prefix,
+)
 from meshnet.tracker.nodes.registry import NodeRecord
 from meshnet.tracker.nodes.routes import (
     Hop,
@@ -85,12 +89,12 @@ class RoutePlanning:
         )
 
     def reserve(
-        self, route: Route | None = None, prompt_ids: Sequence[int] = (), scope: bytes = b""
+        self, route: Route | None = None, prompt: PromptBlocks | None = None
     ) -> tuple[Route, Reservation]:
         """A route (planned among nodes with a free stream, unless given) and its
         capacity, reserved; ``Overloaded`` when routes exist but are all full. Given
-        the prompt, a route whose nodes hold a cached prefix of it under ``scope`` (its
-        tenant's) may be chosen over a less loaded one (tracker/nodes/prefix_routes.py)."""
+        the prompt's blocks (under its tenant's scope), a route whose nodes hold a cached
+        prefix of it may be chosen over a less loaded one (tracker/nodes/prefix_routes.py)."""
         if route is not None:
             return route, self.admission.reserve(h.node_id for h in route)
         nodes = self.store.nodes()
@@ -114,8 +118,8 @@ class RoutePlanning:
             busy = [h.node_id for h in route if h.node_id in full]
             if busy:
                 raise self.admission.overloaded(f"nodes {', '.join(busy)} are at capacity")
-        if pinned is None and prompt_ids and self.config.prefix.on:
-            route = self._by_prefix(route, nodes, full, prompt_ids, scope)
+        if pinned is None and prompt is not None and prompt.tokens and self.config.prefix.on:
+            route = self._by_prefix(route, nodes, full, prompt)
         return route, self.admission.reserve(h.node_id for h in route)
 
     def _by_prefix(
@@ -123,11 +127,9 @@ class RoutePlanning:
         base: Route,
         nodes: Sequence[NodeRecord],
         full: frozenset[str],
-        prompt_ids: Sequence[int],
-        scope: bytes,
+        prompt: PromptBlocks,
     ) -> Route:
-        """``base`` or a route whose nodes hold more of the prompt (under ``scope``),
-        whichever costs less."""
+        """``base`` or a route whose nodes hold more of the prompt, whichever costs less."""
         return route_by_prefix(
             base,
             nodes,
@@ -136,8 +138,8 @@ class RoutePlanning:
             self.admission.streams,
             full,
             self.prefixes,
-            block_keys(prompt_ids, scope=scope),
-            len(prompt_ids),
+            prompt.keys,
+            prompt.tokens,
             self.config.prefix.load_tokens,
         )
 

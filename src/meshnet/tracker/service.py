@@ -31,7 +31,6 @@ from meshnet.errors import (
     StreamReset,
     VerificationFailed,
 )
-from meshnet.kv.prefix_cache import block_keys
 from meshnet.layer_range import LayerRange
 from meshnet.mesh_messages import Heartbeat, NodeAnnouncement
 from meshnet.model.info import ModelInfo
@@ -43,7 +42,7 @@ from meshnet.tracker.links.configure import LoadResult, configure_span, unload_n
 from meshnet.tracker.links.hop_link import answers
 from meshnet.tracker.nodes.admission import Admission, AdmissionConfig, Reservation
 from meshnet.tracker.nodes.inventory import Inventory
-from meshnet.tracker.nodes.prefix_routes import PrefixIndex, PrefixRouting
+from meshnet.tracker.nodes.prefix_routes import PrefixIndex, PrefixRouting, PromptBlocks
 from meshnet.tracker.nodes.registry import NodeRecord
 from meshnet.tracker.nodes.routes import (
     Hop,
@@ -166,10 +165,11 @@ class Tracker(Healing):
         t0: float,
     ) -> Started:
         last: Exception | None = None
+        blocks = PromptBlocks(prompt_ids, scope)  # once, not per admission poll
         for _ in range(_OPEN_ATTEMPTS):
             with self.metrics.waiting.track_inprogress():
                 if named is None:
-                    reserve = functools.partial(self.reserve, None, prompt_ids, scope)
+                    reserve = functools.partial(self.reserve, None, blocks)
                     route, held = await self.admission.acquire(reserve)
                 else:
                     route = named
@@ -201,7 +201,7 @@ class Tracker(Healing):
                 raise
             self.metrics.cached_prompt_tokens.labels("completion").inc(gen.reused)
             if self.config.prefix.on:  # the route's nodes keep the prompt's full blocks
-                self.prefixes.record(route, block_keys(prompt_ids, scope=scope))
+                self.prefixes.record(route, blocks.keys)
             fabric: Fabric = self if named is None else _NamedRoute(self)
             run = self.driver.run(gen, prompt_ids, params, fabric)
             meter = self.metrics.generation("completion", len(prompt_ids), t0)

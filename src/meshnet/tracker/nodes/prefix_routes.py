@@ -23,17 +23,35 @@ an idle one until it runs 2,000 / ``load_tokens`` more generations.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from meshnet.errors import NoRoute
-from meshnet.kv.prefix_cache import BLOCK_TOKENS
+from meshnet.kv.prefix_cache import BLOCK_TOKENS, block_keys
 from meshnet.layer_range import LayerRange
 from meshnet.tracker.nodes.registry import NodeId, NodeRecord
 from meshnet.tracker.nodes.routes import Route, plan_chain
 
 _MAX_NODES = 4096  # nodes the index remembers (the least recently routed to go first)
+
+
+class PromptBlocks:
+    """A prompt under one cache scope, and its full blocks' chain keys: what prefix
+    routing weighs and records. The keys are hashed once per request (not per admission
+    poll), and only if something asks for them (prefix routing or caching on)."""
+
+    def __init__(self, ids: Sequence[int], scope: bytes) -> None:
+        self.ids, self.scope = ids, scope
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+    @functools.cached_property
+    def keys(self) -> list[bytes]:
+        return block_keys(self.ids, scope=self.scope)
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,11 @@ import numpy as np
 
 from meshnet.auth.signing import PREFIX_KEY
 from meshnet.errors import ContextTooLong, DatabaseUnavailable, KVImportFailed, RequestError
-from meshnet.kv.prefix_cache import block_keys
 from meshnet.model.chat import ChatMessage
 from meshnet.model.sampling import SamplingParams
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.accounting.ledger import LedgerSpool
+from meshnet.tracker.nodes.prefix_routes import PromptBlocks
 from meshnet.tracker.nodes.routes import Hop, Route, route_json
 from meshnet.tracker.routing.driver import DoneEvent, TokenEvent
 from meshnet.tracker.service import Tracker
@@ -148,7 +148,8 @@ class TurnRunner:
             route, path, failures = await self._place(session)
             _, held = self.tracker.reserve(route)  # Overloaded: the outbox tries again later
         else:  # a first turn: routed by load and by what its nodes hold of the prompt
-            (route, held), path, failures = self.tracker.reserve(None, ids, scope), "hot", []
+            blocks = PromptBlocks(ids, scope)
+            (route, held), path, failures = self.tracker.reserve(None, blocks), "hot", []
         gen = self.tracker.driver.new_generation(turn.id, route, params)  # ledger records
         gen.session_id, gen.keep, gen.epoch = session.id, True, epoch
         gen.prefix_scope = scope
@@ -160,7 +161,7 @@ class TurnRunner:
                 await self.tracker.driver.open(gen, ids)
                 self.tracker.metrics.cached_prompt_tokens.labels("turn").inc(gen.reused)
                 if self.tracker.config.prefix.on:  # and its blocks go to their caches
-                    self.tracker.prefixes.record(route, block_keys(ids, scope=scope))
+                    self.tracker.prefixes.record(route, blocks.keys)
             elif path == "reprefill":
                 await self.tracker.driver.open(gen)
             elif not await self.tracker.driver.resume(gen, (session.kv_tokens, session.steps)):
