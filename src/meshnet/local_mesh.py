@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -58,9 +59,54 @@ def split_threads(cores: int, nodes: int) -> list[int]:
     return [max(1, share + (i < extra)) for i in range(nodes)]
 
 
+# Where the kernel picks the local ports of outgoing connections, when it cannot say.
+_EPHEMERAL_DEFAULT = (32768, 60999)
+_LOWEST_PORT = 10000
+
+
+def ephemeral_ports(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> range:
+    """The ports the kernel hands to outgoing connections (Linux's default elsewhere)."""
+    try:
+        low, high = (int(v) for v in path.read_text().split())
+    except (OSError, ValueError):
+        low, high = _EPHEMERAL_DEFAULT
+    return range(low, high + 1)
+
+
+def free_ports(count: int, ephemeral: range | None = None) -> list[int]:
+    """``count`` distinct ports free now on 127.0.0.1, for servers started next.
+
+    They lie below the kernel's ephemeral range. A port taken from that range (what
+    binding port 0 returns) can be handed to an outgoing connection before our server
+    binds it, and a node retrying its connection to a tracker still starting can even
+    connect to itself on it (TCP's simultaneous open): the tracker then finds its
+    port in use. Outside the range only a listening server can hold a port.
+    """
+    ephemeral = ephemeral if ephemeral is not None else ephemeral_ports()
+    pool = range(_LOWEST_PORT, ephemeral.start) if ephemeral.start >= _LOWEST_PORT + 100 else None
+    if pool is None:  # no room below the range: take the kernel's choice
+        return [_bound_port(0) for _ in range(count)]
+    chosen: list[int] = []
+    for port in random.SystemRandom().sample(pool, min(len(pool), 50 * count + 100)):
+        if port not in chosen and _bound_port(port) == port:
+            chosen.append(port)
+            if len(chosen) == count:
+                return chosen
+    raise MeshnetError(f"no {count} free ports between {pool.start} and {pool.stop - 1}")
+
+
 def free_port() -> int:
+    """One port free now on 127.0.0.1 (see ``free_ports``)."""
+    return free_ports(1)[0]
+
+
+def _bound_port(port: int) -> int:
+    """``port`` if it can be bound on 127.0.0.1 now (0: the kernel's pick), else -1."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return -1
         return int(s.getsockname()[1])
 
 

@@ -33,7 +33,7 @@ from meshnet.benchmark.delay_proxy import DelayProxy
 from meshnet.benchmark.kv_stream import PREFIX, whole_model_header
 from meshnet.kv.transfer import export_frames
 from meshnet.layer_range import LayerRange
-from meshnet.local_mesh import LocalMesh, free_port
+from meshnet.local_mesh import LocalMesh, free_ports
 from meshnet.model.info import load_model_info
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
@@ -74,7 +74,7 @@ def measure_kv_link(model: str | None, sizes: list[int], delay_ms: float) -> lis
             (id_a, a), (id_b, b) = ((n["node_id"], n["address"]) for n in nodes)
             keys = MeshKeys(mesh.mesh_secret)
             sink = _Sink()
-            far_a, far_b, far_sink = free_port(), free_port(), free_port()
+            far_a, far_b, far_sink = free_ports(3)
             pairs = [(far_a, _port(a)), (far_b, _port(b)), (far_sink, sink.port)]
             proxy = DelayProxy(pairs)
             try:

@@ -28,7 +28,7 @@ from meshnet.engine.generate import generate
 from meshnet.engine.local import load_local_model
 from meshnet.errors import MeshnetError
 from meshnet.layer_range import split_evenly
-from meshnet.local_mesh import LocalMesh, free_port
+from meshnet.local_mesh import LocalMesh, free_ports
 from meshnet.model.sampling import SamplingParams
 
 PROMPT = "The three primary colors are"
@@ -135,7 +135,7 @@ def llamacpp_rpc_tok_s(
     of ``threads`` threads each, the mean of ``repetitions`` runs of llama-bench. With
     ``delay_ms``, llama-bench reaches each server through a delay proxy holding every
     byte that long each way (benchmark/delay_proxy.py), as over a network link."""
-    ports = [free_port() for _ in range(servers)]
+    ports = free_ports(servers)
     procs = [
         subprocess.Popen(
             [str(bin_dir / "ggml-rpc-server"), "-p", str(p), "-t", str(threads)],
@@ -149,7 +149,7 @@ def llamacpp_rpc_tok_s(
     try:
         time.sleep(1.0)
         if delay_ms > 0:
-            fronts = [free_port() for _ in ports]
+            fronts = free_ports(len(ports))
             proxy = DelayProxy(list(zip(fronts, ports, strict=True)))
             proxy.set_delay(delay_ms)
             ports = fronts

@@ -36,7 +36,7 @@ from meshnet.benchmark.serving import PROMPTS
 from meshnet.benchmark.streams import completion_body, decode_tok_s, run_streams
 from meshnet.errors import MeshnetError
 from meshnet.layer_range import LayerRange
-from meshnet.local_mesh import LocalMesh, free_port
+from meshnet.local_mesh import LocalMesh, free_ports
 
 Transport = Literal["auto", "netem", "proxy"]
 
@@ -133,9 +133,9 @@ def delayed_links(transport: Transport, meshes: int, hops: int) -> Iterator[Link
         return
     if transport == "netem":
         raise MeshnetError(f"cannot delay links with netem here: {why}")
-    ports = {
-        (m, i): (free_port(), free_port(), free_port()) for m in range(meshes) for i in range(hops)
-    }
+    keys = [(m, i) for m in range(meshes) for i in range(hops)]
+    numbers = iter(free_ports(3 * len(keys)))
+    ports = {key: (next(numbers), next(numbers), next(numbers)) for key in keys}
     pairs = [(dialled, listen) for listen, dialled, _ in ports.values()]
     pairs += [(relay, relay) for _, _, relay in ports.values()]
     proxy = DelayProxy(pairs, host=PROXY_HOST)
