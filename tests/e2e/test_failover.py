@@ -125,15 +125,13 @@ def test_a_frozen_node_is_failed_by_its_deadline_and_its_late_steps_are_stale(
             frozen.append(serving(s, (2, 4)))
             mesh.kill_node(frozen[0], signal.SIGSTOP)
 
-    t0 = time.monotonic()
     result = stream_completion(mesh, BODY, freeze)
-    took = time.monotonic() - t0
     assert result.error is None, result.error
     assert result.ids == expected
     assert result.final is not None
     (recovery,) = result.final["recoveries"]
+    # The step deadline failed it, not the (30 s) heartbeat timeout: no wall clock asked.
     assert (recovery["failed_node"], recovery["kind"]) == (frozen[0], "deadline-exceeded")
-    assert took < 20  # the deadline fired; nothing waited for the 30 s heartbeat timeout
 
     mesh.kill_node(frozen[0], signal.SIGCONT)
     # The fence sent at failover reaches it when it wakes: the old epoch is refused.
