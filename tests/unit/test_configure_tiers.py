@@ -261,8 +261,8 @@ def test_configure_answers_each_tier_with_the_settings_after(
 ) -> None:
     reply = _configure(service, limits=pb.Limits(max_streams=2))
     assert (reply.applied, reply.tier, reply.settings.max_streams) == (True, "t1", 2)
-    assert service._streams.acquire() and service._streams.acquire()
-    assert not service._streams.acquire()
+    assert service.forward.limit.acquire() and service.forward.limit.acquire()
+    assert not service.forward.limit.acquire()
     reply = _configure(service, batching=pb.Batching(prefill_chunk=16), check_only=True)
     assert (reply.applied, reply.failure.kind, reply.settings.prefill_chunk) == (False, "", 128)
     reply = _configure(service, batching=pb.Batching(prefill_chunk=16))

@@ -3,17 +3,20 @@ themselves (node/autorun.py), each answer posted as it comes.
 
 A hop of every layer feeds itself each sampled token; a hop of a ring starts
 each step when its input is relayed and hands its output (the last hop: the
-token) straight to the next hop. ``AutorunHandling`` is that part of
-``NodeService`` (node/service.py).
+token) straight to the next hop. ``AutorunStreams`` prepares and answers each
+step with the stream's ``ForwardSteps`` (node/forward_steps.py), and counts the
+ring runs under way on this hop: a lone ring's steps start on the thread their
+input comes on, and only a lone ring's last hop asks for head parts.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -22,9 +25,12 @@ from meshnet.backends.shard import Shard
 from meshnet.errors import DeadlineExceeded, MalformedBundle, MeshnetError
 from meshnet.model.sampling import Sampler, SamplingParams
 from meshnet.node.autorun import Inbox, Posted, Run, next_step
-from meshnet.node.forward_steps import Prepared, StepHandling, committed_reply, failure_reply
+from meshnet.node.forward_steps import ForwardSteps, Prepared, committed_reply, failure_reply
+from meshnet.node.head_assist import HeadAssist, HeadAssists
+from meshnet.node.relay import Mailbox, RelaySender
 from meshnet.node.scheduler import StepWork
 from meshnet.node.step_input import rows_checked, step_history
+from meshnet.node.tally import Tally
 from meshnet.node.wire import remaining_s
 from meshnet.protocol import meshnet_pb2 as pb
 
@@ -34,10 +40,38 @@ _NO_ROWS = np.empty(0, dtype=np.int64)  # the input of a step made before its in
 _NO_ROWS.flags.writeable = False
 
 
-class AutorunHandling(StepHandling):
+class RunEngine(Protocol):
+    """What an autorun needs of the node's engine (node/engine.py)."""
+
+    @property
+    def shard(self) -> Shard | None: ...
+
+    def submit(self, work: StepWork) -> Future[np.ndarray]: ...
+
+    def run_here(self, work: StepWork, then: Callable[[Future[np.ndarray]], None]) -> None: ...
+
+    def after_batch(self, fn: Callable[[], None]) -> None: ...
+
+
+class AutorunStreams:
     """Runs an autorun step and the steps after it on the engine."""
 
-    def _autorun(
+    def __init__(
+        self,
+        engine: RunEngine,
+        steps: ForwardSteps,
+        mailbox: Mailbox,
+        relay: RelaySender,
+        assists: HeadAssists | None,
+    ) -> None:
+        self.engine = engine
+        self.steps = steps  # prepares and answers each step
+        self.mailbox = mailbox  # inputs relayed by previous hops (filed by the service)
+        self.relay = relay  # outputs to next hops
+        self.assists = assists  # a ring's last hop shares its head with the first
+        self.rings = Tally()  # ring runs under way on this hop
+
+    def run(
         self,
         o: pb.Open,
         sampling: SamplingParams | None,
@@ -80,7 +114,7 @@ class AutorunHandling(StepHandling):
             handed = _Handed()
             try:
                 if early is None:
-                    ready = self._prepare(o, step, shard, context, x)
+                    ready = self.steps.prepare(o, step, shard, context, x)
                 else:
                     assert x is not None  # a relayed step is started with its input
                     ready = _completed(step, early, x, context)
@@ -89,7 +123,7 @@ class AutorunHandling(StepHandling):
                 if not whole and sampling is not None and self.assists is not None:
                     ready.work.head_split = self._head_split(o)
                 then = partial(landed, step, ready, handed)
-                if early is not None and self._rings.count == 1:
+                if early is not None and self.rings.count == 1:
                     # a lone stream's relayed step starts on this thread when the loop
                     # idles; several streams' wait for the loop, to meet in its batches
                     self.engine.run_here(ready.work, then)
@@ -120,7 +154,7 @@ class AutorunHandling(StepHandling):
             try:
                 out = done.result()
                 if sampling is not None:
-                    reply: pb.ForwardResponse | None = self._answer(
+                    reply: pb.ForwardResponse | None = self.steps.answer(
                         o, sampling, step, ready, out, handed.token
                     )
                     assert reply is not None
@@ -156,13 +190,13 @@ class AutorunHandling(StepHandling):
             run.post(step, failure_reply(e, blame=o.next_node_id))
 
         inbox.listener = run.extend  # an Extend reaches the run at once, whatever it waits on
-        leave_ring = None if whole else self._rings.enter()
+        leave_ring = None if whole else self.rings.enter()
         if leave_ring is not None:  # over when its call is: this handler may be closed
             context.add_callback(leave_ring)  # only by a later garbage collection
         launch(step)
         try:
             while True:
-                posted = self._next_post(run, step if whole else None, context)
+                posted = _next_post(run, step if whole else None, context)
                 if posted is None:
                     yield failure_reply(DeadlineExceeded(f"autorun step {step.step} timed out"))
                     return None
@@ -189,20 +223,28 @@ class AutorunHandling(StepHandling):
             run.stop()
             self.relay.forget(o.next_address, o.session_id, o.epoch)
 
-    @staticmethod
-    def _next_post(run: Run, step: pb.Step | None, context: grpc.ServicerContext) -> Posted | None:
-        """The run's next post, within ``step``'s time (any time when None: a ring hop
-        waits on its input as long as the stream lasts); None when it does not come."""
-        left = remaining_s(step.timeout_ms, context) if step is not None else None
-        deadline = time.monotonic() + (left if left is not None else _NO_STEP_LIMIT_S)
-        while context.is_active():
-            wait = min(deadline - time.monotonic(), _POLL_S)
-            if wait <= 0:
-                return None
-            posted = run.next_post(wait)
-            if posted is not None:
-                return posted
-        return None
+    def _head_split(self, o: pb.Open) -> HeadAssist | None:
+        """A lone ring's last hop asks its first for part of its head; several rings'
+        steps meet in batches, whose head is multiplied here."""
+        shard = self.engine.shard
+        if self.assists is None or shard is None or self.rings.count != 1:
+            return None
+        return self.assists.for_hop(o.next_address, o.next_token, shard)
+
+
+def _next_post(run: Run, step: pb.Step | None, context: grpc.ServicerContext) -> Posted | None:
+    """The run's next post, within ``step``'s time (any time when None: a ring hop
+    waits on its input as long as the stream lasts); None when it does not come."""
+    left = remaining_s(step.timeout_ms, context) if step is not None else None
+    deadline = time.monotonic() + (left if left is not None else _NO_STEP_LIMIT_S)
+    while context.is_active():
+        wait = min(deadline - time.monotonic(), _POLL_S)
+        if wait <= 0:
+            return None
+        posted = run.next_post(wait)
+        if posted is not None:
+            return posted
+    return None
 
 
 Early = tuple[StepWork, list[int]]  # a relayed ring step's work and history, made ahead

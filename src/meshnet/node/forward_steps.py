@@ -3,15 +3,17 @@
 (hidden states, forwarded to the next hop, or a sampled token with its
 commitments).
 
-``StepHandling`` is the part of ``NodeService`` (node/service.py) that serves
-single steps; its autorun (node/autorun_stream.py) runs them one after another.
+``ForwardSteps`` serves single steps for the stream (node/forward_stream.py);
+the autorun (node/autorun_stream.py) prepares and answers its steps with it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -26,15 +28,12 @@ from meshnet.errors import (
 )
 from meshnet.model.logprobs import MAX_TOP_LOGPROBS, token_logprobs
 from meshnet.model.sampling import Sampler, SamplingParams
-from meshnet.node.engine import NodeEngine
 from meshnet.node.engine_types import OpenedSlot
 from meshnet.node.grammar import GrammarTokenizers
-from meshnet.node.head_assist import HeadAssist, HeadAssists
 from meshnet.node.prefixes import PrefixAsk
 from meshnet.node.relay import Mailbox, RelaySender
 from meshnet.node.scheduler import StepWork
 from meshnet.node.step_input import logit_bias, rows_checked, step_history, tensor_input
-from meshnet.node.tally import Tally
 from meshnet.node.wire import CONTROL_TIMEOUT_S, MAX_SESSION_ID, fail, remaining_s
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
@@ -54,17 +53,36 @@ class Prepared:
     history: list[int]  # what a repetition penalty looks at
 
 
-class StepHandling:
+class StepEngine(Protocol):
+    """What single steps need of the node's engine (node/engine.py)."""
+
+    @property
+    def shard(self) -> Shard | None: ...
+
+    def open(
+        self,
+        session_id: str,
+        epoch: int,
+        resume: bool = False,
+        rewind: tuple[int, int] | None = None,
+        prefix: PrefixAsk | None = None,
+    ) -> Future[OpenedSlot]: ...
+
+    def submit(self, work: StepWork) -> Future[np.ndarray]: ...
+
+
+class ForwardSteps:
     """Checks a stream's open and serves its steps one at a time on the engine."""
 
-    engine: NodeEngine
-    mailbox: Mailbox  # inputs relayed by previous hops
-    relay: RelaySender  # outputs to next hops
-    assists: HeadAssists | None  # a ring's last hop shares its head with the first
-    grammars: GrammarTokenizers  # for a constrained sampling hop
-    _rings: Tally  # ring runs under way on this hop
+    def __init__(self, engine: StepEngine, mailbox: Mailbox, relay: RelaySender) -> None:
+        self.engine = engine
+        self.mailbox = mailbox  # inputs relayed by previous hops (filed by the service)
+        self.relay = relay  # outputs to next hops
+        self.grammars = GrammarTokenizers()  # for a constrained sampling hop
 
-    def _open(self, o: pb.Open) -> OpenedSlot:
+    def open(self, o: pb.Open) -> OpenedSlot:
+        """Check an ``Open`` against the shard this node serves and open its session
+        on the engine; raises the typed refusal."""
         shard = self.engine.shard
         if not o.session_id or len(o.session_id) > MAX_SESSION_ID:
             raise MalformedBundle(f"session_id must have 1 to {MAX_SESSION_ID} characters")
@@ -90,7 +108,7 @@ class StepHandling:
         opened = self.engine.open(o.session_id, o.epoch, o.resume, rewind, prefix)
         return opened.result(CONTROL_TIMEOUT_S)
 
-    def _sampling(self, o: pb.Open) -> SamplingParams | None:
+    def sampling(self, o: pb.Open) -> SamplingParams | None:
         """The parameters to sample with when this hop is asked to (it must be the last)."""
         if not o.HasField("sampling"):
             return None
@@ -116,28 +134,29 @@ class StepHandling:
         except RequestError as e:
             raise MalformedBundle(f"bad sampling parameters: {e.message}") from None
 
-    def _step(
+    def step(
         self,
         o: pb.Open,
         sampling: SamplingParams | None,
         request: pb.ForwardRequest,
         context: grpc.ServicerContext,
     ) -> pb.ForwardResponse:
+        """Run one step on the engine and answer it; a failure is answered, not raised."""
         shard = self.engine.shard
         if request.WhichOneof("kind") != "step" or shard is None:
             return failure_reply(MalformedBundle("expected a Step"))
         step = request.step
         try:
-            ready = self._prepare(o, step, shard, context)
+            ready = self.prepare(o, step, shard, context)
             left = None if ready.deadline is None else max(ready.deadline - time.monotonic(), 0.001)
             out = self.engine.submit(ready.work).result(timeout=left)
         except TimeoutError:
             return failure_reply(DeadlineExceeded(f"step {step.step} did not finish in time"))
         except MeshnetError as e:
             return failure_reply(e)
-        return self._answer(o, sampling, step, ready, out)
+        return self.answer(o, sampling, step, ready, out)
 
-    def _prepare(
+    def prepare(
         self,
         o: pb.Open,
         step: pb.Step,
@@ -167,7 +186,7 @@ class StepHandling:
         )
         return Prepared(work, t0, deadline, history)
 
-    def _answer(
+    def answer(
         self,
         o: pb.Open,
         sampling: SamplingParams | None,
@@ -249,14 +268,6 @@ class StepHandling:
         result = pb.StepResult(step=step.step, compute_ms=ms)
         result.commitments.extend(commitments)
         return pb.ForwardResponse(result=result)
-
-    def _head_split(self, o: pb.Open) -> HeadAssist | None:
-        """A lone ring's last hop asks its first for part of its head; several rings'
-        steps meet in batches, whose head is multiplied here."""
-        shard = self.engine.shard
-        if self.assists is None or shard is None or self._rings.count != 1:
-            return None
-        return self.assists.for_hop(o.next_address, o.next_token, shard)
 
 
 def step_chunks(work: StepWork) -> list[pb.ChunkDigest]:

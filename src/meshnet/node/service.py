@@ -1,20 +1,18 @@
 """The node's gRPC service: parses wire messages at the edge, hands typed work to the engine.
 
-A ``Forward`` stream serves one (session, epoch): an ``Open`` first, then steps
-in order. When the ``Open`` carries sampling parameters (the route's last hop),
-each step answers the token sampled from its last row, with log-probabilities,
-instead of the logits. A node holds at most ``max_streams`` of them (each takes a server
-thread for its life); one more is answered ``overloaded`` at once, so control
-calls (probes, fences, releases) always find a thread. A failed step answers a
-``Failure`` and leaves the stream (and the session's KV) usable; the KV is
-released when the stream ends, however it ends, unless the open asked to
-``keep`` it (a session between turns), in which case it stays until a
-``Release``, and can be ``Park``ed on local disk meanwhile.
+``NodeService`` is the servicer; it holds the parts that serve its calls and
+delegates to them: ``Forward`` streams to ``ForwardStreams``
+(node/forward_stream.py), whose single steps are ``ForwardSteps``'
+(node/forward_steps.py) and whose runs of steps are ``AutorunStreams``'
+(node/autorun_stream.py); KV transfers to ``KVService`` (node/kv_service.py);
+``Configure`` to the ``Configurator`` (node/configure.py). Itself it files the
+inputs previous hops relay (``RelayStream``, and the relay port's reads) in the
+mailbox those parts read, and answers the control calls (fences, releases,
+parking, a session's sent outputs, info).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -27,16 +25,14 @@ from meshnet.auth.mesh_keys import SERVICE
 from meshnet.auth.signing import METADATA_KEY
 from meshnet.backends.fast import FastBackend
 from meshnet.backends.shard import Shard
-from meshnet.errors import MalformedBundle, MeshnetError, Overloaded, ShardMismatch
+from meshnet.errors import MalformedBundle, MeshnetError, ShardMismatch
 from meshnet.kv.pace import TransferPace
-from meshnet.model.sampling import SamplingParams
-from meshnet.node.autorun import Inbox
-from meshnet.node.autorun_stream import AutorunHandling
-from meshnet.node.configure import Configurator, StreamLimit
+from meshnet.node.autorun_stream import AutorunStreams
+from meshnet.node.configure import Configurator
 from meshnet.node.engine import NodeEngine
 from meshnet.node.engine_types import EngineStats
-from meshnet.node.forward_steps import failure_reply
-from meshnet.node.grammar import GrammarTokenizers
+from meshnet.node.forward_steps import ForwardSteps
+from meshnet.node.forward_stream import ForwardStreams
 from meshnet.node.head_assist import HeadAssists
 from meshnet.node.kv_offers import KVOffers
 from meshnet.node.kv_service import KVService
@@ -46,13 +42,10 @@ from meshnet.node.parking import ParkPhase
 from meshnet.node.relay import Mailbox, RelaySender
 from meshnet.node.relay_wire import Ask
 from meshnet.node.step_input import array_input, tensor_input
-from meshnet.node.tally import Once, Tally
 from meshnet.node.wire import CONTROL_TIMEOUT_S, MAX_SESSION_ID, fail
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.protocol import meshnet_pb2_grpc as pb_grpc
-
-log = logging.getLogger(__name__)
 
 _MAX_RELAY_STREAMS = 8  # previous hops relaying to this node at once (a thread each)
 _RELAYS_PER_STREAM = 4  # relayed inputs waiting per stream the node holds
@@ -67,7 +60,7 @@ class NodeIdentity:
     models: NodeModels | None = None  # fetches models given by reference (None: refused)
 
 
-class NodeService(AutorunHandling, pb_grpc.NodeServicer):
+class NodeService(pb_grpc.NodeServicer):
     """Serves one ``NodeEngine``: Forward and relays, control calls, and (through
     ``KVService``) KV transfers. ``gate`` (the server's interceptor) has let in only the
     tracker's calls and peers' tokens; handlers check what a token's scope allows."""
@@ -83,9 +76,6 @@ class NodeService(AutorunHandling, pb_grpc.NodeServicer):
     ) -> None:
         self.identity = identity
         self.engine = engine
-        # Sized by the engine's config as it is at each open (tier 1 moves it), never past
-        # the count the server's threads were sized for at start.
-        self._streams = StreamLimit(lambda: engine.config.max_streams)
         limit = engine.config.max_streams * _RELAYS_PER_STREAM
         self.mailbox = Mailbox(limit, _MAILBOX_BYTES)  # inputs relayed by previous hops
         self.relay = RelaySender()  # outputs to next hops
@@ -94,9 +84,17 @@ class NodeService(AutorunHandling, pb_grpc.NodeServicer):
         self.relay_port = 0  # the relay port's, offered to previous hops (0: none)
         self.gate = gate
         self._relays = threading.BoundedSemaphore(_MAX_RELAY_STREAMS)  # from previous hops
-        self._rings = Tally()  # ring runs under way on this hop
+        steps = ForwardSteps(engine, self.mailbox, self.relay)
+        autorun = AutorunStreams(engine, steps, self.mailbox, self.relay, self.assists)
+        self.forward = ForwardStreams(
+            identity.node_id,
+            engine,
+            lambda: engine.config.max_streams,
+            self.mailbox,
+            steps,
+            autorun,
+        )
         self.kv = KVService(engine, gate, offers, kv_pace)
-        self.grammars = GrammarTokenizers()  # for a constrained sampling hop
         self.configurator = Configurator(
             engine,
             identity.model_dirs,
@@ -122,87 +120,7 @@ class NodeService(AutorunHandling, pb_grpc.NodeServicer):
     def Forward(
         self, request_iterator: Iterator[pb.ForwardRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.ForwardResponse]:
-        if not self._streams.acquire(blocking=False):
-            limit = self.engine.config.max_streams
-            yield failure_reply(Overloaded(f"this node holds its {limit} streams"))
-            return
-        free = Once(self._streams.release)
-        context.add_callback(free)  # the call ended (also cancelled while the handler waits)
-        try:
-            yield from self._forward(request_iterator, context)
-        finally:
-            free()
-
-    def _forward(
-        self, request_iterator: Iterator[pb.ForwardRequest], context: grpc.ServicerContext
-    ) -> Iterator[pb.ForwardResponse]:
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("kind") != "open":
-            yield failure_reply(MalformedBundle("a Forward stream must start with Open"))
-            return
-        opened = first.open
-        try:
-            sampling = self._sampling(opened)
-            held = self._open(opened)
-        except MeshnetError as e:
-            yield failure_reply(e)
-            return
-        # However the call ends (the driver cancels it, the connection drops), the
-        # session's KV and queued steps go at once, not when this handler next wakes.
-        sid, epoch = opened.session_id, opened.epoch
-        self.mailbox.opened(sid, epoch)
-        if not opened.keep:
-
-            def release() -> None:
-                self.engine.release(sid, epoch)  # queued on the engine's loop, not awaited
-
-            context.add_callback(release)
-        shard = self.engine.shard
-        assert shard is not None  # _open checked it
-        yield pb.ForwardResponse(
-            opened=pb.Opened(
-                node_id=self.identity.node_id,
-                layer_start=shard.layers.start,
-                layer_end=shard.layers.end,
-                kv_tokens=held.kv_tokens,
-                steps=held.steps,
-                unparked=held.unparked,
-            )
-        )
-        try:
-            yield from self._serve_steps(opened, sampling, request_iterator, context)
-        finally:
-            self.mailbox.drop(sid, epoch)
-            if not opened.keep:
-                self.engine.release(sid, epoch).result(CONTROL_TIMEOUT_S)
-
-    def _serve_steps(
-        self,
-        o: pb.Open,
-        sampling: SamplingParams | None,
-        requests: Iterator[pb.ForwardRequest],
-        context: grpc.ServicerContext,
-    ) -> Iterator[pb.ForwardResponse]:
-        """Answer each step; an autorun step runs on until its end (node/autorun.py)."""
-        inbox: Inbox | None = None  # once a stream autoruns, a thread reads its requests
-        resume: pb.Step | None = None  # where a finished autorun would go on
-        while True:
-            request = inbox.get() if inbox is not None else next(requests, None)
-            if request is None:
-                return
-            kind = request.WhichOneof("kind")
-            if kind == "extend" and resume is not None and request.extend.until > resume.step:
-                resume.autorun_until = request.extend.until
-                request, kind = pb.ForwardRequest(step=resume), "step"
-            elif kind == "extend":
-                continue  # an extension the run no longer needed
-            step = request.step
-            if kind == "step" and step.autorun_until > step.step:
-                inbox = inbox or Inbox(requests)
-                resume = yield from self._autorun(o, sampling, step, inbox, context)
-            else:
-                resume = None
-                yield self._step(o, sampling, request, context)
+        return self.forward.serve(request_iterator, context)
 
     def RelayStream(
         self, request_iterator: Iterator[pb.RelayFrame], context: grpc.ServicerContext
