@@ -235,7 +235,7 @@ def test_the_whole_mesh_restarted_on_its_data_dir_keeps_its_sessions(
     a = turn(mesh, hot, TURNS[1])
     b = turn(mesh, evicted, TURNS[1])
     assert (a["resume_path"], a["ids"]) == ("reprefill", want[1])  # the nodes lost the KV
-    assert (b["resume_path"], b["ids"]) == ("snapshot", want[1])
+    assert (b["resume_path"], b["ids"]) == ("snapshot", want[1]), b["resume_failures"]
 
 
 def _wait_down(mesh: LocalMesh, node_ids: set[str]) -> None:
