@@ -37,6 +37,21 @@ FP = "f" * 64
 Key = tuple[str, ...] | None  # a route's node ids; None: unpinned
 
 
+class ScriptedPlanner:
+    """Names any route of known nodes, one layer a hop; the model's whole context."""
+
+    def __init__(self, context_length: int) -> None:
+        self.context_length = context_length
+
+    def context_limit(self) -> int:
+        return self.context_length
+
+    def requested_route(self, node_ids: Sequence[str]) -> Route:
+        if "zz" in node_ids:
+            raise RequestError("unknown node ids: zz")
+        return tuple(Hop(n, "127.0.0.1:1", LayerRange(i, i + 1)) for i, n in enumerate(node_ids))
+
+
 class ScriptedTracker:
     """Answers each route with its scripted tokens, one every millisecond; ``gate``
     holds every token until set; a route in ``refuse`` is ``Overloaded``."""
@@ -44,19 +59,12 @@ class ScriptedTracker:
     def __init__(self, outputs: dict[Key, list[int]], refuse: Key = ("never",)) -> None:
         spec = SimpleNamespace(vocab_size=100, context_length=256)
         self.model = SimpleNamespace(name="m", fingerprint=FP, spec=spec)
+        self.planner = ScriptedPlanner(spec.context_length)
         self.outputs = outputs
         self.refuse = refuse
         self.started: list[Key] = []
         self.gate = asyncio.Event()
         self.gate.set()
-
-    def context_limit(self) -> int:
-        return int(self.model.spec.context_length)
-
-    def requested_route(self, node_ids: Sequence[str]) -> Route:
-        if "zz" in node_ids:
-            raise RequestError("unknown node ids: zz")
-        return tuple(Hop(n, "127.0.0.1:1", LayerRange(i, i + 1)) for i, n in enumerate(node_ids))
 
     async def start(
         self, prompt_ids: Sequence[int], params: SamplingParams, top: int, named: Route | None

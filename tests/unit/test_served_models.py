@@ -51,8 +51,13 @@ class _Routes:
         return ("hop",)
 
 
+@dataclass
+class _Tracker:
+    planner: _Routes
+
+
 def served(name: str, complete: bool = True, fingerprint: str = "") -> ServedModel:
-    info, tracker = _Info(name, fingerprint or name * 4), _Routes(complete)
+    info, tracker = _Info(name, fingerprint or name * 4), _Tracker(_Routes(complete))
     return ServedModel(cast(Any, info), cast(Any, tracker), cast(Any, None), "")
 
 
@@ -216,7 +221,7 @@ def test_the_admin_view_lists_each_nodes_bytes(tiny_path: Path) -> None:
     sizes = model_layer_bytes(info.file, info.spec)
     fp = info.fingerprint
     nodes = [node("a", "0:3", fingerprint=fp), node("b", "3:4", fingerprint=fp), node("c")]
-    tracker = cast(Any, _Routes())
+    tracker = cast(Any, _Tracker(_Routes()))
     tracker.generations = list
     view = model_json(ServedModel(info, tracker, cast(Any, None), ""), nodes)
     assert view["bytes"] == sizes.total

@@ -71,7 +71,7 @@ async def current_route(request: Request) -> dict[str, Any]:
     tracker = tracker_of(request)
     pinned = tracker.store.pinned()
     try:
-        route: list[dict[str, Any]] | None = route_json(tracker.route())
+        route: list[dict[str, Any]] | None = route_json(tracker.planner.route())
         reason = None
     except MeshnetError as e:
         route, reason = None, e.message
@@ -80,7 +80,7 @@ async def current_route(request: Request) -> dict[str, Any]:
 
 @router.post("/admin/routes")
 async def pin_route(body: PinRouteRequest, request: Request) -> dict[str, Any]:
-    route = tracker_of(request).pin(body.node_ids)
+    route = tracker_of(request).planner.pin(body.node_ids)
     return {"pinned": body.node_ids, "route": route_json(route)}
 
 

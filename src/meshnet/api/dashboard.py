@@ -121,7 +121,7 @@ def _stored(tracker: Tracker, trackers: list[Tracker]) -> dict[str, Any]:
 def _model(tracker: Tracker, nodes: list[NodeRecord]) -> dict[str, Any]:
     """One served model: its layers' replicas and its route now (or why none)."""
     try:
-        route: list[dict[str, Any]] | None = route_json(tracker.route())
+        route: list[dict[str, Any]] | None = route_json(tracker.planner.route())
         reason = None
     except MeshnetError as e:
         route, reason = None, e.message

@@ -19,7 +19,7 @@ router = APIRouter()
 async def healthz(request: Request) -> dict[str, Any]:
     tracker = tracker_of(request)
     try:
-        route_json(tracker.route())
+        route_json(tracker.planner.route())
         complete, reason = True, None
     except MeshnetError as e:
         complete, reason = False, e.message

@@ -117,7 +117,7 @@ def _named_route(tracker: Tracker, body: _Sampling, caller: Caller) -> Route | N
     (403 otherwise) and it is usable now (400 with the reason otherwise); None when it
     names none."""
     caller.check_route(body.route)
-    return None if body.route is None else tracker.requested_route(body.route)
+    return None if body.route is None else tracker.planner.requested_route(body.route)
 
 
 async def _complete(

@@ -1,23 +1,30 @@
 """The tracker's answer to a failed node: mark it down (after a probe), reroute, heal.
 
 A failure met mid-generation comes back from the driver as a ``reroute``
-(the tracker is the driver's ``Fabric``): the failed span is given to a
-replica, or an empty node is told to load it (healing), or (failing both) the
-whole route is planned again. A node that failed a call is marked down, but
-one that is only slow (a timeout, late heartbeats) only when a probe on a
-fresh connection confirms it is gone, and a broken stream only has its
-channel dialled afresh. Healing without a failing generation is the
-placement controller's (``placement``): it uses ``load`` under the same lock.
+(the driver's ``Fabric``, which the tracker makes for each generation, asks
+``Healer.reroute``): the failed span is given to a replica, or an empty node is
+told to load it (healing), or (failing both) the whole route is planned again.
+A node that failed a call is marked down, but one that is only slow (a timeout,
+late heartbeats) only when a probe on a fresh connection confirms it is gone,
+and a broken stream only has its channel dialled afresh; the heartbeat sweep
+(``silent_gone``) probes silent nodes alike. Healing without a failing
+generation is the placement controller's (``placement``): it uses the
+tracker's ``load`` under the same lock.
 
-``Healing`` is the part of the ``Tracker`` (service.py) that does this; the
-tracker supplies its registry, admission, metrics and the few use cases
-declared at the top of the class; it plans with ``RoutePlanning`` (planning.py).
+A ``Healer`` does this for one model's ``Tracker`` (service.py), which holds it
+and gives it what it works with: the registry, the channels (a probe, a channel
+retired), the metrics, the model's ``RoutePlanner`` (planning.py), the lock that
+lets one Configure run at a time, and the tracker's ``load`` (an empty node told
+to load a span, calibrated before it is routed). It keeps no state of its own:
+the lock is shared with placement and every other model's tracker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 
 from meshnet.errors import (
     DeadlineExceeded,
@@ -35,7 +42,8 @@ from meshnet.tracker.links.configure import LoadResult
 from meshnet.tracker.links.hop_link import answers
 from meshnet.tracker.nodes.registry import NodeRecord, NodeState
 from meshnet.tracker.nodes.routes import Hop, Route, backend_of, splice
-from meshnet.tracker.planning import RoutePlanning
+from meshnet.tracker.nodes.store import Store
+from meshnet.tracker.planning import RoutePlanner
 from meshnet.tracker.routing.failover import Reroute
 from meshnet.tracker.watch.metrics import TrackerMetrics
 
@@ -56,16 +64,27 @@ DEAD_KINDS = frozenset(
 _PROBED_KINDS = frozenset({HeartbeatLost.kind, DeadlineExceeded.kind})
 
 
-class Healing(RoutePlanning):
+Load = Callable[[NodeRecord, LayerRange], Awaitable[LoadResult]]  # ``Tracker.load``
+
+
+class Healer:
     """Marking failed nodes down, rerouting failing generations, healing spans."""
 
-    channels: ChannelPool
-    metrics: TrackerMetrics
-    heal_lock: asyncio.Lock  # one Configure at a time (failover heals and placement)
-
-    async def load(self, node: NodeRecord, span: LayerRange) -> LoadResult:
-        """Tell an empty node to load ``span`` (the tracker's)."""
-        raise NotImplementedError
+    def __init__(
+        self,
+        store: Store,
+        channels: ChannelPool,
+        planner: RoutePlanner,
+        metrics: TrackerMetrics,
+        heal_lock: asyncio.Lock,
+        load: Load,
+    ) -> None:
+        self.store = store
+        self.channels = channels
+        self.planner = planner
+        self.metrics = metrics
+        self.heal_lock = heal_lock  # one Configure at a time (failover heals and placement)
+        self.load = load
 
     async def reroute(self, route: Route, failed: Hop | None, error: MeshnetError) -> Reroute:
         """A route without the failed hop's fault: a replica chain for its span, an
@@ -87,33 +106,33 @@ class Healing(RoutePlanning):
         # Every replacement computes as the route did: the generation stays exact.
         backend = backend_of(route, self.store.nodes())
         if failed is None:
-            return Reroute(self.route(backend))
+            return Reroute(self.planner.route(backend))
         index = route.index(failed)
         exclude: frozenset[str] = frozenset()
         span = failed.layers
         if error.kind in DEAD_KINDS:
             exclude = frozenset({failed.node_id})
-            if not await self._node_failed(failed.node_id, error.kind, failed.address):
+            if not await self.node_failed(failed.node_id, error.kind, failed.address):
                 # Slow, not gone: a replica takes the span if there is one, else it does.
-                chain = self._replicas(span, exclude, backend) or self._replicas(
+                chain = self.planner.replicas(span, exclude, backend) or self.planner.replicas(
                     span, frozenset(), backend
                 )
                 if chain is not None:
                     return Reroute(splice(route, index, chain))
-                return Reroute(self.route(backend))
+                return Reroute(self.planner.route(backend))
         # A live node (stream reset, lost KV) keeps its channel: other generations use it,
         # and gRPC reconnects a broken one by itself.
-        chain = self._replicas(span, exclude, backend)
+        chain = self.planner.replicas(span, exclude, backend)
         if chain is not None:
             return Reroute(splice(route, index, chain))
         async with self.heal_lock:  # two failovers must not configure one empty node twice
-            chain = self._replicas(span, exclude, backend)
+            chain = self.planner.replicas(span, exclude, backend)
             if chain is not None:
                 return Reroute(splice(route, index, chain))
             healed = await self._heal(span, exclude, backend)
         if healed is not None:
             return Reroute(splice(route, index, (healed,)), healed.node_id)
-        return Reroute(self.route(backend))
+        return Reroute(self.planner.route(backend))
 
     async def keep_route(self, route: Route, failed: Hop | None, error: MeshnetError) -> Reroute:
         """The failover of a generation on a named route: the same nodes on a new epoch
@@ -122,10 +141,10 @@ class Healing(RoutePlanning):
         if (
             failed is not None
             and error.kind in DEAD_KINDS
-            and await self._node_failed(failed.node_id, error.kind, failed.address)
+            and await self.node_failed(failed.node_id, error.kind, failed.address)
         ):
             raise NoRoute(f"node {failed.node_id} of the named route is down")
-        if not self.usable(route):
+        if not self.planner.usable(route):
             raise NoRoute("a node of the named route is down or serves other layers now")
         self._note_failover(failed, error, "same named route, next epoch")
         return Reroute(route)
@@ -149,7 +168,20 @@ class Healing(RoutePlanning):
                 return loaded.hop
         return None
 
-    async def _node_failed(self, node_id: str, kind: str, met_at: str = "") -> bool:
+    async def silent_gone(self, heartbeat_timeout_s: float) -> list[str]:
+        """Mark down the nodes silent for ``heartbeat_timeout_s`` that do not answer a
+        probe either (``heartbeat-lost``); their ids."""
+        silent = self.store.silent(time.time(), heartbeat_timeout_s)
+        alive = await asyncio.gather(
+            *(answers(self.channels.keys, n.address, n.node_id, PROBE_TIMEOUT_S) for n in silent)
+        )
+        lost = [n.node_id for n, up in zip(silent, alive, strict=True) if not up]
+        for node_id in lost:
+            self.metrics.node_down(node_id, HeartbeatLost.kind)  # first: as below
+            self.store.mark_down(node_id, HeartbeatLost.kind)
+        return lost
+
+    async def node_failed(self, node_id: str, kind: str, met_at: str = "") -> bool:
         """Mark a node that failed a call down; True when it was. A timeout or silence
         is first checked by a probe: a node that answers is slow, not gone, and stays up.
         A broken stream (the node answered a probe on a fresh connection) is no verdict

@@ -2,16 +2,18 @@
 prefix-holding one, a route a request names, and the capacity reserved on it.
 
 The planners themselves are pure (tracker/nodes/routes.py, prefix_routes.py); this
-is the tracker's use of them over its registry and admission: which route a
+is one model's use of them over the registry and admission: which route a
 generation gets, ``Overloaded`` when routes exist but are all full, and whether a
-route is still usable. ``RoutePlanning`` is that part of the ``Tracker``
-(service.py), with the failure handling (healing.py) built on it.
+route is still usable. A ``RoutePlanner`` is given the registry, the model, the
+admission (shared by every model a tracker serves: capacity is the nodes') and
+how to route by cached prefix; it owns the index of what prompt blocks each node
+holds. The ``Tracker`` (service.py) holds one, and so does its ``Healer``
+(healing.py), which plans replacements with it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 from meshnet.errors import NoRoute, RequestError
 from meshnet.layer_range import LayerRange
@@ -35,19 +37,18 @@ from meshnet.tracker.nodes.routes import (
 from meshnet.tracker.nodes.store import Store
 
 
-class _Prefixed(Protocol):
-    @property
-    def prefix(self) -> PrefixRouting: ...
-
-
-class RoutePlanning:
+class RoutePlanner:
     """Choosing and reserving routes over the registered nodes of one model."""
 
-    store: Store
-    model: ModelInfo
-    admission: Admission
-    prefixes: PrefixIndex  # what prompt blocks each node holds, as routed to it
-    config: _Prefixed
+    def __init__(
+        self, store: Store, model: ModelInfo, admission: Admission, prefix: PrefixRouting
+    ) -> None:
+        self.store = store
+        self.model = model
+        self.admission = admission
+        self.prefix = prefix
+        # What prompt blocks each node holds, as learned from what was routed to it.
+        self.prefixes = PrefixIndex(prefix.max_blocks_per_node)
 
     def _pinned(self) -> list[str] | None:
         """The pinned route, when it is of this model (with several models served, a pin
@@ -118,7 +119,7 @@ class RoutePlanning:
             busy = [h.node_id for h in route if h.node_id in full]
             if busy:
                 raise self.admission.overloaded(f"nodes {', '.join(busy)} are at capacity")
-        if pinned is None and prompt is not None and prompt.tokens and self.config.prefix.on:
+        if pinned is None and prompt is not None and prompt.tokens and self.prefix.on:
             route = self._by_prefix(route, nodes, full, prompt)
         return route, self.admission.reserve(h.node_id for h in route)
 
@@ -140,7 +141,7 @@ class RoutePlanning:
             self.prefixes,
             prompt.keys,
             prompt.tokens,
-            self.config.prefix.load_tokens,
+            self.prefix.load_tokens,
         )
 
     def requested_route(self, node_ids: Sequence[str]) -> Route:
@@ -180,12 +181,14 @@ class RoutePlanning:
 
     def single_hop_for(self, span: LayerRange) -> Hop | None:
         """One node serving exactly ``span`` (the least loaded), or None."""
-        chain = self._replicas(span, frozenset())
+        chain = self.replicas(span, frozenset())
         return chain[0] if chain is not None and len(chain) == 1 else None
 
-    def _replicas(
+    def replicas(
         self, span: LayerRange, exclude: frozenset[str], backend: str | None = None
     ) -> Route | None:
+        """The least-loaded chain of up nodes (of ``backend``, if given) serving exactly
+        ``span``, none of them in ``exclude``; None when there is none."""
         nodes = self.store.nodes()
         streams = self.admission.streams
         try:

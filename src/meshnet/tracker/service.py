@@ -1,14 +1,20 @@
 """The tracker's use cases: start a generation on a route, account it, cancel it.
 
 The route is chosen, and its capacity (a tracker slot, a stream on every node
-of it) reserved, before it is opened (planning.py, ``admission``); what does
-not fit waits briefly or gets ``Overloaded``. Failures met while opening a route (a dead or
-misconfigured node) mark that node down and the route is planned again, so a
-node killed between requests costs the next request nothing but a retry.
-Failures mid-generation come back from the driver as a ``reroute``, and nodes
-are marked down, probed and healed, by the part of the tracker in healing.py.
-Generations can be cancelled by id, and a node whose heartbeats stop fails
-the steps waiting on it at once.
+of it) reserved, before it is opened (the tracker's ``RoutePlanner``, planning.py,
+and ``admission``); what does not fit waits briefly or gets ``Overloaded``.
+Failures met while opening a route (a dead or misconfigured node) mark that node
+down and the route is planned again, so a node killed between requests costs the
+next request nothing but a retry. Failures mid-generation come back from the
+driver as a ``reroute``, and nodes are marked down, probed and healed, by the
+tracker's ``Healer`` (healing.py). Generations can be cancelled by id, and a node
+whose heartbeats stop fails the steps waiting on it at once.
+
+The ``Tracker`` holds its parts as the route driver holds its relay and failover:
+the planner and the healer are objects of their own, given what they use when
+the tracker is made. The parts every model's tracker of one process shares
+(admission, ledger spool, Configure lock, metrics, inventory) come in one
+``Shared``, made by the first model's tracker (tracker/serving/served.py).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from meshnet.engine.request import check_request
@@ -36,19 +42,19 @@ from meshnet.mesh_messages import Heartbeat, NodeAnnouncement
 from meshnet.model.info import ModelInfo
 from meshnet.model.sampling import SamplingParams
 from meshnet.tracker.accounting.ledger import LedgerRecord, LedgerSpool
-from meshnet.tracker.healing import PROBE_TIMEOUT_S, Healing
+from meshnet.tracker.healing import Healer
 from meshnet.tracker.links.channels import ChannelPool
 from meshnet.tracker.links.configure import LoadResult, configure_span, unload_node
-from meshnet.tracker.links.hop_link import answers
 from meshnet.tracker.nodes.admission import Admission, AdmissionConfig, Reservation
 from meshnet.tracker.nodes.inventory import Inventory
-from meshnet.tracker.nodes.prefix_routes import PrefixIndex, PrefixRouting, PromptBlocks
+from meshnet.tracker.nodes.prefix_routes import PrefixRouting, PromptBlocks
 from meshnet.tracker.nodes.registry import NodeRecord
 from meshnet.tracker.nodes.routes import (
     Hop,
     Route,
 )
 from meshnet.tracker.nodes.store import Store
+from meshnet.tracker.planning import RoutePlanner
 from meshnet.tracker.routing.driver import DoneEvent, RouteDriver, TokenEvent
 from meshnet.tracker.routing.failover import Fabric, Reroute
 from meshnet.tracker.routing.generation import Generation
@@ -82,13 +88,29 @@ class Started:
     events: AsyncGenerator[TokenEvent | DoneEvent, None]
 
 
-class Tracker(Healing):
+@dataclass(frozen=True)
+class Shared:
+    """What every model's tracker in one tracker process shares: capacity is the
+    nodes' whatever model they serve, and so is the one Configure at a time."""
+
+    admission: Admission  # tracker slots and every node's streams
+    # Ledger records the database refuses wait here: a finished generation is
+    # answered whatever its ledger write meets, and is billed once it is written.
+    ledger: LedgerSpool
+    # One Configure at a time: two failovers, or a failover and the placement
+    # controller (placement.py), must not load one empty node twice.
+    heal_lock: asyncio.Lock
+    metrics: TrackerMetrics  # what /metrics and the dashboard read
+    # The shards of models by reference each node holds on disk (its heartbeats):
+    # placement prefers a node holding a span, a fetching node is told its peers.
+    inventory: Inventory
+
+
+class Tracker:
     """Routes generations over the registered nodes. Call from the event loop only.
 
-    Its route planning is ``RoutePlanning``'s (planning.py), its failure handling
-    ``Healing``'s (healing.py)."""
-
-    config: TrackerConfig
+    It holds its route planning (``planner``, a ``RoutePlanner``: planning.py) and its
+    failure handling (``healer``, a ``Healer``: healing.py)."""
 
     def __init__(
         self,
@@ -97,33 +119,33 @@ class Tracker(Healing):
         channels: ChannelPool,
         driver: RouteDriver,
         config: TrackerConfig,
-        metrics: TrackerMetrics | None = None,
+        shared: Shared | None = None,
     ) -> None:
+        """``shared``: the first model's tracker's ``shared``, for another model's tracker
+        (tracker/serving/served.py); None: a first tracker, whose metrics read it."""
         self.store = store
         self.model = model
         self.channels = channels
         self.driver = driver
         self.config = config
-        self.admission = Admission(config.admission)
-        # What prompt blocks each node holds, as learned from what was routed to it.
-        self.prefixes = PrefixIndex(config.prefix.max_blocks_per_node)
-        # Ledger records the database refuses wait here: a finished generation is
-        # answered whatever its ledger write meets, and is billed once it is written.
-        self.ledger = LedgerSpool(store.record_attempts)
+        if shared is None:
+            admission, ledger = Admission(config.admission), LedgerSpool(store.record_attempts)
+            shared = Shared(admission, ledger, asyncio.Lock(), TrackerMetrics(), Inventory())
+            shared.metrics.watch(self)
+        self.shared = shared
+        self.admission = shared.admission
+        self.ledger = shared.ledger
+        self.heal_lock = shared.heal_lock
+        self.metrics = shared.metrics
+        self.inventory = shared.inventory
+        self.planner = RoutePlanner(store, model, self.admission, config.prefix)
+        self.healer = Healer(store, channels, self.planner, self.metrics, self.heal_lock, self.load)
         self._generations: dict[str, Generation] = {}
-        # One Configure at a time: two failovers, or a failover and the placement
-        # controller (placement.py), must not load one empty node twice.
-        self.heal_lock = asyncio.Lock()
-        self.metrics = metrics or TrackerMetrics()  # what /metrics and the dashboard read
-        self.metrics.watch(self)
         self.verification: Verification | None = None  # when on (--verify-rate)
         self.trusted_nodes: frozenset[str] = frozenset()  # by configuration (--trusted-node)
         # The file ``load`` tells nodes to load, as they see it ("": each node's start
         # model); another served model's tracker names its file (tracker/serving/served.py).
         self.node_model_path = ""
-        # The shards of models by reference each node holds on disk (its heartbeats):
-        # placement prefers a node holding a span, a fetching node is told its peers.
-        self.inventory = Inventory()
         # Trackers sharing a database take turns at placement (tracker/storage/leader_lease.py):
         # the placement controllers act only while this holds the lease. None: always.
         self.leader: Leadership | None = None
@@ -147,7 +169,7 @@ class Tracker(Healing):
         ``scope``: whose prefix cache entries the prompt may reuse and fills
         (``prefix_scope``: its tenant's; empty, the unscoped cache of internal callers).
         """
-        check_request(self.model.spec, prompt_ids, params, self.context_limit())
+        check_request(self.model.spec, prompt_ids, params, self.planner.context_limit())
         t0 = time.monotonic()
         try:
             return await self._start(prompt_ids, params, top_logprobs, named, scope, t0)
@@ -169,12 +191,12 @@ class Tracker(Healing):
         for _ in range(_OPEN_ATTEMPTS):
             with self.metrics.waiting.track_inprogress():
                 if named is None:
-                    reserve = functools.partial(self.reserve, None, blocks)
+                    reserve = functools.partial(self.planner.reserve, None, blocks)
                     route, held = await self.admission.acquire(reserve)
                 else:
                     route = named
                     held = await self.admission.acquire(
-                        functools.partial(self.reserve_named, named)
+                        functools.partial(self.planner.reserve_named, named)
                     )
             gen = self.driver.new_generation(uuid.uuid4().hex, route, params, top_logprobs)
             gen.prefix_scope = scope
@@ -189,7 +211,7 @@ class Tracker(Healing):
                     raise
                 last = e
                 met_at = next((h.address for h in route if h.node_id == e.node_id), "")
-                if await self._node_failed(e.node_id, e.kind, met_at):
+                if await self.healer.node_failed(e.node_id, e.kind, met_at):
                     if named is not None:
                         raise NoRoute(f"node {e.node_id} of the named route failed: {e}") from None
                     continue  # a dead or misbehaving node: route around it
@@ -201,8 +223,9 @@ class Tracker(Healing):
                 raise
             self.metrics.cached_prompt_tokens.labels("completion").inc(gen.reused)
             if self.config.prefix.on:  # the route's nodes keep the prompt's full blocks
-                self.prefixes.record(route, blocks.keys)
-            fabric: Fabric = self if named is None else _NamedRoute(self)
+                self.planner.prefixes.record(route, blocks.keys)
+            reroute = self.healer.reroute if named is None else self.healer.keep_route
+            fabric: Fabric = _Fabric(reroute, self.ledger)
             run = self.driver.run(gen, prompt_ids, params, fabric)
             meter = self.metrics.generation("completion", len(prompt_ids), t0)
             return Started(gen.id, route, gen.epoch, self._accounted(gen, held, run, meter))
@@ -224,7 +247,8 @@ class Tracker(Healing):
     ) -> AsyncGenerator[TokenEvent | DoneEvent, None]:
         """Run an opened generation (a session's turn) on capacity ``held``: accounted,
         cancellable, failed over; the capacity is given back when it ends."""
-        run = self.driver.run(gen, prompt_ids, params, self, history)
+        fabric: Fabric = _Fabric(self.healer.reroute, self.ledger)
+        run = self.driver.run(gen, prompt_ids, params, fabric, history)
         meter = self.metrics.generation("turn", len(prompt_ids), time.monotonic())
         return self._accounted(gen, held, run, meter)
 
@@ -270,9 +294,6 @@ class Tracker(Healing):
             for link in gen.links:  # and when the driver never started
                 link.close()
 
-    def record(self, records: Iterable[LedgerRecord]) -> None:
-        self.ledger.submit(records)
-
     async def load(self, node: NodeRecord, span: LayerRange) -> LoadResult:
         """Tell ``node`` (an empty one, or one placement widens) to load ``span`` of this
         model; on success it is routable at once. Hold ``heal_lock``: this tracker
@@ -289,7 +310,7 @@ class Tracker(Healing):
             log.warning("node %s did not load layers %s: %s", node.node_id, span, result.failure)
             return result
         self.store.set_layers(node.node_id, span, self.model.fingerprint)
-        self.prefixes.forget(node.node_id)  # a T3 drops what the node had cached
+        self.planner.prefixes.forget(node.node_id)  # a T3 drops what the node had cached
         if self.verification is not None:  # routed only once it calibrated on the span
             self.verification.reconsider(node.node_id)
             if not await self.verification.calibrated(node.node_id):
@@ -305,7 +326,7 @@ class Tracker(Healing):
             log.warning("node %s did not empty itself: %s", node.node_id, result.failure)
             return result
         self.store.set_layers(node.node_id, None, "")
-        self.prefixes.forget(node.node_id)
+        self.planner.prefixes.forget(node.node_id)
         log.info("emptied: node %s serves nothing", node.node_id)
         return result
 
@@ -331,7 +352,7 @@ class Tracker(Healing):
         """A node registered (again): up, or with verification on, calibrating."""
         before = self.store.node(a.node_id)
         self.store.register(a, time.time())
-        self.prefixes.forget(a.node_id)  # a node registers afresh with an empty cache
+        self.planner.prefixes.forget(a.node_id)  # a node registers afresh with an empty cache
         if self.verification is not None:
             self.verification.registered(a.node_id, before)
 
@@ -352,14 +373,8 @@ class Tracker(Healing):
     async def sweep(self) -> list[str]:
         """Mark down nodes that went silent and do not answer a probe, and fail the
         steps waiting on them (``heartbeat-lost``)."""
-        silent = self.store.silent(time.time(), self.config.heartbeat_timeout_s)
-        alive = await asyncio.gather(
-            *(answers(self.channels.keys, n.address, n.node_id, PROBE_TIMEOUT_S) for n in silent)
-        )
-        lost = [n.node_id for n, up in zip(silent, alive, strict=True) if not up]
+        lost = await self.healer.silent_gone(self.config.heartbeat_timeout_s)
         for node_id in lost:
-            self.metrics.node_down(node_id, HeartbeatLost.kind)  # before: as above
-            self.store.mark_down(node_id, HeartbeatLost.kind)
             verdict = HeartbeatLost(f"node {node_id} stopped heartbeating", node_id)
             for gen in self.generations():
                 gen.node_lost(node_id, verdict)
@@ -367,14 +382,16 @@ class Tracker(Healing):
 
 
 @dataclass(frozen=True)
-class _NamedRoute:
-    """The driver's fabric for a generation on the route its request named: failover
-    stays on those nodes (``Tracker.keep_route``); the ledger is the tracker's."""
+class _Fabric:
+    """The driver's fabric for one generation: its failover is ``heal``'s (the healer's
+    ``reroute``, or ``keep_route`` for a generation on the route its request named:
+    failover stays on those nodes), its ledger records go to the tracker's spool."""
 
-    tracker: Tracker
+    heal: Callable[[Route, Hop | None, MeshnetError], Awaitable[Reroute]]
+    ledger: LedgerSpool
 
     async def reroute(self, route: Route, failed: Hop | None, error: MeshnetError) -> Reroute:
-        return await self.tracker.keep_route(route, failed, error)
+        return await self.heal(route, failed, error)
 
     def record(self, records: Iterable[LedgerRecord]) -> None:
-        self.tracker.record(records)
+        self.ledger.submit(records)

@@ -1,6 +1,6 @@
 """The placement controller: every layer range kept on ``replicas`` up nodes, no request needed.
 
-A failover heals only inside a failing generation (``Tracker.reroute``); this
+A failover heals only inside a failing generation (``Healer.reroute``); this
 loop heals the mesh itself, every ``interval_s``, so a range that lost its last
 node is served again before any request asks for it. It plans in pure code
 (``plan_placement``: registry records in, loads out) and acts by telling nodes

@@ -159,9 +159,9 @@ class RouteBench:
             raise Overloaded("a route benchmark is already running", retry_after_s=BUSY_RETRY_S)
         async with self._running:
             for node_ids in request.routes:
-                self.tracker.requested_route(node_ids)
+                self.tracker.planner.requested_route(node_ids)
             params = request.params
-            limit = self.tracker.context_limit()
+            limit = self.tracker.planner.context_limit()
             check_request(self.tracker.model.spec, request.prompt_ids, params, limit)
             model = self.tracker.model
             info = RunInfo(
@@ -174,7 +174,9 @@ class RouteBench:
             reference = await self._round(request, None)
             figures = []
             for position, node_ids in enumerate(request.routes):
-                route = self.tracker.requested_route(node_ids)  # as it is now, not at the start
+                route = self.tracker.planner.requested_route(
+                    node_ids
+                )  # as it is now, not at the start
                 rounds = [await self._round(request, route) for _ in range(request.rounds)]
                 figures.append(summarise(info, position, rounds, reference.ids, time.time()))
             self.store.record(figures)

@@ -31,7 +31,6 @@ from meshnet.tracker.routing.driver import RouteDriver
 from meshnet.tracker.service import Tracker
 from meshnet.tracker.serving.placement import Placement
 from meshnet.tracker.trust.verifier import TrustedModel
-from meshnet.tracker.watch.metrics import TrackerMetrics
 
 MAX_MODELS = 16  # served at once: each holds its tokenizer and a placement loop
 
@@ -60,7 +59,7 @@ class ServedModel:
     def complete(self) -> bool:
         """Whether a complete route of up nodes serves it now."""
         try:
-            self.tracker.route()
+            self.tracker.planner.route()
         except MeshnetError:
             return False
         return True
@@ -68,19 +67,15 @@ class ServedModel:
 
 def model_tracker(first: Tracker, info: ModelInfo, node_path: str) -> Tracker:
     """A ``Tracker`` for another model of the tracker ``first`` runs: its own driver,
-    and everything tracker-wide shared with ``first`` (one admission, one ledger
-    spool, one ``heal_lock``, one metrics registry, one placement lease)."""
+    and everything tracker-wide shared with ``first`` (its ``Shared``: one admission,
+    one ledger spool, one ``heal_lock``, one metrics registry, one inventory; and one
+    placement lease, one trust)."""
     driver = RouteDriver(
         first.channels, info.fingerprint, info.spec, info.tokenizer, first.driver.limits
     )
-    tracker = Tracker(first.store, info, first.channels, driver, first.config, TrackerMetrics())
-    tracker.metrics = first.metrics  # its own registry (above) only absorbs watch()
-    tracker.admission = first.admission
-    tracker.ledger = first.ledger
-    tracker.heal_lock = first.heal_lock
+    tracker = Tracker(first.store, info, first.channels, driver, first.config, first.shared)
     tracker.node_model_path = node_path
     tracker.trusted_nodes = first.trusted_nodes  # trust is tracker-wide too
-    tracker.inventory = first.inventory  # what nodes hold on disk, whatever they serve
     tracker.leader = first.leader  # one placement lease for every model's controller
     if first.verification is not None:  # verification is tracker-wide: this model's too
         rate = first.verification.rate

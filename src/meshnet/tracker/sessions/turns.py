@@ -123,7 +123,7 @@ class TurnRunner:
         params = sampling_params(request)
         ids = self.input_ids(session, request["content"])
         context = session.kv_tokens + len(ids) + params.max_tokens
-        limit = self.tracker.context_limit()
+        limit = self.tracker.planner.context_limit()
         if context > limit:
             raise ContextTooLong(
                 f"the session holds {session.kv_tokens} tokens; this turn's {len(ids)} and "
@@ -146,10 +146,12 @@ class TurnRunner:
         scope = b"" if session.history else self.prefix_scope(session)  # a first turn's
         if session.history:
             route, path, failures = await self._place(session)
-            _, held = self.tracker.reserve(route)  # Overloaded: the outbox tries again later
+            _, held = self.tracker.planner.reserve(
+                route
+            )  # Overloaded: the outbox tries again later
         else:  # a first turn: routed by load and by what its nodes hold of the prompt
             blocks = PromptBlocks(ids, scope)
-            (route, held), path, failures = self.tracker.reserve(None, blocks), "hot", []
+            (route, held), path, failures = self.tracker.planner.reserve(None, blocks), "hot", []
         gen = self.tracker.driver.new_generation(turn.id, route, params)  # ledger records
         gen.session_id, gen.keep, gen.epoch = session.id, True, epoch
         gen.prefix_scope = scope
@@ -161,7 +163,7 @@ class TurnRunner:
                 await self.tracker.driver.open(gen, ids)
                 self.tracker.metrics.cached_prompt_tokens.labels("turn").inc(gen.reused)
                 if self.tracker.config.prefix.on:  # and its blocks go to their caches
-                    self.tracker.prefixes.record(route, blocks.keys)
+                    self.tracker.planner.prefixes.record(route, blocks.keys)
             elif path == "reprefill":
                 await self.tracker.driver.open(gen)
             elif not await self.tracker.driver.resume(gen, (session.kv_tokens, session.steps)):
@@ -224,17 +226,17 @@ class TurnRunner:
             route = self._snapshot_route(files)
             if route is None:
                 failure = {"reason": "no-node", "message": "no node serves a snapshot's layers"}
-                return self.tracker.route(), "reprefill", [failure]
+                return self.tracker.planner.route(), "reprefill", [failure]
             failures = await self._import(session, files, route)
             return route, ("reprefill" if failures else "snapshot"), failures
-        if session.route and self.tracker.usable(session.route):
+        if session.route and self.tracker.planner.usable(session.route):
             return session.route, "hot", []
-        return self.tracker.route(), "reprefill", []
+        return self.tracker.planner.route(), "reprefill", []
 
     def _snapshot_route(self, files: list[SnapshotFile]) -> Route | None:
         hops: list[Hop] = []
         for f in files:
-            hop = self.tracker.single_hop_for(f.layers)
+            hop = self.tracker.planner.single_hop_for(f.layers)
             if hop is None:
                 return None
             hops.append(hop)
