@@ -25,7 +25,7 @@ from meshnet.tracker.nodes.prefix_routes import (
     PromptBlocks,
     route_by_prefix,
 )
-from meshnet.tracker.nodes.registry import NodeRecord
+from meshnet.tracker.nodes.registry import NodeId, NodeRecord
 from meshnet.tracker.nodes.routes import (
     Hop,
     Route,
@@ -49,6 +49,17 @@ class RoutePlanner:
         self.prefix = prefix
         # What prompt blocks each node holds, as learned from what was routed to it.
         self.prefixes = PrefixIndex(prefix.max_blocks_per_node)
+
+    def routed(self, route: Route, prompt: PromptBlocks) -> None:
+        """``route``'s nodes were given ``prompt``: each now caches its full blocks
+        (noted only while routing by prefix is on)."""
+        if self.prefix.on:
+            self.prefixes.record(route, prompt.keys)
+
+    def forget(self, node_id: NodeId) -> None:
+        """``node_id``'s prefix cache is empty now (it loaded a shard, or registered
+        afresh): no route is chosen for what it held."""
+        self.prefixes.forget(node_id)
 
     def _pinned(self) -> list[str] | None:
         """The pinned route, when it is of this model (with several models served, a pin

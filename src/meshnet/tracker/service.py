@@ -222,8 +222,7 @@ class Tracker:
                 held.release()
                 raise
             self.metrics.cached_prompt_tokens.labels("completion").inc(gen.reused)
-            if self.config.prefix.on:  # the route's nodes keep the prompt's full blocks
-                self.planner.prefixes.record(route, blocks.keys)
+            self.planner.routed(route, blocks)  # its nodes keep the prompt's full blocks
             reroute = self.healer.reroute if named is None else self.healer.keep_route
             fabric: Fabric = _Fabric(reroute, self.ledger)
             run = self.driver.run(gen, prompt_ids, params, fabric)
@@ -310,7 +309,7 @@ class Tracker:
             log.warning("node %s did not load layers %s: %s", node.node_id, span, result.failure)
             return result
         self.store.set_layers(node.node_id, span, self.model.fingerprint)
-        self.planner.prefixes.forget(node.node_id)  # a T3 drops what the node had cached
+        self.planner.forget(node.node_id)  # a T3 drops what the node had cached
         if self.verification is not None:  # routed only once it calibrated on the span
             self.verification.reconsider(node.node_id)
             if not await self.verification.calibrated(node.node_id):
@@ -326,7 +325,7 @@ class Tracker:
             log.warning("node %s did not empty itself: %s", node.node_id, result.failure)
             return result
         self.store.set_layers(node.node_id, None, "")
-        self.planner.prefixes.forget(node.node_id)
+        self.planner.forget(node.node_id)
         log.info("emptied: node %s serves nothing", node.node_id)
         return result
 
@@ -352,7 +351,7 @@ class Tracker:
         """A node registered (again): up, or with verification on, calibrating."""
         before = self.store.node(a.node_id)
         self.store.register(a, time.time())
-        self.planner.prefixes.forget(a.node_id)  # a node registers afresh with an empty cache
+        self.planner.forget(a.node_id)  # a node registers afresh with an empty cache
         if self.verification is not None:
             self.verification.registered(a.node_id, before)
 

@@ -162,8 +162,7 @@ class TurnRunner:
             if not session.history:  # opens on the nodes' cached prefix of its prompt
                 await self.tracker.driver.open(gen, ids)
                 self.tracker.metrics.cached_prompt_tokens.labels("turn").inc(gen.reused)
-                if self.tracker.config.prefix.on:  # and its blocks go to their caches
-                    self.tracker.planner.prefixes.record(route, blocks.keys)
+                self.tracker.planner.routed(route, blocks)  # its blocks go to their caches
             elif path == "reprefill":
                 await self.tracker.driver.open(gen)
             elif not await self.tracker.driver.resume(gen, (session.kv_tokens, session.steps)):
