@@ -205,7 +205,9 @@ def test_replace_with_a_session_open_and_a_generation_running(
 
     streamed = stream_completion(mesh, long_body, at(3, replace))
     assert replaced["replaced"]["state"] == "draining"
-    assert replaced["replaced"]["generations"] >= 1  # it was running when the switch came
+    # The switch came at token 3 of the generation; the count of those still running is
+    # taken when the answer comes, after tiny-b loaded, which a loaded host's 400 tokens
+    # can outrun: what must hold is that the generation ends exact on the old model.
     assert replaced["model"]["name"] == "tiny-b" and replaced["model"]["complete"]
     want = generate(
         solo["tiny-a"].chain,
