@@ -40,13 +40,13 @@ import numpy as np
 import meshnet.backends.shard as shard_file
 import meshnet.node.autorun_stream as autorun_stream
 import meshnet.node.configure as configure
-import meshnet.node.engine as engine
+import meshnet.node.engine_forward as engine_forward
 import meshnet.node.forward_steps as forward_steps
 from meshnet.cli.main import main
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
 
-_honest_forward = engine.forward_committed
+_honest_forward = engine_forward.forward_committed
 _honest_load = shard_file.load_shard
 _honest_chunks = forward_steps.step_chunks
 
@@ -118,7 +118,7 @@ def patch(cheat: str, after: int) -> None:
         return
     if cheat == "silent":
         forward_steps.step_chunks = chunks  # what a step's answer commits to
-    engine.forward_committed = forward
+    engine_forward.forward_committed = forward
     shard_file.load_shard = load_shard  # what a node's start loads its layers with
     configure.load_shard = load_shard  # a T3 configure loads its layers there
 

@@ -121,10 +121,13 @@ class RecordingEngine(NodeEngine):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.at_apply: list[list[int]] = []
+        apply = self.tiers._apply_batching
 
-    def _apply_batching(self, batching: Batching) -> EngineConfig:
-        self.at_apply.append([w.done_rows for w in self._pending])
-        return super()._apply_batching(batching)
+        def recorded(batching: Batching) -> EngineConfig:
+            self.at_apply.append([w.done_rows for w in self.steps.pending])
+            return apply(batching)
+
+        self.tiers._apply_batching = recorded  # type: ignore[method-assign]
 
 
 @pytest.fixture

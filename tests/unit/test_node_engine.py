@@ -332,7 +332,7 @@ def test_what_a_step_defers_runs_once_its_whole_batch_is_answered(engine: NodeEn
     for sid in sids:
         engine.open(sid, 1).result(5)
     gate = threading.Event()
-    engine._control(gate.wait)  # holds the loop, so the three steps meet in one batch
+    engine.inbox.control(gate.wait)  # holds the loop, so the three steps meet in one batch
     futures = [engine.submit(StepWork(sid, 1, np.asarray([3, 4], np.int64), None)) for sid in sids]
     seen: list[list[bool]] = []
     all_seen = threading.Event()
@@ -384,7 +384,7 @@ def test_a_step_brought_to_an_idle_loop_runs_on_the_thread_that_brings_it(
 def test_a_step_brought_to_a_busy_loop_waits_for_the_loops_thread(engine: NodeEngine) -> None:
     engine.open("s", 1).result(5)
     gate = threading.Event()
-    engine._control(gate.wait)  # the loop's thread is busy
+    engine.inbox.control(gate.wait)  # the loop's thread is busy
     _, ran_on, future = _brought(engine, StepWork("s", 1, np.asarray([5], np.int64), None))
     assert not future.done()
     gate.set()

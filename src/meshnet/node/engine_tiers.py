@@ -12,13 +12,17 @@ from __future__ import annotations
 import gc
 import logging
 from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
 
 from meshnet.backends.shard import Shard, load_shard_file
 from meshnet.errors import CacheMiss, MeshnetError, Overloaded
 from meshnet.layer_range import LayerRange
 from meshnet.node.context import check_context_budget
-from meshnet.node.engine_base import Staged, settle
-from meshnet.node.engine_sessions import EngineSessions
+from meshnet.node.engine_held import HeldKV
+from meshnet.node.engine_inbox import Inbox, settle
+from meshnet.node.engine_parking import Parking
+from meshnet.node.engine_steps import Steps
 from meshnet.node.engine_types import EngineConfig
 from meshnet.node.parking import ParkPhase
 from meshnet.node.tiers import (
@@ -33,20 +37,57 @@ from meshnet.node.tiers import (
 log = logging.getLogger(__name__)
 
 
-class EngineTiers(EngineSessions):
-    """The engine's configure calls, and the loop's staging and applying of them."""
+@dataclass
+class Staged:
+    """A tier-2 or tier-3 change waiting for the loop to drain; ``future`` answers it."""
+
+    change: Batching | Shard | None  # None: unload (the node becomes empty)
+    future: Future[Any]
+
+
+class Tiers:
+    """What the node serves, its shard and its configuration, and the changes to them.
+
+    ``config`` is replaced whole, on the loop thread, by a tier-1 or tier-2 change;
+    other threads read it as it is at that moment. A shard swap lets go of the
+    sessions' KV (``held``) and fails the steps queued (``steps``), or keeps the
+    KV parked (``parking``) when the same shard is loaded again.
+    """
+
+    def __init__(
+        self, config: EngineConfig, inbox: Inbox, held: HeldKV, steps: Steps, parking: Parking
+    ) -> None:
+        self.config = config
+        self._shard: Shard | None = None
+        self._staged: Staged | None = None  # a T2/T3 change waiting for a drain (loop only)
+        self._inbox = inbox
+        self._held = held
+        self._steps = steps
+        self._parking = parking
+
+    @property
+    def shard(self) -> Shard | None:
+        return self._shard
+
+    @property
+    def draining(self) -> bool:
+        return self._staged is not None
+
+    @property
+    def swapping(self) -> bool:
+        return self._staged is not None and not isinstance(self._staged.change, Batching)
 
     def load(
         self, model_path: str, layers: LayerRange, fingerprint: str | None = None
     ) -> Future[Shard]:
         """Load ``layers`` of the model (tier 3); drops every session's KV. ``fingerprint``:
         the model's, when ``model_path`` holds only the range (``load_shard_file``)."""
-        return self._control(lambda: self._apply_load(model_path, layers, fingerprint))
+        return self._inbox.control(lambda: self._apply_load(model_path, layers, fingerprint))
 
     def configure_limits(self, limits: Limits) -> Future[EngineConfig]:
         """Tier 1, applied by the loop at once (checked by the caller:
         ``configure.check_limits``); the config it runs with after."""
-        return self._control(lambda: self._apply_limits(limits))
+        return self._inbox.control(lambda: self._apply_limits(limits))
 
     def configure_batching(self, batching: Batching) -> Future[EngineConfig]:
         """Tier 2: checked on the loop against the KV held then, and applied at the first
@@ -54,7 +95,7 @@ class EngineTiers(EngineSessions):
         config it runs with after, or ``RequestError`` with the reason and nothing
         changed. Cancelling the future before it is answered withdraws the change."""
         staged = Staged(batching, Future())
-        self._control(lambda: self._stage(staged))
+        self._inbox.control(lambda: self._stage(staged))
         return staged.future
 
     def swap(self, shard: Shard | None) -> Future[int]:
@@ -66,8 +107,33 @@ class EngineTiers(EngineSessions):
         it. The sessions whose KV was dropped. Cancelling the future before it is
         answered withdraws the swap."""
         staged = Staged(shard, Future())
-        self._control(lambda: self._stage(staged))
+        self._inbox.control(lambda: self._stage(staged))
         return staged.future
+
+    # --- the loop thread --------------------------------------------------------
+
+    def apply_staged(self) -> None:
+        """Apply the staged change once drained (no prompt half-run). Withdrawn (its
+        future cancelled) meanwhile: nothing changes."""
+        staged = self._staged
+        if staged is None:
+            return
+        change = staged.change
+        if self._steps.half_run():
+            return
+        self._staged = None
+        if not staged.future.set_running_or_notify_cancel():
+            log.info("a configure was withdrawn before the node drained: nothing changed")
+            return
+        if isinstance(change, Batching):
+            settle(staged.future, lambda: self._apply_batching(change))
+        else:
+            settle(staged.future, lambda: self._apply_swap(change))
+
+    @property
+    def staged_future(self) -> Future[Any] | None:
+        """What answers the change waiting for a drain (None: none waits)."""
+        return self._staged.future if self._staged is not None else None
 
     def _apply_load(self, model_path: str, layers: LayerRange, fingerprint: str | None) -> Shard:
         shard = load_shard_file(model_path, layers, self.config.backend, fingerprint)
@@ -80,28 +146,16 @@ class EngineTiers(EngineSessions):
         """Serve ``shard``: queued steps fail, every session's KV is dropped, or with
         ``park`` (``shard`` has the same model and layers) parked first and kept; the
         sessions whose KV was dropped."""
-        for w in self._pending:
-            w.future.set_exception(CacheMiss("the node loaded another shard; its KV is gone"))
-        self._pending.clear()
+        self._steps.fail_all(CacheMiss("the node loaded another shard; its KV is gone"))
         if park:
-            for session_id in list(self._slots):
+            for session_id in list(self._held.slots):
                 try:
-                    self._apply_park(session_id, None, ParkPhase.NOW)
+                    self._parking.apply(session_id, None, ParkPhase.NOW)
                 except MeshnetError as e:
                     log.warning("session %s could not be parked for the reload: %s", session_id, e)
-        ended = len(self._slots) + (0 if park else len(self._parked))
-        self._slots.clear()
-        for parked in self._prepared.values():
-            self._park_store.remove(parked)
-        self._prepared.clear()
-        if not park:
-            for parked in self._parked.values():
-                self._park_store.remove(parked)
-            self._parked.clear()
         self._shard = shard
-        self._prefixes.clear()  # another shard's KV (or the same one's, dropped with it)
-        self._account()
-        return ended
+        # Another shard's KV, or the same one's dropped with it: the prefix cache goes too.
+        return self._held.forget_all(keep_parked=park)
 
     def _apply_limits(self, limits: Limits) -> EngineConfig:
         self.config = with_limits(self.config, limits)
@@ -110,40 +164,22 @@ class EngineTiers(EngineSessions):
         return self.config
 
     def _stage(self, staged: Staged) -> None:
-        """Hold a T2/T3 change until the loop has drained (``_apply_staged``)."""
+        """Hold a T2/T3 change until the loop has drained (``apply_staged``)."""
         try:
             if self._staged is not None:
                 raise Overloaded("another configure is waiting for the node to drain")
             if isinstance(staged.change, Batching):
-                check_batching(staged.change, self.config, self._budget.in_use)
+                check_batching(staged.change, self.config, self._held.budget.in_use)
         except Exception as e:
             if staged.future.set_running_or_notify_cancel():
                 staged.future.set_exception(e)
             return
         self._staged = staged
 
-    def _apply_staged(self) -> None:
-        """Apply the staged change once drained (no prompt half-run). Withdrawn (its
-        future cancelled) meanwhile: nothing changes."""
-        staged = self._staged
-        if staged is None:
-            return
-        change = staged.change
-        if any(w.done_rows for w in self._pending):
-            return
-        self._staged = None
-        if not staged.future.set_running_or_notify_cancel():
-            log.info("a configure was withdrawn before the node drained: nothing changed")
-            return
-        if isinstance(change, Batching):
-            settle(staged.future, lambda: self._apply_batching(change))
-        else:
-            settle(staged.future, lambda: self._apply_swap(change))
-
     def _apply_batching(self, batching: Batching) -> EngineConfig:
-        check_batching(batching, self.config, self._budget.in_use)  # KV may have grown since
+        check_batching(batching, self.config, self._held.budget.in_use)  # KV may have grown
         self.config = with_batching(self.config, batching)
-        self._budget.budget_bytes = self.config.kv_budget_bytes
+        self._held.budget.budget_bytes = self.config.kv_budget_bytes
         log.info("tier 2 applied: %s", batching)
         return self.config
 

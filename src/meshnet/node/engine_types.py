@@ -1,4 +1,5 @@
-"""What a node's engine is configured with and what it answers (node/engine.py).
+"""What a node's engine is configured with and what it answers (node/engine.py), and
+what its parts read of what it serves (``Serving``).
 
 ``EngineConfig`` sits below the engine so that what reads or changes it (the
 tiers of live configuration, node/tiers.py; the node's start) need not import
@@ -8,8 +9,9 @@ the engine itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-from meshnet.backends.shard import DEFAULT_BACKEND
+from meshnet.backends.shard import DEFAULT_BACKEND, Shard
 from meshnet.kv.prefix_cache import PrefixStats
 from meshnet.layer_range import LayerRange
 
@@ -79,3 +81,25 @@ class EngineStats:
     head_parts: int = 0  # head multiplies the ring's first hop shared in time
     head_parts_late: int = 0  # those it was asked for and this node did itself
     prefix: PrefixStats | None = None  # the prefix cache's state (None: never read)
+
+
+class Serving(Protocol):
+    """What the engine's parts read of what it serves: its shard and its configuration,
+    both changed only by a tier (node/engine_tiers.py ``Tiers``), on the loop."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def shard(self) -> Shard | None: ...
+
+    @property
+    def draining(self) -> bool:
+        """A tier-2 or tier-3 change waits for the loop to drain: only half-run prompts
+        go on."""
+        ...
+
+    @property
+    def swapping(self) -> bool:
+        """The waiting change is a shard swap: opens and imports are refused."""
+        ...

@@ -24,8 +24,9 @@ from meshnet.model.bundled import bundled_model_path
 from meshnet.model_source.config import source_config
 from meshnet.model_source.reference import is_reference
 from meshnet.node.announce import Announcer
+from meshnet.node.engine import NodeEngine
 from meshnet.node.kv_offers import KVOffers
-from meshnet.node.metrics import MeteredEngine, NodeMetrics
+from meshnet.node.metrics import NodeMetrics
 from meshnet.node.metrics_http import MetricsServer
 from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.model_fetch import NodeModels, progress_wanted
@@ -148,7 +149,7 @@ def serve(cfg: NodeConfig) -> int:
     _reuse_large_buffers()
     threads = _start_threads(cfg.threads)
     metrics = NodeMetrics(cfg.node_id)
-    engine = MeteredEngine(cfg.engine, metrics)
+    engine = NodeEngine(cfg.engine, on_forward=metrics.forward)
     engine.start()
     model_path = cfg.model_path or str(bundled_model_path())
     source = cfg.source or source_config(cfg.node_id, progress=progress_wanted())

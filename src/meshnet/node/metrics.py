@@ -1,9 +1,10 @@
 """A node's Prometheus metrics, in a registry the node process owns.
 
 - **Per forward** (histograms, observed as each batched forward ends): rows and
-  sessions in the batch and its seconds. ``MeteredEngine`` takes them where the
-  engine already notes each forward's speed, on the engine thread: three
-  observations per forward (microseconds beside a forward's milliseconds).
+  sessions in the batch and its seconds. ``NodeMetrics.forward`` is the engine's
+  ``on_forward``, told where it already notes each forward's speed, on the engine
+  thread: three observations per forward (microseconds beside a forward's
+  milliseconds).
 - **State** (read at scrape time by ``NodeCollector`` from ``NodeService.stats()``,
   never kept twice): steps finished, inputs relayed by the previous hop, sessions
   and parked sessions held, KV bytes (in use, peak, budget), queue depth, rows/s,
@@ -22,8 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from meshnet.kv.prefix_cache import PrefixStats
-from meshnet.node.engine import NodeEngine
-from meshnet.node.engine_types import EngineConfig, EngineStats
+from meshnet.node.engine_types import EngineStats
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # sessions in one forward
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # rows (tokens) in one forward
@@ -72,18 +72,6 @@ class NodeMetrics:
     def watch(self, stats: Callable[[], EngineStats]) -> None:
         """Read the node's state through ``stats`` at every scrape (call once)."""
         self.registry.register(NodeCollector(self.node_id, stats))
-
-
-class MeteredEngine(NodeEngine):
-    """The node engine, telling ``metrics`` of every forward it runs."""
-
-    def __init__(self, config: EngineConfig, metrics: NodeMetrics) -> None:
-        super().__init__(config)
-        self._metrics = metrics
-
-    def _note_speed(self, rows: int, seconds: float, sessions: int) -> None:
-        super()._note_speed(rows, seconds, sessions)
-        self._metrics.forward(rows, seconds, sessions)
 
 
 class NodeCollector(Collector):
