@@ -85,8 +85,7 @@ class Forwards:
             served_context(shard, config.ctx) if shard else 0,
         )
         for w, error in plan.refused:
-            self._steps.pending.remove(w)
-            w.future.set_exception(error)
+            self._steps.refuse(w, error)
         if plan.chosen and shard is not None:
             self._forward(shard, list(plan.chosen))
 
@@ -103,8 +102,7 @@ class Forwards:
         except Exception as e:  # a bug must fail the steps, not kill the loop
             log.exception("batch of %d steps failed", len(chosen))
             for w, _ in chosen:
-                self._steps.pending.remove(w)
-                w.future.set_exception(e)
+                self._steps.refuse(w, e)
             held.account()
             return
         seconds = time.perf_counter() - t0
@@ -142,7 +140,6 @@ class Forwards:
             offset += n
             w.done_rows += n
             if w.done_rows == w.n_tokens:
-                self._steps.pending.remove(w)
                 self.finished += 1
                 result = w.outputs[-1] if shard.is_last else np.concatenate(w.outputs)
                 if w.keep_output and not shard.is_last:
@@ -150,7 +147,7 @@ class Forwards:
                 slot.last_step = slot.steps
                 slot.steps += w.steps
                 slot.last_result = result
-                w.future.set_result(result)
+                self._steps.finish(w, result)
         for w, _ in chosen:  # after the answers: copying blocks delays none of them
             keep_prefix(self._held.prefixes, slots.get(w.session_id))
         self._held.account()

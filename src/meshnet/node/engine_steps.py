@@ -63,6 +63,16 @@ class Steps:
         """Whether a prompt has run some of its chunks and not all."""
         return any(w.done_rows for w in self.pending)
 
+    def refuse(self, w: StepWork, error: Exception) -> None:
+        """Take an admitted step out, failed with ``error``."""
+        self.pending.remove(w)
+        w.future.set_exception(error)
+
+    def finish(self, w: StepWork, result: np.ndarray) -> None:
+        """Take an admitted step out, answered with ``result``."""
+        self.pending.remove(w)
+        w.future.set_result(result)
+
     def fail(self, session_id: str, error: Exception) -> None:
         """Fail the session's unfinished steps with ``error``."""
         for w in [w for w in self.pending if w.session_id == session_id]:

@@ -4,11 +4,12 @@ A fresh session opened with its prompt (``PrefixAsk``) starts holding the
 longest cached prefix of it, up to the positions the driver allows, as its
 step 0: the driver then sends the rest of the prompt as step 1, and every hop
 of the route agrees on the length because the driver asks each for the same
-(node/engine.py answers what it loaded; tracker/routing/prefix_open.py settles on it).
-As the session's steps commit, the full blocks of its prompt it has computed
-are copied into the cache (after every chunk of its prefill, while a windowed
-layer's ring still holds them). Both are under the open's scope: the tracker's
-name for the request's tenant, so one tenant's prompts are never another's hits.
+(node/engine_sessions.py answers what it loaded; tracker/routing/prefix_open.py
+settles on it). As the session's steps commit, the full blocks of its prompt
+it has computed are copied into the cache (after every chunk of its prefill,
+while a windowed layer's ring still holds them). Both are under the open's
+scope: the tracker's name for the request's tenant, so one tenant's prompts
+are never another's hits.
 Run on the engine's loop thread only.
 """
 
