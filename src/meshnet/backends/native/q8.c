@@ -143,6 +143,7 @@ static void quantize_q8_k(const float *x, Py_ssize_t supers, int8_t *q, float *d
 }
 
 #define Q8_AHEAD 4 /* blocks a tile fetches ahead (see matmul.c's PREFETCH_BLOCKS) */
+#define Q5K_AHEAD 4 /* super-blocks AVX-512's lone-token Q5_K tile fetches ahead */
 #define WIDE_Q8 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq,avx512bw,avx512vnni")))
 
 /* AVX2: eight rows per vector; the 8-bit products go through maddubs (pairs into int16,
@@ -161,6 +162,7 @@ static void quantize_q8_k(const float *x, Py_ssize_t supers, int8_t *q, float *d
 #define BMASK(z, k) _mm256_and_si256(z, _mm256_set1_epi8(k))
 #define SLLI32 _mm256_slli_epi32
 #define SRLI32 _mm256_srli_epi32
+#define SRAI32 _mm256_srai_epi32
 #define ORI _mm256_or_si256
 #define IZERO _mm256_setzero_si256
 #define PZERO _mm256_setzero_si256
@@ -212,6 +214,7 @@ static void quantize_q8_k(const float *x, Py_ssize_t supers, int8_t *q, float *d
 #define BMASK(z, k) _mm512_and_si512(z, _mm512_set1_epi8(k))
 #define SLLI32 _mm512_slli_epi32
 #define SRLI32 _mm512_srli_epi32
+#define SRAI32 _mm512_srai_epi32
 #define ORI _mm512_or_si512
 #define IZERO _mm512_setzero_si512
 #define PZERO _mm512_setzero_si512
