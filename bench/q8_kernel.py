@@ -2,13 +2,14 @@
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/q8_kernel.py [--against OLD.so]
 
-For each shape (an expert of bench/moe.py's Qwen3-MoE, 512x1024; 2048x768; a dense
-4096x4096) and each of Q4_K, Q5_K and Q6_K, the native q8 matmul of one token is timed
-at both vector widths (AVX-512 VNNI and AVX2) in two settings: ``hot``, one matrix
-called again and again (it stays in the caches: what the kernel itself can do), and
-``stream``, calls cycling through copies of it that together pass ``--pool-mb`` (each
-call reads its weights from memory, as a decode step reads its experts). Weights are
-seeded random blocks in the GGUF layout (the speed does not depend on their values).
+For each shape (an expert of bench/moe.py's Qwen3-MoE, 512x1024 gate/up and 1024x512
+down; 2048x768; a dense 4096x4096) and each of Q4_K, Q5_K and Q6_K, the native q8
+matmul of one token is timed at both vector widths (AVX-512 VNNI and AVX2) in two
+settings: ``hot``, one matrix called again and again (it stays in the caches: what the
+kernel itself can do), and ``stream``, calls cycling through copies of it that together
+pass ``--pool-mb``, one buffer on huge pages (each call reads its weights from memory,
+as a decode step reads its experts). Weights are seeded random blocks in the GGUF
+layout (the speed does not depend on their values).
 
 Printed per row: GB/s of the weights read per call; that rate against the Q6_K
 kernel's on the same shape and setting, and against a read-bandwidth probe of the
@@ -37,7 +38,7 @@ from gguf import GGMLQuantizationType as QT
 from meshnet.backends import quant
 from meshnet.memory import on_huge_pages
 
-SHAPES = ((512, 1024), (2048, 768), (4096, 4096))
+SHAPES = ((512, 1024), (1024, 512), (2048, 768), (4096, 4096))
 TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
 BLOCK_BYTES = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}
 D_AT = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}  # float16 scale fields' offsets
@@ -97,7 +98,9 @@ def measure(
     # one buffer on huge pages, as a model's expert tensors are (a copy each would be on
     # 4 KB pages: under 2 MB, on_huge_pages leaves it)
     pool = on_huge_pages(np.concatenate([packed.reshape(-1)] * copies))
-    stream = [pool[i * packed.size : (i + 1) * packed.size].reshape(packed.shape) for i in range(copies)]
+    stream = [
+        pool[i * packed.size : (i + 1) * packed.size].reshape(packed.shape) for i in range(copies)
+    ]
     pools = {"hot": [packed], "stream": stream}
     fns: dict[tuple[str, bool, str], Callable[[int], object]] = {}
     for setting, mats in pools.items():
