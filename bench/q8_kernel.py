@@ -72,13 +72,14 @@ def cpu_per_call(fn: Callable[[int], object], calls: int) -> float:
 
 
 def matmul_fn(
-    build: ModuleType, mats: list[np.ndarray], w: quant.QuantMatrix, wide: bool
+    build: ModuleType, mats: list[np.ndarray], w: quant.QuantMatrix, wide: bool, tokens: int
 ) -> Callable[[int], object]:
+    """Call i: ``tokens`` rows times mats[i % len(mats)], one thread."""
     _, rows, nb, code = quant.native_args(w)
-    x = np.random.default_rng(1).standard_normal((1, w.cols)).astype(np.float32)
-    out = np.empty((1, rows), np.float32)
+    x = np.random.default_rng(1).standard_normal((tokens, w.cols)).astype(np.float32)
+    out = np.empty((tokens, rows), np.float32)
     n = len(mats)
-    return lambda i: build.matmul(mats[i % n], x, out, rows, nb, 1, code, 1, wide)
+    return lambda i: build.matmul(mats[i % n], x, out, rows, nb, tokens, code, 1, wide)
 
 
 def measure(
@@ -88,6 +89,7 @@ def measure(
     pool_mb: int,
     rounds: int,
     sample_ms: float,
+    tokens: int,
 ) -> dict[tuple[str, bool, str], float]:
     """GB/s per (build, wide, setting), and the probe's per setting ("probe", False, s)."""
     w = quant.from_blocks(
@@ -106,7 +108,7 @@ def measure(
     for setting, mats in pools.items():
         for name, build in builds.items():
             for wide in (True, False):
-                fns[(name, wide, setting)] = matmul_fn(build, mats, w, wide)
+                fns[(name, wide, setting)] = matmul_fn(build, mats, w, wide, tokens)
         words = np.ones(packed.nbytes * len(mats) // 8, np.uint64)
         parts = np.array_split(words, len(mats))
         fns[("probe", False, setting)] = lambda i, parts=parts: parts[i % len(parts)].sum()
@@ -127,6 +129,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--sample-ms", type=float, default=60.0, help="CPU time per sample")
     p.add_argument("--pool-mb", type=int, default=256, help="stream setting's bytes (past L3)")
+    p.add_argument("--tokens", type=int, default=1, help="rows of x a call (batch tiles: > 1)")
     p.add_argument("--types", default="Q4_K,Q5_K,Q6_K")
     p.add_argument("--shapes", default=",".join(f"{r}x{c}" for r, c in SHAPES))
     args = p.parse_args()
@@ -137,12 +140,16 @@ def main() -> None:
         builds["old"] = load_build(args.against)
     types = [QT[name] for name in args.types.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    print(f"one thread, CPU time, median of {args.rounds}; GB/s of weights read per call")
+    print(
+        f"{args.tokens} token(s) a call, one thread, CPU time, median of {args.rounds};"
+        " GB/s of weights read per call"
+    )
     head = f"{'shape':>10} {'type':>5} {'isa':>6} {'setting':>7} {'GB/s':>6} {'/Q6_K':>6}"
     print(head + f" {'/probe':>6}" + (f" {'old':>6} {'new/old':>7}" if "old" in builds else ""))
     for shape in shapes:
         results = {
-            q: measure(builds, q, shape, args.pool_mb, args.rounds, args.sample_ms) for q in types
+            q: measure(builds, q, shape, args.pool_mb, args.rounds, args.sample_ms, args.tokens)
+            for q in types
         }
         for qtype in types:
             for wide in (True, False):
