@@ -143,7 +143,6 @@ static void quantize_q8_k(const float *x, Py_ssize_t supers, int8_t *q, float *d
 }
 
 #define Q8_AHEAD 4 /* blocks a tile fetches ahead (see matmul.c's PREFETCH_BLOCKS) */
-#define Q5K_AHEAD 4 /* super-blocks AVX-512's lone-token Q5_K tile fetches ahead */
 #define WIDE_Q8 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq,avx512bw,avx512vnni")))
 
 /* AVX2: eight rows per vector; the 8-bit products go through maddubs (pairs into int16,

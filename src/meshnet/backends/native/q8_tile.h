@@ -259,12 +259,6 @@ Q8_INLINE void FN(ktile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
             if (TT >= 2)
                 for (Py_ssize_t line = 0; line < gb; line += 64)
                     _mm_prefetch((const char *)p + gb + line, _MM_HINT_T0);
-            /* but AVX-512's Q5_K, left to it, streamed ~11 GB/s where 4 super-blocks
-             * fetched ahead take it to ~28 (2048x768, 4096x4096; Q4_K, Q6_K and
-             * AVX2's Q5_K lose or gain little from it) */
-            else if (LANES == 16 && type == Q5_K)
-                for (Py_ssize_t line = 0; line < gb; line += 64)
-                    _mm_prefetch((const char *)p + Q5K_AHEAD * gb + line, _MM_HINT_T0);
             IVEC sumi[KTILE_MAX], fp[8];
             if (type == Q6_K) FN(q6k_super)(p, lane[v], xs, cols, sumi, TT);
             else FN(q4k_super)(type, p, lane[v], xs, cols, sumi, TT);
