@@ -149,12 +149,12 @@ Q8_INLINE void FN(q4k_super)(const int type, const uint8_t *p, const int lane,
     const Py_ssize_t qs = five ? K_QS5 : K_QS4;
 #if DOTS_BIAS
     /* Q4_K on int32 partials: the high nibbles taken where they lie (z & 0xF0, sixteen
-     * times their value: no shift) into a chain of their own beside the low ones', each
-     * sub-block's 16 isum_k = 16 part + part16 scaled; the super-block's sum of those,
+     * times their value: no shift) into a chain of their own (part5) beside the low ones'
+     * (part), each sub-block's 16 isum_k = 16 part + part5 scaled; the super-block's sum,
      * below 2^29 (16 x 8 sub-blocks x 63 x 32 x 15 x 127), is 16 sum_k sc_k isum_k
      * exactly: one arithmetic shift at the end. A lone token only: it saves a shift
      * per 64 bytes and costs a shift and an add per sub-block and token (AVX-512, one
-     * thread, in cache: 1 token ~5-10% faster, 2 ~10% slower, 8 ~5%; bench/q8_kernel.py
+     * thread, in cache: 1 token 3-10% faster, 2 ~10% slower, 8 ~5%; bench/q8_kernel.py
      * and the same calls at T > 1). */
     const int in_place = !five && TT == 1;
 #else
