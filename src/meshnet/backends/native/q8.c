@@ -161,6 +161,7 @@ static void quantize_q8_k(const float *x, Py_ssize_t supers, int8_t *q, float *d
 #define BMASK(z, k) _mm256_and_si256(z, _mm256_set1_epi8(k))
 #define SLLI32 _mm256_slli_epi32
 #define SRLI32 _mm256_srli_epi32
+#define SRAI32 _mm256_srai_epi32
 #define ORI _mm256_or_si256
 #define IZERO _mm256_setzero_si256
 #define PZERO _mm256_setzero_si256
@@ -212,6 +213,7 @@ static void quantize_q8_k(const float *x, Py_ssize_t supers, int8_t *q, float *d
 #define BMASK(z, k) _mm512_and_si512(z, _mm512_set1_epi8(k))
 #define SLLI32 _mm512_slli_epi32
 #define SRLI32 _mm512_srli_epi32
+#define SRAI32 _mm512_srai_epi32
 #define ORI _mm512_or_si512
 #define IZERO _mm512_setzero_si512
 #define PZERO _mm512_setzero_si512
