@@ -204,9 +204,9 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                     if hub._pause_s:
                         time.sleep(hub._pause_s)
                     allowed = hub._take_cut(len(chunk))
+                    with hub._lock:  # counted before it goes: a client that has read the
+                        hub.sent[self._client()] += allowed  # last byte finds it counted
                     self.wfile.write(chunk[:allowed])
-                    with hub._lock:
-                        hub.sent[self._client()] += allowed
                     if allowed < len(chunk):
                         self.close_connection = True
                         self.wfile.flush()
