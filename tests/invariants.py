@@ -5,7 +5,7 @@ split == unsplit, cached decode == full recompute, batched == alone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,20 @@ def step_logits(chain: ShardChain, prompt: Sequence[int], follow: Sequence[int])
     for token in follow:
         rows.append(chain.forward(np.asarray([token]), [kv], [1])[0])
     return np.stack(rows)  # [1 + len(follow), vocab]
+
+
+def greedy_logits(
+    chain: ShardChain, prompt: Sequence[int], steps: int, eog: Collection[int]
+) -> tuple[list[int], np.ndarray]:
+    """A greedy run's ids (up to ``steps``, or an end-of-generation id) and the logits each
+    was picked from: ``step_logits`` of those ids, in one pass."""
+    kv = chain.new_sequence()
+    rows = [chain.forward(np.asarray(prompt), [kv], [len(prompt)])[0]]
+    ids = [int(np.argmax(rows[-1]))]
+    while len(ids) < steps and ids[-1] not in eog:
+        rows.append(chain.forward(np.asarray([ids[-1]]), [kv], [1])[0])
+        ids.append(int(np.argmax(rows[-1])))
+    return ids, np.stack(rows)
 
 
 def recomputed_logits(

@@ -13,14 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
-from invariants import recomputed_logits, step_logits
+from invariants import greedy_logits, recomputed_logits, step_logits
 from tinymodel import TinyConfig, write_tiny_gguf
 
 from meshnet.backends import quant
 from meshnet.backends.base import BatchEntry
-from meshnet.engine.generate import generate
 from meshnet.engine.local import LocalModel, load_local_model
-from meshnet.model.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(quant.NATIVE is None, reason="the native kernels are not built")
 
@@ -59,9 +57,9 @@ def assert_greedy_ids_agree(
     ref: LocalModel, q8: LocalModel, prompt: list[int], steps: int, margin: float
 ) -> int:
     """The reference's greedy ids, and q8's argmax on the same inputs at each step: equal
-    wherever the reference's top two are ``margin`` apart. Returns the steps compared."""
-    ids = generate(ref.chain, ref.tokenizer, prompt, SamplingParams(max_tokens=steps)).ids
-    want = step_logits(ref.chain, prompt, ids[:-1])
+    wherever the reference's top two are ``margin`` apart. Returns the steps compared.
+    The reference's logits are those its greedy run fed on (one pass of the slow side)."""
+    ids, want = greedy_logits(ref.chain, prompt, steps, ref.tokenizer.eog_ids)
     got = step_logits(q8.chain, prompt, ids[:-1])
     compared = 0
     for step, token in enumerate(ids):
