@@ -173,13 +173,19 @@ LANES = """[...document.querySelectorAll('#topology .lane')]
 REPLICAS = """[...document.querySelectorAll('#coverage .layer')]
   .map(l => l.dataset.replicas).join(',')"""
 
+CARDS = """[...document.querySelectorAll('#totals .card')]
+  .map(c => c.querySelector('b').textContent + ' ' + c.lastChild.textContent)"""
 
-def _chat(mesh: LocalMesh) -> None:
+
+def _chat(mesh: LocalMesh) -> int:
+    """One chat through the mesh; the tokens it generated (sampled: an end-of-generation
+    id may come before ``max_tokens``)."""
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     r = httpx.post(
         f"{mesh.url}/v1/chat/completions", json=body, headers=mesh.api_headers, timeout=60
     )
     assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["completion_tokens"])
 
 
 def test_a_wrong_token_gets_the_login_form(mesh: LocalMesh, browser: Browser) -> None:
@@ -193,7 +199,7 @@ def test_a_wrong_token_gets_the_login_form(mesh: LocalMesh, browser: Browser) ->
 def test_the_dashboard_shows_the_mesh_and_a_node_dying(
     mesh: LocalMesh, browser: Browser, tmp_path: Path
 ) -> None:
-    _chat(mesh)
+    generated = _chat(mesh)
     browser.open(f"{mesh.url}/dashboard#token={mesh.credentials.admin_token}")
     states = '{"node-0":"up","node-1":"up","node-2":"up"}'
     browser.wait_for(f"{NODE_STATES} === '{states}'")
@@ -205,7 +211,7 @@ def test_the_dashboard_shows_the_mesh_and_a_node_dying(
     assert lanes == f"node-0 0{dash}2|node-1 2{dash}3|node-2 3{dash}4", lanes
     assert browser.eval(REPLICAS) == "1,1,1,1"
     assert browser.eval("document.getElementById('route').textContent") == "route complete"
-    assert browser.wait_for("document.querySelector('#totals').textContent.includes('8')")
+    assert browser.wait_for(f"{CARDS}.includes('{generated} generated tokens')")
     first_update = float(browser.eval("document.body.dataset.updated"))
 
     mesh.kill_node("node-1", signal.SIGKILL)
