@@ -26,7 +26,7 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-logo
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # ruff, and the import contract (pyproject.toml [tool.importlinter]; docs/design.md §3).
 lint: setup
