@@ -63,9 +63,15 @@ def system_prompt(tokenizer: TextTokenizer, tokens: int) -> str:
 
 
 def bodies(
-    model: str, system: str, clients: int, round_no: int, tokens: int
+    model: str,
+    system: str,
+    clients: int,
+    round_no: int,
+    tokens: int,
+    extra: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """One streamed greedy request per client, each its own question this round."""
+    """One streamed greedy request per client, each its own question this round;
+    ``extra`` adds a peer's own fields (meshnet's API refuses fields it does not know)."""
     return [
         {
             "model": model,
@@ -75,7 +81,7 @@ def bodies(
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "cache_prompt": True,  # llama-server's; meshnet's API ignores what it does not use
+            **(extra or {}),
         }
         for c in range(clients)
     ]
@@ -103,10 +109,11 @@ def _rounds(
     setup: PrefixSetup,
     system: str,
     headers: Mapping[str, str] | None,
+    extra: Mapping[str, Any] | None = None,
 ) -> SideResult:
     result = SideResult(name)
     for round_no in range(setup.rounds):
-        sent = bodies(model, system, setup.clients, round_no, setup.max_tokens)
+        sent = bodies(model, system, setup.clients, round_no, setup.max_tokens, extra)
         run: Callable[[], list[StreamRecord]] = partial(run_streams, url, sent, headers)
         if round_no == 0:
             run()  # fills the caches
@@ -138,4 +145,5 @@ def llama_server_side(setup: PrefixSetup, system: str, slot_ctx: int) -> SideRes
     with llama_server(
         setup.bin_dir, setup.model, setup.threads, setup.clients, slot_ctx, log
     ) as url:
-        return _rounds("llama-server, cache_prompt", url, "m", setup, system, None)
+        keep = {"cache_prompt": True}  # llama-server's own field
+        return _rounds("llama-server, cache_prompt", url, "m", setup, system, None, keep)
