@@ -88,7 +88,7 @@ def free_ports(count: int, ephemeral: range | None = None) -> list[int]:
         return [_bound_port(0) for _ in range(count)]
     chosen: list[int] = []
     for port in random.SystemRandom().sample(pool, min(len(pool), 50 * count + 100)):
-        if port not in chosen and _bound_port(port) == port:
+        if _bound_port(port) == port:  # sample() draws each port once
             chosen.append(port)
             if len(chosen) == count:
                 return chosen
