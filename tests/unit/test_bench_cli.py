@@ -14,6 +14,21 @@ from meshnet.cli.main import main
 def test_each_figure_is_its_fastest_round() -> None:
     rounds = [Throughput(100.0, {1: 9.0, 8: 40.0}), Throughput(80.0, {1: 11.0, 8: 35.0})]
     assert Throughput.best(rounds) == Throughput(100.0, {1: 11.0, 8: 40.0})
+    deep = [Throughput(1.0, {}, 7.0), Throughput(1.0, {}, None), Throughput(1.0, {}, 8.0)]
+    assert Throughput.best(deep).deep_decode_tok_s == 8.0
+
+
+def test_decode_at_depth_continues_the_timed_prompt(tiny_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    argv = ["bench", "--model", str(tiny_path), "--no-peer", "--json", "--rounds", "1"]
+    argv += ["--prompt-tokens", "40", "--decode-tokens", "3", "--batches", "1", "--at-depth"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["figure"] for r in rows] == [
+        "prefill 40 tok/s",
+        "decode b=1 tok/s",
+        "decode @40 tok/s",
+    ]
+    assert rows[-1]["meshnet"] > 0
 
 
 def test_bench_without_a_peer_prints_every_figure(tiny_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

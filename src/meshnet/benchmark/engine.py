@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshnet.benchmark.figures import Throughput
+from meshnet.engine.chain import ChainKV
 from meshnet.engine.local import LocalModel
 
 # Plain English that tokenizes to far more tokens than any benchmark prompt needs.
@@ -37,11 +38,16 @@ def bench_engine(
     prompt_tokens: int = 100,
     decode_tokens: int = 32,
     batches: Sequence[int] = (1, 8, 32),
+    at_depth: bool = False,
 ) -> Throughput:
-    """One round: prefill and decode throughput of ``model``'s chain."""
+    """One round: prefill and decode throughput of ``model``'s chain; with ``at_depth``
+    also one sequence's decode continuing from the timed prompt."""
+    prefill, kv, logits = _prefill(model, prompt_tokens)
+    deep = _steps(model, [kv], logits, decode_tokens) if at_depth else None
     return Throughput(
-        prefill_tok_s=_prefill(model, prompt_tokens),
+        prefill_tok_s=prefill,
         decode_tok_s={b: _decode(model, b, decode_tokens) for b in batches},
+        deep_decode_tok_s=deep,
     )
 
 
@@ -51,12 +57,13 @@ def warm_up(model: LocalModel) -> None:
     _decode(model, 2, 2)
 
 
-def _prefill(model: LocalModel, n_tokens: int) -> float:
+def _prefill(model: LocalModel, n_tokens: int) -> tuple[float, ChainKV, np.ndarray]:
+    """Tokens per second of one prompt, and the sequence and logits it leaves."""
     ids = np.asarray(bench_prompt(model, n_tokens), dtype=np.int64)
     kv = model.chain.new_sequence()
     t0 = time.perf_counter()
-    model.chain.forward(ids, [kv], [len(ids)])
-    return n_tokens / (time.perf_counter() - t0)
+    logits = model.chain.forward(ids, [kv], [len(ids)])
+    return n_tokens / (time.perf_counter() - t0), kv, logits
 
 
 def _decode(model: LocalModel, batch: int, steps: int) -> float:
@@ -64,8 +71,13 @@ def _decode(model: LocalModel, batch: int, steps: int) -> float:
     prompts = [bench_prompt(model, 16, offset=7 * i) for i in range(batch)]
     seqs = [chain.new_sequence() for _ in range(batch)]
     logits = chain.forward(np.concatenate(prompts), seqs, [len(p) for p in prompts])
+    return _steps(model, seqs, logits, steps)
+
+
+def _steps(model: LocalModel, seqs: list[ChainKV], logits: np.ndarray, steps: int) -> float:
+    """Aggregate tokens per second of ``steps`` greedy steps of ``seqs`` from ``logits``."""
     t0 = time.perf_counter()
     for _ in range(steps):
         next_ids = np.argmax(logits, axis=-1)  # [batch]
-        logits = chain.forward(next_ids, seqs, [1] * batch)
-    return batch * steps / (time.perf_counter() - t0)
+        logits = model.chain.forward(next_ids, seqs, [1] * len(seqs))
+    return len(seqs) * steps / (time.perf_counter() - t0)

@@ -1,7 +1,8 @@
 """llama.cpp as the speed peer, measured in the same run as the engine.
 
 The binaries come from ``bench/build_llamacpp.sh`` (built outside the repo).
-``llama-bench`` gives prefill and batch-1 decode; ``llama-batched-bench``
+``llama-bench`` gives prefill and batch-1 decode (with ``-d``, decode deep in a
+context); ``llama-batched-bench``
 gives aggregate decode of B parallel sequences, as ``llama-server -np B`` runs
 them. One call is one round; ``meshnet bench`` alternates rounds with ours.
 The build script records the ``GGML_*`` options it built with beside ``bin/``;
@@ -15,7 +16,9 @@ import json
 import os
 import subprocess
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from meshnet.benchmark.figures import Throughput
 
@@ -67,29 +70,18 @@ def bench_llamacpp(
     decode_tokens: int,
     batches: Sequence[int],
     threads: int,
+    at_depth: bool = False,
 ) -> Throughput:
-    """One round of llama.cpp's own benchmarks on ``model`` with ``threads`` threads."""
-    rows = json.loads(
-        _run(
-            [
-                str(bin_dir / "llama-bench"),
-                "-m",
-                str(model),
-                "-t",
-                str(threads),
-                "-p",
-                str(prompt_tokens),
-                "-n",
-                str(decode_tokens),
-                "-r",
-                "1",
-                "-o",
-                "json",
-            ]
-        )
-    )
+    """One round of llama.cpp's own benchmarks on ``model`` with ``threads`` threads;
+    with ``at_depth`` also its decode after ``prompt_tokens`` (``llama-bench -d``)."""
+    bench = partial(_llama_bench, bin_dir, model, threads)
+    rows = bench(prompt_tokens, decode_tokens, 0)
     prefill = next(float(r["avg_ts"]) for r in rows if r["n_prompt"] and not r["n_gen"])
     decode = {1: next(float(r["avg_ts"]) for r in rows if r["n_gen"] and not r["n_prompt"])}
+    deep = None
+    if at_depth:  # its own run: a depth applies to every test of a run, prefill too
+        deep_rows = bench(0, decode_tokens, prompt_tokens)
+        deep = next(float(r["avg_ts"]) for r in deep_rows if r["n_gen"] and not r["n_prompt"])
     parallel = [b for b in batches if b > 1]
     if parallel:
         out = _run(
@@ -115,7 +107,18 @@ def bench_llamacpp(
             if line.startswith("{") and '"speed_tg"' in line:
                 row = json.loads(line)
                 decode[int(row["pl"])] = float(row["speed_tg"])
-    return Throughput(prefill, decode)
+    return Throughput(prefill, decode, deep)
+
+
+def _llama_bench(
+    bin_dir: Path, model: Path, threads: int, prompt: int, gen: int, depth: int
+) -> list[dict[str, Any]]:
+    """llama-bench's rows (one round each) for a prompt of ``prompt`` and a decode of
+    ``gen`` tokens, both after ``depth`` tokens already in the cache."""
+    argv = [str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads)]
+    argv += ["-p", str(prompt), "-n", str(gen), "-d", str(depth), "-r", "1", "-o", "json"]
+    rows: list[dict[str, Any]] = json.loads(_run(argv))
+    return rows
 
 
 def _run(argv: list[str]) -> str:

@@ -46,6 +46,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--decode-tokens", type=positive_int, default=32, help="also a route's max_tokens"
     )
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
+    p.add_argument(
+        "--at-depth",
+        action="store_true",
+        help="also decode one sequence after the prompt (llama.cpp: llama-bench -d)",
+    )
     p.add_argument("--threads", type=int, default=2, help="threads for both sides")
     p.add_argument(
         "--rounds", type=positive_int, default=5, help="rounds per side (per route), in turns"
@@ -84,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
     our_rounds: list[Throughput] = []
     peer_rounds: list[Throughput] = []
     for _ in range(args.rounds):
-        our_rounds.append(bench_engine(model, args.prompt_tokens, args.decode_tokens, batches))
+        our_rounds.append(
+            bench_engine(model, args.prompt_tokens, args.decode_tokens, batches, args.at_depth)
+        )
         if bin_dir is not None:
             peer_rounds.append(
                 bench_llamacpp(
@@ -94,11 +101,12 @@ def run(args: argparse.Namespace) -> int:
                     args.decode_tokens,
                     batches,
                     args.threads,
+                    args.at_depth,
                 )
             )
     ours = Throughput.best(our_rounds)
     peer = Throughput.best(peer_rounds) if peer_rounds else None
-    rows = _rows(args.prompt_tokens, ours.prefill_tok_s, ours.decode_tok_s, peer)
+    rows = _rows(args.prompt_tokens, ours, peer)
     backend = args.backend + (f" ({kernel_name()} kernels)" if args.backend != "numpy" else "")
     isa = peer_isa(bin_dir) if bin_dir is not None else None
     if args.json:
@@ -124,12 +132,15 @@ def _isa_text(isa: list[str] | None) -> str:
     return " ".join(isa) if isa else "no vector extensions"
 
 
-def _rows(
-    prompt_tokens: int, prefill: float, decode: dict[int, float], peer: Throughput | None
-) -> list[dict[str, Any]]:
-    figures = [(f"prefill {prompt_tokens} tok/s", prefill, peer.prefill_tok_s if peer else None)]
-    for b, v in decode.items():
+def _rows(prompt_tokens: int, ours: Throughput, peer: Throughput | None) -> list[dict[str, Any]]:
+    figures = [
+        (f"prefill {prompt_tokens} tok/s", ours.prefill_tok_s, peer.prefill_tok_s if peer else None)
+    ]
+    for b, v in ours.decode_tok_s.items():
         figures.append((f"decode b={b} tok/s", v, peer.decode_tok_s.get(b) if peer else None))
+    if ours.deep_decode_tok_s is not None:
+        theirs = peer.deep_decode_tok_s if peer else None
+        figures.append((f"decode @{prompt_tokens} tok/s", ours.deep_decode_tok_s, theirs))
     return [
         {
             "figure": name,
