@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hub_models import Q4_PARTS, Q8, REPO, write_hub
 from hub_server import COMMIT, HubServer
-from huggingface_hub import constants
+from huggingface_hub import constants, scan_cache_dir
 
 from meshnet.errors import FetchFailed, HashMismatch
 from meshnet.model_source.config import SourceConfig
@@ -90,6 +90,12 @@ def test_a_good_fetch_lands_in_the_hub_cache_and_is_found_offline(
     path = local_model_path(Q8_REF, cfg)
     assert path.read_bytes() == _published(hub, Q8)
     assert path.parent == tmp_path / "hf" / "models--test--tiny" / "snapshots" / COMMIT
+    scan = scan_cache_dir(tmp_path / "hf")  # huggingface_hub's own view of its cache
+    assert not scan.warnings and not scan.incomplete_files
+    [repo] = scan.repos
+    [revision] = repo.revisions
+    assert repo.repo_id == REPO and revision.commit_hash == COMMIT and "main" in revision.refs
+    assert [f.file_name for f in revision.files] == [Q8]
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # huggingface_hub reads its cache
     assert local_model_path(Q8_REF, cfg) == path
 
@@ -120,7 +126,8 @@ def _cut_midway(hub: HubServer, cfg: SourceConfig, tmp: Path, n: int) -> Path:
             local_model_path(Q8_REF, cfg)
     finally:
         hub.cut_after(None)
-    [partial] = (tmp / "hf").rglob("*.partial")
+    [partial] = (tmp / "hf").rglob("*.incomplete")
+    assert [f.file_path for f in scan_cache_dir(tmp / "hf").incomplete_files] == [partial]
     assert 0 < partial.stat().st_size <= n
     return partial
 

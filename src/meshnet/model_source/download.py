@@ -1,18 +1,18 @@
 """One whole remote file fetched to a local name, checked against its sha256 as it streams.
 
 ``download_file`` reads the file by ranges (``ranged.stream_range``: retried, and
-resumed from the byte where a try stopped) into ``NAME.partial`` beside its final
-name, hashing each byte as it is written, so a file of many GB is never read twice.
-When the source gave the file's sha256 (the hub's LFS sha256) the bytes must hash to
-it before the file takes its final name (fsync, rename, fsync of the folder): a cache
-that names a file by its sha256 never holds other bytes under it. A download that
-stopped (``FetchFailed`` once its retries are spent; the process killed) keeps its
-partial file and the next one continues it, reading back the part it kept once, so
-the hash covers every byte. Bytes that do not hash to the sha256 (``HashMismatch``,
-naming the file, the sha256 expected and the one got) or a full disk (``DiskFull``)
-remove the partial file: nothing lands, and nothing that was there changes. A file
-whose source gives no sha256 (a plain URL) is taken as served: there is nothing to
-check it against.
+resumed from the byte where a try stopped) into a partial file beside its final name
+(``NAME.partial``, or a name the caller gives), hashing each byte as it is written, so
+a file of many GB is never read twice. When the source gave the file's sha256 (the
+hub's LFS sha256) the bytes must hash to it before the file takes its final name
+(fsync, rename, fsync of the folder): a cache that names a file by its sha256 never
+holds other bytes under it. A download that stopped (``FetchFailed`` once its retries
+are spent; the process killed) keeps its partial file and the next one continues it,
+reading back the part it kept once, so the hash covers every byte. Bytes that do not
+hash to the sha256 (``HashMismatch``, naming the file, the sha256 expected and the one
+got) or a full disk (``DiskFull``) remove the partial file: nothing lands, and nothing
+that was there changes. A file whose source gives no sha256 (a plain URL) is taken as
+served: there is nothing to check it against.
 """
 
 from __future__ import annotations
@@ -39,14 +39,16 @@ def download_file(
     cfg: SourceConfig,
     progress: OnBytes | None = None,
     lock: Path | None = None,
+    partial: Path | None = None,
 ) -> None:
     """``f`` whole at ``dest`` (see the module), unless it is there already; one process
-    at a time fetches it, holding ``lock`` (default ``NAME.lock`` beside it)."""
+    at a time fetches it, holding ``lock`` (default ``NAME.lock`` beside it), into
+    ``partial`` (default ``NAME.partial`` beside it: the same folder, for the rename)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = partial or dest.with_name(dest.name + ".partial")
     with locked(lock or dest.with_name(dest.name + ".lock")):
         if dest.is_file():  # another process fetched it meanwhile
             return
-        partial = dest.with_name(dest.name + ".partial")
         try:
             with disk_errors(dest):
                 got = _fetch(f, partial, headers, cfg, progress)

@@ -6,11 +6,12 @@ would have other bytes loaded, and kept under that name. So a hub file whose sha
 the hub gives (every LFS file: every GGUF on the hub) is fetched here instead, through
 ``huggingface_hub``'s HTTP session (``download.download_file``: hashed as it streams,
 resumable), and put where ``hf_hub_download`` would put it, in the cache layout
-``huggingface_hub`` documents and reads back (``HF_HUB_CACHE``; with
-``HF_HUB_OFFLINE`` it is found there): the blob ``blobs/SHA256``, written under the
-same lock ``huggingface_hub`` takes for it (``.locks/``), and the file's name in
-``snapshots/COMMIT/`` a relative link to it, and ``refs/REVISION`` naming the commit.
-A blob already there (ours, or ``huggingface_hub``'s) is taken as it is.
+``huggingface_hub`` documents and reads back (``HF_HUB_CACHE``; with ``HF_HUB_OFFLINE``
+it is found there): the blob ``blobs/SHA256``, written as ``blobs/SHA256.incomplete``
+(what ``huggingface_hub``'s cache scan lists as an unfinished download) under the lock
+``huggingface_hub`` takes for it (``.locks/``); the file's name in ``snapshots/COMMIT/``
+a relative link to it; ``refs/REVISION`` naming the commit. A blob already there
+(ours, or ``huggingface_hub``'s) is taken as it is.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def hub_cached_file(
     if not pointer.is_file():
         blob = repo / "blobs" / f.sha256
         lock = root / ".locks" / repo.name / f"{f.sha256}.lock"
-        download_file(f, blob, hf_headers(model, cfg), cfg, progress, lock)
+        partial = blob.with_name(f"{f.sha256}.incomplete")  # as `hf cache` tools list them
+        download_file(f, blob, hf_headers(model, cfg), cfg, progress, lock, partial)
         _link(blob, pointer)
     if ref.revision != commit:
         ref_path = repo / "refs" / ref.revision
