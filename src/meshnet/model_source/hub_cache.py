@@ -17,10 +17,9 @@ a relative link to it; ``refs/REVISION`` naming the commit. A blob already there
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from pathlib import Path
-
-from huggingface_hub import constants
 
 from meshnet.errors import ModelSourceError
 from meshnet.model_source.config import SourceConfig
@@ -30,22 +29,33 @@ from meshnet.model_source.progress import OnBytes
 from meshnet.model_source.reference import HubRef
 from meshnet.model_source.remote import RemoteFile, RemoteModel, hf_headers
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_COMMIT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # a commit sha, or the revision
+
 
 def hub_cached_file(
     ref: HubRef, model: RemoteModel, f: RemoteFile, cfg: SourceConfig, progress: OnBytes | None
 ) -> Path:
     """The local path of the hub file ``f`` of ``model`` (its ``snapshots/`` name), fetched
-    and checked first unless cached; ``ModelSourceError`` when the hub gives no sha256."""
-    if f.sha256 is None:
-        raise ModelSourceError(f"{ref}: the hub gives no sha256 for {f.name}")
+    and checked first unless cached. ``ModelSourceError``, before anything is written, when
+    the hub's listing gives no sha256, or a sha256, commit or file name that would lead
+    out of the repository's folder (a hostile listing)."""
+    sha, commit = f.sha256, model.commit or ref.revision
+    if sha is None or not _SHA256.fullmatch(sha):
+        raise ModelSourceError(f"{ref}: the hub gives no sha256 for {f.name!r}: {sha!r}")
+    if not _COMMIT.fullmatch(commit) or ".." in commit:
+        raise ModelSourceError(f"{ref}: the hub's commit {commit!r} is not a name")
+    if f.name.startswith("/") or any(p in ("", ".", "..") for p in f.name.split("/")):
+        raise ModelSourceError(f"{ref}: the hub lists {f.name!r}, not a path in a repository")
+    from huggingface_hub import constants  # heavy: only when a hub file is fetched
+
     root = Path(cfg.hf_cache or constants.HF_HUB_CACHE)
     repo = root / ("models--" + ref.repo.replace("/", "--"))
-    commit = model.commit or ref.revision
     pointer = repo / "snapshots" / commit / f.name
     if not pointer.is_file():
-        blob = repo / "blobs" / f.sha256
-        lock = root / ".locks" / repo.name / f"{f.sha256}.lock"
-        partial = blob.with_name(f"{f.sha256}.incomplete")  # as `hf cache` tools list them
+        blob = repo / "blobs" / sha
+        lock = root / ".locks" / repo.name / f"{sha}.lock"
+        partial = blob.with_name(f"{sha}.incomplete")  # as `hf cache` tools list them
         download_file(f, blob, hf_headers(model, cfg), cfg, progress, lock, partial)
         _link(blob, pointer)
     if ref.revision != commit:
