@@ -130,7 +130,8 @@ class DiskFull(ModelSourceError):
 
 class HashMismatch(ModelSourceError):
     """Fetched bytes do not match the signed manifest's hash, however often fetched
-    again; nothing half-written is left."""
+    again, or a whole file's bytes are not the sha256 its source (the hub) gives; nothing
+    half-written is left."""
 
     kind = "hash-mismatch"
     http_status = 502

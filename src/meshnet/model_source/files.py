@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import os
 import shutil
@@ -77,3 +78,16 @@ def sparse_partial(path: Path, size: int) -> Iterator[BinaryIO]:
         sync_dir(path.parent)
     finally:
         partial.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def locked(lock: Path) -> Iterator[None]:
+    """Hold the exclusive ``flock`` of ``lock`` (created if missing) for the block: one
+    fetch of one file at a time on this machine (nodes of one ``meshnet up``)."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -23,11 +23,10 @@ shard's first part last: it is whole once its first part is there).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
@@ -38,7 +37,7 @@ from meshnet.errors import DiskFull, HashMismatch, ModelSourceError
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_header import parse_layout
 from meshnet.model_source.config import SourceConfig
-from meshnet.model_source.files import check_room, disk_errors, sync_dir
+from meshnet.model_source.files import check_room, disk_errors, locked, sync_dir
 from meshnet.model_source.first_fetch import Ledger, await_hash
 from meshnet.model_source.header import ModelHeader, RemoteHeader
 from meshnet.model_source.live import LiveFetch
@@ -131,7 +130,7 @@ def fetch_shard(
     if path.is_file():
         return LocalShard(path, manifest.fingerprint, layers)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(path.with_name(path.name + ".lock")):
+    with locked(path.with_name(path.name + ".lock")):
         if path.is_file():  # another process fetched it meanwhile
             return LocalShard(path, manifest.fingerprint, layers)
         local = _local_shards(cfg, manifest, layers)
@@ -167,17 +166,6 @@ def _local_shards(cfg: SourceConfig, manifest: Manifest, layers: LayerRange) -> 
             if all(p.is_file() for p in paths):
                 found.append((-overlap, paths, other))
     return [DiskShard(paths, other) for _, paths, other in sorted(found)]
-
-
-@contextlib.contextmanager
-def _locked(lock: Path) -> Iterator[None]:
-    """One fetch of a shard at a time on this machine (nodes of one ``meshnet up``)."""
-    with lock.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 class _Fetch:

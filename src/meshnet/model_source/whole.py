@@ -1,12 +1,15 @@
 """A referenced model as one whole local file, for what reads every layer in one process
 (``meshnet generate``, ``meshnet bench``, the tracker's verifier).
 
-A hub file goes through ``hf_hub_download`` into the hub's own cache (its
-layout, ``HF_TOKEN``, ``HF_ENDPOINT``; with ``HF_HUB_OFFLINE`` the quantization is
-picked among the files already cached). A plain URL is fetched by ranges into
-meshnet's cache, resumably (``NAME.partial``), and renamed when whole. A split
-GGUF's parts are all fetched, side by side; the path is its first part's, which the
-loader opens them by (``model.gguf_split``).
+A hub file whose sha256 the hub gives (every LFS file) is fetched by ranges and
+checked against that sha256 as it streams, then put in the hub's own cache, where
+``hf_hub_download`` would (``hub_cache``: its layout, ``HF_TOKEN``, ``HF_ENDPOINT``;
+with ``HF_HUB_OFFLINE`` the quantization is picked among the files already cached);
+one without goes through ``hf_hub_download`` (nothing to check it against). A plain
+URL is fetched by ranges into meshnet's cache, resumably (``NAME.partial``), and
+renamed when whole (``download``). A split GGUF's parts are all fetched, side by
+side; the path is its first part's, which the loader opens them by
+(``model.gguf_split``).
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
 from meshnet.errors import FetchFailed, ModelRefNotFound
 from meshnet.model_source.config import SourceConfig
-from meshnet.model_source.files import check_room, disk_errors, store_dir, sync_dir
+from meshnet.model_source.download import download_file
+from meshnet.model_source.files import store_dir
+from meshnet.model_source.hub_cache import hub_cached_file
 from meshnet.model_source.progress import OnBytes
 from meshnet.model_source.quant import pick_files
-from meshnet.model_source.ranged import stream_range
 from meshnet.model_source.reference import HubRef, UrlRef, is_reference, parse_ref
 from meshnet.model_source.remote import RemoteFile, RemoteModel, hf_headers, locate
 
@@ -38,19 +42,23 @@ def local_model_path(text: str, cfg: SourceConfig, progress: OnBytes | None = No
         return [_url_file(model, f, cfg, progress) for f in model.files][0]  # noqa: RUF015
     try:
         paths = [
-            hf_hub_download(
-                ref.repo,
-                f.name,
-                revision=model.commit,
-                cache_dir=cfg.hf_cache,
-                endpoint=cfg.endpoint,
-                user_agent=cfg.user_agent,
+            hub_cached_file(ref, model, f, cfg, progress)
+            if f.sha256 is not None
+            else Path(
+                hf_hub_download(
+                    ref.repo,
+                    f.name,
+                    revision=model.commit,
+                    cache_dir=cfg.hf_cache,
+                    endpoint=cfg.endpoint,
+                    user_agent=cfg.user_agent,
+                )
             )
             for f in model.files
         ]
     except HfHubHTTPError as e:
         raise FetchFailed(f"{ref}: {e}") from None
-    return Path(paths[0])
+    return paths[0]
 
 
 def _cached_hub_file(ref: HubRef, cfg: SourceConfig) -> Path:
@@ -76,20 +84,6 @@ def _url_file(
     model: RemoteModel, f: RemoteFile, cfg: SourceConfig, progress: OnBytes | None
 ) -> Path:
     path = store_dir(cfg, model) / f.name
-    if path.is_file():
-        return path
-    partial = path.with_name(path.name + ".partial")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    have = partial.stat().st_size if partial.is_file() else 0
-    check_room(path.parent, f.size - have)
-    with disk_errors(path), partial.open("ab") as fh:
-
-        def sink(offset: int, data: bytes) -> None:
-            fh.write(data)
-            if progress is not None:
-                progress(len(data))
-
-        stream_range(f.url, have, f.size, hf_headers(model, cfg), cfg, sink)
-    partial.replace(path)
-    sync_dir(path.parent)
+    if not path.is_file():
+        download_file(f, path, hf_headers(model, cfg), cfg, progress)
     return path
