@@ -1,8 +1,9 @@
 """What a node imports and loads leaves out the libraries it does not call.
 
 A node that serves a local file never asks a model hub, and where the native kernels
-are built it never runs a numba kernel: numba (~60 MB resident with its LLVM) and the
-hub's client (~7 MB) load only in a process that needs them. In a process of its
+are built it never runs a numba kernel: numba (~60 MB resident with its LLVM), the
+hub's client (~7 MB) and the grammar engine (~2 MB, for a constrained sampling hop)
+load only in a process that needs them. In a process of its
 own, everything ``meshnet node`` imports is imported and a shard of the tiny model is
 loaded (and run) on each quantized backend, as a node loads its range.
 """
@@ -31,12 +32,12 @@ for backend in ("fast", "q8"):
     kv = shard.backend.new_kv()
     shard.forward(np.arange(6), [BatchEntry(kv, 6)])
     shard.forward(np.arange(1), [BatchEntry(kv, 1)])
-unused = ("numba", "llvmlite", "huggingface_hub", "httpx2")
+unused = ("numba", "llvmlite", "huggingface_hub", "httpx2", "llguidance")
 print(json.dumps([m for m in unused if m in sys.modules]))
 """
 
 
-def test_a_node_serving_a_local_file_loads_neither_numba_nor_the_hub_client(
+def test_a_node_serving_a_local_file_loads_no_numba_hub_client_or_grammar_engine(
     tiny_path: Path,
 ) -> None:
     out = subprocess.run(
