@@ -130,3 +130,26 @@ def test_a_step_looks_up_each_distinct_rope_once(tiny: LocalModel, monkeypatch) 
     kv = shard.backend.new_kv()
     shard.forward(np.asarray(PROMPT), [BatchEntry(kv, len(PROMPT))])
     assert calls == [len(PROMPT)]
+
+
+@pytest.mark.parametrize("backend", ["fast", "q8"])
+def test_without_the_native_kernels_the_numba_kernels_serve_the_same_tokens(
+    tiny_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """Where the extension is not built (here: as if it were not), the matrices keep
+    their GGUF blocks and rows go through the numba kernels, loaded on first use: the
+    reference's logits and tokens, a sequence's bits the same alone and batched."""
+    monkeypatch.setattr(quant, "NATIVE", None)
+    model = load_local_model(tiny_path, backend=backend)
+    ref = load_local_model(tiny_path, backend="numpy")
+    assert quant.kernel_name() == "numba"
+    assert not any(s.backend.runs_native_blocks for s in model.chain.shards)
+    a = step_logits(model.chain, PROMPT, FOLLOW)
+    assert np.max(np.abs(a - step_logits(ref.chain, PROMPT, FOLLOW))) < 1e-3
+    params = SamplingParams(max_tokens=12)
+    ids = generate(model.chain, model.tokenizer, PROMPT, params).ids
+    assert ids == generate(ref.chain, ref.tokenizer, PROMPT, params).ids
+    others = [[9, 8, 7], [100, 101, 102, 103, 104]]
+    alone = _logits_in_batch(model, PROMPT, [], 3)
+    for x, y in zip(alone, _logits_in_batch(model, PROMPT, others, 3), strict=True):
+        assert np.array_equal(x, y)

@@ -6,9 +6,9 @@ bit-identical whether it runs alone or among 31 others (``docs/kernels.md``).
 Where the extension is built, every row (prompt or decode) runs each block in
 one native call (``native_blocks``), so how a prompt is chunked changes nothing
 either. Without it, rows take ``model.block`` with the row kernels of ``quant``
-(every row alike) and the attention here. Q/K/V and gate/up are fused into one
-matrix each where their blocks share a type; rotary tables are computed once a
-position (`rope.RopeTables`).
+(every row alike) and numba's attention (``attention_numba``). Q/K/V and gate/up
+are fused into one matrix each where their blocks share a type; rotary tables are
+computed once a position (`rope.RopeTables`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from dataclasses import replace
 from functools import partial
 
 import gguf
-import numba
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
@@ -223,59 +222,7 @@ def _attention(
     if sinks is not None:
         sinks = np.ascontiguousarray(sinks, dtype=F32)
     q = np.ascontiguousarray(q)
-    _attend(q, keys, values, first_pos, F32(scale), F32(softcap), window, sinks, out)
+    from meshnet.backends.attention_numba import attend  # numba loads with the first call
+
+    attend(q, keys, values, first_pos, F32(scale), F32(softcap), window, sinks, out)
     return out
-
-
-@numba.njit(fastmath=True, cache=True)
-def _attend(
-    q: np.ndarray,
-    keys: np.ndarray,
-    values: np.ndarray,
-    first_pos: int,
-    scale: np.float32,
-    softcap: np.float32,
-    window: int,
-    sinks: np.ndarray | None,
-    out: np.ndarray,
-) -> None:
-    """Causal grouped-query attention of one sequence's new rows (as ``causal_attention``).
-
-    q [n, H, hd] at positions ``first_pos ..``; keys, values [Hkv, L, hd]; sinks [H] or
-    None; out [n, H * hd]. A head's sink joins the max, and its term the total after the
-    scores' (llama.cpp's order); None compiles to the code without them.
-    """
-    n, n_heads, hd = q.shape
-    group = n_heads // keys.shape[0]
-    scores = np.empty(keys.shape[1], np.float32)
-    for i in range(n):
-        end = first_pos + i + 1
-        start = end - window if 0 < window < end else 0
-        for h in range(n_heads):
-            kv = h // group
-            top = np.float32(-np.inf)
-            for j in range(start, end):
-                s = np.float32(0.0)
-                for c in range(hd):
-                    s += q[i, h, c] * keys[kv, j, c]
-                s *= scale
-                if softcap > 0:
-                    s = softcap * np.tanh(s / softcap)
-                scores[j] = s
-                top = max(top, s)
-            if sinks is not None:
-                top = max(top, sinks[h])
-            total = np.float32(0.0)
-            for j in range(start, end):
-                e = np.exp(scores[j] - top)
-                scores[j] = e
-                total += e
-            if sinks is not None:
-                total += np.exp(sinks[h] - top)
-            base = h * hd
-            for c in range(hd):
-                out[i, base + c] = 0.0
-            for j in range(start, end):
-                p = scores[j] / total
-                for c in range(hd):
-                    out[i, base + c] += p * values[kv, j, c]

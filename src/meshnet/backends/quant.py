@@ -10,7 +10,9 @@ Where the native extension is built (``NATIVE``), a matrix holds only its native
 (``quant_layouts``), made once at load from the tensor's bytes read off the file; every
 block type is multiplied, and its embedding rows gathered, from it. Elsewhere a matrix
 holds the GGUF's blocks: the numba kernels (``quant_numba``) multiply Q4_0, Q4_1 and
-Q8_0 straight from them and any other type a dequantized chunk of rows at a time.
+Q8_0 straight from them and any other type a dequantized chunk of rows at a time. numba
+is imported by the first such multiply, never where every matrix is native
+(``kernel_threads``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from meshnet.backends import quant_layouts as layouts
-from meshnet.backends import quant_numba as nb_kernels
-from meshnet.backends.kernel_threads import kernel_threads
+from meshnet.backends.kernel_threads import kernel_threads, numba_threads
 from meshnet.errors import UnsupportedTensorType
 from meshnet.memory import on_huge_pages
 from meshnet.model.gguf_file import GGUFFile
@@ -242,13 +243,15 @@ def matmul(x: np.ndarray, w: QuantMatrix, native: bool = True, wide: bool = True
     """
     x = np.ascontiguousarray(x, dtype=F32)
     out = np.empty((x.shape[0], w.rows), F32)
-    threads = kernel_threads()  # the numba kernels' count follows it on this thread too
     if w.native:
         if not native:
             raise ValueError("a matrix in the native layout has no numba kernel")
         packed, rows, nb, code = native_args(w)
-        NATIVE.matmul(packed, x, out, rows, nb, x.shape[0], code, threads, wide)
+        NATIVE.matmul(packed, x, out, rows, nb, x.shape[0], code, kernel_threads(), wide)
         return out
+    numba_threads()  # numba loaded (the first time), its count on this thread the process's
+    from meshnet.backends import quant_numba as nb_kernels
+
     if w.qtype in (QT.Q4_0, QT.Q4_1):
         qs, d, m = w.split
         nb_kernels.matmul_q4(qs, d, m, x, nb_kernels.block_sums(x), out)

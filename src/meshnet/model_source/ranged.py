@@ -12,12 +12,13 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-
-import httpx2
-from huggingface_hub.utils import get_session
+from typing import TYPE_CHECKING
 
 from meshnet.errors import FetchFailed, ModelRefNotFound
 from meshnet.model_source.config import SourceConfig
+
+if TYPE_CHECKING:  # imported where a range is read: a node that fetches nothing never loads them
+    import httpx2
 
 Sink = Callable[[int, bytes], None]  # (offset in the file, bytes read there)
 _READ = 1 << 16
@@ -63,6 +64,9 @@ def _one_request(
     url: str, pos: int, end: int, headers: dict[str, str], cfg: SourceConfig, sink: Sink
 ) -> int:
     """One GET of ``[pos, end)``; the position reached (``end`` unless it failed midway)."""
+    import httpx2
+    from huggingface_hub.utils import get_session
+
     asked = {**headers, "Range": f"bytes={pos}-{end - 1}", "Accept-Encoding": "identity"}
     try:
         with get_session().stream(

@@ -15,17 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import httpx2
-from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
-from huggingface_hub.errors import (
-    HfHubHTTPError,
-    OfflineModeIsEnabled,
-    RemoteEntryNotFoundError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
-from huggingface_hub.utils import build_hf_headers
-
 from meshnet.errors import FetchFailed, ModelRefNotFound, ModelSourceError
 from meshnet.model.gguf_split import parse_split_name, split_fingerprint
 from meshnet.model_source.config import SourceConfig
@@ -69,12 +58,23 @@ class RemoteModel:
 def hf_headers(model: RemoteModel, cfg: SourceConfig) -> dict[str, str]:
     """The headers of a read of ``model``: the hub's (token from ``HF_TOKEN`` or the login,
     user agent); a plain URL's without the token, which is the hub's only."""
+    from huggingface_hub.utils import build_hf_headers
+
     token = None if isinstance(model.ref, HubRef) else False
     return dict(build_hf_headers(token=token, user_agent=cfg.user_agent))
 
 
 def locate(ref: ModelRef, cfg: SourceConfig) -> RemoteModel:
     """Where the model ``ref`` names lives; typed errors as the module says."""
+    import httpx2  # the hub's client: loaded by a process that asks the hub, not before
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        OfflineModeIsEnabled,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
     try:
         if isinstance(ref, UrlRef):
             return _locate_url(ref, cfg)
@@ -94,6 +94,8 @@ def locate(ref: ModelRef, cfg: SourceConfig) -> RemoteModel:
 
 
 def _locate_hub(ref: HubRef, cfg: SourceConfig) -> RemoteModel:
+    from huggingface_hub import HfApi, hf_hub_url
+
     info = HfApi(endpoint=cfg.endpoint, user_agent=cfg.user_agent).model_info(
         ref.repo, revision=ref.revision, files_metadata=True
     )
@@ -131,6 +133,8 @@ def _all_parts(name: str, there: Iterable[str], ref: str) -> tuple[str, ...]:
 
 
 def _locate_url(ref: UrlRef, cfg: SourceConfig) -> RemoteModel:
+    from huggingface_hub import get_hf_file_metadata
+
     base, _, query = ref.url.partition("?")
     folder = base.rsplit("/", 1)[0]
     split = parse_split_name(ref.filename)

@@ -3,22 +3,25 @@
 A last hop that is asked to sample under a grammar (``Sampling.grammar``) needs
 what every id of its model spells (model/grammar_vocab.py). Nodes load only
 their layers' tensors, not the tokenizer, so the view is built from the shard's
-GGUF at the first constrained open and kept while the node serves that file.
+GGUF at the first constrained open and kept while the node serves that file. The
+grammar engine (llguidance) is imported then too: a node never asked for one does
+without it.
 """
 
 from __future__ import annotations
 
 import threading
-
-import llguidance
+from typing import TYPE_CHECKING
 
 from meshnet.backends.shard import Shard
 from meshnet.errors import MalformedBundle, ShardMismatch
-from meshnet.model.constraint import Constraint, check_grammar
 from meshnet.model.gguf_file import open_gguf
-from meshnet.model.grammar_vocab import grammar_tokenizer
-from meshnet.model.tokenizer import load_tokenizer
 from meshnet.protocol import meshnet_pb2 as pb
+
+if TYPE_CHECKING:  # the grammar engine loads with the first constrained open, not before
+    import llguidance
+
+    from meshnet.model.constraint import Constraint
 
 
 class GrammarTokenizers:
@@ -36,6 +39,9 @@ class GrammarTokenizers:
         key = (shard.fingerprint, shard.source)
         with self._lock:
             if self._key != key or self._tokenizer is None:
+                from meshnet.model.grammar_vocab import grammar_tokenizer
+                from meshnet.model.tokenizer import load_tokenizer
+
                 tokenizer = load_tokenizer(open_gguf(shard.source))
                 self._tokenizer = grammar_tokenizer(tokenizer, shard.spec.vocab_size)
                 self._key = key
@@ -47,6 +53,8 @@ class GrammarTokenizers:
         Raises ``MalformedBundle`` when the engine refuses the grammar."""
         if not sampling.grammar:
             return None
+        from meshnet.model.constraint import Constraint, check_grammar
+
         tokenizer = self.of(shard)
         why = check_grammar(sampling.grammar, tokenizer)
         if why:

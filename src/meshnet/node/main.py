@@ -15,7 +15,6 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-import numba
 
 from meshnet.auth.grpc_auth import NodeGate
 from meshnet.backends.kernel_threads import set_threads
@@ -79,8 +78,7 @@ def _start_threads(requested: int | None) -> int:
     share); asking for more than the cap gets the cap, said once in the log.
     """
     wanted = requested or available_cores()
-    set_threads(wanted)
-    got = int(numba.get_num_threads())
+    got = set_threads(wanted)
     if got < wanted:
         log.warning("%d kernel threads asked, %d allowed by NUMBA_NUM_THREADS", wanted, got)
     return got

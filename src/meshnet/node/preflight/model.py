@@ -21,7 +21,6 @@ from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import GGUFFile, open_gguf
 from meshnet.model.layer_bytes import LayerBytes, file_bytes, float32_bytes, model_layer_bytes
 from meshnet.model.spec import ModelSpec, read_spec
-from meshnet.model.tokenizer import load_tokenizer
 from meshnet.model.weights import load_shard_weights
 from meshnet.node.preflight.result import Check, fail, ok, size, skip
 
@@ -60,6 +59,8 @@ def check_model(
     experts = spec.experts
     mixture = f", {experts.n_experts} experts ({experts.n_used} used)" if experts else ""
     checks.append(ok("architecture", f"{spec.architecture}, {spec.n_layers} layers{mixture}"))
+    from meshnet.model.tokenizer import load_tokenizer  # a node started empty never loads it
+
     try:
         load_tokenizer(f)
         checks.append(ok("tokenizer", str(f.value_or("tokenizer.ggml.model", "?"))))
