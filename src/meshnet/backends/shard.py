@@ -28,7 +28,7 @@ LogitsMode = Literal["last", "all"]
 BACKENDS = ("fast", "q8", "numpy")
 # "fast": quantized kernels, float32 activations; "q8": 8-bit activations as llama.cpp;
 # "numpy" is the float32 reference. q8 is the default: the faster of the two exact ones
-# (README, "Backends").
+# (README, "The default backend").
 DEFAULT_BACKEND = "q8"
 
 
