@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt setup.py $(wildcard src/meshnet/backend
 
 # A tracker and 3 node processes on loopback, one chat through them, then all stopped.
 demo: setup
-	$(BIN)/meshnet up --nodes 3 --port 0 --once "What is the capital of France?"
+	$(BIN)/meshnet up --nodes 3 --port 0 --once "What is the capital of Germany?"
 
 test: setup
 	@bash scripts/install_postgres.sh || echo "PostgreSQL could not be installed: its tests will be skipped"

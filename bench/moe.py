@@ -1,6 +1,6 @@
 """meshnet on a mixture-of-experts model against llama.cpp on the same file, in one run.
 
-    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/moe.py [--backend q8] [--tiny]
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/moe.py [--backend fast] [--tiny]
 
 The model is Qwen3-MoE-shaped (architecture qwen3moe, as llama.cpp's converter
 writes Qwen3-30B-A3B): 24 layers, d 1024, 16 query heads of 128 over 4 KV

@@ -1,6 +1,6 @@
 """meshnet on a model of the size people run, against llama.cpp on the same file, in one run.
 
-    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/realistic.py [--backend q8]
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/realistic.py [--backend fast]
 
 The model is a Llama-3.2-1B-shaped GGUF with seeded random weights and the real
 Llama-3 tokenizer, quantized to Q4_K_M by llama.cpp's llama-quantize; it is made

@@ -16,8 +16,8 @@
    32 per chunk) for >= 99% detection, and the share of 10,000 runs of the
    verifier's own sampling (fresh seeds) that draw a chunk within them.
 4. False positives: in-process, ``--honest-chunks`` honest chunks of the two
-   nodes' spans (a fast-backend node engine: prompt chunks and one-row decode
-   steps) checked by the verifier's exact check; every one must pass.
+   nodes' spans (a node engine on ``--backend``, q8 by default: prompt chunks and
+   one-row decode steps) checked by the verifier's exact check; every one must pass.
 
 ``--backend numpy``: the nodes run the numpy reference, which is not bit-exact, so
 they commit top-k sketches (protocol/sketches.py), 256 bytes per 32 tokens, and
@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from meshnet.backends.shard import DEFAULT_BACKEND
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh, even_layout
 from meshnet.model.bundled import bundled_model_path
@@ -196,7 +197,9 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=3)
     p.add_argument("--rates", default="0,0.01,0.1")
     p.add_argument("--honest-chunks", type=int, default=1000)
-    p.add_argument("--backend", default="fast", help="the nodes' backend (numpy: sketches)")
+    p.add_argument(
+        "--backend", default=DEFAULT_BACKEND, help="the nodes' backend (numpy: sketches)"
+    )
     args = p.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     commitment = DIGEST_BYTES if commits_exactly(args.backend) else SKETCH_BYTES

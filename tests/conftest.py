@@ -24,6 +24,7 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny(tiny_path: Path) -> LocalModel:
+    """The tiny model on the default backend (q8), as nodes run it unless told."""
     return load_local_model(tiny_path)
 
 
@@ -45,6 +46,9 @@ def oracle() -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def bundled() -> LocalModel:
+    """The bundled model on the default backend (q8), as nodes run it unless told: the
+    in-process answer a default mesh's is compared with. Not the fp32 oracle's numerics:
+    tests against ``oracle`` run on ``fast`` (float32 activations)."""
     return load_local_model()
 
 

@@ -1,4 +1,5 @@
-"""Each kind of fault once more on the bundled model: the oracle's ids survive them all.
+"""Each kind of fault once more on the bundled model: the ids it gives alone, in-process on
+the nodes' backend (the default, q8), survive them all.
 
 One mesh of the bundled model (30 layers): A serves 0:15, B and B' serve 15:30,
 E starts empty. The scenarios run in order and change the mesh as they go.
@@ -21,8 +22,10 @@ from faults import (
     wait_ledger,
     wait_until_up,
 )
+from solo import solo_completion_ids
 from streams import Streamed, at, serving, stream_completion
 
+from meshnet.engine.local import LocalModel
 from meshnet.layer_range import LayerRange
 from meshnet.local_mesh import LocalMesh
 from meshnet.protocol import codec
@@ -42,8 +45,12 @@ def mesh(mesh_factory: MeshFactory) -> LocalMesh:
 
 
 @pytest.fixture(scope="module")
-def case(oracle: dict[str, Any]) -> dict[str, Any]:
-    return next(c for c in oracle["cases"] if c["name"] == "raw_completion")
+def case(oracle: dict[str, Any], bundled: LocalModel) -> dict[str, Any]:
+    """The oracle's raw completion prompt, and ``ids``: what the nodes' backend gives for
+    it alone in-process (``bundled``: the default backend, as the nodes here run)."""
+    raw = next(c for c in oracle["cases"] if c["name"] == "raw_completion")
+    alone = {"prompt": raw["prompt_text"], "temperature": 0, "max_tokens": 48}
+    return {**raw, "ids": solo_completion_ids(bundled, alone)}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +65,7 @@ def _b(s: Streamed) -> str:
 
 def _check(mesh: LocalMesh, s: Streamed, case: dict[str, Any], kind: str) -> dict[str, Any]:
     assert s.error is None, s.error
-    assert s.ids == case["hf_greedy_ids"]
+    assert s.ids == case["ids"]
     assert s.final is not None
     (recovery,) = s.final["recoveries"]
     assert recovery["kind"] == kind
@@ -146,5 +153,5 @@ def test_5_malformed_bundles_leave_other_sessions_untouched(
     worker.join(timeout=120)
     assert [r.WhichOneof("kind") for r in replies] == ["opened"] + ["failure"] * 8
     assert {r.failure.kind for r in replies[1:]} == {"malformed-bundle"}
-    assert results[0].ids == case["hf_greedy_ids"]
+    assert results[0].ids == case["ids"]
     assert results[0].final is not None and results[0].final["recoveries"] == []

@@ -1,6 +1,7 @@
 """A ring's last hop shares its tied head with the first (node/head_assist.py), real
 processes on loopback: on the bundled model (a 49k-row head) the first hop answers
-head parts over its relay port and the tokens are the oracle's; on the tiny model
+head parts over its relay port and the tokens are the in-process engine's on the
+nodes' backend (q8); on the tiny model
 (a head too small to pay for a turnaround) the last hop soon multiplies alone, the
 tokens exact either way; a node told ``--head-assist off`` asks nothing."""
 
@@ -13,9 +14,11 @@ from typing import Any
 import httpx
 import pytest
 from conftest import MeshFactory, SoloIds
+from solo import solo_completion_ids
 from streams import stream_completion
 from tiny_requests import long_completion
 
+from meshnet.engine.local import LocalModel
 from meshnet.local_mesh import LocalMesh
 
 BODY = long_completion(seed=11)
@@ -40,17 +43,19 @@ def _counter(mesh: LocalMesh, node: str, name: str) -> float:
 
 
 @pytest.mark.bundled
-def test_the_last_hop_shares_its_head_and_the_tokens_are_the_oracles(
-    mesh_factory: MeshFactory, oracle: dict[str, Any]
+def test_the_last_hop_shares_its_head_and_the_tokens_are_the_engines(
+    mesh_factory: MeshFactory, oracle: dict[str, Any], bundled: LocalModel
 ) -> None:
     case = next(c for c in oracle["cases"] if c["name"] == "raw_completion")
+    assert bundled.chain.shards[0].backend.name == "q8"  # the default, as the nodes'
     mesh = mesh_factory("0:10,10:20,20:30", node_args=["--backend", "q8"])
     model = httpx.get(f"{mesh.url}/v1/models", headers=mesh.api_headers).json()["data"][0]["id"]
     body = {"model": model, "prompt": case["prompt_text"], "temperature": 0, "max_tokens": 48}
+    want = solo_completion_ids(bundled, body)
     for _ in range(2):  # the first run links the hops; the second asks from its start
         s = stream_completion(mesh, body)
         assert s.error is None, s.error
-        assert s.ids == case["hf_greedy_ids"]
+        assert s.ids == want
     # How many of the 96 steps share depends on the first hop's turnaround: a busy host
     # pauses the peer (late parts, too little saved), as head_assist.py means it to;
     # test_head_assist_peer.py holds those rules to a fake clock.

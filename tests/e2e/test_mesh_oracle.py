@@ -1,5 +1,7 @@
 """Greedy generations through 1-, 2- and 3-node meshes of the bundled model give the
-oracle's ids, exactly like single-process ``meshnet generate``."""
+oracle's ids, exactly like single-process ``meshnet generate``. The oracle is an fp32
+implementation's, so the nodes run ``fast`` (float32 activations); the default, q8,
+is held to the in-process engine on its own backend (test_openai_client.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ LAYOUTS = {1: "0:30", 2: "0:15,15:30", 3: "0:10,10:20,20:30"}
 def test_greedy_ids_through_the_mesh_equal_the_oracle(
     nodes: int, mesh_factory: MeshFactory, oracle: dict[str, Any]
 ) -> None:
-    mesh = mesh_factory(LAYOUTS[nodes])
+    mesh = mesh_factory(LAYOUTS[nodes], node_args=["--backend", "fast"])
     cases = {c["name"]: c for c in oracle["cases"]}
     model = httpx.get(f"{mesh.url}/v1/models", headers=mesh.api_headers).json()["data"][0]["id"]
     for name, question in CHAT_CASES.items():

@@ -8,9 +8,10 @@ import pytest
 from meshnet.errors import MalformedBundle
 from meshnet.layer_range import LayerRange
 from meshnet.node.engine import NodeEngine
+from meshnet.node.engine_types import EngineConfig
 from meshnet.node.scheduler import StepWork
 from meshnet.protocol import meshnet_pb2 as pb
-from meshnet.protocol.commitments import CHUNK_TOKENS, RowLog, chunk_digests_of
+from meshnet.protocol.commitments import CHUNK_TOKENS, EXACT_BACKENDS, RowLog, chunk_digests_of
 from meshnet.tracker.links import commitments
 from meshnet.tracker.trust.verifier import SpanClaim, TrustedModel, Upstream, check_claim
 
@@ -74,12 +75,17 @@ def test_a_malformed_commitment_is_refused(chunk: pb.ChunkDigest) -> None:
         commitments.checked_chunks([chunk])
 
 
-def test_the_engines_commitments_match_the_verifiers(tiny_path: Path) -> None:
+@pytest.mark.parametrize("backend", sorted(EXACT_BACKENDS))
+def test_the_engines_commitments_match_the_verifiers(tiny_path: Path, backend: str) -> None:
     """A node of the first two layers and one of the last two commit what a trusted
-    re-run from the token ids computes; a prompt then one-row decode steps."""
+    re-run from the token ids on their backend computes; a prompt then one-row decode
+    steps. Each exact backend: the default (q8) and fast."""
     ids = np.random.default_rng(3).integers(0, 200, 70)
-    trusted = TrustedModel(str(tiny_path), backend="fast")
-    first, last = NodeEngine(), NodeEngine()
+    trusted = TrustedModel(str(tiny_path), backend=backend)
+    first, last = (
+        NodeEngine(EngineConfig(backend=backend)),
+        NodeEngine(EngineConfig(backend=backend)),
+    )
     for e, layers in [(first, LayerRange(0, 2)), (last, LayerRange(2, 4))]:
         e.start()
         e.load(str(tiny_path), layers).result(30)

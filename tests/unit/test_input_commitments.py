@@ -7,22 +7,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from meshnet.backends.shard import DEFAULT_BACKEND
 from meshnet.layer_range import LayerRange
 from meshnet.node.engine import NodeEngine
+from meshnet.node.engine_types import EngineConfig
 from meshnet.node.scheduler import StepWork
 from meshnet.protocol.commitments import chunk_digests_of
 from meshnet.tracker.trust.verifier import SpanClaim, TrustedModel, Upstream, check_claim
 
 IDS = np.random.default_rng(4).integers(0, 200, 64)
+BACKEND = DEFAULT_BACKEND  # the nodes' and the verifier's: what nodes run unless told
 
 
 @pytest.fixture(scope="module")
 def trusted(tiny_path: Path) -> TrustedModel:
-    return TrustedModel(str(tiny_path), backend="fast")
+    return TrustedModel(str(tiny_path), backend=BACKEND)
 
 
 def test_a_later_hop_commits_the_rows_it_received(tiny_path: Path, trusted: TrustedModel) -> None:
-    first, last = NodeEngine(), NodeEngine()
+    first, last = (
+        NodeEngine(EngineConfig(backend=BACKEND)),
+        NodeEngine(EngineConfig(backend=BACKEND)),
+    )
     for e, layers in [(first, LayerRange(0, 2)), (last, LayerRange(2, 4))]:
         e.start()
         e.load(str(tiny_path), layers).result(30)

@@ -26,7 +26,7 @@ from meshnet.benchmark.figures import Throughput
 from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp, peer_isa
 from meshnet.cli.mesh_admin import ADMIN_TOKEN_ENV, admin_token
 from meshnet.cli.model_ref import MODEL_HELP, whole_model
-from meshnet.cli.options import positive_duration, positive_int
+from meshnet.cli.options import BACKEND_HELP, positive_duration, positive_int
 from meshnet.engine.local import load_local_model
 from meshnet.errors import MeshnetError, error_for_kind
 
@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "with --route, a tracker's route benchmark",
     )
     p.add_argument("--model", help=MODEL_HELP)
-    p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS)
+    p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS, help=BACKEND_HELP)
     p.add_argument("--prompt-tokens", type=int, default=100)
     p.add_argument(
         "--decode-tokens", type=positive_int, default=32, help="also a route's max_tokens"

@@ -17,6 +17,7 @@ from typing import Any
 
 from meshnet.backends.shard import BACKENDS, DEFAULT_BACKEND
 from meshnet.cli.model_ref import MODEL_HELP, whole_model
+from meshnet.cli.options import BACKEND_HELP
 from meshnet.engine.generate import Generation, generate
 from meshnet.engine.local import LocalModel, load_local_model
 from meshnet.errors import RequestError
@@ -35,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--split", type=int, default=1, help="run as K chained in-process shards")
-    p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS)
+    p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS, help=BACKEND_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="raw text, no chat template")

@@ -131,10 +131,17 @@ def declare_node_setup(p: ArgumentTarget) -> list[argparse.Action]:
     ]
 
 
+BACKEND_HELP = (
+    f"numerics (default {DEFAULT_BACKEND}): q8 multiplies 8-bit activations as llama.cpp "
+    "does, fast keeps float32 activations (both bit-exact however a sequence is batched "
+    "or split), numpy is the float32 reference"
+)
+
+
 def declare_node_options(p: ArgumentTarget) -> list[argparse.Action]:
     """How a node runs, whatever layers it serves: backend, threads, limits, heartbeat."""
     return [
-        p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS),
+        p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS, help=BACKEND_HELP),
         p.add_argument(
             "--threads",
             type=positive_int,

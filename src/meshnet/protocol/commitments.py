@@ -1,8 +1,9 @@
 """What a node commits to: digests of the hidden rows at its range's end boundary.
 
-The fast backend is bit-exact whatever the batch, chunking or split
-(docs/kernels.md), so a commitment can be a plain hash: re-running the same
-tokens through the same layers on trusted hardware gives the same bytes.
+The exact backends (``q8``, the default, and ``fast``) are bit-exact whatever the
+batch, chunking or split (docs/kernels.md), so a commitment can be a plain hash:
+re-running the same tokens through the same layers on the same backend on trusted
+hardware gives the same bytes.
 
 - A *row digest* is SHA-256 of one position's float32 row [d] (little-endian),
   the output of the range's last layer (on the last hop: before the final norm

@@ -18,6 +18,7 @@ import functools
 import logging
 from collections.abc import Callable
 
+from meshnet.backends.shard import DEFAULT_BACKEND
 from meshnet.model.info import ModelInfo
 from meshnet.tracker.accounting.work_checks import SpanCheck
 from meshnet.tracker.links.channels import ChannelPool
@@ -26,7 +27,6 @@ from meshnet.tracker.nodes.store import Store
 from meshnet.tracker.trust.calibration import NodeTrust
 from meshnet.tracker.trust.trusted_capacity import TrustedCapacity, run_chain
 from meshnet.tracker.trust.verifier import (
-    TRUSTED_BACKEND,
     SpanClaim,
     TrustedModel,
     Verdict,
@@ -99,9 +99,10 @@ class Verification:
         return await self.trust.calibrated(node_id)
 
     def _backend_of(self, node_id: str) -> str:
-        """The backend a node registered with (the verifier checks its work on it)."""
+        """The backend a node registered with (the verifier checks its work on it); the
+        default one for a node no longer registered."""
         node = self.store.node(node_id)
-        return node.backend if node is not None else TRUSTED_BACKEND
+        return node.backend if node is not None else DEFAULT_BACKEND
 
     def _checked(self, verdict: Verdict) -> None:
         """Record the verifier's verdict on a span; a failed one quarantines the node

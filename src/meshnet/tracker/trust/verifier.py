@@ -24,9 +24,10 @@ one blamed, and when a hop before it committed too little to tell, there is
 no verdict (``inconclusive``).
 
 A node on a backend that is not bit-exact (``numpy``) commits top-k sketches
-(protocol/sketches.py) instead of hashes; its claims are re-run on the trusted
-backend and compared with the sketch's tolerance, hops before it too (a route's
-hops share one backend: routes.py). A commitment of the other kind fails.
+(protocol/sketches.py) instead of hashes; its claims are re-run on
+``SKETCH_BACKEND`` (``fast``: float32 activations, as the reference's) and compared
+with the sketch's tolerance, hops before it too (a route's hops share one backend:
+routes.py). A commitment of the other kind fails.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshnet.backends.base import BatchEntry
-from meshnet.backends.shard import Shard, load_shard
+from meshnet.backends.shard import DEFAULT_BACKEND, Shard, load_shard
 from meshnet.kv.cache import SequenceKV
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import open_gguf
@@ -61,9 +62,11 @@ from meshnet.tracker.trust.sampled_check import Sampled, check_sampled
 
 log = logging.getLogger(__name__)
 
-TRUSTED_BACKEND = "fast"  # the nodes' backend: the one whose bits a check compares
 # EXACT_BACKENDS (protocol/commitments.py): a node on one of them is checked on the same
-# backend here, by hash; on another, on this one, by sketch.
+# backend here, by hash; on another, on SKETCH_BACKEND, by sketch: float32 activations,
+# as the numpy reference computes (q8's 8-bit activations would move rows past the
+# sketch's tolerance).
+SKETCH_BACKEND = "fast"
 _MAX_SHARDS = 4  # boundaries whose shard [0, end) is held at once
 _MAX_PREFIXES = 8  # generations' checked prefixes (their KV) held at once
 
@@ -85,7 +88,8 @@ class TrustedModel:
 
     Thread-safe: one computation at a time (the verifier's worker, a calibration)."""
 
-    def __init__(self, model_path: str, backend: str = TRUSTED_BACKEND) -> None:
+    def __init__(self, model_path: str, backend: str = DEFAULT_BACKEND) -> None:
+        """``backend``: the one loaded first; by default the one nodes run by default."""
         self.model_path = model_path
         self.backend = backend
         self._file = open_gguf(model_path)
@@ -99,9 +103,13 @@ class TrustedModel:
     def on(self, backend: str) -> TrustedModel:
         """The same model computed on ``backend``: a node is checked against the
         numerics it claims to run (``q8`` nodes are exact against a ``q8`` engine, not a
-        ``fast`` one). Made on first use; the process holds each backend's weights."""
-        if backend == self.backend or backend not in EXACT_BACKENDS:
-            return self  # a backend whose bits vary with batching cannot be checked exactly
+        ``fast`` one); a backend whose bits vary with batching cannot be checked exactly,
+        and its sketches are compared on ``SKETCH_BACKEND``. Made on first use; the
+        process holds each backend's weights."""
+        if backend not in EXACT_BACKENDS:
+            backend = SKETCH_BACKEND
+        if backend == self.backend:
+            return self
         with self._others_lock:
             other = self._others.get(backend)
             if other is None:
