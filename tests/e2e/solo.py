@@ -38,4 +38,5 @@ def _params(body: dict[str, Any]) -> SamplingParams:
         frequency_penalty=body.get("frequency_penalty", 0.0),
         logit_bias=tuple(sorted((int(k), v) for k, v in body.get("logit_bias", {}).items())),
         min_p=body.get("min_p", 0.0),
+        ignore_eos=body.get("ignore_eos", False),
     )

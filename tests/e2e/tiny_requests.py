@@ -20,13 +20,16 @@ LONG_CONTEXT = 1024  # the long tiny model's context
 
 
 def long_completion(seed: int = 3, max_tokens: int = 120, **fields: Any) -> dict[str, Any]:
-    """A sampled completion request of ``PROMPT`` to the long tiny model."""
+    """A sampled completion request of ``PROMPT`` to the long tiny model. It ignores
+    end-of-generation ids, so it runs to ``max_tokens`` whatever backend computes it:
+    the tests' kills and restarts must land mid-stream."""
     return {
         "model": "long",
         "prompt": PROMPT,
         "max_tokens": max_tokens,
         "temperature": 0.7,
         "seed": seed,
+        "ignore_eos": True,
         **fields,
     }
 
