@@ -139,7 +139,7 @@ def honest_checks(n_chunks: int, backend: str) -> tuple[int, int, tuple[float, f
     engines = [NodeEngine(EngineConfig(backend=backend)) for _ in spans]
     for e, span in zip(engines, spans, strict=True):
         e.start()
-        e.load(path, span).result(120)
+        e.tiers.load(path, span).result(120)
     rng = np.random.default_rng(0)
     checked = failed = 0
     worst = (0.0, 0.0)
@@ -149,7 +149,7 @@ def honest_checks(n_chunks: int, backend: str) -> tuple[int, int, tuple[float, f
             session += 1
             sid = f"s{session}"
             for e in engines:
-                e.open(sid, 1).result(10)
+                e.sessions.open(sid, 1).result(10)
             ids = rng.integers(0, trusted.spec.vocab_size, 256)
             steps = [ids[:100], *[ids[i : i + 1] for i in range(100, 160)], ids[160:256]]
             claims: list[tuple[LayerRange, int, bytes]] = []
@@ -160,7 +160,7 @@ def honest_checks(n_chunks: int, backend: str) -> tuple[int, int, tuple[float, f
                     h = e.submit(w).result(60)
                     claims += [(span, s, dg) for s, dg in w.chunks]
             for e in engines:
-                e.release(sid, 1).result(10)
+                e.sessions.release(sid, 1).result(10)
             if not exact:
                 value, mean = _worst_errors(trusted, ids, claims)
                 worst = (max(worst[0], value), max(worst[1], mean))

@@ -55,12 +55,12 @@ def test_a_context_the_kv_budget_cannot_hold_is_refused_at_load(tiny_path: Path)
     engine.start()
     try:
         with pytest.raises(KVBudgetExhausted, match="--ctx 200"):
-            engine.load(str(tiny_path), LayerRange(0, 4)).result(30)
+            engine.tiers.load(str(tiny_path), LayerRange(0, 4)).result(30)
         assert not engine.stats().loaded
         fits = NodeEngine(EngineConfig(kv_budget_bytes=100 * 1024, ctx=90))
         fits.start()
         try:
-            fits.load(str(tiny_path), LayerRange(0, 4)).result(30)
+            fits.tiers.load(str(tiny_path), LayerRange(0, 4)).result(30)
             assert fits.stats().context == 90
         finally:
             fits.stop()
@@ -69,7 +69,7 @@ def test_a_context_the_kv_budget_cannot_hold_is_refused_at_load(tiny_path: Path)
     wide = NodeEngine(EngineConfig(ctx=10_000))  # past the trained context: that context
     wide.start()
     try:
-        wide.load(str(tiny_path), LayerRange(0, 4)).result(30)
+        wide.tiers.load(str(tiny_path), LayerRange(0, 4)).result(30)
         assert wide.stats().context == 256
     finally:
         wide.stop()

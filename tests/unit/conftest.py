@@ -21,7 +21,7 @@ def service(tiny_path: Path) -> Iterator[NodeService]:
     server's interceptor: these in-process calls do not pass it."""
     engine = NodeEngine()
     engine.start()
-    engine.load(str(tiny_path), LayerRange(0, 4)).result(30)
+    engine.tiers.load(str(tiny_path), LayerRange(0, 4)).result(30)
     identity = NodeIdentity("n1", str(tiny_path), ModelDirs.of([tiny_path.parent]))
     yield NodeService(identity, engine, NodeGate(node_key(new_secret(), "n1")))
     engine.stop()

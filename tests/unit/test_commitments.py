@@ -88,8 +88,8 @@ def test_the_engines_commitments_match_the_verifiers(tiny_path: Path, backend: s
     )
     for e, layers in [(first, LayerRange(0, 2)), (last, LayerRange(2, 4))]:
         e.start()
-        e.load(str(tiny_path), layers).result(30)
-        e.open("s", 1).result(5)
+        e.tiers.load(str(tiny_path), layers).result(30)
+        e.sessions.open("s", 1).result(5)
     try:
         claims: list[tuple[LayerRange, int, bytes]] = []
         steps = [ids[:45], *[ids[i : i + 1] for i in range(45, 70)]]

@@ -134,7 +134,7 @@ class RecordingEngine(NodeEngine):
 def engine(tiny_path: Path) -> Iterator[RecordingEngine]:
     e = RecordingEngine(EngineConfig(prefill_chunk=1, max_batch_tokens=8))
     e.start()
-    e.load(str(tiny_path), LayerRange(0, 4)).result(30)
+    e.tiers.load(str(tiny_path), LayerRange(0, 4)).result(30)
     yield e
     e.stop()
 
@@ -147,12 +147,12 @@ def test_t1_applies_at_once(engine: RecordingEngine) -> None:
     root = logging.getLogger()
     level = root.level
     try:
-        config = engine.configure_limits(Limits(max_streams=3, log_level="ERROR")).result(5)
+        config = engine.tiers.configure_limits(Limits(max_streams=3, log_level="ERROR")).result(5)
         assert (config.max_streams, engine.stats().max_streams) == (3, 3)
         assert config.max_queued_steps == EngineConfig().max_queued_steps
         assert root.level == logging.ERROR
-        engine.configure_limits(Limits(max_queued_steps=1)).result(5)
-        engine.open("s", 1).result(5)
+        engine.tiers.configure_limits(Limits(max_queued_steps=1)).result(5)
+        engine.sessions.open("s", 1).result(5)
         first = StepWork("s", 1, _prompt(40), None)
         engine.submit(first)
         with pytest.raises(Overloaded):  # one step unfinished is the limit now
@@ -165,33 +165,35 @@ def test_t1_applies_at_once(engine: RecordingEngine) -> None:
 def test_t2_waits_for_a_half_run_prompt_and_the_prompt_stays_exact(
     engine: RecordingEngine, tiny: LocalModel
 ) -> None:
-    engine.open("s", 1).result(5)
+    engine.sessions.open("s", 1).result(5)
     work = StepWork("s", 1, _prompt(60), None)
     engine.submit(work)
     while work.done_rows == 0 and not work.future.done():
         pass  # the prompt has started: the change comes mid-prompt
-    config = engine.configure_batching(Batching(prefill_chunk=7, max_batch_tokens=16)).result(30)
+    change = Batching(prefill_chunk=7, max_batch_tokens=16)
+    config = engine.tiers.configure_batching(change).result(30)
     assert (config.prefill_chunk, config.max_batch_tokens) == (7, 16)
     assert engine.at_apply and all(rows == 0 for rows in engine.at_apply[0])
     got = work.future.result(30)
     want = tiny.chain.forward(_prompt(60), [tiny.chain.new_sequence()], [60])
     assert np.array_equal(got, want)
     # Later steps run with the new chunk, still exactly.
-    engine.open("u", 1).result(5)
+    engine.sessions.open("u", 1).result(5)
     again = engine.submit(StepWork("u", 1, _prompt(60), None)).result(30)
     assert np.array_equal(again, want)
 
 
 def test_t2_below_the_kv_held_is_refused_and_changes_nothing(engine: RecordingEngine) -> None:
-    engine.open("s", 1).result(5)
+    engine.sessions.open("s", 1).result(5)
     engine.submit(StepWork("s", 1, _prompt(20), None)).result(30)
     held = engine.stats().kv_bytes
     assert held > 0
     with pytest.raises(RequestError) as e:
-        engine.configure_batching(Batching(kv_budget_bytes=held - 1, prefill_chunk=2)).result(5)
+        change = Batching(kv_budget_bytes=held - 1, prefill_chunk=2)
+        engine.tiers.configure_batching(change).result(5)
     assert f"below the {held} bytes" in e.value.message
     assert engine.config.prefill_chunk == 1 and engine.stats().kv_budget_bytes == 0
-    config = engine.configure_batching(Batching(kv_budget_bytes=held)).result(5)
+    config = engine.tiers.configure_batching(Batching(kv_budget_bytes=held)).result(5)
     assert config.kv_budget_bytes == held == engine.stats().kv_budget_bytes
 
 
@@ -204,17 +206,17 @@ def test_t3_lets_a_half_run_prompt_finish_then_swaps(
 
     f = open_gguf(tiny_path)
     shard = load_shard(f, read_spec(f), LayerRange(0, 2))
-    engine.open("s", 1).result(5)
-    engine.open("q", 1).result(5)
+    engine.sessions.open("s", 1).result(5)
+    engine.sessions.open("q", 1).result(5)
     work = StepWork("s", 1, _prompt(60), None)
     engine.submit(work)
     while work.done_rows == 0 and not work.future.done():
         pass  # the prompt has started
-    swapped = engine.swap(shard)
+    swapped = engine.tiers.swap(shard)
     queued = engine.submit(StepWork("q", 1, _prompt(3), None))
     refused: list[Any] = []
     try:
-        engine.open("t", 1).result(5)
+        engine.sessions.open("t", 1).result(5)
     except Overloaded as e:
         refused.append(e)
     assert work.future.result(30).shape[0] == 1  # the half-run prompt ran to its end
@@ -223,7 +225,7 @@ def test_t3_lets_a_half_run_prompt_finish_then_swaps(
         queued.result(5)
     assert refused or work.future.done()  # the open came during the drain, or after it
     assert engine.stats().layers == LayerRange(0, 2) and engine.stats().sessions == 0
-    engine.open("t", 2).result(5)  # the new shard serves
+    engine.sessions.open("t", 2).result(5)  # the new shard serves
 
 
 # --- Configure on the servicer ------------------------------------------------------
@@ -236,7 +238,7 @@ def _configure(service: NodeService, **kind: Any) -> pb.ConfigureResponse:
 def test_a_configure_that_cannot_be_applied_changes_nothing(
     service: NodeService, tiny_path: Path, tmp_path: Path
 ) -> None:
-    service.engine.open("s", 1).result(5)
+    service.engine.sessions.open("s", 1).result(5)
     before = service.engine.stats()
     for load, kind in [
         (pb.LoadShard(model_path=str(tiny_path.parent / "missing.gguf"), layer_end=2), "model"),
@@ -270,13 +272,13 @@ def test_configure_answers_each_tier_with_the_settings_after(
     assert (reply.applied, reply.failure.kind, reply.settings.prefill_chunk) == (False, "", 128)
     reply = _configure(service, batching=pb.Batching(prefill_chunk=16))
     assert (reply.applied, reply.tier, reply.settings.prefill_chunk) == (True, "t2", 16)
-    service.engine.open("s", 1).result(5)
+    service.engine.sessions.open("s", 1).result(5)
     service.engine.submit(StepWork("s", 1, _prompt(5), None)).result(30)
     same = _configure(service, load=pb.LoadShard(layer_start=0, layer_end=4))
     assert (same.applied, same.keeps_kv, same.sessions_ended) == (True, True, 0)
     stats = service.engine.stats()
     assert (stats.sessions, stats.parked) == (0, 1)  # reloaded: the KV parked, still its
-    assert service.engine.open("s", 2, resume=True).result(5).kv_tokens == 5
+    assert service.engine.sessions.open("s", 2, resume=True).result(5).kv_tokens == 5
     moved = _configure(service, load=pb.LoadShard(layer_start=0, layer_end=2))
     assert (moved.applied, moved.tier, moved.sessions_ended, moved.keeps_kv) == (
         True,

@@ -31,8 +31,8 @@ def test_a_later_hop_commits_the_rows_it_received(tiny_path: Path, trusted: Trus
     )
     for e, layers in [(first, LayerRange(0, 2)), (last, LayerRange(2, 4))]:
         e.start()
-        e.load(str(tiny_path), layers).result(30)
-        e.open("s", 1).result(5)
+        e.tiers.load(str(tiny_path), layers).result(30)
+        e.sessions.open("s", 1).result(5)
     inputs: dict[int, bytes] = {}
     try:
         for n, x in enumerate([IDS[:40], *[IDS[i : i + 1] for i in range(40, 64)]]):

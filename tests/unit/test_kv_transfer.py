@@ -49,7 +49,7 @@ class Context:
 def _service(tiny_path: Path) -> NodeService:
     engine = NodeEngine()
     engine.start()
-    engine.load(str(tiny_path), LayerRange(0, 4)).result(30)
+    engine.tiers.load(str(tiny_path), LayerRange(0, 4)).result(30)
     identity = NodeIdentity("n", str(tiny_path), ModelDirs.of([tiny_path.parent]))
     return NodeService(identity, engine, NodeGate(KEYS.node_key("n")))
 
@@ -71,7 +71,7 @@ def _run(engine: NodeEngine, sid: str, steps: list[list[int]], first: int = 0) -
 
 
 def _session(engine: NodeEngine) -> None:
-    engine.open("s", 1).result(5)
+    engine.sessions.open("s", 1).result(5)
     _run(engine, "s", [[5, 6, 7, 8, 9], [10], [11], [12]])
 
 
@@ -139,7 +139,7 @@ def test_a_bad_stream_is_refused_and_leaves_the_slot_empty(
     assert b.engine.stats().sessions == 0  # quarantined: KV, steps, queued work gone
     assert b.engine.stats().kv_bytes == 0
     # The node goes on serving: a fresh session works, and a good import too.
-    b.engine.open("t", 1).result(5)
+    b.engine.sessions.open("t", 1).result(5)
     _run(b.engine, "t", [[1, 2, 3]])
     assert _put(b, _frames(a)).imported
 

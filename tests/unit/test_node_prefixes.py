@@ -23,7 +23,7 @@ def running(tiny_path: Path, config: EngineConfig, n_layers: int = 4) -> Iterato
     e = NodeEngine(config)
     e.start()
     try:
-        e.load(str(tiny_path), LayerRange(0, n_layers)).result(timeout=30)
+        e.tiers.load(str(tiny_path), LayerRange(0, n_layers)).result(timeout=30)
         yield e
     finally:
         e.stop()
@@ -42,12 +42,12 @@ def test_a_cached_prefix_gives_the_logits_of_a_whole_prefill(tiny_path: Path) ->
     prompt = _ids(3 * B + 5, 1)
     other = np.concatenate([prompt[: 2 * B], _ids(B + 9, 2)])  # shares two blocks
     with running(tiny_path, EngineConfig(prefix_cache_bytes=0)) as plain:
-        plain.open("w", 1).result(5)
+        plain.sessions.open("w", 1).result(5)
         whole = _step(plain, "w", 0, other)
     with running(tiny_path, EngineConfig()) as engine:
-        engine.open("a", 1, prefix=PrefixAsk(prompt, len(prompt) - 1)).result(5)
+        engine.sessions.open("a", 1, prefix=PrefixAsk(prompt, len(prompt) - 1)).result(5)
         _step(engine, "a", 0, prompt)  # nothing cached yet: the whole prompt is step 0
-        opened = engine.open("b", 1, prefix=PrefixAsk(other, len(other) - 1)).result(5)
+        opened = engine.sessions.open("b", 1, prefix=PrefixAsk(other, len(other) - 1)).result(5)
         assert (opened.kv_tokens, opened.steps) == (2 * B, 1)  # two blocks are step 0
         rest = _step(engine, "b", 1, other[2 * B :])
         stats = engine.stats().prefix
@@ -58,11 +58,11 @@ def test_a_cached_prefix_gives_the_logits_of_a_whole_prefill(tiny_path: Path) ->
 def test_the_reuse_limit_is_kept(tiny_path: Path) -> None:
     prompt = _ids(3 * B + 1, 3)
     with running(tiny_path, EngineConfig()) as engine:
-        engine.open("a", 1, prefix=PrefixAsk(prompt, 0)).result(5)
+        engine.sessions.open("a", 1, prefix=PrefixAsk(prompt, 0)).result(5)
         _step(engine, "a", 0, prompt)
-        opened = engine.open("b", 1, prefix=PrefixAsk(prompt, B + 3)).result(5)
+        opened = engine.sessions.open("b", 1, prefix=PrefixAsk(prompt, B + 3)).result(5)
         assert (opened.kv_tokens, opened.steps) == (B, 1)
-        opened = engine.open("c", 1, prefix=PrefixAsk(prompt, 0)).result(5)
+        opened = engine.sessions.open("c", 1, prefix=PrefixAsk(prompt, 0)).result(5)
         assert (opened.kv_tokens, opened.steps) == (0, 0)
 
 
@@ -84,12 +84,12 @@ def test_a_windowed_model_reuses_a_cached_prefix_exactly(tmp_path: Path) -> None
     other = np.concatenate([prompt[: 5 * B + 4], _ids(2 * B, 6)])  # five whole blocks shared
     chunked = EngineConfig(prefill_chunk=32)
     with running(path, EngineConfig(prefix_cache_bytes=0), 6) as plain:
-        plain.open("w", 1).result(5)
+        plain.sessions.open("w", 1).result(5)
         whole = _step(plain, "w", 0, other)
     with running(path, chunked, 6) as engine:
-        engine.open("a", 1, prefix=PrefixAsk(prompt, len(prompt) - 1)).result(5)
+        engine.sessions.open("a", 1, prefix=PrefixAsk(prompt, len(prompt) - 1)).result(5)
         _step(engine, "a", 0, prompt)
-        opened = engine.open("b", 1, prefix=PrefixAsk(other, len(other) - 1)).result(5)
+        opened = engine.sessions.open("b", 1, prefix=PrefixAsk(other, len(other) - 1)).result(5)
         assert (opened.kv_tokens, opened.steps) == (5 * B, 1)
         rest = _step(engine, "b", 1, other[5 * B :])
     assert np.array_equal(rest, whole)

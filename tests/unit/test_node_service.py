@@ -163,7 +163,7 @@ def test_the_end_of_the_call_frees_the_sessions_kv(service: NodeService, tiny_pa
     next(replies), next(replies)
     assert service.engine.stats().sessions == 1
     context.end()  # the driver cancelled the call; the handler has not woken yet
-    service.engine.open("other", 1).result(5)  # the loop has applied the release by now
+    service.engine.sessions.open("other", 1).result(5)  # the loop has applied the release by now
     assert service.engine.stats().sessions == 1
     replies.close()
 

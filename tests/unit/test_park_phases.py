@@ -24,7 +24,7 @@ def engine(tiny_path: Path, tmp_path: Path) -> Iterator[NodeEngine]:
     e = NodeEngine(EngineConfig(park_dir=str(tmp_path / "parked")))
     e.start()
     try:
-        e.load(str(tiny_path), LayerRange(0, 4)).result(timeout=30)
+        e.tiers.load(str(tiny_path), LayerRange(0, 4)).result(timeout=30)
         yield e
     finally:
         e.stop()
@@ -42,44 +42,44 @@ def test_a_park_directory_that_cannot_be_made_is_a_typed_failure(tmp_path: Path)
 
 
 def test_an_unwritable_park_leaves_the_session_hot(engine: NodeEngine, tmp_path: Path) -> None:
-    engine.open("s", 1).result(5)
+    engine.sessions.open("s", 1).result(5)
     _step(engine, "s", [5, 6, 7])
     before = engine.stats()
     (tmp_path / "parked").write_bytes(b"in the way")
     with pytest.raises(ParkFailed):
-        engine.park("s").result(5)
+        engine.parking.park("s").result(5)
     after = engine.stats()
     assert (after.sessions, after.parked, after.kv_bytes) == (1, 0, before.kv_bytes)
     _step(engine, "s", [9])  # still hot: it runs
 
 
 def test_a_prepared_park_frees_only_at_its_commit(engine: NodeEngine, tmp_path: Path) -> None:
-    engine.open("s", 1).result(5)
+    engine.sessions.open("s", 1).result(5)
     _step(engine, "s", [5, 6, 7])
     held = engine.stats().kv_bytes
-    assert engine.park("s", 1, ParkPhase.PREPARE).result(5).freed_bytes == 0
+    assert engine.parking.park("s", 1, ParkPhase.PREPARE).result(5).freed_bytes == 0
     assert engine.stats().kv_bytes == held and len(list((tmp_path / "parked").iterdir())) == 1
-    done = engine.park("s", 1, ParkPhase.COMMIT).result(5)
+    done = engine.parking.park("s", 1, ParkPhase.COMMIT).result(5)
     assert done.freed_bytes == held and engine.stats().kv_bytes == 0
     assert engine.stats().parked == 1
 
 
 def test_an_aborted_park_drops_its_file(engine: NodeEngine, tmp_path: Path) -> None:
-    engine.open("s", 1).result(5)
+    engine.sessions.open("s", 1).result(5)
     _step(engine, "s", [5, 6, 7])
-    engine.park("s", 1, ParkPhase.PREPARE).result(5)
-    engine.park("s", 1, ParkPhase.ABORT).result(5)
+    engine.parking.park("s", 1, ParkPhase.PREPARE).result(5)
+    engine.parking.park("s", 1, ParkPhase.ABORT).result(5)
     assert list((tmp_path / "parked").iterdir()) == []
     assert (engine.stats().sessions, engine.stats().parked) == (1, 0)
 
 
 def test_a_commit_after_the_session_moved_on_is_refused(engine: NodeEngine, tmp_path: Path) -> None:
-    engine.open("s", 1).result(5)
+    engine.sessions.open("s", 1).result(5)
     _step(engine, "s", [5, 6, 7])
-    engine.park("s", 1, ParkPhase.PREPARE).result(5)
+    engine.parking.park("s", 1, ParkPhase.PREPARE).result(5)
     _step(engine, "s", [9])  # a turn ran in between: the file is out of date
     with pytest.raises(StaleEpoch):
-        engine.park("s", 1, ParkPhase.COMMIT).result(5)
+        engine.parking.park("s", 1, ParkPhase.COMMIT).result(5)
     assert list((tmp_path / "parked").iterdir()) == []
     assert (engine.stats().sessions, engine.stats().parked) == (1, 0)
 

@@ -276,7 +276,7 @@ def test_a_load_with_no_path_and_no_layers_is_an_unload() -> None:
 
 
 def test_an_unload_empties_the_node_and_a_check_changes_nothing(service: NodeService) -> None:
-    service.engine.open("s", 1).result(5)
+    service.engine.sessions.open("s", 1).result(5)
     unload = pb.ConfigureRequest(load=pb.LoadShard(), check_only=True)
     checked = service.Configure(unload, None)  # type: ignore[arg-type]
     assert not checked.applied and not checked.HasField("failure")
@@ -285,7 +285,7 @@ def test_an_unload_empties_the_node_and_a_check_changes_nothing(service: NodeSer
     assert reply.applied and reply.tier == "t3" and reply.sessions_ended == 1
     assert reply.fingerprint == "" and not service.engine.stats().loaded
     with pytest.raises(ShardMismatch):
-        service.engine.open("t", 1).result(5)
+        service.engine.sessions.open("t", 1).result(5)
 
 
 # --- a node's doctor against a tracker of several models -----------------------------------

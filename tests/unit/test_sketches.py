@@ -182,8 +182,8 @@ def _numpy_claims(path: Path, ids: np.ndarray) -> list[tuple[LayerRange, int, by
     spans = [LayerRange(0, 2), LayerRange(2, 4)]
     for e, layers in zip(engines, spans, strict=True):
         e.start()
-        e.load(str(path), layers).result(30)
-        e.open("s", 1).result(5)
+        e.tiers.load(str(path), layers).result(30)
+        e.sessions.open("s", 1).result(5)
     claims: list[tuple[LayerRange, int, bytes]] = []
     try:
         steps = [ids[:45], *[ids[i : i + 1] for i in range(45, len(ids))]]

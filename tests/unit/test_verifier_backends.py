@@ -35,8 +35,8 @@ def _claims(tiny_path: Path, backend: str) -> list[SpanClaim]:
     engine = NodeEngine(EngineConfig(backend=backend))
     engine.start()
     try:
-        engine.load(str(tiny_path), LAYERS).result(30)
-        engine.open("s", 1).result(5)
+        engine.tiers.load(str(tiny_path), LAYERS).result(30)
+        engine.sessions.open("s", 1).result(5)
         chunks: list[tuple[int, bytes]] = []
         for n, x in enumerate([IDS[:40], *[IDS[i : i + 1] for i in range(40, 64)]]):
             work = StepWork("s", 1, x, None, step=n)

@@ -40,6 +40,12 @@ _NO_ROWS = np.empty(0, dtype=np.int64)  # the input of a step made before its in
 _NO_ROWS.flags.writeable = False
 
 
+class AfterBatch(Protocol):
+    """Being told when the batch being answered is (node/engine_forward.py)."""
+
+    def after_batch(self, fn: Callable[[], None]) -> None: ...
+
+
 class RunEngine(Protocol):
     """What an autorun needs of the node's engine (node/engine.py)."""
 
@@ -50,7 +56,8 @@ class RunEngine(Protocol):
 
     def run_here(self, work: StepWork, then: Callable[[Future[np.ndarray]], None]) -> None: ...
 
-    def after_batch(self, fn: Callable[[], None]) -> None: ...
+    @property
+    def forwards(self) -> AfterBatch: ...
 
 
 class AutorunStreams:
@@ -92,7 +99,7 @@ class AutorunStreams:
         except MeshnetError as e:
             yield failure_reply(e)
             return None
-        run = Run(step.autorun_until, self.engine.after_batch)
+        run = Run(step.autorun_until, self.engine.forwards.after_batch)
 
         def launch(step: pb.Step) -> None:
             """Start ``step`` now, or (relayed) the moment its input comes, its work made

@@ -87,13 +87,13 @@ class Configurator:
             check_limits(change, self._stream_ceiling)
             if check:
                 return self._answer(change, False, "checked: the limits can be applied")
-            self._engine.configure_limits(change).result(CONTROL_TIMEOUT_S)
+            self._engine.tiers.configure_limits(change).result(CONTROL_TIMEOUT_S)
             return self._answer(change, True, "limits applied")
         if isinstance(change, Batching):
             check_batching(change, self._engine.config, self._engine.stats().kv_bytes)
             if check:
                 return self._answer(change, False, "checked: the batching can be applied")
-            self._drained(self._engine.configure_batching(change))
+            self._drained(self._engine.tiers.configure_batching(change))
             return self._answer(change, True, "batching applied at a step boundary")
         if isinstance(change, Unload):
             return self._unload(change, check)
@@ -102,7 +102,7 @@ class Configurator:
     def _unload(self, change: Unload, check: bool) -> pb.ConfigureResponse:
         if check:
             return self._answer(change, False, "checked: the node can be emptied")
-        ended = self._drained(self._engine.swap(None))
+        ended = self._drained(self._engine.tiers.swap(None))
         reply = self._answer(change, True, f"unloaded: empty; {ended} sessions' KV dropped")
         reply.sessions_ended = ended
         return reply
@@ -133,7 +133,7 @@ class Configurator:
             raise RequestError(f"not enough memory to load {change.layers}") from None
         del f  # the header's values go (a large vocabulary is tens of MB of strings)
         settle()  # and the memory they held goes back to the system
-        ended = self._drained(self._engine.swap(shard))
+        ended = self._drained(self._engine.tiers.swap(shard))
         if self._models is not None:
             self._models.serving(fetched)  # what the node served before is dropped
         if keeps:

@@ -13,8 +13,9 @@ handed the others it needs: the inbox (node/engine_inbox.py), the steps
 admitted (engine_steps.py), the KV held (engine_held.py), parking
 (engine_parking.py), the sessions' calls (engine_sessions.py), the tiers of
 live configuration, which own the shard and the config (engine_tiers.py), and
-the forwards (engine_forward.py). It runs the loop's thread; its other calls
-delegate to the part that owns them, which new code reaches directly.
+the forwards (engine_forward.py). It runs the loop's thread and admits steps;
+callers reach every other call on the part that owns it (``engine.sessions.open``,
+``engine.tiers.load``, ``engine.parking.park``, ``engine.forwards.after_batch``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import numpy as np
 
 from meshnet.backends.shard import Shard
 from meshnet.errors import Cancelled
-from meshnet.layer_range import LayerRange
 from meshnet.memory import trim
 from meshnet.node.context import served_context
 from meshnet.node.engine_forward import Forwards, OnForward
@@ -40,11 +40,8 @@ from meshnet.node.engine_parking import Parking
 from meshnet.node.engine_sessions import Sessions
 from meshnet.node.engine_steps import Steps
 from meshnet.node.engine_tiers import Tiers
-from meshnet.node.engine_types import EngineConfig, EngineStats, ExportedKV, OpenedSlot, ParkedSlot
-from meshnet.node.parking import ParkPhase
-from meshnet.node.prefixes import PrefixAsk
+from meshnet.node.engine_types import EngineConfig, EngineStats
 from meshnet.node.scheduler import StepWork
-from meshnet.node.tiers import Batching, Limits
 
 __all__ = ["EngineConfig", "EngineStats", "NodeEngine"]
 
@@ -141,77 +138,6 @@ class NodeEngine:
                     self.inbox.put(Control(_nothing))
         finally:
             self._loop.release()
-
-    # --- each a part's call (new code reaches the part) ----------------------------
-
-    def after_batch(self, fn: Callable[[], None]) -> None:
-        """``Forwards.after_batch``: ``fn`` once the batch being answered is."""
-        self.forwards.after_batch(fn)
-
-    def open(
-        self,
-        session_id: str,
-        epoch: int,
-        resume: bool = False,
-        rewind: tuple[int, int] | None = None,
-        prefix: PrefixAsk | None = None,
-    ) -> Future[OpenedSlot]:
-        """``Sessions.open``."""
-        return self.sessions.open(session_id, epoch, resume, rewind, prefix)
-
-    def release(self, session_id: str, epoch: int) -> Future[bool]:
-        """``Sessions.release``."""
-        return self.sessions.release(session_id, epoch)
-
-    def fence(self, session_id: str, epoch: int) -> Future[None]:
-        """``Sessions.fence``."""
-        return self.sessions.fence(session_id, epoch)
-
-    def cancel(self, session_id: str) -> Future[None]:
-        """``Sessions.cancel``."""
-        return self.sessions.cancel(session_id)
-
-    def sent(self, session_id: str, first: int, end: int) -> Future[list[tuple[int, np.ndarray]]]:
-        """``Sessions.sent``."""
-        return self.sessions.sent(session_id, first, end)
-
-    def export_kv(self, session_id: str) -> Future[ExportedKV]:
-        """``Sessions.export_kv``."""
-        return self.sessions.export_kv(session_id)
-
-    def import_kv(
-        self, session_id: str, epoch: int, steps: int, tokens: int, payload: bytes | bytearray
-    ) -> Future[OpenedSlot]:
-        """``Sessions.import_kv``."""
-        return self.sessions.import_kv(session_id, epoch, steps, tokens, payload)
-
-    def quarantine(self, session_id: str) -> Future[None]:
-        """``Sessions.quarantine``."""
-        return self.sessions.quarantine(session_id)
-
-    def park(
-        self, session_id: str, epoch: int | None = None, phase: ParkPhase = ParkPhase.NOW
-    ) -> Future[ParkedSlot]:
-        """``Parking.park``."""
-        return self.parking.park(session_id, epoch, phase)
-
-    def load(
-        self, model_path: str, layers: LayerRange, fingerprint: str | None = None
-    ) -> Future[Shard]:
-        """``Tiers.load``."""
-        return self.tiers.load(model_path, layers, fingerprint)
-
-    def configure_limits(self, limits: Limits) -> Future[EngineConfig]:
-        """``Tiers.configure_limits``."""
-        return self.tiers.configure_limits(limits)
-
-    def configure_batching(self, batching: Batching) -> Future[EngineConfig]:
-        """``Tiers.configure_batching``."""
-        return self.tiers.configure_batching(batching)
-
-    def swap(self, shard: Shard | None) -> Future[int]:
-        """``Tiers.swap``."""
-        return self.tiers.swap(shard)
 
     # --- the loop thread --------------------------------------------------------
 

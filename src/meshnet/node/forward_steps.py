@@ -53,11 +53,8 @@ class Prepared:
     history: list[int]  # what a repetition penalty looks at
 
 
-class StepEngine(Protocol):
-    """What single steps need of the node's engine (node/engine.py)."""
-
-    @property
-    def shard(self) -> Shard | None: ...
+class Opens(Protocol):
+    """Opening a stream's session (node/engine_sessions.py)."""
 
     def open(
         self,
@@ -67,6 +64,16 @@ class StepEngine(Protocol):
         rewind: tuple[int, int] | None = None,
         prefix: PrefixAsk | None = None,
     ) -> Future[OpenedSlot]: ...
+
+
+class StepEngine(Protocol):
+    """What single steps need of the node's engine (node/engine.py)."""
+
+    @property
+    def shard(self) -> Shard | None: ...
+
+    @property
+    def sessions(self) -> Opens: ...
 
     def submit(self, work: StepWork) -> Future[np.ndarray]: ...
 
@@ -105,7 +112,7 @@ class ForwardSteps:
             prefix = PrefixAsk.checked(ids, o.prefix_reuse, limit, o.prefix_scope)
         elif o.prefix_scope:
             raise MalformedBundle("a prefix scope without a prompt's prefix")
-        opened = self.engine.open(o.session_id, o.epoch, o.resume, rewind, prefix)
+        opened = self.engine.sessions.open(o.session_id, o.epoch, o.resume, rewind, prefix)
         return opened.result(CONTROL_TIMEOUT_S)
 
     def sampling(self, o: pb.Open) -> SamplingParams | None:

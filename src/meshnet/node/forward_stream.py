@@ -37,13 +37,20 @@ from meshnet.node.wire import CONTROL_TIMEOUT_S
 from meshnet.protocol import meshnet_pb2 as pb
 
 
+class Releases(Protocol):
+    """Releasing an ended stream's session (node/engine_sessions.py)."""
+
+    def release(self, session_id: str, epoch: int) -> Future[bool]: ...
+
+
 class StreamEngine(Protocol):
     """What a stream's course needs of the node's engine (node/engine.py)."""
 
     @property
     def shard(self) -> Shard | None: ...
 
-    def release(self, session_id: str, epoch: int) -> Future[bool]: ...
+    @property
+    def sessions(self) -> Releases: ...
 
 
 class ForwardStreams:
@@ -105,7 +112,7 @@ class ForwardStreams:
         if not opened.keep:
 
             def release() -> None:
-                self.engine.release(sid, epoch)  # queued on the engine's loop, not awaited
+                self.engine.sessions.release(sid, epoch)  # queued on the engine's loop, not awaited
 
             context.add_callback(release)
         shard = self.engine.shard
@@ -125,7 +132,7 @@ class ForwardStreams:
         finally:
             self.mailbox.drop(sid, epoch)
             if not opened.keep:
-                self.engine.release(sid, epoch).result(CONTROL_TIMEOUT_S)
+                self.engine.sessions.release(sid, epoch).result(CONTROL_TIMEOUT_S)
 
     def _serve_steps(
         self,

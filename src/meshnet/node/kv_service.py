@@ -102,7 +102,7 @@ class KVService:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is empty")
         assert shard is not None
         try:
-            kv = self.engine.export_kv(request.session_id).result(CONTROL_TIMEOUT_S)
+            kv = self.engine.sessions.export_kv(request.session_id).result(CONTROL_TIMEOUT_S)
         except MeshnetError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         shape = kv_shape(shard)
@@ -219,12 +219,12 @@ class KVService:
         try:
             header, payload = read(check, cutoff.at)
             cutoff.stop()  # all read: loading it is the engine's
-            held = self.engine.import_kv(
+            held = self.engine.sessions.import_kv(
                 header.session_id, header.epoch, header.steps, header.tokens, payload
             ).result(CONTROL_TIMEOUT_S)
         except MeshnetError as e:
             if seen:
-                self.engine.quarantine(seen[0].session_id).result(CONTROL_TIMEOUT_S)
+                self.engine.sessions.quarantine(seen[0].session_id).result(CONTROL_TIMEOUT_S)
             return _put_failed(e)
         return pb.StatePutResponse(imported=True, tokens=held.kv_tokens, transport=transport)
 

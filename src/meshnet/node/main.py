@@ -162,10 +162,10 @@ def serve(cfg: NodeConfig) -> int:
         try:
             if is_reference(model_path):
                 shard = models.shard(model_path, cfg.layers)
-                engine.load(str(shard.path), cfg.layers, shard.fingerprint).result()
+                engine.tiers.load(str(shard.path), cfg.layers, shard.fingerprint).result()
                 models.serving(shard.path)
             else:
-                engine.load(model_path, cfg.layers).result()
+                engine.tiers.load(model_path, cfg.layers).result()
         except KVBudgetExhausted as e:  # --ctx past the budget: a setup error, said plainly
             print(f"meshnet node: {e}", file=sys.stderr)
             offers.close()

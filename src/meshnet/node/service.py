@@ -191,7 +191,7 @@ class NodeService(pb_grpc.NodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad session_id")
         if request.end_step < request.first_step:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "end_step before first_step")
-        sent = self.engine.sent(request.session_id, request.first_step, request.end_step)
+        sent = self.engine.sessions.sent(request.session_id, request.first_step, request.end_step)
         for step, x in sent.result(CONTROL_TIMEOUT_S):
             yield pb.StepOutput(step=step, output=codec.encode(x))
 
@@ -204,7 +204,7 @@ class NodeService(pb_grpc.NodeServicer):
 
     def Fence(self, request: pb.FenceRequest, context: grpc.ServicerContext) -> pb.FenceResponse:
         if request.session_id and len(request.session_id) <= MAX_SESSION_ID:
-            self.engine.fence(request.session_id, request.epoch).result(CONTROL_TIMEOUT_S)
+            self.engine.sessions.fence(request.session_id, request.epoch).result(CONTROL_TIMEOUT_S)
         return pb.FenceResponse()
 
     def Release(
@@ -212,7 +212,8 @@ class NodeService(pb_grpc.NodeServicer):
     ) -> pb.ReleaseResponse:
         if not request.session_id or len(request.session_id) > MAX_SESSION_ID:
             return pb.ReleaseResponse(released=False)
-        freed = self.engine.release(request.session_id, request.epoch).result(CONTROL_TIMEOUT_S)
+        released = self.engine.sessions.release(request.session_id, request.epoch)
+        freed = released.result(CONTROL_TIMEOUT_S)
         return pb.ReleaseResponse(released=freed)
 
     def Park(self, request: pb.ParkRequest, context: grpc.ServicerContext) -> pb.ParkResponse:
@@ -225,7 +226,8 @@ class NodeService(pb_grpc.NodeServicer):
                 raise MalformedBundle(f"no park phase {request.phase}")
             phase = ParkPhase(request.phase)
             epoch = request.epoch or None
-            done = self.engine.park(request.session_id, epoch, phase).result(CONTROL_TIMEOUT_S)
+            parked = self.engine.parking.park(request.session_id, epoch, phase)
+            done = parked.result(CONTROL_TIMEOUT_S)
         except MeshnetError as e:
             return pb.ParkResponse(parked=False, failure=fail(e))
         return pb.ParkResponse(parked=True, tokens=done.tokens, freed_bytes=done.freed_bytes)
