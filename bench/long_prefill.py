@@ -14,6 +14,10 @@ shared machine does not count, the kernels' own threads do), the median of
 the positions each row sees, per CPU second) and new / old. The two builds' outputs are
 compared bit for bit (a row's result may not depend on how its work is scheduled).
 
+The q8 matmuls of a long prompt's rows (Gemma 3 270M's Q5_0 gate, 2048x640, and its
+Q6_K down, 640x2048; seeded random blocks) over ``--tokens`` rows in one call, the same
+way: wall and CPU seconds per call (medians), new / old, and the bits compared.
+
 With ``--model``, the whole prefill of ``--prompt-tokens`` of that GGUF in one forward
 (as ``meshnet bench``), backend q8, each build's model loaded once, runs taking turns:
 wall seconds and CPU seconds, medians, new / old.
@@ -30,6 +34,7 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+from gguf import GGMLQuantizationType as QT
 
 from meshnet.backends import _native, quant
 
@@ -105,6 +110,42 @@ def bench_attention(builds: dict[str, ModuleType], args: argparse.Namespace) -> 
         print(line, flush=True)
 
 
+def random_q8(qtype: QT, rows: int, cols: int, rng: np.random.Generator) -> quant.QuantMatrix:
+    """A ``rows`` x ``cols`` matrix of random quants and small float16 scales, q8 layout."""
+    size, per, scale_at = {QT.Q5_0: (22, 32, 0), QT.Q6_K: (210, 256, 208)}[qtype]
+    raw = rng.integers(0, 256, (rows * cols // per, size), dtype=np.uint8)
+    raw[:, scale_at : scale_at + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    return quant.from_blocks(raw.reshape(-1), qtype, (rows, cols), q8=True)
+
+
+def bench_matmul(builds: dict[str, ModuleType], args: argparse.Namespace) -> None:
+    rng = np.random.default_rng(0)
+    for name, qtype, rows, cols in (
+        ("Q5_0 2048x640", QT.Q5_0, 2048, 640),
+        ("Q6_K 640x2048", QT.Q6_K, 640, 2048),
+    ):
+        packed, _, nb, code = quant.native_args(random_q8(qtype, rows, cols, rng))
+        x = rng.standard_normal((args.tokens, cols)).astype(np.float32)
+        outs = {b: np.empty((args.tokens, rows), np.float32) for b in builds}
+        wall: dict[str, list[float]] = {b: [] for b in builds}
+        cpu: dict[str, list[float]] = {b: [] for b in builds}
+        for r in range(args.rounds * 3 + 1):
+            for b, m in builds.items():
+                w0, c0 = time.perf_counter(), time.process_time()
+                m.matmul(packed, x, outs[b], rows, nb, args.tokens, code, args.threads, True)
+                if r > 0:  # the first round warms up
+                    wall[b].append(time.perf_counter() - w0)
+                    cpu[b].append(time.process_time() - c0)
+        w, c = statistics.median(wall["new"]), statistics.median(cpu["new"])
+        line = f"q8 matmul {name}, {args.tokens} rows: new {w * 1e3:.0f} ms wall, {c * 1e3:.0f} CPU"
+        if "old" in builds:
+            wo, co = statistics.median(wall["old"]), statistics.median(cpu["old"])
+            same = np.array_equal(outs["new"], outs["old"])
+            line += f"; old {wo * 1e3:.0f}, {co * 1e3:.0f}; new/old {wo / w:.2f}x wall"
+            line += f", {co / c:.2f}x CPU; same bits: {'yes' if same else 'NO'}"
+        print(line, flush=True)
+
+
 def bench_model(builds: dict[str, ModuleType], args: argparse.Namespace) -> None:
     from meshnet.backends.kernel_threads import set_threads
     from meshnet.benchmark.engine import bench_prompt
@@ -154,6 +195,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=8192)
     p.add_argument("--model-rounds", type=int, default=3)
     p.add_argument("--skip-attention", action="store_true")
+    p.add_argument("--skip-matmul", action="store_true")
     args = p.parse_args()
     builds: dict[str, ModuleType] = {"new": _native}
     if args.against is not None:
@@ -161,6 +203,8 @@ def main() -> None:
     print(f"isa {_native.isa()}, {args.threads} threads", flush=True)
     if not args.skip_attention:
         bench_attention(builds, args)
+    if not args.skip_matmul:
+        bench_matmul(builds, args)
     if args.model is not None:
         bench_model(builds, args)
 
