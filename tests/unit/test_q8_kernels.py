@@ -140,6 +140,23 @@ def test_q8_rows_are_the_same_alone_batched_wide_or_threaded(qtype: QT) -> None:
 
 
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)
+def test_q8_rows_of_a_long_batch_are_the_same_in_its_blocks_of_tokens(qtype: QT) -> None:
+    """A batch of hundreds of tokens runs in blocks of tokens (384 at these 512 columns):
+    a token's outputs are what it gets alone, whichever block it falls in, at either
+    vector width and thread count."""
+    rows, tokens = 45, 800  # blocks of 384, 384 and 32
+    w, _ = _matrix(qtype, rows, seed=8)
+    x = np.random.default_rng(9).standard_normal((tokens, COLS)).astype(np.float32)
+    packed, _, nb, code = quant.native_args(w)
+    alone = np.concatenate([quant.matmul(x[i : i + 1], w, wide=False) for i in range(tokens)])
+    for wide in (False, True):
+        for threads in (1, 2, 3):
+            out = np.empty((tokens, rows), np.float32)
+            quant.NATIVE.matmul(packed, x, out, rows, nb, tokens, code, threads, wide)
+            assert np.array_equal(out, alone), (wide, threads)
+
+
+@pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)
 def test_q8_layout_rows_are_gguf_dequantized_rows(qtype: QT) -> None:
     w, dense = _matrix(qtype, 37, seed=7)
     ids = np.array([36, 0, 17, 17, 16, 15, 31, 32])

@@ -83,6 +83,19 @@ def test_tiles_equal_the_reference_and_give_the_same_bits_however_chunked(
         assert np.array_equal(_run(q, k, v, steps, threads=threads, window=window), whole)
 
 
+@pytest.mark.parametrize("window", [0, 300])
+def test_a_long_prompt_gets_its_bits_whatever_rows_share_its_units(window: int) -> None:
+    """A long prompt's rows share each key tile in units of up to 64 rows (fewer where a
+    call has few rows for its threads): the unit a row falls in never moves its bits."""
+    length = 1500
+    q, k, v = _inputs(length, 11 + window)
+    whole = _run(q, k, v, [length], threads=2, window=window)
+    assert np.allclose(whole, _reference(q, k, v, window), atol=2e-5)
+    calls = ([length], 1), ([length], 3), ([128] * 11 + [92], 2), ([37] * 40 + [20], 2)
+    for chunks, threads in calls:
+        assert np.array_equal(_run(q, k, v, chunks, threads=threads, window=window), whole)
+
+
 @pytest.mark.parametrize("length", [130, 600])
 def test_soft_cap_and_sinks_keep_the_contract(length: int) -> None:
     q, k, v = _inputs(length, 7)

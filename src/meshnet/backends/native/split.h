@@ -22,17 +22,21 @@ typedef struct {
     char pad[56];
 } split_run_t;
 
-/* Runs for ``parts`` threads over units [0, units), as even as can be; NULL when out of
- * memory. Free with free(). */
-static inline split_run_t *split_runs(int64_t units, int parts) {
-    split_run_t *runs = aligned_alloc(64, (size_t)parts * sizeof(split_run_t));
+/* ``sets`` sets of runs, one after another (a long batch's blocks of tokens), each for
+ * ``parts`` threads over units [0, units), as even as can be; NULL when out of memory.
+ * Free with free(). */
+static inline split_run_t *split_runs_many(int64_t units, int parts, int64_t sets) {
+    split_run_t *runs = aligned_alloc(64, (size_t)(parts * sets) * sizeof(split_run_t));
     if (runs == NULL) return NULL;
-    for (int i = 0; i < parts; i++) {
-        const uint64_t front = (uint64_t)(units * i / parts), back = (uint64_t)(units * (i + 1) / parts);
-        runs[i].span = front | back << 32;
-    }
+    for (int64_t s = 0; s < sets; s++)
+        for (int i = 0; i < parts; i++) {
+            const uint64_t front = (uint64_t)(units * i / parts);
+            const uint64_t back = (uint64_t)(units * (i + 1) / parts);
+            runs[s * parts + i].span = front | back << 32;
+        }
     return runs;
 }
+
 
 /* The next unit of run r from its front (own) or back (another's); -1 when it is empty. */
 static inline int64_t split_take(split_run_t *r, int from_back) {
