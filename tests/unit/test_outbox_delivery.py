@@ -162,6 +162,24 @@ async def stop(tasks: list[asyncio.Task[None]], *boxes: Outbox) -> None:
         await box.stop()
 
 
+def test_a_loop_woken_as_it_is_cancelled_stops(stores: list[SessionStore], tmp_path: Path) -> None:
+    """A tracker stopping cancels its delivery loop; a turn accepted in the same moment
+    wakes it. The cancel must still stop the loop (Python 3.11's ``asyncio.wait_for``
+    returned the wake and dropped the cancel, so the loop ran on and the stop hung)."""
+    box = outbox(stores[0], Runner(sleeps(0)), tmp_path)
+
+    async def scenario() -> None:
+        loop = asyncio.create_task(box.run_forever())
+        await asyncio.sleep(FAST.poll_s * 3)  # waiting on its wake, between polls
+        accept(box)  # wakes it...
+        loop.cancel()  # ...as it is told to stop, in the same tick
+        done, _ = await asyncio.wait({loop}, timeout=5)
+        assert loop in done and loop.cancelled(), "the loop ran on after its cancel"
+        await box.stop()
+
+    run(scenario())
+
+
 # --- leases: one attempt at a time (issue 15, item 5) ----------------------------------
 
 

@@ -48,8 +48,10 @@ async def paced(
     iterator = frames.__aiter__()
     while True:
         try:
-            left = max(0.0, deadline - time.monotonic())
-            frame = await asyncio.wait_for(iterator.__anext__(), left)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel that
+            # lands as a frame does, and the transfer would run on past its caller's end
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                frame = await iterator.__anext__()
         except StopAsyncIteration:
             return
         except TimeoutError:

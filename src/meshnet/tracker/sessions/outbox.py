@@ -367,8 +367,11 @@ class Outbox:
             else:
                 self.health.passed()
             self._wake.clear()
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel that
+            # lands as the wake does, and the loop would run on past its tracker's stop
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
+                async with asyncio.timeout(self.config.poll_s):
+                    await self._wake.wait()
 
     async def stop(self) -> None:
         tasks = list(self._delivering.values())

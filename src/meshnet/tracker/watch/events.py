@@ -75,5 +75,6 @@ class EventLog:
         if self._last > last_id:
             return
         tick = self._tick
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(tick.wait(), timeout_s)
+        with contextlib.suppress(TimeoutError):  # asyncio.timeout keeps a caller's cancel
+            async with asyncio.timeout(timeout_s):
+                await tick.wait()
