@@ -180,6 +180,38 @@ def test_a_loop_woken_as_it_is_cancelled_stops(stores: list[SessionStore], tmp_p
     run(scenario())
 
 
+def test_a_delivery_started_with_the_accept_keeps_its_token_callback(
+    stores: list[SessionStore], tmp_path: Path
+) -> None:
+    """A streamed turn's delivery starts, with its token callback, before the API
+    handler yields; the loop, woken by the accept, must leave that turn to it (else the
+    stream got the result but none of its tokens)."""
+    seen: list[Any] = []
+
+    class Recording(Runner):
+        async def run(self, session: SessionRecord, turn: TurnRecord, on_token: Any) -> TurnOutcome:
+            seen.append(on_token)
+            return await super().run(session, turn, on_token)
+
+    box = outbox(stores[0], Recording(sleeps(0)), tmp_path)
+
+    async def on_token(event: Any) -> None:
+        return None
+
+    async def scenario() -> TurnRecord:
+        loops = await looping(box)
+        await asyncio.sleep(FAST.poll_s * 3)  # the loop waits on its wake
+        turn = accept(box)  # wakes it
+        started = box.start_delivery(turn, on_token)
+        assert started is not None and box.start_delivery(turn) is None  # one at a time
+        done = await until_final(stores[0], turn.id)
+        await stop(loops, box)
+        return done
+
+    done = run(scenario())
+    assert done.status is TurnStatus.DONE and seen == [on_token]
+
+
 # --- leases: one attempt at a time (issue 15, item 5) ----------------------------------
 
 

@@ -177,8 +177,13 @@ async def add_turn(
     if turn.status.final:  # a repeated Idempotency-Key: the first turn's outcome
         return _answer(turn)
     if body.stream:
+        # The delivery starts here, before this handler yields: the outbox's loop, woken
+        # by the accept, would otherwise take the turn first, without its token callback,
+        # and the stream would send the result but none of its tokens.
+        tokens: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
+        delivering = _deliver_streamed(outbox, turn, slot, tokens)
         return StreamingResponse(
-            _stream(outbox, turn, slot),
+            _stream(outbox, turn, tokens, delivering),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -208,25 +213,36 @@ def _turn_error(turn: TurnRecord) -> MeshnetError:
     return e if type(e) is not MeshnetError else RequestError(message)
 
 
-async def _stream(outbox: Outbox, turn: TurnRecord, slot: Slot) -> AsyncIterator[str]:
-    """Tokens as the delivering attempt makes them, then the turn's result."""
-    tokens: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
+def _deliver_streamed(
+    outbox: Outbox, turn: TurnRecord, slot: Slot, tokens: asyncio.Queue[TokenEvent | None]
+) -> asyncio.Task[bool] | None:
+    """Start delivering ``turn``, its tokens put on ``tokens`` and then None; None (and
+    None put) where this tracker delivers it already (a repeated Idempotency-Key)."""
 
     async def on_token(event: TokenEvent) -> None:
         slot.charge(1)
         await tokens.put(event)
 
-    async def deliver() -> None:
-        try:
-            await outbox.deliver(turn, on_token)
-        finally:
-            await tokens.put(None)
-
     # A client that hangs up does not cancel the turn: it was accepted, it completes.
-    task = asyncio.create_task(deliver())
+    task = outbox.start_delivery(turn, on_token)
+    if task is None:
+        tokens.put_nowait(None)
+    else:
+        task.add_done_callback(lambda _: tokens.put_nowait(None))
+    return task
+
+
+async def _stream(
+    outbox: Outbox,
+    turn: TurnRecord,
+    tokens: asyncio.Queue[TokenEvent | None],
+    delivering: asyncio.Task[bool] | None,
+) -> AsyncIterator[str]:
+    """Tokens as the delivering attempt makes them, then the turn's result."""
     while (event := await tokens.get()) is not None:
         yield _data({"type": "token", "id": event.token_id, "text": event.text})
-    await task
+    if delivering is not None:
+        await asyncio.wait({delivering})  # its end, whatever it raised (the turn says)
     final = await outbox.wait(turn.id, _TURN_WAIT_S)
     if final.status is TurnStatus.DONE and final.result is not None:
         yield _data({"type": "done", **final.result})

@@ -344,12 +344,18 @@ class Outbox:
             else:
                 await asyncio.sleep(min(left, 0.05))
 
-    def start_delivery(self, turn: TurnRecord, on_token: OnToken | None = None) -> None:
-        """Deliver now, in the background, if nobody here is delivering it already."""
-        if turn.id not in self._delivering:
-            task = asyncio.create_task(self.deliver(turn, on_token))
-            self._delivering[turn.id] = task
-            task.add_done_callback(lambda t: self._forget(turn.id, t))
+    def start_delivery(
+        self, turn: TurnRecord, on_token: OnToken | None = None
+    ) -> asyncio.Task[bool] | None:
+        """Deliver now, in the background, if nobody here is delivering it already: the
+        task, or None where another one is. Registered before it returns, so the loop
+        (``run_forever``) never starts a second delivery without ``on_token``."""
+        if turn.id in self._delivering:
+            return None
+        task = asyncio.create_task(self.deliver(turn, on_token))
+        self._delivering[turn.id] = task
+        task.add_done_callback(lambda t: self._forget(turn.id, t))
+        return task
 
     def _forget(self, turn_id: str, task: asyncio.Task[bool]) -> None:
         """A task cancelled before it ran never cleans up after itself."""
