@@ -26,7 +26,6 @@ wall seconds and CPU seconds, medians, new / old.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import time
 from collections.abc import Callable
@@ -37,18 +36,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from meshnet.backends import _native, quant
+from meshnet.benchmark.native_build import load_build
 
 HEADS, KV, HD = 4, 1, 256
-
-
-def load_build(path: Path) -> ModuleType:
-    """Another build of the native extension, loaded beside this tree's."""
-    spec = importlib.util.spec_from_file_location("meshnet.backends._native", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"{path}: not an extension module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def attention_case(

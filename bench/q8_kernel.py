@@ -25,7 +25,6 @@ median of ``--rounds`` rounds in which the builds and the probe take turns.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from meshnet.backends import quant
+from meshnet.benchmark.native_build import load_build
 from meshnet.memory import on_huge_pages
 
 SHAPES = ((512, 1024), (1024, 512), (2048, 768), (4096, 4096))
@@ -51,16 +51,6 @@ def random_blocks(qtype: QT, rows: int, cols: int, rng: np.random.Generator) -> 
     for at in D_AT[qtype]:
         raw[:, at : at + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     return raw.reshape(-1)
-
-
-def load_build(path: Path) -> ModuleType:
-    """Another build of the native extension, loaded beside this tree's."""
-    spec = importlib.util.spec_from_file_location("meshnet.backends._native", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"{path}: not an extension module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def cpu_per_call(fn: Callable[[int], object], calls: int) -> float:
