@@ -20,16 +20,13 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import BinaryIO
 
 from meshnet.errors import DiskFull, HashMismatch
 from meshnet.model_source.config import SourceConfig
-from meshnet.model_source.files import check_room, disk_errors, locked, sync_dir
+from meshnet.model_source.files import check_room, disk_errors, hash_back, locked, sync_dir
 from meshnet.model_source.progress import OnBytes
 from meshnet.model_source.ranged import stream_range
 from meshnet.model_source.remote import RemoteFile
-
-_READ_BACK = 1 << 22
 
 
 def download_file(
@@ -78,7 +75,7 @@ def _fetch(
     h = hashlib.sha256() if f.sha256 is not None else None
     with partial.open("r+b" if have else "wb") as fh:
         if h is not None:
-            _read_back(fh, have, h)
+            hash_back(fh, 0, have, h)
         fh.seek(have)
         fh.truncate()
 
@@ -93,15 +90,3 @@ def _fetch(
         fh.flush()
         os.fsync(fh.fileno())
     return None if h is None else h.hexdigest()
-
-
-def _read_back(fh: BinaryIO, end: int, h: hashlib._Hash) -> None:
-    """Feed ``h`` the first ``end`` bytes of ``fh``: the part a resumed download kept."""
-    fh.seek(0)
-    pos = 0
-    while pos < end:
-        data = fh.read(min(end - pos, _READ_BACK))
-        if not data:
-            break
-        h.update(data)
-        pos += len(data)

@@ -10,11 +10,13 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from meshnet.errors import DiskFull
 from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.remote import RemoteModel
+
+_HASH_READ = 1 << 22  # bytes a read of hash_back takes
 
 
 def store_dir(cfg: SourceConfig, model: RemoteModel) -> Path:
@@ -91,3 +93,22 @@ def locked(lock: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+class Hasher(Protocol):
+    """What a download hashes with: hashlib's sha256, blake3."""
+
+    def update(self, data: bytes, /) -> object: ...
+
+
+def hash_back(fh: BinaryIO, start: int, end: int, h: Hasher) -> None:
+    """Feed ``h`` the bytes ``[start, end)`` already written to ``fh`` (the part a
+    resumed fetch kept), a few MB at a time."""
+    fh.flush()
+    fh.seek(start)
+    while start < end:
+        data = fh.read(min(end - start, _HASH_READ))
+        if not data:
+            break
+        h.update(data)
+        start += len(data)

@@ -37,7 +37,7 @@ from meshnet.errors import DiskFull, HashMismatch, ModelSourceError
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_header import parse_layout
 from meshnet.model_source.config import SourceConfig
-from meshnet.model_source.files import check_room, disk_errors, locked, sync_dir
+from meshnet.model_source.files import check_room, disk_errors, hash_back, locked, sync_dir
 from meshnet.model_source.first_fetch import Ledger, await_hash
 from meshnet.model_source.header import ModelHeader, RemoteHeader
 from meshnet.model_source.live import LiveFetch
@@ -63,7 +63,6 @@ __all__ = [  # the shard files' names, from shard_names, as callers know them he
     "shards_dir",
 ]
 log = logging.getLogger(__name__)
-_HASH_READ = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -329,7 +328,7 @@ class _Fetch:
         written before (a resumed fetch), read back, then of the rest as it arrives."""
         h = blake3.blake3()
         pos = t.offset + state.done.get(t.name, 0)
-        _hash_back(fh, t.offset, pos, h)
+        hash_back(fh, t.offset, pos, h)
 
         def sink(offset: int, data: bytes) -> None:
             fh.seek(offset)
@@ -348,15 +347,3 @@ class _Fetch:
     def _counted(self, n: int) -> None:
         if self.progress is not None:
             self.progress(n)
-
-
-def _hash_back(fh: BinaryIO, start: int, end: int, h: blake3.blake3) -> None:
-    """Feed ``h`` the bytes ``[start, end)`` already in ``fh``."""
-    fh.flush()
-    fh.seek(start)
-    while start < end:
-        data = fh.read(min(end - start, _HASH_READ))
-        if not data:
-            break
-        h.update(data)
-        start += len(data)
