@@ -141,6 +141,12 @@ def _claim(start: int = 0) -> SpanClaim:
     return SpanClaim("n", "g", LayerRange(0, 2), start, bytes(16), tuple(range(start + 32)))
 
 
+def _fast(node_id: str) -> str:
+    """The backend every node of these tests registered with (the verifier asks, with
+    no model to default to)."""
+    return "fast"
+
+
 def test_the_verifier_samples_at_its_rate_and_skips_when_full() -> None:
     import asyncio
 
@@ -149,12 +155,12 @@ def test_the_verifier_samples_at_its_rate_and_skips_when_full() -> None:
     async def scenario() -> None:
         never = Verifier(None, 0.0, lambda v: None)  # type: ignore[arg-type]
         assert not any(never.offer(_claim()) for _ in range(100))
-        every = Verifier(None, 1.0, lambda v: None, queue_size=3)  # type: ignore[arg-type]
+        every = Verifier(None, 1.0, lambda v: None, queue_size=3, backend_of=_fast)  # type: ignore[arg-type]
         every._worker = asyncio.get_running_loop().create_future()  # type: ignore[assignment]
         taken = [every.offer(_claim(32 * i)) for i in range(5)]
         assert taken == [True, True, True, False, False]
         assert (every.stats.sampled, every.stats.skipped) == (5, 2)
-        tenth = Verifier(None, 0.1, lambda v: None, queue_size=10_000, seed=7)  # type: ignore[arg-type]
+        tenth = Verifier(None, 0.1, lambda v: None, 10_000, 7, _fast)  # type: ignore[arg-type]
         tenth._worker = asyncio.get_running_loop().create_future()  # type: ignore[assignment]
         drawn = sum(tenth.offer(_claim()) for _ in range(5000))
         assert 400 < drawn < 600

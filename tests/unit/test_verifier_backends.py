@@ -82,3 +82,30 @@ def test_a_node_is_checked_on_the_backend_it_announced(tiny_path: Path, backend:
     # announced backend were not the one it ran on would fail.
     (other,) = EXACT_BACKENDS - {backend}
     assert not any(v.passed for v in _verdicts(model, claims, other))
+
+
+def test_a_claim_is_checked_on_the_backend_its_node_had_when_it_was_offered(
+    tiny_path: Path,
+) -> None:
+    """Checks run behind the generations, from a queue: a ``fast`` node that left the
+    mesh before its claims came up (the registry then knows no backend for it) is still
+    checked on ``fast``, not on the default backend, where its honest rows would fail."""
+    claims = _claims(tiny_path, "fast")
+    model = TrustedModel(str(tiny_path))
+    registered = {"n": "fast"}
+    kept: list[Verdict] = []
+
+    async def run() -> None:
+        verifier = Verifier(
+            model,
+            1.0,
+            kept.append,
+            backend_of=lambda node_id: registered.get(node_id, DEFAULT_BACKEND),
+        )
+        for claim in claims:
+            assert verifier.offer(claim)
+        registered.clear()  # the node drains and leaves before the worker runs
+        await verifier.drain()
+
+    asyncio.run(run())
+    assert len(kept) == 2 and all(v.passed for v in kept), kept

@@ -327,7 +327,9 @@ class Verifier:
         backend_of: Callable[[str], str] | None = None,
     ) -> None:
         """``backend_of(node_id)``: the backend a node computes on (default: ``model``'s);
-        a claim is checked on it (a route's hops share one: routes.py)."""
+        a claim is checked on it (a route's hops share one: routes.py). It is asked when
+        the claim is offered: a check runs later, from the queue, by when the node may
+        have left and the registry forgotten its backend."""
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"verify rate must be in [0, 1], not {rate}")
         self.model = model
@@ -335,7 +337,7 @@ class Verifier:
         self.rate = rate
         self.on_verdict = on_verdict
         self.stats = VerifierStats()
-        self._queue: asyncio.Queue[SpanClaim] = asyncio.Queue(queue_size)
+        self._queue: asyncio.Queue[tuple[SpanClaim, str]] = asyncio.Queue(queue_size)
         self._random = random.Random(seed)
         self._worker: asyncio.Task[None] | None = None  # started by the first claim drawn
         # Checks a claim elsewhere first (trusted nodes: tracker/trust/trusted_capacity.py), given
@@ -351,7 +353,13 @@ class Verifier:
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self.run())
         try:
-            self._queue.put_nowait(claim)
+            backend = self.backend_of(claim.node_id)
+        except Exception:  # the registry unreadable (a database gone): not the generation's fault
+            log.exception("no backend for %s: its claim goes unchecked", claim.node_id)
+            self.stats.skipped += 1
+            return False
+        try:
+            self._queue.put_nowait((claim, backend))
         except asyncio.QueueFull:
             self.stats.skipped += 1
             return False
@@ -364,9 +372,8 @@ class Verifier:
     async def run(self) -> None:
         """Check queued claims one at a time, for ever."""
         while True:
-            claim = await self._queue.get()
+            claim, backend = await self._queue.get()
             try:
-                backend = self.backend_of(claim.node_id)
                 exact = backend in EXACT_BACKENDS
                 verdicts = None
                 if self.elsewhere is not None and exact:  # a sketch is no bits to compare
