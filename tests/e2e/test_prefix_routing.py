@@ -72,9 +72,10 @@ def _busy(mesh: LocalMesh, node_id: str, n: int) -> Iterator[None]:
     stop = threading.Event()
 
     def busy() -> None:
-        # 700 tokens without an eos on the long tiny model: in flight while the next is routed
+        # 700 tokens, an eos or not (whichever backend samples): in flight while the next
+        # is routed
         body = {"model": "long", "prompt": [5, 17, 42, 99, 3, 64, 128, 7], "max_tokens": 700}
-        body.update(seed=3)
+        body.update(seed=3, ignore_eos=True)
         body.update(temperature=0.7, meshnet={"route": [node_id]})
 
         def on_token(k: int, s: Streamed) -> bool | None:
