@@ -264,6 +264,23 @@ class SequenceKV:
         self._keys[layer][:, at] = k
         self._values[layer][:, at] = v
 
+    def put_parts(
+        self, layer: int, start: int, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]
+    ) -> None:
+        """``put`` of consecutive parts (each ``[n_kv_heads, n_i, head_dim]``) from
+        ``start``, in one copy: a prefix of many cached blocks is loaded with a call a
+        layer rather than one per block (a 2,000-position prefix of 30 layers was
+        3,750 calls, twice the time of its copy)."""
+        stop = start + sum(k.shape[1] for k in keys)
+        if start < self.length - self.kept(layer, self.length) or stop > self.length:
+            raise ValueError(f"positions {start}..{stop} are not layer {layer}'s to hold")
+        at = self._slots(layer, start, stop)
+        for parts, arrays in ((keys, self._keys), (values, self._values)):
+            if isinstance(at, slice):  # straight into place
+                np.concatenate(parts, axis=1, out=arrays[layer][:, at])
+            else:  # round a ring
+                arrays[layer][:, at] = np.concatenate(parts, axis=1)
+
     def read(self, layer: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Copies of the keys and values of committed positions ``start .. stop`` of
         ``layer``; None where its ring no longer holds them all."""

@@ -176,17 +176,19 @@ class PrefixCache:
         if not n:
             return 0
         kv.start_loaded(n)
-        for layer in range(kv.n_layers):  # one copy, each block straight into its place
+        for layer in range(kv.n_layers):  # one copy a layer, every block into its place
             first = n - kv.kept(layer, n)
-            for i, b in enumerate(blocks):
-                start = i * BLOCK_TOKENS
-                keys, values = b.keys[layer], b.values[layer]
-                if start + BLOCK_TOKENS <= first:
-                    continue  # before the layer's window
-                if keys is None or values is None:
+            keys: list[np.ndarray] = []
+            values: list[np.ndarray] = []
+            for b in blocks[first // BLOCK_TOKENS :]:  # from the block the window starts in
+                k, v = b.keys[layer], b.values[layer]
+                if k is None or v is None:
                     raise ValueError("a block without its windowed layers' KV was loaded")
-                skip = max(first - start, 0)
-                kv.put(layer, start + skip, keys[:, skip:], values[:, skip:])
+                keys.append(k)
+                values.append(v)
+            skip = first % BLOCK_TOKENS
+            keys[0], values[0] = keys[0][:, skip:], values[0][:, skip:]
+            kv.put_parts(layer, first, keys, values)
         self._hits += 1
         self._reused += n
         return n
