@@ -12,6 +12,10 @@ glibc it is a no-op.
 Weights a decode step streams once, far past the caches, go on memory Linux may
 back with 2 MB pages (``on_huge_pages``): 4 KB pages cost a TLB miss every 4 KB
 of each stream.
+
+What a process only checks once, and never serves from, can be done in a forked child
+(``in_child``): whatever the check loads (a 128k-token tokenizer and its library, a
+shard's tensor descriptors) goes with the child, not into the parent's resident set.
 """
 
 from __future__ import annotations
@@ -19,15 +23,23 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+import multiprocessing
+from collections.abc import Callable
 from functools import cache
+from multiprocessing.connection import Connection
+from typing import TypeVar
 
 import numpy as np
+
+from meshnet.errors import MeshnetError
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD = 1 << 20  # blocks from this size up get pages of their own
 _TRIM_THRESHOLD = 1 << 20  # free space past this at the heap's top goes back at once
 HUGE_PAGE = 2 << 20  # bytes of one transparent huge page (x86-64 Linux)
+
+T = TypeVar("T")
 
 
 @cache
@@ -89,3 +101,45 @@ def on_huge_pages(a: np.ndarray) -> np.ndarray:
     out = whole[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
     out[...] = a
     return out
+
+
+def in_child(run: Callable[[], T]) -> T:
+    """``run()``'s result (or its exception, raised here), computed in a forked child so
+    that nothing it allocates or imports stays in this process.
+
+    The child inherits this process as it is (nothing is pickled but the result), so
+    call it before any thread that holds a lock starts. ``MeshnetError`` if the child
+    dies without an answer. Where processes cannot be forked, ``run()`` runs here.
+    """
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return run()
+    fork = multiprocessing.get_context("fork")
+    answer, sender = fork.Pipe(duplex=False)
+    child = fork.Process(target=_answer, args=(run, sender), daemon=True)
+    child.start()
+    sender.close()  # the child holds the only sending end: EOF when it is gone
+    try:
+        failed, value = answer.recv()
+    except EOFError:
+        child.join()
+        raise MeshnetError(f"the child process died (exit status {child.exitcode})") from None
+    finally:
+        answer.close()
+    child.join()
+    if failed:
+        raise value
+    result: T = value
+    return result
+
+
+def _answer(run: Callable[[], object], sender: Connection) -> None:
+    """In the child: send (False, result) or (True, the exception raised)."""
+    try:
+        reply: tuple[bool, object] = (False, run())
+    except BaseException as e:  # every failure goes back to the parent, which raises it
+        reply = (True, e)
+    try:
+        sender.send(reply)
+    except Exception as e:  # a result or exception that cannot be pickled: said in words
+        sender.send((True, MeshnetError(f"the child's answer cannot be sent back: {e}")))
+    sender.close()

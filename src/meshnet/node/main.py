@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from concurrent import futures
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -19,6 +20,7 @@ import grpc
 from meshnet.auth.grpc_auth import NodeGate
 from meshnet.backends.kernel_threads import set_threads
 from meshnet.errors import KVBudgetExhausted, MeshnetError
+from meshnet.memory import in_child
 from meshnet.model.bundled import bundled_model_path
 from meshnet.model_source.config import source_config
 from meshnet.model_source.reference import is_reference
@@ -91,8 +93,13 @@ def new_node_id() -> str:
 def preflight(cfg: NodeConfig) -> bool:
     """Run the checks of ``meshnet doctor`` and print their lines; False when one of the
     node's own setup failed (it must not start). A failed check of a peer (the tracker may
-    start after its nodes) is only a warning: the announcer keeps trying."""
-    report = check_node(cfg)
+    start after its nodes) is only a warning: the announcer keeps trying.
+
+    The checks run in a forked child (``memory.in_child``), before any thread starts:
+    the tokenizer check builds the model's whole tokenizer, which a node never uses
+    (the tracker tokenizes), and its library and the heap pages it left kept ~10 MB
+    resident in every node for its life."""
+    report = in_child(partial(check_node, cfg))
     for line in report.lines():
         print(line, file=sys.stderr, flush=True)
     if report.blocking:
