@@ -24,7 +24,8 @@ issue in brackets):
 - 2- and 3-node splits over links held --delay-ms (10) each way [>= 1.5x]
   against llama-bench over as many ggml-rpc-server processes behind the same
   delay proxy, and each node's RSS against its tensors' file bytes + its KV
-  [<= 1.15x].
+  [<= 1.15x]; the layers split by bytes as `meshnet up --nodes N` plans them
+  (--even-layers: as many layers each).
 
 A model meshnet cannot load is measured on llama.cpp's side alone. The two sides
 take turns, one round each, and each figure is the best of its --rounds; in one

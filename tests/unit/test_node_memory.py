@@ -7,8 +7,13 @@ from pathlib import Path
 
 from tinyarch import CASES, write_arch_gguf
 
-from meshnet.benchmark.node_memory import Rss, session_kv_bytes, shard_file_bytes
-from meshnet.layer_range import LayerRange
+from meshnet.benchmark.node_memory import (
+    Rss,
+    planned_layout,
+    session_kv_bytes,
+    shard_file_bytes,
+)
+from meshnet.layer_range import LayerRange, split_evenly
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.spec import read_spec
 
@@ -34,6 +39,15 @@ def test_an_untied_head_is_held_by_the_last_shard_only() -> None:
     assert shard_file_bytes(t, LayerRange(2, 4), 4) == 1 + 900 + 2 + 2 * 30
     whole = shard_file_bytes(t, LayerRange(0, 4), 4)
     assert whole == sum(t.values())  # one node holds every tensor once
+
+
+def test_the_splits_measured_are_by_bytes_as_meshnet_up_plans_them() -> None:
+    # an untied model: the embedding (1000) on the first range, the head (902) on the last
+    t = _tensors(12, tied=False)
+    layout = planned_layout(t, 12, 3)
+    assert layout == [LayerRange(0, 1), LayerRange(1, 11), LayerRange(11, 12)]
+    held = [shard_file_bytes(t, r, 12) for r in layout]
+    assert max(held) < max(shard_file_bytes(t, r, 12) for r in split_evenly(12, 3))
 
 
 def test_kv_of_a_sequence_caps_windowed_layers_at_their_window(tmp_path: Path) -> None:

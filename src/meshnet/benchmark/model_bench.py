@@ -91,6 +91,11 @@ def add_arguments(p: argparse.ArgumentParser, delay_ms: float = 0.0) -> None:
     p.add_argument(
         "--retries", type=int, default=2, help="single process: tries again of a disturbed round"
     )
+    p.add_argument(
+        "--even-layers",
+        action="store_true",
+        help="splits: as many layers per node (default: by bytes, as `meshnet up` plans)",
+    )
     p.add_argument("--llamacpp", help="folder with llama-bench and ggml-rpc-server")
     p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS, help="ours, everywhere")
 
@@ -129,6 +134,7 @@ def run(args: argparse.Namespace, make_model: ModelMaker, goals: Goals) -> None:
         llamacpp=bin_dir,
         backend=args.backend,
         delay_ms=args.delay_ms,
+        even_layers=args.even_layers,
     )
     del local  # the nodes load their own shards; this process's copy would crowd them
     gc.collect()

@@ -42,6 +42,12 @@ class Rss:
         return Rss(fields.get("VmRSS", 0), fields.get("RssAnon", 0), fields.get("RssFile", 0))
 
 
+def planned_layout(names: Mapping[str, int], n_layers: int, nodes: int) -> list[LayerRange]:
+    """The ranges ``meshnet up --nodes`` gives ``nodes`` nodes of the model whose tensors
+    are ``names`` (name -> bytes): the largest holding the fewest bytes."""
+    return layer_bytes_of(names, n_layers, tied_head="output.weight" not in names).split(nodes)
+
+
 def shard_file_bytes(names: Mapping[str, int], layers: LayerRange, n_layers: int) -> int:
     """File bytes of the tensors a node serving ``layers`` holds (``names``: name -> bytes)."""
     sizes = layer_bytes_of(names, n_layers, tied_head="output.weight" not in names)

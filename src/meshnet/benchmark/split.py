@@ -1,7 +1,9 @@
 """A model split over N node processes: meshnet's loopback mesh against llama.cpp's RPC split.
 
 meshnet's side is the real mesh (tracker + N ``meshnet node`` processes on
-loopback, ``threads`` kernel threads each, layers split evenly), timed as a
+loopback, ``threads`` kernel threads each, layers split as ``meshnet up --nodes N``
+plans them: the largest range holding the fewest bytes; ``SplitSetup.even_layers``:
+as many layers each), timed as a
 client sees streamed tokens arrive. llama.cpp's side is ``llama-bench`` with its
 layers offloaded to N local ``ggml-rpc-server`` processes of as many threads.
 The two take turns, one round each, and each figure is its best round. With a
@@ -32,7 +34,7 @@ from pathlib import Path
 from meshnet.backends.shard import DEFAULT_BACKEND
 from meshnet.benchmark.mesh import llamacpp_rpc_tok_s, stream_decode_tok_s
 from meshnet.benchmark.mesh_delay import delayed_links
-from meshnet.benchmark.node_memory import Rss, session_kv_bytes, shard_file_bytes
+from meshnet.benchmark.node_memory import Rss, planned_layout, session_kv_bytes, shard_file_bytes
 from meshnet.benchmark.running_mesh import served_model
 from meshnet.layer_range import LayerRange, split_evenly
 from meshnet.local_mesh import LocalMesh
@@ -87,13 +89,19 @@ class SplitSetup:
     llamacpp: Path | None  # folder with llama-bench and ggml-rpc-server
     backend: str = DEFAULT_BACKEND  # the nodes'
     delay_ms: float = 0.0  # held each way on every link to a node or RPC server
+    even_layers: bool = False  # split by layer count, not by bytes as ``meshnet up`` does
 
 
 def measure_split(
     setup: SplitSetup, nodes: int, tokens: int, rounds: int, threads: int = 1
 ) -> SplitResult:
     """Start the mesh once, alternate decode rounds with llama.cpp's RPC split, read RSS."""
-    layout = split_evenly(setup.spec.n_layers, nodes)
+    n_layers = setup.spec.n_layers
+    layout = (
+        split_evenly(n_layers, nodes)
+        if setup.even_layers
+        else planned_layout(setup.tensor_bytes, n_layers, nodes)
+    )
     ours: list[float] = []
     theirs: list[float] = []
     with tempfile.TemporaryDirectory(prefix="meshnet-split-") as tmp:
