@@ -1,14 +1,16 @@
 """Control-plane messages between nodes and the tracker (JSON over HTTP).
 
 Frozen pydantic models with ``extra="forbid"``: what a node says about itself
-is parsed into these at the tracker's edge and nothing else travels inward.
+is parsed into these at the tracker's edge and nothing else travels inward. A node
+writes them as the typed dicts of ``mesh_reports`` (it never imports pydantic).
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_ID = 128
+from meshnet.mesh_reports import MAX_HELD as MAX_HELD  # the limits both sides share
+from meshnet.mesh_reports import MAX_ID as MAX_ID
 
 
 class Frozen(BaseModel):
@@ -33,9 +35,6 @@ class NodeLoad(Frozen):
     # Memory available to the node now (MemAvailable, within its cgroup's limit): what
     # placement may widen it by (tracker/serving/widening.py); 0: not said, never widened.
     free_memory_bytes: int = Field(default=0, ge=0)
-
-
-MAX_HELD = 64  # shards one node reports holding
 
 
 class HeldShard(Frozen):

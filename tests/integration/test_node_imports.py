@@ -4,7 +4,9 @@ A node that serves a local file never asks a model hub, and where the native ker
 are built it never runs a numba kernel: numba (~60 MB resident with its LLVM), the
 hub's client (~7 MB) and the grammar engine (~2 MB, for a constrained sampling hop)
 load only in a process that needs them; httpx's command line (click, rich, pygments:
-~4 MB) in none (``meshnet/cli/__init__.py``). In a process of its
+~4 MB) in none (``meshnet/cli/__init__.py``). Nor does a node import pydantic or the
+tracker's modules (~9 MB): it writes its reports as typed dicts (``mesh_reports``)
+and the tracker parses them. In a process of its
 own, everything ``meshnet node`` imports is imported and a shard of the tiny model is
 loaded (and run) on each quantized backend, as a node loads its range.
 """
@@ -35,7 +37,10 @@ for backend in ("fast", "q8"):
     shard.forward(np.arange(1), [BatchEntry(kv, 1)])
 unused = ("numba", "llvmlite", "huggingface_hub", "httpx2", "llguidance")
 unused += ("click", "rich", "pygments")  # httpx's command line
-print(json.dumps([m for m in unused if m in sys.modules]))
+unused += ("pydantic", "pydantic_core")  # the tracker parses what a node writes
+loaded = [m for m in unused if m in sys.modules]
+loaded += [m for m in sys.modules if m.startswith("meshnet.tracker")]
+print(json.dumps(loaded))
 """
 
 

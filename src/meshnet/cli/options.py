@@ -18,7 +18,7 @@ from meshnet.auth.credentials import MESH_SECRET_ENV, NODE_KEY_ENV
 from meshnet.backends.shard import BACKENDS, DEFAULT_BACKEND
 from meshnet.kv.pace import MB, TransferPace
 from meshnet.layer_range import LayerRange
-from meshnet.tracker.trust.trusted_capacity import trusted_ids
+from meshnet.mesh_reports import check_node_id
 
 # Anything argparse can add arguments to: a parser or one of its groups.
 ArgumentTarget = argparse.ArgumentParser | argparse._ArgumentGroup
@@ -68,10 +68,9 @@ def duration(text: str) -> float:
 def node_id(text: str) -> str:
     """An argparse type: a node id, as nodes name themselves."""
     try:
-        trusted_ids([text])
+        return check_node_id(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def positive_duration(text: str) -> float:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshnet.layer_range import LayerRange
-from meshnet.mesh_messages import MAX_HELD, HeldShard
+from meshnet.mesh_reports import MAX_HELD, HeldShardReport
 from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.shard_store import shards_dir
 
@@ -55,21 +55,21 @@ def shard_files(cfg: SourceConfig) -> list[ShardFile]:
     return out
 
 
-def held_shards(cfg: SourceConfig) -> list[HeldShard]:
+def held_shards(cfg: SourceConfig) -> list[HeldShardReport]:
     """The whole shards in the cache, as a heartbeat reports them (at most ``MAX_HELD``);
     a split shard's bytes are its parts' together."""
     files = shard_files(cfg)
-    held = [
-        HeldShard(
-            fingerprint=s.fingerprint,
-            layer_start=s.layers.start,
-            layer_end=s.layers.end,
-            bytes=sum(
+    held: list[HeldShardReport] = [
+        {
+            "fingerprint": s.fingerprint,
+            "layer_start": s.layers.start,
+            "layer_end": s.layers.end,
+            "bytes": sum(
                 o.disk_bytes
                 for o in files
                 if o.whole and (o.fingerprint, o.layers) == (s.fingerprint, s.layers)
             ),
-        )
+        }
         for s in files
         if s.whole and s.first
     ]

@@ -15,7 +15,14 @@ from collections.abc import Callable
 import httpx
 
 from meshnet.auth.node_http import NodeAuth
-from meshnet.mesh_messages import Heartbeat, HeartbeatReply, Holdings, NodeAnnouncement, NodeLoad
+from meshnet.mesh_reports import (
+    AnnouncementReport,
+    HeartbeatReport,
+    HoldingsReport,
+    LoadReport,
+    heartbeat_known,
+    no_holdings,
+)
 from meshnet.node.engine_types import EngineStats
 from meshnet.node.memory_offer import offered_memory
 
@@ -36,7 +43,7 @@ class Announcer:
         stats: Callable[[], EngineStats],
         interval_s: float = 1.0,
         metrics_port: int | None = None,
-        holdings: Callable[[], Holdings] = Holdings,
+        holdings: Callable[[], HoldingsReport] = no_holdings,
         memory_cap_bytes: int = 0,
     ) -> None:
         self.tracker_url = tracker_url.rstrip("/")
@@ -93,59 +100,57 @@ class Announcer:
                 self._stop.wait(self.interval_s if registered else backoff)
 
     def _register(self, http: httpx.Client) -> bool:
-        body = NodeAnnouncement(
-            node_id=self.node_id,
-            address=self.address,
-            backend=self.backend,
-            kv_budget_bytes=self.kv_budget_bytes,
-            pid=os.getpid(),
-            **self._heartbeat().model_dump(),
-        )
-        r = http.post(f"{self.tracker_url}/mesh/nodes", json=body.model_dump())
+        body: AnnouncementReport = {
+            "node_id": self.node_id,
+            "address": self.address,
+            "backend": self.backend,
+            "kv_budget_bytes": self.kv_budget_bytes,
+            "pid": os.getpid(),
+            **self._heartbeat(),
+        }
+        r = http.post(f"{self.tracker_url}/mesh/nodes", json=body)
         r.raise_for_status()
         log.info("registered with %s as %s", self.tracker_url, self.node_id)
         return True
 
     def _beat(self, http: httpx.Client) -> bool:
         body = self._heartbeat()
-        r = http.post(
-            f"{self.tracker_url}/mesh/nodes/{self.node_id}/heartbeat", json=body.model_dump()
-        )
+        r = http.post(f"{self.tracker_url}/mesh/nodes/{self.node_id}/heartbeat", json=body)
         r.raise_for_status()
-        return HeartbeatReply.model_validate(r.json()).known
+        return heartbeat_known(r.json())
 
-    def _heartbeat(self) -> Heartbeat:
+    def _heartbeat(self) -> HeartbeatReport:
         return _heartbeat(
             self.stats(), self.metrics_port, self.holdings(), offered_memory(self.memory_cap_bytes)
         )
 
 
 def _heartbeat(
-    s: EngineStats, metrics_port: int | None, holdings: Holdings, free_memory: int = 0
-) -> Heartbeat:
+    s: EngineStats, metrics_port: int | None, holdings: HoldingsReport, free_memory: int = 0
+) -> HeartbeatReport:
     """What the node says about itself every beat (and, with more, when registering)."""
-    return Heartbeat(
-        load=_load(s, free_memory),
-        fingerprint=s.fingerprint,
-        layer_start=s.layers.start if s.layers else 0,
-        layer_end=s.layers.end if s.layers else 0,
-        metrics_port=metrics_port,
-        holdings=holdings,
-    )
+    return {
+        "load": _load(s, free_memory),
+        "fingerprint": s.fingerprint,
+        "layer_start": s.layers.start if s.layers else 0,
+        "layer_end": s.layers.end if s.layers else 0,
+        "metrics_port": metrics_port,
+        "holdings": holdings,
+    }
 
 
-def _load(s: EngineStats, free_memory: int = 0) -> NodeLoad:
-    return NodeLoad(
-        sessions=s.sessions,
-        kv_bytes=s.kv_bytes,
-        queue_depth=s.queue_depth,
-        steps=s.steps,
-        kv_peak_bytes=s.kv_peak_bytes,
-        last_batch=s.last_batch,
-        max_batch=s.max_batch,
-        tokens_per_s=round(s.tokens_per_s, 2),
-        max_streams=s.max_streams,
-        relayed=s.relayed,
-        context=s.context,
-        free_memory_bytes=free_memory,
-    )
+def _load(s: EngineStats, free_memory: int = 0) -> LoadReport:
+    return {
+        "sessions": s.sessions,
+        "kv_bytes": s.kv_bytes,
+        "queue_depth": s.queue_depth,
+        "steps": s.steps,
+        "kv_peak_bytes": s.kv_peak_bytes,
+        "last_batch": s.last_batch,
+        "max_batch": s.max_batch,
+        "tokens_per_s": round(s.tokens_per_s, 2),
+        "max_streams": s.max_streams,
+        "relayed": s.relayed,
+        "context": s.context,
+        "free_memory_bytes": free_memory,
+    }

@@ -34,7 +34,7 @@ from meshnet.auth.node_http import NodeAuth
 from meshnet.auth.signing import require_peer, verify_call, verify_manifest
 from meshnet.errors import FetchFailed, MeshnetError, ModelSourceError, PermissionDenied
 from meshnet.layer_range import LayerRange
-from meshnet.mesh_messages import FetchProgress, Holdings
+from meshnet.mesh_reports import FetchReport, HoldingsReport
 from meshnet.model_source.config import SourceConfig
 from meshnet.model_source.inventory import held_shards
 from meshnet.model_source.live import LiveFetch
@@ -66,7 +66,7 @@ class NodeModels:
         self._tracker = tracker_url.rstrip("/")
         self._node_id, self._key, self.cfg = node_id, key, cfg
         self.bulk_address: str | None = None  # where peers read our shards (set once bound)
-        self._held: tuple[float, Holdings] | None = None
+        self._held: tuple[float, HoldingsReport] | None = None
         self._fetching: tuple[str, LayerRange, ProgressBar] | None = None
         self._live: dict[tuple[str, LayerRange], LiveFetch] = {}  # fetches peers may read
         self._serving: Path | None = None  # the shard file this node loaded last
@@ -161,27 +161,27 @@ class NodeModels:
             return {}
         return {str(k): str(v) for k, v in held.items() if isinstance(v, str)}
 
-    def holdings(self) -> Holdings:
+    def holdings(self) -> HoldingsReport:
         """What heartbeats report: the bulk port, the whole shards in the cache, and the
         fetch under way (its bytes done and to do, its rate)."""
         now = time.monotonic()
         with self._lock:
             if self._held is None or now - self._held[0] > _HOLDINGS_TTL_S:
                 held = held_shards(self.cfg) if self.bulk_address else []
-                self._held = (now, Holdings(bulk_address=self.bulk_address, shards=held))
+                self._held = (now, {"bulk_address": self.bulk_address, "shards": held})
             held_now, fetching = self._held[1], self._fetching
         if fetching is None:
             return held_now
         ref, layers, bar = fetching
-        progress = FetchProgress(
-            ref=ref,
-            layer_start=layers.start,
-            layer_end=layers.end,
-            done_bytes=bar.done,
-            total_bytes=bar.total,
-            bytes_per_s=bar.rate(now),
-        )
-        return held_now.model_copy(update={"fetching": progress})
+        progress: FetchReport = {
+            "ref": ref,
+            "layer_start": layers.start,
+            "layer_end": layers.end,
+            "done_bytes": bar.done,
+            "total_bytes": bar.total,
+            "bytes_per_s": bar.rate(now),
+        }
+        return {**held_now, "fetching": progress}
 
     def serve_peer(self, conn: socket.socket) -> None:
         """Answer a peer's request for shard bytes on the bulk port (``model_source.peers``)."""

@@ -35,7 +35,6 @@ the logits of its row, and the sampler must pick the same ids from them
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -44,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshnet.errors import MalformedBundle, MeshnetError
-from meshnet.mesh_messages import MAX_ID
+from meshnet.mesh_reports import check_node_id
 from meshnet.protocol import codec
 from meshnet.protocol import meshnet_pb2 as pb
 from meshnet.tracker.links.channels import ChannelPool
@@ -58,7 +57,6 @@ from meshnet.tracker.trust.verifier import SpanClaim, Verdict
 log = logging.getLogger(__name__)
 
 MAX_TRUSTED = 256  # ids one tracker may be told to trust
-_NODE_ID = re.compile(r"[A-Za-z0-9._-]+")  # what a node may call itself (NodeAnnouncement)
 REST_S = 10.0  # a trusted node that did not answer a check is not asked again this long
 _TIMEOUT_S = 15.0  # one hop of a check: open and answer ...
 _ROW_TIMEOUT_S = 0.02  # ... and this much more per position it computes
@@ -83,11 +81,7 @@ def trusted_ids(values: Iterable[str]) -> frozenset[str]:
     not a node id (as nodes name themselves) or that there are too many."""
     ids: set[str] = set()
     for value in values:
-        if not (0 < len(value) <= MAX_ID and _NODE_ID.fullmatch(value)):
-            raise ValueError(
-                f"not a node id: {value!r} (1 to {MAX_ID} of letters, digits, '.', '_', '-')"
-            )
-        ids.add(value)
+        ids.add(check_node_id(value))
     if len(ids) > MAX_TRUSTED:
         raise ValueError(f"at most {MAX_TRUSTED} trusted nodes, not {len(ids)}")
     return frozenset(ids)
