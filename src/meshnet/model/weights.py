@@ -136,10 +136,13 @@ def dequantized_experts(
     return tuple(whole[e] for e in range(shape[0]))
 
 
-def dequantized(t: gguf.ReaderTensor, shape: tuple[int, ...]) -> FloatArray:
-    """A tensor as a read-only float32 array of ``shape``."""
+def dequantized(
+    t: gguf.ReaderTensor, shape: tuple[int, ...], raw: np.ndarray | None = None
+) -> FloatArray:
+    """A tensor as a read-only float32 array of ``shape``, from its bytes ``raw`` (uint8)
+    where given, else through the file's memory map."""
     try:
-        values = gguf.quants.dequantize(t.data, QT(t.tensor_type))
+        values = gguf.quants.dequantize(t.data if raw is None else raw, QT(t.tensor_type))
     except (ValueError, NotImplementedError) as e:
         raise ModelFileError(f"tensor {t.name!r} cannot be dequantized: {e}") from e
     out = np.ascontiguousarray(np.asarray(values, dtype=F32).reshape(shape))
@@ -161,7 +164,11 @@ def load_shard_weights(
     d, vocab = spec.d_model, spec.vocab_size
 
     def array(name: str, shape: tuple[int, ...]) -> FloatArray:
-        return dequantized(checked_tensor(f, name, shape), shape)
+        # read off the file, as the matrices are: a page faulted in through the map
+        # brings its cached neighbours (the kernel maps ~64 KB around a fault), ~1.6 MB
+        # of other tensors' bytes counted again in a MoE node's resident memory
+        t = checked_tensor(f, name, shape)
+        return dequantized(t, shape, f.read_tensor(t))
 
     def mat(name: str, shape: tuple[int, int]) -> W:
         return matrix(f, checked_tensor(f, name, shape), shape)
