@@ -124,9 +124,11 @@ def test_q8_matmul_is_near_float32_activations(qtype: QT) -> None:
     assert np.sqrt(np.mean((got - want) ** 2)) <= 0.015 * np.sqrt(np.mean(want**2))
 
 
+@pytest.mark.parametrize("rows", [61, 37], ids=["even-vectors", "odd-vectors"])
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)
-def test_q8_rows_are_the_same_alone_batched_wide_or_threaded(qtype: QT) -> None:
-    rows = 61  # whole and partial row groups, a part vector
+def test_q8_rows_are_the_same_alone_batched_wide_or_threaded(qtype: QT, rows: int) -> None:
+    """Whole and partial row groups, a part vector; 37 rows are five AVX2 vectors, so a
+    batch tile of two row vectors (q8_avx2.h's Q8_0 pairs_tile) leaves one alone."""
     w, _ = _matrix(qtype, rows, seed=5)
     x = _x(27, seed=6)
     packed, _, nb, code = quant.native_args(w)

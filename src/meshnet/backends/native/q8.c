@@ -35,6 +35,9 @@ typedef struct {
                         * [T, supers * 4] the sums of sub-blocks 2 i and 2 i + 1 (32 quants
                         * each) as int16 pairs (low half first); Q6_K: [T, supers * 8]
                         * likewise for its sub-blocks of 16. NULL for Q4_1, Q5_1. */
+    const int16_t *xw; /* Q8_0 in AVX2's batch tiles: [T, cols] the quants widened to
+                        * int16, each four as x0, x2, x1, x3 (q8_avx2.h's pairs_tile);
+                        * NULL where they are not made (q8matmul_many) */
     float *out;       /* [T, rows] */
     Py_ssize_t T;
 } q8job_t;
@@ -249,22 +252,33 @@ static int cpu_has_vnni(void) { return __builtin_cpu_supports("avx512vnni"); }
 /* One input's rows quantized for every matmul that shares it: Q8_0 blocks of 32 (with
  * Q8_1's s and the quants' sums, so Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 all take them) where
  * ``blocks``, Q8_K super-blocks (with the sums of 32 and of 16 quants as asked) where a
- * K-quant takes them. One allocation, ``buf``; NULL when out of memory. */
+ * K-quant takes them, the blocks' quants widened to int16 pairs too where ``pairs`` (a
+ * Q8_0 matrix in AVX2's batch tiles). One allocation, ``buf``; NULL when out of memory. */
 typedef struct {
     void *buf;
     int8_t *bq, *kq;       /* [T, cols] the quants of the blocks of 32, of the super-blocks */
     float *bd, *bs, *kd;   /* [T, nb] d and s of the blocks; [T, supers] d of the supers */
     int32_t *bsum;         /* [T, nb] the blocks' sums of quants */
     int32_t *k32, *k16;    /* [T, supers * 4], [T, supers * 8] the Q8_K sums' int16 pairs */
+    int16_t *bw;           /* [T, cols] bq widened, each four as x0, x2, x1, x3 (q8job_t) */
 } q8input_t;
 
+/* One row's block quants widened to int16, each four (x0, x1, x2, x3) as x0, x2, x1, x3. */
+static void widen_pairs(const int8_t *q, Py_ssize_t cols, int16_t *w) {
+    const __m128i order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    for (Py_ssize_t c = 0; c < cols; c += 16) {
+        const __m128i b = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(q + c)), order);
+        _mm256_storeu_si256((__m256i *)(w + c), _mm256_cvtepi8_epi16(b));
+    }
+}
+
 static void *quantize_input(const float *x, Py_ssize_t T, Py_ssize_t nb, int blocks, int k32,
-                            int k16, q8input_t *in) {
+                            int k16, int pairs, q8input_t *in) {
     const Py_ssize_t cols = nb * QK, supers = nb / (QK_K / QK);
     const int kq = k32 || k16;
     const size_t floats = T * ((blocks ? 2 * nb : 0) + (kq ? supers : 0));
     const size_t ints = T * ((blocks ? nb : 0) + (k32 ? 4 * supers : 0) + (k16 ? 8 * supers : 0));
-    const size_t bytes = (floats + ints) * 4 + T * cols * (blocks + kq) + 64;
+    const size_t bytes = (floats + ints) * 4 + T * cols * (blocks + kq + 2 * pairs) + 64;
     uint8_t *buf = malloc(bytes);
     if (buf == NULL) return NULL;
     memset(in, 0, sizeof(*in));
@@ -292,6 +306,10 @@ static void *quantize_input(const float *x, Py_ssize_t T, Py_ssize_t nb, int blo
         in->k16 = i;
         i += T * 8 * supers;
     }
+    if (pairs) {
+        in->bw = (int16_t *)i;
+        i += T * cols / 2;
+    }
     int8_t *q = (int8_t *)i;
     if (blocks) {
         in->bq = q;
@@ -302,6 +320,7 @@ static void *quantize_input(const float *x, Py_ssize_t T, Py_ssize_t nb, int blo
         if (blocks)
             quantize_q8_0(x + t * cols, nb, in->bq + t * cols, in->bd + t * nb, in->bs + t * nb,
                           in->bsum + t * nb);
+        if (pairs) widen_pairs(in->bq + t * cols, cols, in->bw + t * cols);
         if (kq)
             quantize_q8_k(x + t * cols, supers, in->kq + t * cols, in->kd + t * supers,
                           k32 ? in->k32 + t * 4 * supers : NULL,
@@ -314,11 +333,16 @@ static void *quantize_input(const float *x, Py_ssize_t T, Py_ssize_t nb, int blo
 static q8job_t job_of(const qmat_t *w, const q8input_t *in, float *out, Py_ssize_t T) {
     const int q8_1 = w->type == Q4_1 || w->type == Q5_1; /* weights with an offset m */
     if (IS_KQUANT(w->type))
-        return (q8job_t){w, in->kq, in->kd, NULL, w->type == Q6_K ? in->k16 : in->k32, out, T};
-    return (q8job_t){w, in->bq, in->bd, q8_1 ? in->bs : NULL, q8_1 ? NULL : in->bsum, out, T};
+        return (q8job_t){w, in->kq, in->kd, NULL, w->type == Q6_K ? in->k16 : in->k32, NULL, out, T};
+    return (q8job_t){w,   in->bq, in->bd, q8_1 ? in->bs : NULL, q8_1 ? NULL : in->bsum,
+                     w->type == Q8_0 ? in->bw : NULL, out, T};
 }
 
 #define MANY_MAX 4 /* matrices one q8matmul_many takes */
+/* Most tokens whose Q8_0 activations are widened for AVX2's pairs_tile (q8_avx2.h): a
+ * decode step's streams and short prompts; a long prompt keeps the shared tiles rather
+ * than hold 2 more bytes per activation (b=16, 64 ran ~1.06x with them). */
+#define PAIRS_MAX_T 64
 
 /* Tokens [t0, t0 + n) of job j: its rows, the activations and outputs of those tokens. */
 static q8job_t job_tokens(const q8job_t *j, Py_ssize_t t0, Py_ssize_t n) {
@@ -330,6 +354,7 @@ static q8job_t job_tokens(const q8job_t *j, Py_ssize_t t0, Py_ssize_t n) {
     part.xd += t0 * (k ? supers : w->nb);
     if (part.xs != NULL) part.xs += t0 * w->nb;
     if (part.xb != NULL) part.xb += t0 * (!k ? w->nb : w->type == Q6_K ? 8 * supers : 4 * supers);
+    if (part.xw != NULL) part.xw += t0 * w->nb * QK;
     part.out += t0 * w->rows;
     part.T = n;
     return part;
@@ -349,16 +374,17 @@ int q8matmul_many(const qmat_t *const *ws, int n, const float *x, Py_ssize_t T,
                   float *const *outs, int threads, int wide) {
     if (n < 1 || n > MANY_MAX) return -1;
     if (threads < 1) threads = 1;
-    int blocks = 0, k32 = 0, k16 = 0;
+    const int isa512 = wide && wide_isa_selected() && cpu_has_vnni();
+    int blocks = 0, k32 = 0, k16 = 0, pairs = 0;
     for (int i = 0; i < n; i++) {
         if (ws[i]->nb != ws[0]->nb) return -1;
         blocks |= !IS_KQUANT(ws[i]->type);
         k16 |= ws[i]->type == Q6_K;
         k32 |= ws[i]->type == Q4_K || ws[i]->type == Q5_K;
+        pairs |= ws[i]->type == Q8_0 && !isa512 && T >= 2 && T <= PAIRS_MAX_T;
     }
     q8input_t in;
-    if (quantize_input(x, T, ws[0]->nb, blocks, k32, k16, &in) == NULL) return -1;
-    const int isa512 = wide && wide_isa_selected() && cpu_has_vnni();
+    if (quantize_input(x, T, ws[0]->nb, blocks, k32, k16, pairs, &in) == NULL) return -1;
     const int lanes = isa512 ? 16 : 8;
     const Py_ssize_t unit = T == 1 ? 4 : 2;
     /* a long batch in blocks of tokens, each block's units split among the threads as
