@@ -141,6 +141,24 @@ def test_q8_rows_are_the_same_alone_batched_wide_or_threaded(qtype: QT, rows: in
                 assert np.array_equal(out, alone[:batch]), (batch, wide, threads)
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0], ids=lambda q: q.name)
+def test_q8_rows_of_18_blocks_are_the_same_alone_and_batched(qtype: QT) -> None:
+    """576 columns (the bundled model's width) are 18 blocks of 32: AVX2's nibble_rows
+    makes its sums 8 blocks at a time (q8_avx2.h), so the last chunk is a part one."""
+    rows, cols = 45, 576
+    data = np.random.default_rng(14).standard_normal((rows, cols)).astype(np.float32) * 0.2
+    w = quant.from_blocks(gguf.quants.quantize(data, qtype), qtype, (rows, cols), q8=True)
+    x = np.random.default_rng(15).standard_normal((17, cols)).astype(np.float32)
+    packed, _, nb, code = quant.native_args(w)
+    alone = np.concatenate([quant.matmul(x[i : i + 1], w, wide=False) for i in range(17)])
+    for batch in (2, 3, 4, 8, 9, 17):
+        for wide in (False, True):
+            for threads in (1, 2):
+                out = np.empty((batch, rows), np.float32)
+                quant.NATIVE.matmul(packed, x[:batch], out, rows, nb, batch, code, threads, wide)
+                assert np.array_equal(out, alone[:batch]), (batch, wide, threads)
+
+
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)
 def test_q8_rows_of_a_long_batch_are_the_same_in_its_blocks_of_tokens(qtype: QT) -> None:
     """A batch of hundreds of tokens runs in blocks of tokens (384 at these 512 columns):

@@ -9,18 +9,22 @@
 
 #define NIBBLE_TOKENS 16 /* tokens per pass of nibble_rows (their sums stay on the stack) */
 #define NIBBLE_MIN_T 4   /* fewer: token_tiles fit the registers (b=2, 3 ran 4-5% faster there) */
+#define NIBBLE_CHUNK 8   /* blocks whose integer sums nibble_rows makes before their float operations */
 #define PAIRS_TILE 4     /* tokens per tile of pairs_tile (2 x 4 int32 sums in registers) */
 
 /* Q4_0, Q4_1, MXFP4 for NIBBLE_MIN_T tokens or more: per block the row vector's 32
  * columns unpacked once into eight registers, then every token's integer sum from them
  * (8 maddubs into int16, one madd; MXFP4's biased values, below 25, two madds of 8
- * products each, as int16 holds 8 of them), and only then the tokens' float operations
- * (Q4_1's m term with them, not in a pass of its own). The batch tiles (token_tiles) kept
- * unpacked quants, partial sums and sums of up to 4 tokens in the 16 registers and
- * spilled; this holds only the quants in registers, the tokens' sums in L1. Called with
- * a constant TT (nibble_tokens), each token loop unrolls: with the sums apart from the
- * float operations and Q4_1's m folded in, b=4 and b=8 ran 1.15-1.17x the one loop of
- * both (bench/q8_kernel.py --against, bundled model's Q4_1 shapes, one thread). */
+ * products each, as int16 holds 8 of them), kept as floats in L1 for NIBBLE_CHUNK
+ * blocks; only then each block's float operations for every token (Q4_1's m term with
+ * them, not in a pass of its own), the tokens' accumulators in registers through the
+ * chunk. The batch tiles (token_tiles) kept unpacked quants, partial sums and sums of up
+ * to 4 tokens in the 16 registers and spilled. Called with a constant TT
+ * (nibble_tokens), each token loop unrolls. Against one loop of sums and float
+ * operations per block (and Q4_1's m in a pass of its own), b=4 and b=8 ran 1.15-1.21x
+ * (bench/q8_kernel.py --against, the bundled model's Q4_1 shapes, one thread); the sums
+ * and float operations apart per block only, ~6% less at b=8, and in halves of 4 tokens
+ * 15% less. */
 Q8_INLINE void FN(nibble_rows)(const q8job_t *j, const int type, const Py_ssize_t v,
                                const Py_ssize_t t0, const int TT) {
     const qmat_t *w = j->w;
@@ -31,37 +35,45 @@ Q8_INLINE void FN(nibble_rows)(const q8job_t *j, const int type, const Py_ssize_
     const int lane = (int)((v * LANES) % GROUP_ROWS);
     VEC acc[NIBBLE_TOKENS];
     for (int t = 0; t < TT; t++) acc[t] = ZERO();
-    for (Py_ssize_t b = 0; b < nb; b++) {
-        const uint8_t *p = group + b * gb;
-        if (lane == 0)
-            for (Py_ssize_t line = 0; line < gb; line += 64)
-                _mm_prefetch((const char *)p + Q8_AHEAD * gb + line, _MM_HINT_T0);
-        IVEC lo[4], hi[4];
-        for (int q = 0; q < 4; q++) {
-            const IVEC z = LDQ(p + quants + q * 64 + 4 * lane);
-            lo[q] = fp4 ? LUT16(FP4_BIASED, BYTES15(z)) : BYTES15(z);
-            hi[q] = fp4 ? LUT16(FP4_BIASED, HIGH15(z)) : HIGH15(z);
+    for (Py_ssize_t b0 = 0; b0 < nb; b0 += NIBBLE_CHUNK) {
+        const int nbc = nb - b0 < NIBBLE_CHUNK ? (int)(nb - b0) : NIBBLE_CHUNK;
+        VEC fsum[NIBBLE_CHUNK][NIBBLE_TOKENS];
+        for (int bb = 0; bb < nbc; bb++) {
+            const Py_ssize_t b = b0 + bb;
+            const uint8_t *p = group + b * gb;
+            if (lane == 0)
+                for (Py_ssize_t line = 0; line < gb; line += 64)
+                    _mm_prefetch((const char *)p + Q8_AHEAD * gb + line, _MM_HINT_T0);
+            IVEC lo[4], hi[4];
+            for (int q = 0; q < 4; q++) {
+                const IVEC z = LDQ(p + quants + q * 64 + 4 * lane);
+                lo[q] = fp4 ? LUT16(FP4_BIASED, BYTES15(z)) : BYTES15(z);
+                hi[q] = fp4 ? LUT16(FP4_BIASED, HIGH15(z)) : HIGH15(z);
+            }
+            const int8_t *xb = j->xq + t0 * cols + b * QK;
+            for (int t = 0; t < TT; t++) {
+                const int8_t *xt = xb + t * cols;
+                const IVEC a = ADD16(DOTU(PZERO(), lo[0], BX(xt)), DOTU(PZERO(), lo[1], BX(xt + 4)));
+                const IVEC c = ADD16(DOTU(PZERO(), lo[2], BX(xt + 8)), DOTU(PZERO(), lo[3], BX(xt + 12)));
+                const IVEC e = ADD16(DOTU(PZERO(), hi[0], BX(xt + 16)), DOTU(PZERO(), hi[1], BX(xt + 20)));
+                const IVEC f = ADD16(DOTU(PZERO(), hi[2], BX(xt + 24)), DOTU(PZERO(), hi[3], BX(xt + 28)));
+                IVEC isum = fp4 ? ADDI(PFLUSH(ADD16(a, c)), PFLUSH(ADD16(e, f)))
+                                : PFLUSH(ADD16(ADD16(a, c), ADD16(e, f)));
+                const int bias = fp4 ? FP4_BIAS : 8;
+                if (!with_min) isum = SUBI(isum, SET1I(bias * j->xb[(t0 + t) * nb + b]));
+                fsum[bb][t] = CVT(isum);
+            }
         }
-        const int8_t *xb = j->xq + t0 * cols + b * QK;
-        VEC fsum[NIBBLE_TOKENS];
-        for (int t = 0; t < TT; t++) {
-            const int8_t *xt = xb + t * cols;
-            const IVEC a = ADD16(DOTU(PZERO(), lo[0], BX(xt)), DOTU(PZERO(), lo[1], BX(xt + 4)));
-            const IVEC c = ADD16(DOTU(PZERO(), lo[2], BX(xt + 8)), DOTU(PZERO(), lo[3], BX(xt + 12)));
-            const IVEC e = ADD16(DOTU(PZERO(), hi[0], BX(xt + 16)), DOTU(PZERO(), hi[1], BX(xt + 20)));
-            const IVEC f = ADD16(DOTU(PZERO(), hi[2], BX(xt + 24)), DOTU(PZERO(), hi[3], BX(xt + 28)));
-            IVEC isum = fp4 ? ADDI(PFLUSH(ADD16(a, c)), PFLUSH(ADD16(e, f)))
-                            : PFLUSH(ADD16(ADD16(a, c), ADD16(e, f)));
-            const int bias = fp4 ? FP4_BIAS : 8;
-            if (!with_min) isum = SUBI(isum, SET1I(bias * j->xb[(t0 + t) * nb + b]));
-            fsum[t] = CVT(isum);
-        }
-        const VEC dw = fp4 ? FP4_SCALES(p + lane) : HALVES(p + 2 * lane);
-        const VEC m = with_min ? HALVES(p + 2 * GROUP_ROWS + 2 * lane) : ZERO();
-        for (int t = 0; t < TT; t++) {
-            const VEC dd = MUL(dw, SET1(j->xd[(t0 + t) * nb + b]));
-            acc[t] = FMA(dd, fsum[t], acc[t]);
-            if (with_min) acc[t] = FMA(m, SET1(j->xs[(t0 + t) * nb + b]), acc[t]);
+        for (int bb = 0; bb < nbc; bb++) {
+            const Py_ssize_t b = b0 + bb;
+            const uint8_t *p = group + b * gb;
+            const VEC dw = fp4 ? FP4_SCALES(p + lane) : HALVES(p + 2 * lane);
+            const VEC m = with_min ? HALVES(p + 2 * GROUP_ROWS + 2 * lane) : ZERO();
+            for (int t = 0; t < TT; t++) {
+                const VEC dd = MUL(dw, SET1(j->xd[(t0 + t) * nb + b]));
+                acc[t] = FMA(dd, fsum[bb][t], acc[t]);
+                if (with_min) acc[t] = FMA(m, SET1(j->xs[(t0 + t) * nb + b]), acc[t]);
+            }
         }
     }
     const Py_ssize_t row = v * LANES;
