@@ -102,9 +102,10 @@ Q8_INLINE void FN(nibble_tokens)(const q8job_t *j, const int type, const Py_ssiz
  * trick (btile's DOTS, DOTSW) costs three multiplier-pipe operations per 32 products
  * (psign, maddubs, madd); here each lane's four weights are sign-extended once a tile to
  * int16 pairs, the even columns (0, 2) and the odd (1, 3) by shifts (the other pipes),
- * and multiplied by madd against the activations' int16 pairs in the same order (q8.c's
- * widen_pairs: x0, x2 then x1, x3): two madds per 32 products, the sum exact in int32
- * (32 products of at most 127 x 127). Two row vectors share each broadcast. */
+ * and multiplied by madd against the activations' int16 pairs in the same order
+ * (q8_quantize.h's widen_pairs: x0, x2 then x1, x3): two madds per 32 products, the sum
+ * exact in int32 (32 products of at most 127 x 127). Two row vectors share each
+ * broadcast. */
 Q8_INLINE void FN(pairs_tile)(const q8job_t *j, const Py_ssize_t v0, const int RV,
                               const Py_ssize_t t0, const int TT) {
     const qmat_t *w = j->w;
