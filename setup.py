@@ -29,6 +29,8 @@ setup(
                 "src/meshnet/backends/native/isa.h",
                 "src/meshnet/backends/native/matmul_tile.h",
                 "src/meshnet/backends/native/q8_tile.h",
+                "src/meshnet/backends/native/q8_avx2.h",
+                "src/meshnet/backends/native/q8_quantize.h",
                 "src/meshnet/backends/native/split.h",
                 "src/meshnet/backends/native/fp4.h",
             ],

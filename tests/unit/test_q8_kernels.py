@@ -124,14 +124,34 @@ def test_q8_matmul_is_near_float32_activations(qtype: QT) -> None:
     assert np.sqrt(np.mean((got - want) ** 2)) <= 0.015 * np.sqrt(np.mean(want**2))
 
 
+@pytest.mark.parametrize("rows", [61, 37], ids=["even-vectors", "odd-vectors"])
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)
-def test_q8_rows_are_the_same_alone_batched_wide_or_threaded(qtype: QT) -> None:
-    rows = 61  # whole and partial row groups, a part vector
+def test_q8_rows_are_the_same_alone_batched_wide_or_threaded(qtype: QT, rows: int) -> None:
+    """Whole and partial row groups, a part vector; 37 rows are five AVX2 vectors, so a
+    batch tile of two row vectors (q8_avx2.h's Q8_0 pairs_tile) leaves one alone."""
     w, _ = _matrix(qtype, rows, seed=5)
     x = _x(27, seed=6)
     packed, _, nb, code = quant.native_args(w)
     alone = np.concatenate([quant.matmul(x[i : i + 1], w, wide=False) for i in range(27)])
     for batch in (1, 2, 3, 4, 5, 8, 12, 13, 27):
+        for wide in (False, True):
+            for threads in (1, 2):
+                out = np.empty((batch, rows), np.float32)
+                quant.NATIVE.matmul(packed, x[:batch], out, rows, nb, batch, code, threads, wide)
+                assert np.array_equal(out, alone[:batch]), (batch, wide, threads)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0], ids=lambda q: q.name)
+def test_q8_rows_of_18_blocks_are_the_same_alone_and_batched(qtype: QT) -> None:
+    """576 columns (the bundled model's width) are 18 blocks of 32: AVX2's nibble_rows
+    makes its sums 8 blocks at a time (q8_avx2.h), so the last chunk is a part one."""
+    rows, cols = 45, 576
+    data = np.random.default_rng(14).standard_normal((rows, cols)).astype(np.float32) * 0.2
+    w = quant.from_blocks(gguf.quants.quantize(data, qtype), qtype, (rows, cols), q8=True)
+    x = np.random.default_rng(15).standard_normal((17, cols)).astype(np.float32)
+    packed, _, nb, code = quant.native_args(w)
+    alone = np.concatenate([quant.matmul(x[i : i + 1], w, wide=False) for i in range(17)])
+    for batch in (2, 3, 4, 8, 9, 17):
         for wide in (False, True):
             for threads in (1, 2):
                 out = np.empty((batch, rows), np.float32)

@@ -8,12 +8,8 @@
  * (row, token) pair, written out where q8_tile.h defines each type's tile. W is in the
  * q8 layout (native.h). Each vector lane is one output row, as in matmul.c, so the AVX2
  * and AVX-512 tiles do the same float operations lane for lane: the same bits, whatever
- * the batch, a row's place in it or the thread split.
- *
- * The activations are quantized as ggml's x86 code does: Q8_0/Q8_1 d = amax / 127 (kept
- * as float16), q = round-half-even(x * (127 / amax)), Q8_1's s = float16(d * sum q);
- * Q8_K (quantize_row_q8_K_ref) d = max / -127 for the value of largest magnitude,
- * q = min(127, round-half-even(x * (-127 / max))), with the sums of each 16 quants.
+ * the batch, a row's place in it or the thread split. The activations are quantized as
+ * q8_quantize.h says.
  */
 #include <math.h>
 #include <omp.h>
@@ -23,6 +19,7 @@
 #include "fp4.h"
 #include "isa.h"
 #include "native.h"
+#include "q8_quantize.h"
 #include "split.h"
 
 /* One matmul's activations as 8-bit blocks. */
@@ -35,112 +32,12 @@ typedef struct {
                         * [T, supers * 4] the sums of sub-blocks 2 i and 2 i + 1 (32 quants
                         * each) as int16 pairs (low half first); Q6_K: [T, supers * 8]
                         * likewise for its sub-blocks of 16. NULL for Q4_1, Q5_1. */
+    const int16_t *xw; /* Q8_0 in AVX2's batch tiles: [T, cols] the quants widened to
+                        * int16, each four as x0, x2, x1, x3 (q8_avx2.h's pairs_tile);
+                        * NULL where they are not made (q8matmul_many) */
     float *out;       /* [T, rows] */
     Py_ssize_t T;
 } q8job_t;
-
-static float f16_round(float v) { return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT)); }
-
-static int32_t int16_pair(int32_t lo, int32_t hi) {
-    return (int32_t)(((uint32_t)(uint16_t)(int16_t)lo) | ((uint32_t)(uint16_t)(int16_t)hi << 16));
-}
-
-/* The largest of 8 lanes (max is exact: any order). */
-static float hmax256(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
-/* |v| lane by lane, and the running largest: vmaxps returns its second operand where the
- * first is NaN, so a NaN is passed over as fmaxf and the scalar comparisons pass it. */
-static __m256 abs_max(__m256 v, __m256 amax) {
-    return _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v), amax);
-}
-
-/* 32 int32 quants (each within int8) as 32 bytes in order. */
-static void store_quants32(int8_t *q, __m256i q0, __m256i q1, __m256i q2, __m256i q3) {
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
-    /* the packs work within 128-bit halves: dwords come out as 0 2 4 6 1 3 5 7 of the order */
-    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-}
-
-/* The sums of each of four vectors' 8 int32 lanes. */
-static __m128i hsum4x8(__m256i a, __m256i b, __m256i c, __m256i d) {
-    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
-    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-}
-
-/* Blocks of 32 of one row: quants q, per block d (float16-rounded), Q8_1's s and the sum
- * of q; q = round-half-even(x * (127 / amax)) by the vector conversion in the default
- * rounding mode, as nearbyintf. */
-static void quantize_q8_0(const float *x, Py_ssize_t nb, int8_t *q, float *d, float *s,
-                          int32_t *sums) {
-    for (Py_ssize_t b = 0; b < nb; b++) {
-        const float *v = x + b * QK;
-        __m256 f[4], amax = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            f[i] = _mm256_loadu_ps(v + 8 * i);
-            amax = abs_max(f[i], amax);
-        }
-        const float a = hmax256(amax);
-        const float dd = a / 127.0f, id = a != 0.0f ? 127.0f / a : 0.0f;
-        __m256i qi[4];
-        for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], _mm256_set1_ps(id)));
-        store_quants32(q + b * QK, qi[0], qi[1], qi[2], qi[3]);
-        const __m128i four = hsum4x8(qi[0], qi[1], qi[2], qi[3]);
-        const int32_t sum = _mm_cvtsi128_si32(_mm_hadd_epi32(_mm_hadd_epi32(four, four), four));
-        d[b] = f16_round(dd);
-        if (s != NULL) s[b] = f16_round(dd * (float)sum);
-        if (sums != NULL) sums[b] = sum;
-    }
-}
-
-/* Super-blocks of 256 of one row (Q8_K): quants, d, and the sums of each 32 quants
- * (pairs32) and each 16 (pairs16) packed in int16 pairs (see q8job_t); either may be NULL.
- * q = min(127, round-half-even(x * (-127 / max))) for max the first value of largest
- * magnitude, as quantize_row_q8_K_ref. */
-static void quantize_q8_k(const float *x, Py_ssize_t supers, int8_t *q, float *d,
-                          int32_t *pairs32, int32_t *pairs16) {
-    for (Py_ssize_t sb = 0; sb < supers; sb++) {
-        const float *v = x + sb * QK_K;
-        int8_t *qs = q + sb * QK_K;
-        __m256 amax8 = _mm256_setzero_ps();
-        for (int i = 0; i < QK_K; i += 8) amax8 = abs_max(_mm256_loadu_ps(v + i), amax8);
-        const float amax = hmax256(amax8);
-        int32_t s16[16] = {0};
-        if (amax == 0.0f) {
-            memset(qs, 0, QK_K);
-            d[sb] = 0.0f;
-        } else {
-            int first = 0;
-            while (fabsf(v[first]) != amax) first++;
-            const float iscale = -127.0f / v[first];
-            const __m256 scale = _mm256_set1_ps(iscale);
-            const __m256i top = _mm256_set1_epi32(127);
-            __m256i part[16];
-            for (int k = 0; k < 8; k++) { /* 32 quants at a time */
-                __m256i qi[4];
-                for (int i = 0; i < 4; i++) {
-                    const __m256 f = _mm256_loadu_ps(v + 32 * k + 8 * i);
-                    qi[i] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(scale, f)), top);
-                }
-                store_quants32(qs + 32 * k, qi[0], qi[1], qi[2], qi[3]);
-                part[2 * k] = _mm256_add_epi32(qi[0], qi[1]);
-                part[2 * k + 1] = _mm256_add_epi32(qi[2], qi[3]);
-            }
-            for (int k = 0; k < 16; k += 4)
-                _mm_storeu_si128((__m128i *)(s16 + k), hsum4x8(part[k], part[k + 1], part[k + 2], part[k + 3]));
-            d[sb] = 1.0f / iscale;
-        }
-        if (pairs16 != NULL)
-            for (int k = 0; k < 16; k += 2) pairs16[sb * 8 + k / 2] = int16_pair(s16[k], s16[k + 1]);
-        if (pairs32 != NULL)
-            for (int k = 0; k < 16; k += 4)
-                pairs32[sb * 4 + k / 4] = int16_pair(s16[k] + s16[k + 1], s16[k + 2] + s16[k + 3]);
-    }
-}
 
 #define Q8_AHEAD 4 /* blocks a tile fetches ahead (see matmul.c's PREFETCH_BLOCKS) */
 #define WIDE_Q8 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq,avx512bw,avx512vnni")))
@@ -249,22 +146,24 @@ static int cpu_has_vnni(void) { return __builtin_cpu_supports("avx512vnni"); }
 /* One input's rows quantized for every matmul that shares it: Q8_0 blocks of 32 (with
  * Q8_1's s and the quants' sums, so Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 all take them) where
  * ``blocks``, Q8_K super-blocks (with the sums of 32 and of 16 quants as asked) where a
- * K-quant takes them. One allocation, ``buf``; NULL when out of memory. */
+ * K-quant takes them, the blocks' quants widened to int16 pairs too where ``pairs`` (a
+ * Q8_0 matrix in AVX2's batch tiles). One allocation, ``buf``; NULL when out of memory. */
 typedef struct {
     void *buf;
     int8_t *bq, *kq;       /* [T, cols] the quants of the blocks of 32, of the super-blocks */
     float *bd, *bs, *kd;   /* [T, nb] d and s of the blocks; [T, supers] d of the supers */
     int32_t *bsum;         /* [T, nb] the blocks' sums of quants */
     int32_t *k32, *k16;    /* [T, supers * 4], [T, supers * 8] the Q8_K sums' int16 pairs */
+    int16_t *bw;           /* [T, cols] bq widened, each four as x0, x2, x1, x3 (q8job_t) */
 } q8input_t;
 
 static void *quantize_input(const float *x, Py_ssize_t T, Py_ssize_t nb, int blocks, int k32,
-                            int k16, q8input_t *in) {
+                            int k16, int pairs, q8input_t *in) {
     const Py_ssize_t cols = nb * QK, supers = nb / (QK_K / QK);
     const int kq = k32 || k16;
     const size_t floats = T * ((blocks ? 2 * nb : 0) + (kq ? supers : 0));
     const size_t ints = T * ((blocks ? nb : 0) + (k32 ? 4 * supers : 0) + (k16 ? 8 * supers : 0));
-    const size_t bytes = (floats + ints) * 4 + T * cols * (blocks + kq) + 64;
+    const size_t bytes = (floats + ints) * 4 + T * cols * (blocks + kq + 2 * pairs) + 64;
     uint8_t *buf = malloc(bytes);
     if (buf == NULL) return NULL;
     memset(in, 0, sizeof(*in));
@@ -292,6 +191,10 @@ static void *quantize_input(const float *x, Py_ssize_t T, Py_ssize_t nb, int blo
         in->k16 = i;
         i += T * 8 * supers;
     }
+    if (pairs) {
+        in->bw = (int16_t *)i;
+        i += T * cols / 2;
+    }
     int8_t *q = (int8_t *)i;
     if (blocks) {
         in->bq = q;
@@ -302,6 +205,7 @@ static void *quantize_input(const float *x, Py_ssize_t T, Py_ssize_t nb, int blo
         if (blocks)
             quantize_q8_0(x + t * cols, nb, in->bq + t * cols, in->bd + t * nb, in->bs + t * nb,
                           in->bsum + t * nb);
+        if (pairs) widen_pairs(in->bq + t * cols, cols, in->bw + t * cols);
         if (kq)
             quantize_q8_k(x + t * cols, supers, in->kq + t * cols, in->kd + t * supers,
                           k32 ? in->k32 + t * 4 * supers : NULL,
@@ -314,11 +218,16 @@ static void *quantize_input(const float *x, Py_ssize_t T, Py_ssize_t nb, int blo
 static q8job_t job_of(const qmat_t *w, const q8input_t *in, float *out, Py_ssize_t T) {
     const int q8_1 = w->type == Q4_1 || w->type == Q5_1; /* weights with an offset m */
     if (IS_KQUANT(w->type))
-        return (q8job_t){w, in->kq, in->kd, NULL, w->type == Q6_K ? in->k16 : in->k32, out, T};
-    return (q8job_t){w, in->bq, in->bd, q8_1 ? in->bs : NULL, q8_1 ? NULL : in->bsum, out, T};
+        return (q8job_t){w, in->kq, in->kd, NULL, w->type == Q6_K ? in->k16 : in->k32, NULL, out, T};
+    return (q8job_t){w,   in->bq, in->bd, q8_1 ? in->bs : NULL, q8_1 ? NULL : in->bsum,
+                     w->type == Q8_0 ? in->bw : NULL, out, T};
 }
 
 #define MANY_MAX 4 /* matrices one q8matmul_many takes */
+/* Most tokens whose Q8_0 activations are widened for AVX2's pairs_tile (q8_avx2.h): a
+ * decode step's streams and short prompts; a long prompt keeps the shared tiles rather
+ * than hold 2 more bytes per activation (b=16, 64 ran ~1.06x with them). */
+#define PAIRS_MAX_T 64
 
 /* Tokens [t0, t0 + n) of job j: its rows, the activations and outputs of those tokens. */
 static q8job_t job_tokens(const q8job_t *j, Py_ssize_t t0, Py_ssize_t n) {
@@ -330,6 +239,7 @@ static q8job_t job_tokens(const q8job_t *j, Py_ssize_t t0, Py_ssize_t n) {
     part.xd += t0 * (k ? supers : w->nb);
     if (part.xs != NULL) part.xs += t0 * w->nb;
     if (part.xb != NULL) part.xb += t0 * (!k ? w->nb : w->type == Q6_K ? 8 * supers : 4 * supers);
+    if (part.xw != NULL) part.xw += t0 * w->nb * QK;
     part.out += t0 * w->rows;
     part.T = n;
     return part;
@@ -349,16 +259,17 @@ int q8matmul_many(const qmat_t *const *ws, int n, const float *x, Py_ssize_t T,
                   float *const *outs, int threads, int wide) {
     if (n < 1 || n > MANY_MAX) return -1;
     if (threads < 1) threads = 1;
-    int blocks = 0, k32 = 0, k16 = 0;
+    const int isa512 = wide && wide_isa_selected() && cpu_has_vnni();
+    int blocks = 0, k32 = 0, k16 = 0, pairs = 0;
     for (int i = 0; i < n; i++) {
         if (ws[i]->nb != ws[0]->nb) return -1;
         blocks |= !IS_KQUANT(ws[i]->type);
         k16 |= ws[i]->type == Q6_K;
         k32 |= ws[i]->type == Q4_K || ws[i]->type == Q5_K;
+        pairs |= ws[i]->type == Q8_0 && !isa512 && T >= 2 && T <= PAIRS_MAX_T;
     }
     q8input_t in;
-    if (quantize_input(x, T, ws[0]->nb, blocks, k32, k16, &in) == NULL) return -1;
-    const int isa512 = wide && wide_isa_selected() && cpu_has_vnni();
+    if (quantize_input(x, T, ws[0]->nb, blocks, k32, k16, pairs, &in) == NULL) return -1;
     const int lanes = isa512 ? 16 : 8;
     const Py_ssize_t unit = T == 1 ? 4 : 2;
     /* a long batch in blocks of tokens, each block's units split among the threads as

@@ -324,61 +324,7 @@ Q8_INLINE void FN(token_tiles)(const q8job_t *j, const int type, const Py_ssize_
 }
 
 #if LANES == 8
-#define NIBBLE_TOKENS 16 /* tokens per pass of nibble_rows (their sums stay on the stack) */
-#define NIBBLE_MIN_T 4   /* fewer: token_tiles fit the registers (b=2, 3 ran 4-5% faster there) */
-/* Q4_0, Q4_1, MXFP4 on 8-lane vectors for NIBBLE_MIN_T tokens or more: per block the row
- * vector's 32 columns unpacked once into eight registers, then each token's sum from them
- * (8 maddubs into int16, one madd; MXFP4's biased values, below 25, two madds of 8
- * products each, as int16 holds 8 of them). The batch tiles (token_tiles) kept unpacked quants, partial sums
- * and sums of up to 4 tokens in the 16 registers and spilled; this holds only the
- * quants in registers, the tokens' sums in L1. The float operations per (row, token)
- * are btile's, in its order. */
-Q8_INLINE void FN(nibble_rows)(const q8job_t *j, const int type, const Py_ssize_t v,
-                               const Py_ssize_t t0, const int TT) {
-    const qmat_t *w = j->w;
-    const Py_ssize_t nb = w->nb, cols = nb * QK, gb = GROUP_BYTES[type];
-    const int with_min = type == Q4_1, fp4 = type == MXFP4;
-    const int quants = fp4 ? GROUP_ROWS : with_min ? 4 * GROUP_ROWS : 2 * GROUP_ROWS;
-    const uint8_t *group = GROUP_OF(w, v, nb, gb);
-    const int lane = (int)((v * LANES) % GROUP_ROWS);
-    VEC acc[NIBBLE_TOKENS];
-    for (int t = 0; t < TT; t++) acc[t] = ZERO();
-    for (Py_ssize_t b = 0; b < nb; b++) {
-        const uint8_t *p = group + b * gb;
-        if (lane == 0)
-            for (Py_ssize_t line = 0; line < gb; line += 64)
-                _mm_prefetch((const char *)p + Q8_AHEAD * gb + line, _MM_HINT_T0);
-        IVEC lo[4], hi[4];
-        for (int q = 0; q < 4; q++) {
-            const IVEC z = LDQ(p + quants + q * 64 + 4 * lane);
-            lo[q] = fp4 ? LUT16(FP4_BIASED, BYTES15(z)) : BYTES15(z);
-            hi[q] = fp4 ? LUT16(FP4_BIASED, HIGH15(z)) : HIGH15(z);
-        }
-        const VEC dw = fp4 ? FP4_SCALES(p + lane) : HALVES(p + 2 * lane);
-        const int8_t *xb = j->xq + t0 * cols + b * QK;
-        for (int t = 0; t < TT; t++) {
-            const int8_t *xt = xb + t * cols;
-            const IVEC a = ADD16(DOTU(PZERO(), lo[0], BX(xt)), DOTU(PZERO(), lo[1], BX(xt + 4)));
-            const IVEC c = ADD16(DOTU(PZERO(), lo[2], BX(xt + 8)), DOTU(PZERO(), lo[3], BX(xt + 12)));
-            const IVEC e = ADD16(DOTU(PZERO(), hi[0], BX(xt + 16)), DOTU(PZERO(), hi[1], BX(xt + 20)));
-            const IVEC f = ADD16(DOTU(PZERO(), hi[2], BX(xt + 24)), DOTU(PZERO(), hi[3], BX(xt + 28)));
-            IVEC isum = fp4 ? ADDI(PFLUSH(ADD16(a, c)), PFLUSH(ADD16(e, f)))
-                            : PFLUSH(ADD16(ADD16(a, c), ADD16(e, f)));
-            const int bias = fp4 ? FP4_BIAS : 8;
-            if (!with_min) isum = SUBI(isum, SET1I(bias * j->xb[(t0 + t) * nb + b]));
-            const VEC dd = MUL(dw, SET1(j->xd[(t0 + t) * nb + b]));
-            acc[t] = FMA(dd, CVT(isum), acc[t]);
-        }
-        if (with_min) {
-            const VEC m = HALVES(p + 2 * GROUP_ROWS + 2 * lane);
-            for (int t = 0; t < TT; t++) acc[t] = FMA(m, SET1(j->xs[(t0 + t) * nb + b]), acc[t]);
-        }
-    }
-    const Py_ssize_t row = v * LANES;
-    if (row >= w->rows) return;
-    const int n = w->rows - row < LANES ? (int)(w->rows - row) : LANES;
-    for (int t = 0; t < TT; t++) STORE(j->out + (t0 + t) * w->rows + row, acc[t], n);
-}
+#include "q8_avx2.h"
 #endif
 
 /* Row vectors [v0, v1) for every token: a lone token one row group at a time (one stream
@@ -394,12 +340,7 @@ Q8_INLINE void FN(q8rows_typed)(const q8job_t *j, const int type, Py_ssize_t v0,
         return;
     }
 #if LANES == 8
-    if ((type == Q4_0 || type == Q4_1 || type == MXFP4) && j->T >= NIBBLE_MIN_T) {
-        for (; v < v1; v++)
-            for (Py_ssize_t t = 0; t < j->T; t += NIBBLE_TOKENS)
-                FN(nibble_rows)(j, type, v, t, j->T - t < NIBBLE_TOKENS ? (int)(j->T - t) : NIBBLE_TOKENS);
-        return;
-    }
+    if (FN(avx2_batch)(j, type, v, v1)) return;
 #endif
     const int most = IS_KQUANT(type) ? KTILE_MAX : TILE_MAX;
     for (; v < v1; v++) FN(token_tiles)(j, type, v, most);
@@ -481,8 +422,6 @@ static TARGET void FN(q8rows)(const q8job_t *j, Py_ssize_t v0, Py_ssize_t v1) {
 #undef FNMA
 #undef SET1
 #undef ZERO
-#undef NIBBLE_TOKENS
-#undef NIBBLE_MIN_T
 #undef ADD16
 #undef STORE
 #undef LUT16

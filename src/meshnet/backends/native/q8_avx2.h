@@ -1,0 +1,217 @@
+/*
+ * The q8 matmul's batch tiles that only the 8-lane (AVX2) instruction set takes, included
+ * by q8_tile.h with its macros while LANES is 8. On AVX2 (measured on Zen 4) maddubs,
+ * madd, psign/pabs, mul and fma all issue on the same two of the four vector pipes and
+ * 256-bit loads (broadcasts too) at two a cycle, so these tiles are built to spend fewer
+ * of those per product than the shared tiles; the float operations per (row, token) are
+ * btile's, in its order, so the results are the same bits (q8_tile.h's header).
+ */
+
+#define NIBBLE_TOKENS 16 /* tokens per pass of nibble_rows (their sums stay on the stack) */
+#define NIBBLE_MIN_T 4   /* fewer: token_tiles fit the registers (b=2, 3 ran 4-5% faster there) */
+#define NIBBLE_CHUNK 8   /* blocks whose integer sums nibble_rows makes before their float operations */
+#define PAIRS_TILE 4     /* tokens per tile of pairs_tile (2 x 4 int32 sums in registers) */
+
+/* Q4_0, Q4_1, MXFP4 for NIBBLE_MIN_T tokens or more: per block the row vector's 32
+ * columns unpacked once into eight registers, then every token's integer sum from them
+ * (8 maddubs into int16, one madd; MXFP4's biased values, below 25, two madds of 8
+ * products each, as int16 holds 8 of them), kept as floats in L1 for NIBBLE_CHUNK
+ * blocks; only then each block's float operations for every token (Q4_1's m term with
+ * them, not in a pass of its own), the tokens' accumulators in registers through the
+ * chunk. The batch tiles (token_tiles) kept unpacked quants, partial sums and sums of up
+ * to 4 tokens in the 16 registers and spilled. Called with a constant TT
+ * (nibble_tokens), each token loop unrolls. Against one loop of sums and float
+ * operations per block (and Q4_1's m in a pass of its own), b=4 and b=8 ran 1.15-1.21x
+ * (bench/q8_kernel.py --against, the bundled model's Q4_1 shapes, one thread); the sums
+ * and float operations apart per block only, ~6% less at b=8, and in halves of 4 tokens
+ * 15% less. */
+Q8_INLINE void FN(nibble_rows)(const q8job_t *j, const int type, const Py_ssize_t v,
+                               const Py_ssize_t t0, const int TT) {
+    const qmat_t *w = j->w;
+    const Py_ssize_t nb = w->nb, cols = nb * QK, gb = GROUP_BYTES[type];
+    const int with_min = type == Q4_1, fp4 = type == MXFP4;
+    const int quants = fp4 ? GROUP_ROWS : with_min ? 4 * GROUP_ROWS : 2 * GROUP_ROWS;
+    const uint8_t *group = GROUP_OF(w, v, nb, gb);
+    const int lane = (int)((v * LANES) % GROUP_ROWS);
+    VEC acc[NIBBLE_TOKENS];
+    for (int t = 0; t < TT; t++) acc[t] = ZERO();
+    for (Py_ssize_t b0 = 0; b0 < nb; b0 += NIBBLE_CHUNK) {
+        const int nbc = nb - b0 < NIBBLE_CHUNK ? (int)(nb - b0) : NIBBLE_CHUNK;
+        VEC fsum[NIBBLE_CHUNK][NIBBLE_TOKENS];
+        for (int bb = 0; bb < nbc; bb++) {
+            const Py_ssize_t b = b0 + bb;
+            const uint8_t *p = group + b * gb;
+            if (lane == 0)
+                for (Py_ssize_t line = 0; line < gb; line += 64)
+                    _mm_prefetch((const char *)p + Q8_AHEAD * gb + line, _MM_HINT_T0);
+            IVEC lo[4], hi[4];
+            for (int q = 0; q < 4; q++) {
+                const IVEC z = LDQ(p + quants + q * 64 + 4 * lane);
+                lo[q] = fp4 ? LUT16(FP4_BIASED, BYTES15(z)) : BYTES15(z);
+                hi[q] = fp4 ? LUT16(FP4_BIASED, HIGH15(z)) : HIGH15(z);
+            }
+            const int8_t *xb = j->xq + t0 * cols + b * QK;
+            for (int t = 0; t < TT; t++) {
+                const int8_t *xt = xb + t * cols;
+                const IVEC a = ADD16(DOTU(PZERO(), lo[0], BX(xt)), DOTU(PZERO(), lo[1], BX(xt + 4)));
+                const IVEC c = ADD16(DOTU(PZERO(), lo[2], BX(xt + 8)), DOTU(PZERO(), lo[3], BX(xt + 12)));
+                const IVEC e = ADD16(DOTU(PZERO(), hi[0], BX(xt + 16)), DOTU(PZERO(), hi[1], BX(xt + 20)));
+                const IVEC f = ADD16(DOTU(PZERO(), hi[2], BX(xt + 24)), DOTU(PZERO(), hi[3], BX(xt + 28)));
+                IVEC isum = fp4 ? ADDI(PFLUSH(ADD16(a, c)), PFLUSH(ADD16(e, f)))
+                                : PFLUSH(ADD16(ADD16(a, c), ADD16(e, f)));
+                const int bias = fp4 ? FP4_BIAS : 8;
+                if (!with_min) isum = SUBI(isum, SET1I(bias * j->xb[(t0 + t) * nb + b]));
+                fsum[bb][t] = CVT(isum);
+            }
+        }
+        for (int bb = 0; bb < nbc; bb++) {
+            const Py_ssize_t b = b0 + bb;
+            const uint8_t *p = group + b * gb;
+            const VEC dw = fp4 ? FP4_SCALES(p + lane) : HALVES(p + 2 * lane);
+            const VEC m = with_min ? HALVES(p + 2 * GROUP_ROWS + 2 * lane) : ZERO();
+            for (int t = 0; t < TT; t++) {
+                const VEC dd = MUL(dw, SET1(j->xd[(t0 + t) * nb + b]));
+                acc[t] = FMA(dd, fsum[bb][t], acc[t]);
+                if (with_min) acc[t] = FMA(m, SET1(j->xs[(t0 + t) * nb + b]), acc[t]);
+            }
+        }
+    }
+    const Py_ssize_t row = v * LANES;
+    if (row >= w->rows) return;
+    const int n = w->rows - row < LANES ? (int)(w->rows - row) : LANES;
+    for (int t = 0; t < TT; t++) STORE(j->out + (t0 + t) * w->rows + row, acc[t], n);
+}
+
+/* Every token of row vector v through nibble_rows, in passes of up to NIBBLE_TOKENS, the
+ * usual widths as constants. */
+Q8_INLINE void FN(nibble_tokens)(const q8job_t *j, const int type, const Py_ssize_t v) {
+    for (Py_ssize_t t = 0; t < j->T; t += NIBBLE_TOKENS) {
+        const int n = j->T - t < NIBBLE_TOKENS ? (int)(j->T - t) : NIBBLE_TOKENS;
+        switch (n) {
+        case 8: FN(nibble_rows)(j, type, v, t, 8); break;
+        case 7: FN(nibble_rows)(j, type, v, t, 7); break;
+        case 6: FN(nibble_rows)(j, type, v, t, 6); break;
+        case 5: FN(nibble_rows)(j, type, v, t, 5); break;
+        case 4: FN(nibble_rows)(j, type, v, t, 4); break;
+        default: FN(nibble_rows)(j, type, v, t, n); break;
+        }
+    }
+}
+
+/* Q8_0 for 2 tokens or more (j->xw made): RV (1, 2) row vectors x TT tokens. The sign
+ * trick (btile's DOTS, DOTSW) costs three multiplier-pipe operations per 32 products
+ * (psign, maddubs, madd); here each lane's four weights are sign-extended once a tile to
+ * int16 pairs, the even columns (0, 2) and the odd (1, 3) by shifts (the other pipes),
+ * and multiplied by madd against the activations' int16 pairs in the same order
+ * (q8_quantize.h's widen_pairs: x0, x2 then x1, x3): two madds per 32 products, the sum
+ * exact in int32 (32 products of at most 127 x 127). Two row vectors share each
+ * broadcast. */
+Q8_INLINE void FN(pairs_tile)(const q8job_t *j, const Py_ssize_t v0, const int RV,
+                              const Py_ssize_t t0, const int TT) {
+    const qmat_t *w = j->w;
+    const Py_ssize_t nb = w->nb, cols = nb * QK, gb = GROUP_BYTES[Q8_0];
+    const uint8_t *group[2];
+    int lane[2];
+    for (int v = 0; v < RV; v++) {
+        group[v] = GROUP_OF(w, v0 + v, nb, gb);
+        lane[v] = (int)(((v0 + v) * LANES) % GROUP_ROWS);
+    }
+    VEC acc[2][PAIRS_TILE];
+    for (int v = 0; v < RV; v++)
+        for (int t = 0; t < TT; t++) acc[v][t] = ZERO();
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        const int16_t *xb = j->xw + t0 * cols + b * QK;
+        const uint8_t *p[2];
+        for (int v = 0; v < RV; v++) {
+            p[v] = group[v] + b * gb;
+            for (Py_ssize_t line = 0; line < gb; line += 64)
+                _mm_prefetch((const char *)p[v] + Q8_AHEAD * gb + line, _MM_HINT_T0);
+        }
+        IVEC isum[2][PAIRS_TILE];
+        for (int v = 0; v < RV; v++)
+            for (int t = 0; t < TT; t++) isum[v][t] = IZERO();
+        for (int q = 0; q < QK / 4; q++) {
+            IVEC even[2], odd[2];
+            for (int v = 0; v < RV; v++) {
+                const IVEC z = LDQ(p[v] + 2 * GROUP_ROWS + q * 64 + 4 * lane[v]);
+                even[v] = _mm256_srai_epi16(_mm256_slli_epi16(z, 8), 8); /* columns 0, 2 */
+                odd[v] = _mm256_srai_epi16(z, 8);                        /* columns 1, 3 */
+            }
+            for (int t = 0; t < TT; t++) {
+                const IVEC xe = BX(xb + t * cols + 4 * q), xo = BX(xb + t * cols + 4 * q + 2);
+                for (int v = 0; v < RV; v++)
+                    isum[v][t] = ADDI(isum[v][t], ADDI(MADD16(even[v], xe), MADD16(odd[v], xo)));
+            }
+        }
+        for (int v = 0; v < RV; v++) {
+            const VEC dw = HALVES(p[v] + 2 * lane[v]);
+            for (int t = 0; t < TT; t++) {
+                const VEC dd = MUL(dw, SET1(j->xd[(t0 + t) * nb + b]));
+                acc[v][t] = FMA(dd, CVT(isum[v][t]), acc[v][t]);
+            }
+        }
+    }
+    for (int v = 0; v < RV; v++) {
+        const Py_ssize_t row = (v0 + v) * LANES;
+        if (row >= w->rows) continue;
+        const int n = w->rows - row < LANES ? (int)(w->rows - row) : LANES;
+        for (int t = 0; t < TT; t++) STORE(j->out + (t0 + t) * w->rows + row, acc[v][t], n);
+    }
+}
+
+/* Every token of row vectors [v, v + RV) through pairs_tile, in as few tiles of at most
+ * PAIRS_TILE as possible, widths as even as possible (as token_tiles). */
+Q8_INLINE void FN(pairs_tokens)(const q8job_t *j, const Py_ssize_t v, const int RV) {
+    const Py_ssize_t tiles = (j->T + PAIRS_TILE - 1) / PAIRS_TILE;
+    Py_ssize_t t = 0;
+    for (Py_ssize_t i = 0; i < tiles; i++) {
+        const int width = (int)(j->T / tiles + (i < j->T % tiles));
+        switch (width * 2 + (RV == 2)) { /* each (width, RV) its own constant tile */
+        case 9: FN(pairs_tile)(j, v, 2, t, 4); break;
+        case 8: FN(pairs_tile)(j, v, 1, t, 4); break;
+        case 7: FN(pairs_tile)(j, v, 2, t, 3); break;
+        case 6: FN(pairs_tile)(j, v, 1, t, 3); break;
+        case 5: FN(pairs_tile)(j, v, 2, t, 2); break;
+        case 4: FN(pairs_tile)(j, v, 1, t, 2); break;
+        case 3: FN(pairs_tile)(j, v, 2, t, 1); break;
+        default: FN(pairs_tile)(j, v, 1, t, 1); break;
+        }
+        t += width;
+    }
+}
+
+/* Each type's batch rows apart from q8rows_typed (noinline): inlined there, the larger
+ * body (nibble_rows' sums on the stack) held the lone token's Q4_1 tiles of the same
+ * function ~4% slower. */
+#define BATCH_ROWS_OF(name, code)                                                            \
+    static __attribute__((noinline)) TARGET void FN(CAT(batch_, name))(                      \
+        const q8job_t *j, Py_ssize_t v0, Py_ssize_t v1) {                                    \
+        for (Py_ssize_t v = v0; v < v1; v++) FN(nibble_tokens)(j, code, v);                  \
+    }
+BATCH_ROWS_OF(q4_0, Q4_0)
+BATCH_ROWS_OF(q4_1, Q4_1)
+BATCH_ROWS_OF(mxfp4, MXFP4)
+#undef BATCH_ROWS_OF
+
+static __attribute__((noinline)) TARGET void FN(batch_q8_0)(const q8job_t *j, Py_ssize_t v0,
+                                                            Py_ssize_t v1) {
+    Py_ssize_t v = v0;
+    for (; v + 2 <= v1; v += 2) FN(pairs_tokens)(j, v, 2);
+    for (; v < v1; v++) FN(pairs_tokens)(j, v, 1);
+}
+
+/* Row vectors [v0, v1) of a batch (T >= 2) where a tile of this header takes ``type``:
+ * 1 when done, 0 to leave them to the shared tiles. */
+Q8_INLINE int FN(avx2_batch)(const q8job_t *j, const int type, Py_ssize_t v0, Py_ssize_t v1) {
+    if (type == Q8_0 && j->xw != NULL) FN(batch_q8_0)(j, v0, v1);
+    else if (j->T < NIBBLE_MIN_T) return 0;
+    else if (type == Q4_0) FN(batch_q4_0)(j, v0, v1);
+    else if (type == Q4_1) FN(batch_q4_1)(j, v0, v1);
+    else if (type == MXFP4) FN(batch_mxfp4)(j, v0, v1);
+    else return 0;
+    return 1;
+}
+
+#undef NIBBLE_TOKENS
+#undef NIBBLE_MIN_T
+#undef PAIRS_TILE
