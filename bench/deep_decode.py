@@ -11,7 +11,7 @@ call reads its keys and values from memory, as a step through a model's layers d
 
 Printed per shape and depth: milliseconds a call (wall, the median of ``--rounds``), the GB/s
 of keys and values it read, and that rate as a share of the machine's streaming read
-bandwidth for as many threads over a buffer of the same size, probed in the same run
+bandwidth for as many threads over a buffer of at least 256 MB, probed in the same run
 (benchmark/bandwidth.py's numpy sum: the limit a memory-bound step cannot pass). With
 ``--against``, another build of the extension (the old kernels) takes turns with this tree's,
 and new / old and whether their outputs are the same bits are printed.
@@ -41,7 +41,9 @@ SHAPES = {  # name: (query heads, KV heads, head dim)
     "Llama-3.2-1B": (32, 8, 64),
 }
 LAYERS = 3
+PASSES = 8  # over the layers a measurement: one call is a few ms, and memory's pace wavers
 EVICT_MB = 64  # read between calls: more than this host's 32 MB last-level cache
+PROBE_MB = 256  # the bandwidth probe's least buffer: from memory, not from the caches
 
 
 class Case:
@@ -66,11 +68,12 @@ class Case:
         return 2 * kv * (self.depth + 1) * hd * 4
 
     def seconds(self, build: ModuleType, threads: int) -> tuple[float, np.ndarray]:
-        """Wall seconds a call, over the layers, each after the eviction read; the output."""
+        """Wall seconds a call, the mean over ``PASSES`` passes over the layers, each call
+        after the eviction read; the output."""
         heads, kv, hd = self.shape
         out = np.empty((1, heads * hd), np.float32)
         total = 0.0
-        for keys, values in self.layers:
+        for keys, values in self.layers * PASSES:
             self.evict.sum()
             entry = [(keys, values, self.depth, 1, 0)]
             start = time.perf_counter()
@@ -79,14 +82,14 @@ class Case:
                 hd**-0.5, 0.0, 0,
             )  # fmt: skip
             total += time.perf_counter() - start
-        return total / LAYERS, out
+        return total / (LAYERS * PASSES), out
 
 
 def bench(builds: dict[str, ModuleType], args: argparse.Namespace, quiet: Quiet) -> None:
     for name, (heads, kv, hd) in SHAPES.items():
         for depth in args.depths:
             case = Case(heads, kv, hd, depth)
-            probe = read_gb_s(max(1, case.read_bytes >> 20), passes=5, threads=args.threads)
+            probe = read_gb_s(max(PROBE_MB, case.read_bytes >> 20), passes=5, threads=args.threads)
             times: dict[str, list[float]] = {b: [] for b in builds}
             calm = {b: False for b in builds}
             outs: dict[str, np.ndarray] = {}

@@ -53,9 +53,11 @@ static inline float dot(const float *q, const float *k, int hd) {
  * prefetch alone left a decode step's attention at a third of the read bandwidth: while
  * the scores of keys j .. j + 3 are computed, the keys AHEAD_BYTES on and the values of
  * rows j .. j + 3 (read after the scores, in column blocks) are fetched. ``fetch`` is the
- * tile's values, or NULL where the tile is in cache already: a unit's first row fetches,
- * the rest of its rows (a prompt's) find it there. One Gemma 3 270M global layer at 16k
- * positions, 2 threads, from memory: 2.1 -> 1.6 ms (bench/deep_decode.py). */
+ * tile's values, or NULL: only where the threads share one unit's tiles (by_tiles), whose
+ * jumps from tile to tile lose the hardware's streams. A unit that runs through its tiles
+ * in order (by_units: Llama 3.2 1B's 8 KV heads, a row each) keeps them, and fetching
+ * there measured no faster. One Gemma 3 270M global layer at 16k positions, 2 threads,
+ * from memory: 2.39 -> 1.92 ms (bench/deep_decode.py). */
 #ifndef AHEAD_BYTES
 #define AHEAD_BYTES 8192
 #endif
@@ -100,9 +102,9 @@ static inline __attribute__((always_inline)) void dots(const int P, const float 
 /* dots of four queries with 16-lane vectors: a register holds two queries' 8-lane chains
  * side by side against one key broadcast to both halves, so each chain is the one dots
  * runs (the same bits); the halves reduced by hsum4. qp: scratch of 4 hd floats. */
-static __attribute__((target("avx512f,avx512dq"))) void dots16(const float *const *q, const float *k,
-                                                      const float *fetch, int hd, int n,
-                                                      float *qp, float *const *s) {
+static __attribute__((target("avx512f,avx512dq"))) void dots16(
+    const float *const *q, const float *k, const float *fetch, int hd, int n, float *qp,
+    float *const *s) {
     for (int c = 0; c < hd; c += 8) /* [q0 | q1] and [q2 | q3] per 8 columns */
         for (int x = 0; x < 4; x++)
             memcpy(qp + (x / 2) * 2 * hd + 2 * c + 8 * (x % 2), q[x] + c, 8 * sizeof(float));
@@ -401,7 +403,7 @@ static void tile_fold_row(const heads_t *sh, const float *qs, const unit_t *u, P
             q[x] = qs + ((s->row + u->i0 + r) * sh->n_heads + u->kv * g + x0 + x) * hd;
             p[x] = part + x * (Py_ssize_t)(hd + 2);
         }
-        partials(sh, q, np, keys, values, (int)(b - a), r == 0 && x0 == 0, p);
+        partials(sh, q, np, keys, values, (int)(b - a), 0, p);
         for (int x = 0; x < np; x++)
             fold(states + (r * g + x0 + x) * (Py_ssize_t)(hd + 2), p[x], hd);
     }
