@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from meshnet.mesh_reports import MAX_HELD as MAX_HELD  # the limits both sides share
 from meshnet.mesh_reports import MAX_ID as MAX_ID
+from meshnet.mesh_reports import NODE_ID
 
 
 class Frozen(BaseModel):
@@ -70,7 +71,7 @@ class Holdings(Frozen):
 class NodeAnnouncement(Frozen):
     """A node registering (or re-registering) with the tracker."""
 
-    node_id: str = Field(min_length=1, max_length=MAX_ID, pattern=r"^[A-Za-z0-9._-]+$")
+    node_id: str = Field(min_length=1, max_length=MAX_ID, pattern=f"^{NODE_ID.pattern}$")
     address: str = Field(min_length=3, max_length=256)  # host:port of its gRPC server
     fingerprint: str = Field(max_length=64)  # "" when empty
     layer_start: int = Field(ge=0)

@@ -49,7 +49,7 @@ def _parts(n_kv: int, sizes: list[int], hd: int, seed: int) -> list[np.ndarray]:
 
 def test_parts_put_in_one_call_equal_each_put_alone() -> None:
     """A loaded prefix's blocks go into a layer in one call (put_parts): the same
-    positions as a put of each block, in a plain layer and round a windowed ring."""
+    positions as each block put alone, in a plain layer and round a windowed ring."""
     sizes = [5, *[16] * 9, 7]  # 156 positions: past a 24-window ring's 64 slots
     n = 4 + sum(sizes)
     for windows, rings in (((0, 0), False), ((0, 24), True)):
@@ -66,7 +66,7 @@ def test_parts_put_in_one_call_equal_each_put_alone() -> None:
                 stop = at + k.shape[1]
                 if stop > first:
                     skip = max(first - at, 0)
-                    whole.put(layer, at + skip, k[:, skip:], v[:, skip:])
+                    whole.put_parts(layer, at + skip, (k[:, skip:],), (v[:, skip:],))
                 at = stop
             if first > 4:  # a window: only its positions are the layer's to hold
                 cut = first - 4

@@ -241,7 +241,7 @@ class SequenceKV:
 
     def start_loaded(self, length: int) -> None:
         """Make this empty cache hold ``length`` positions whose keys and values the caller
-        then ``put``s: each layer's last ``kept(layer, length)`` (an import, a prefix)."""
+        then stores (``put_parts``): each layer's last ``kept(layer, length)`` (an import, a prefix)."""
         if self.length:
             raise ValueError("a load needs an empty cache")
         self._capacity, self._ring = self._loaded_sizes(length)
@@ -254,22 +254,13 @@ class SequenceKV:
         self.length = length
         self._kept_from = max(0, length - self._window) if self._window else 0
 
-    def put(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store committed positions ``start ..`` of ``layer`` (``[n_kv_heads, n,
-        head_dim]``), within the last ``kept(layer, length)`` (after ``start_loaded``)."""
-        stop = start + k.shape[1]
-        if start < self.length - self.kept(layer, self.length) or stop > self.length:
-            raise ValueError(f"positions {start}..{stop} are not layer {layer}'s to hold")
-        at = self._slots(layer, start, stop)
-        self._keys[layer][:, at] = k
-        self._values[layer][:, at] = v
-
     def put_parts(
         self, layer: int, start: int, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]
     ) -> None:
-        """``put`` of consecutive parts (each ``[n_kv_heads, n_i, head_dim]``) from
-        ``start``, in one copy: a prefix of many cached blocks is loaded with a call a
-        layer rather than one per block (a 2,000-position prefix of 30 layers was
+        """Store committed positions ``start ..`` of ``layer`` from consecutive parts (each
+        ``[n_kv_heads, n_i, head_dim]``), within the last ``kept(layer, length)`` (after
+        ``start_loaded``), in one copy: a prefix of many cached blocks is loaded with a
+        call a layer rather than one per block (a 2,000-position prefix of 30 layers was
         3,750 calls, twice the time of its copy)."""
         stop = start + sum(k.shape[1] for k in keys)
         if start < self.length - self.kept(layer, self.length) or stop > self.length:
