@@ -241,7 +241,8 @@ class SequenceKV:
 
     def start_loaded(self, length: int) -> None:
         """Make this empty cache hold ``length`` positions whose keys and values the caller
-        then stores (``put_parts``): each layer's last ``kept(layer, length)`` (an import, a prefix)."""
+        then stores (``put_parts``): each layer's last ``kept(layer, length)`` (an import,
+        a prefix)."""
         if self.length:
             raise ValueError("a load needs an empty cache")
         self._capacity, self._ring = self._loaded_sizes(length)
