@@ -129,3 +129,57 @@ def test_a_named_route_stays_on_its_nodes_and_fails_once_one_is_down(tmp_path: P
     with pytest.raises(NoRoute, match="named route is down"):
         asyncio.run(mesh.healer.keep_route(route, route[1], WorkerDeath("gone", "b")))
     assert mesh.loads == [] and mesh.state("b2") is NodeState.UP
+
+
+def _announce_again(mesh: _Mesh, node_id: str, address: str) -> None:
+    """The node's process restarted and registered at ``address``."""
+    old = mesh.store.node(node_id)
+    assert old is not None and old.layers is not None
+    announcement = NodeAnnouncement(
+        node_id=node_id,
+        address=address,
+        fingerprint=FP,
+        layer_start=old.layers.start,
+        layer_end=old.layers.end,
+        backend="fast",
+        kv_budget_bytes=1 << 30,
+        pid=2,
+        load=NodeLoad(sessions=0, kv_bytes=0, queue_depth=0, steps=0),
+    )
+    mesh.store.register(announcement, time.time())
+
+
+def test_a_node_that_registers_again_while_its_old_record_is_probed_stays_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep reads a silent record, probes its old address (gone), and meanwhile the
+    node's new process registers: the sweep's verdict was on the old process only."""
+    mesh = _Mesh(tmp_path, {"a": (0, 4)})
+
+    async def probe_while_it_registers(keys: object, address: str, node_id: str, t: float) -> bool:
+        _announce_again(mesh, node_id, "127.0.0.1:30000")
+        return False
+
+    monkeypatch.setattr("meshnet.tracker.healing.answers", probe_while_it_registers)
+    lost = asyncio.run(mesh.healer.silent_gone(heartbeat_timeout_s=-1.0))
+    assert lost == [] and mesh.state("a") is NodeState.UP
+
+
+def test_records_from_before_a_restart_are_up_only_if_their_nodes_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tracker starting on its database probes every node it lists as up, however
+    recently that node was heard from: one that does not answer is down before the
+    tracker serves, not routed to until the sweep notices."""
+    mesh = _Mesh(tmp_path, {"gone": (0, 2), "alive": (2, 4)})
+    probed: list[str] = []
+
+    async def probe(keys: object, address: str, node_id: str, t: float) -> bool:
+        probed.append(node_id)
+        return node_id == "alive"
+
+    monkeypatch.setattr("meshnet.tracker.healing.answers", probe)
+    assert asyncio.run(mesh.healer.unanswered_gone()) == ["gone"]
+    assert sorted(probed) == ["alive", "gone"]
+    assert (mesh.state("gone"), mesh.state("alive")) == (NodeState.DOWN, NodeState.UP)
+    assert mesh.planner.single_hop_for(LayerRange(0, 2)) is None

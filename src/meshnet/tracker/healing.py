@@ -171,14 +171,26 @@ class Healer:
     async def silent_gone(self, heartbeat_timeout_s: float) -> list[str]:
         """Mark down the nodes silent for ``heartbeat_timeout_s`` that do not answer a
         probe either (``heartbeat-lost``); their ids."""
-        silent = self.store.silent(time.time(), heartbeat_timeout_s)
-        alive = await asyncio.gather(
-            *(answers(self.channels.keys, n.address, n.node_id, PROBE_TIMEOUT_S) for n in silent)
-        )
-        lost = [n.node_id for n, up in zip(silent, alive, strict=True) if not up]
-        for node_id in lost:
-            self.metrics.node_down(node_id, HeartbeatLost.kind)  # first: as below
-            self.store.mark_down(node_id, HeartbeatLost.kind)
+        return await self._unanswered(self.store.silent(time.time(), heartbeat_timeout_s))
+
+    async def unanswered_gone(self) -> list[str]:
+        """Mark down every node listed up that does not answer a probe (``heartbeat-lost``);
+        their ids. For a tracker starting on a database of an earlier run: its records
+        say who was up then, not who is now."""
+        return await self._unanswered([n for n in self.store.nodes() if n.state is NodeState.UP])
+
+    async def _answers(self, node: NodeRecord) -> bool:
+        return await answers(self.channels.keys, node.address, node.node_id, PROBE_TIMEOUT_S)
+
+    async def _unanswered(self, nodes: list[NodeRecord]) -> list[str]:
+        alive = await asyncio.gather(*(self._answers(n) for n in nodes))
+        lost = []
+        for n in (n for n, up in zip(nodes, alive, strict=True) if not up):
+            self.metrics.node_down(n.node_id, HeartbeatLost.kind)  # first: as below
+            # Only the process probed, unheard from since: a node that registered
+            # again or beat while the probe ran stays up (the count above is of verdicts).
+            if self.store.mark_down(n.node_id, HeartbeatLost.kind, n.address, n.last_seen):
+                lost.append(n.node_id)
         return lost
 
     async def node_failed(self, node_id: str, kind: str, met_at: str = "") -> bool:
@@ -193,27 +205,25 @@ class Healer:
         if kind == VerificationFailed.kind:
             return True  # quarantined already (NodeTrust.quarantine)
         node = self.store.node(node_id)
-        address = node.address if node is not None else None
-        if met_at and address and address != met_at:
+        if node is None:
+            return True  # not registered (any more): nothing routes to it
+        address = node.address
+        if met_at and address != met_at:
             log.info(
                 "node %s failed (%s) at %s, but it runs at %s now", node_id, kind, met_at, address
             )
             return False
         if kind == StreamReset.kind:
             log.info("node %s: its stream broke but it answers; dialling it afresh", node_id)
-            if address:
-                self.channels.retire(address)
+            self.channels.retire(address)
             return False
-        if (
-            kind in _PROBED_KINDS
-            and address
-            and await answers(self.channels.keys, address, node_id, PROBE_TIMEOUT_S)
-        ):
+        if kind in _PROBED_KINDS and await self._answers(node):
             log.info("node %s was %s but answers a probe: kept up", node_id, kind)
             return False
         log.warning("node %s failed (%s): marked down", node_id, kind)
         self.metrics.node_down(node_id, kind)  # first: a scrape that sees it down counts it
-        self.store.mark_down(node_id, kind)
-        if address:
-            self.channels.retire(address)
+        if not self.store.mark_down(node_id, kind, address):
+            log.info("node %s registered again while its failure was judged: kept up", node_id)
+            return False
+        self.channels.retire(address)
         return True

@@ -124,11 +124,26 @@ class Store:
         )
         return changed == 1
 
-    def mark_down(self, node_id: NodeId, reason: str) -> None:
-        self._db.run(
-            "UPDATE nodes SET state = ?, down_reason = ? WHERE node_id = ?",
-            (NodeState.DOWN.value, reason, node_id),
+    def mark_down(
+        self,
+        node_id: NodeId,
+        reason: str,
+        address: str | None = None,
+        last_seen: float | None = None,
+    ) -> bool:
+        """Mark a node down; True when it was. ``address`` and ``last_seen`` (from the
+        record a verdict was reached on) hold it to that process, and to it unheard from
+        since: a node that registered again, or beat, meanwhile is not what was judged."""
+        clauses, args = ["node_id = ?"], list[str | float]([node_id])
+        for column, value in (("address", address), ("last_seen", last_seen)):
+            if value is not None:
+                clauses.append(f"{column} = ?")
+                args.append(value)
+        changed = self._db.run(
+            f"UPDATE nodes SET state = ?, down_reason = ? WHERE {' AND '.join(clauses)}",
+            (NodeState.DOWN.value, reason, *args),
         )
+        return changed == 1
 
     def set_state(self, node_id: NodeId, state: NodeState, reason: str = "") -> None:
         """Move a node that is not down to ``state`` (calibration and the verifier)."""
