@@ -236,7 +236,8 @@ class LocalMesh:
             proc.wait(timeout=30)
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM every process (nodes first), then SIGKILL what is left."""
+        """SIGTERM every process (nodes first), then SIGKILL what is left; the mesh can
+        be started again on its data dir."""
         procs = [*self.nodes.values(), *([self.tracker] if self.tracker else [])]
         for p in procs:
             if p.poll() is None:
@@ -250,6 +251,9 @@ class LocalMesh:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=5)
+        self.nodes.clear()  # stopped on purpose: none is missed as having died
+        self.tracker = None
+        self.killed.clear()
 
     def _spawn(
         self,

@@ -238,6 +238,21 @@ def test_the_whole_mesh_restarted_on_its_data_dir_keeps_its_sessions(
     assert (b["resume_path"], b["ids"]) == ("snapshot", want[1]), b["resume_failures"]
 
 
+def test_a_restarted_tracker_lists_no_node_up_that_is_not_there(
+    mesh_factory: MeshFactory, chat_tiny: Path
+) -> None:
+    """Its database says who was up when it stopped; before it serves, a node that does
+    not answer is down (the heartbeat timeout is long here, so no sweep does it)."""
+    mesh = mesh_factory("0:2,2:4", model=chat_tiny, tracker_args=QUIET, heartbeat_timeout_s=600)
+    mesh.stop()
+    mesh.start_tracker()
+    health = mesh.wait_ready(expected_nodes=0, timeout_s=60, need_route=False)
+    assert (health["nodes_up"], health["route_complete"]) == (0, False), health
+    for node_id, layers in zip(("node-0", "node-1"), parse_layout("0:2,2:4"), strict=True):
+        mesh.start_node(node_id, layers)
+    assert mesh.wait_ready(expected_nodes=2, timeout_s=120)["nodes_up"] == 2
+
+
 def _wait_down(mesh: LocalMesh, node_ids: set[str]) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -80,6 +80,11 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The registry lists who was up when the database was last written: before
+        # serving, whoever does not answer now is down (not routed to until the
+        # sweep would notice); its process registers again when it comes back.
+        for node_id in await tracker.healer.unanswered_gone():
+            log.info("node %s listed up from before this start does not answer: down", node_id)
         loops = [
             asyncio.create_task(sweep_forever(tracker, sweeper, served)),
             asyncio.create_task(services.outbox.run_forever()),
