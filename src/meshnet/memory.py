@@ -1,13 +1,33 @@
-"""Keeping a serving process's resident memory at its weights plus its KV.
+"""Keeping a serving process's resident memory at its weights plus its KV, without
+paying the kernel for the same scratch again every step.
 
-Loading a shard reads each tensor, repacks it and drops the read copy; a forward
-allocates scratch and frees it. glibc serves many of those large blocks from its
-heap (it raises its mmap threshold after the first large free), and freed heap
-pages stay counted in the process's resident set (it raises its trim threshold
-too: a 200-token prefill left ~14 MB of freed scratch resident). ``settle`` fixes
-both thresholds, so large blocks are mapped and unmapped on their own and a
-step's freed scratch is returned, and hands free heap pages back. Elsewhere than
-glibc it is a no-op.
+One policy for glibc's allocator, applied by ``settle`` (a node at start, before its
+threads; every process as it loads a shard), that tells two kinds of freed memory apart:
+
+- **What a step frees is kept for the next step.** A decode step's logits and hidden
+  states, a prompt chunk's scratch: blocks under 8 MB come from the heap, and up to
+  8 MB free at the heap's top stays there, so the next step takes the same pages
+  back. Mapped on their own and unmapped at free (as blocks from 1 MB were before, for
+  the resident set's sake), they cost the kernel a fault and a cleared page per 4 KB
+  every step: an 8-stream decode step of the bundled model faulted its 1.5 MB of
+  logits in, ~350 page faults a step against ~100 now (the KV's growth). One arena
+  serves every thread: a thread's own arena holds at most 64 MB and trims itself, and
+  with one heap a block the loop's thread freed serves whichever thread runs next.
+- **What is held only for a while goes back.** A block from 8 MB up (a long prompt's
+  scratch and KV, a KV move's buffers) is mapped on its own and unmapped when freed,
+  its faults small beside the work that fills it; more than 8 MB free at the heap's
+  top (a prompt's scratch freed at once) goes back at once. So a prompt leaves at
+  most 8 MB free at the top, and the heap holds no block large enough to pin much.
+- **What is freed for good goes back when it is.** ``trim`` hands every free heap page
+  back, wherever it lies: a loaded shard's read and repacked copies (``load_shard``),
+  a swapped-out shard (node/engine_tiers.py), an ended or parked session's KV (the
+  node's loop, as it next waits for work: node/engine.py). So a node's resident set
+  follows what it holds (tests/integration/test_shard_memory.py,
+  tests/e2e/test_node_memory.py) while a decode step reuses its buffers.
+
+A KV cache's ``np.zeros`` under 8 MB is a reused heap block, cleared, so resident to
+its capacity (an eighth past its positions at most): what its ``nbytes`` and the KV
+budget count. From 8 MB up it is fresh pages, resident as its positions are written.
 
 Weights a decode step streams once, far past the caches, go on memory Linux may
 back with 2 MB pages (``on_huge_pages``): 4 KB pages cost a TLB miss every 4 KB
@@ -35,8 +55,10 @@ from meshnet.errors import MeshnetError
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD = 1 << 20  # blocks from this size up get pages of their own
-_TRIM_THRESHOLD = 1 << 20  # free space past this at the heap's top goes back at once
+_M_ARENA_MAX = -8
+# Blocks from this size up get pages of their own, and free space past it at the heap's
+# top goes back at once; below it, freed blocks wait in the heap for the next step.
+KEEP_UNDER = 8 << 20
 HUGE_PAGE = 2 << 20  # bytes of one transparent huge page (x86-64 Linux)
 
 T = TypeVar("T")
@@ -55,23 +77,29 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def settle() -> None:
-    """Map large blocks on their own and return freed heap tops from now on; release free
-    heap pages now."""
+    """Put the allocator under this module's policy and hand the free heap pages back.
+
+    Setting the policy again changes nothing, so every shard load calls this; a node
+    calls it first at start, before it starts a thread (one arena for every thread
+    holds only for threads that have not taken an arena of their own yet). Fixed
+    thresholds also stop glibc from sliding its own up as large blocks are freed.
+    Elsewhere than glibc: a no-op.
+    """
     libc = _libc()
     if libc is None:
         return
-    libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
-    libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+    libc.mallopt(_M_ARENA_MAX, 1)
+    libc.mallopt(_M_MMAP_THRESHOLD, KEEP_UNDER)
+    libc.mallopt(_M_TRIM_THRESHOLD, KEEP_UNDER)
     trim()
 
 
 def trim() -> None:
-    """Release the heap's free pages now, wherever they lie.
-
-    A returned heap top goes back by itself (``settle``), but blocks freed below live
-    ones stay resident: an ended session's KV and a last hop's logits vectors are
-    such blocks (under the 1 MB from which blocks are mapped on their own).
-    """
+    """Hand every free heap page back now, wherever it lies: call it where memory was
+    freed for good, not after every step (the next step would fault its buffers in
+    again). It costs a walk of the heap's free lists (~0.05 ms on a node's heap) and
+    the kernel's unmapping of what is handed back (~8 ms after 8 sessions of the
+    bundled model ended), so a node calls it when it has nothing else to do."""
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)

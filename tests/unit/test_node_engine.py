@@ -62,9 +62,9 @@ def test_steps_match_the_in_process_chain(engine: NodeEngine, tiny: LocalModel) 
 def test_an_idle_node_hands_back_what_ended_sessions_freed(
     engine: NodeEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An ended session's KV (blocks under the 1 MB glibc maps on their own) stays
-    resident until the heap is trimmed: the loop trims once, as it next waits for work,
-    and not while steps run or when nothing was freed."""
+    """An ended session's KV (heap blocks under memory.KEEP_UNDER) stays resident until
+    the heap is trimmed: the loop trims once, as it next waits for work, and not while
+    steps run (a step's freed buffers serve the next step) or when nothing was freed."""
     trims: list[float] = []
     monkeypatch.setattr("meshnet.node.engine.trim", lambda: trims.append(time.monotonic()))
     engine.sessions.open("s", 1).result(5)

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from meshnet.backends.shard import load_shard
 from meshnet.errors import MeshnetError, Overloaded, RequestError
-from meshnet.memory import settle
+from meshnet.memory import trim
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.spec import read_spec
 from meshnet.model_source.reference import is_reference
@@ -132,7 +132,7 @@ class Configurator:
         except MemoryError:
             raise RequestError(f"not enough memory to load {change.layers}") from None
         del f  # the header's values go (a large vocabulary is tens of MB of strings)
-        settle()  # and the memory they held goes back to the system
+        trim()  # and the memory they held goes back to the system
         ended = self._drained(self._engine.tiers.swap(shard))
         if self._models is not None:
             self._models.serving(fetched)  # what the node served before is dropped

@@ -18,6 +18,7 @@ from typing import Any
 from meshnet.backends.shard import Shard, load_shard_file
 from meshnet.errors import CacheMiss, MeshnetError, Overloaded
 from meshnet.layer_range import LayerRange
+from meshnet.memory import trim
 from meshnet.node.context import check_context_budget
 from meshnet.node.engine_held import HeldKV
 from meshnet.node.engine_inbox import Inbox, settle
@@ -200,12 +201,14 @@ class Tiers:
     def _swap_in_collected(self, shard: Shard | None) -> int:
         """``_swap_in`` with the collector told: what the node held for its life is out
         of its reach (node/main.py freezes it), so the old shard's cycles are collected
-        once, here, and the new shard is put out of reach in turn."""
+        once, here, and the new shard is put out of reach in turn. What the old shard
+        and the dropped KV held in the heap then goes back to the system (memory.py)."""
         gc.unfreeze()
         park = shard is not None and _same_shard(self._shard, shard)
         ended = self._swap_in(shard, park=park)
         gc.collect()
         gc.freeze()
+        trim()
         return ended
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
 import logging
 import os
@@ -20,7 +18,7 @@ import grpc
 from meshnet.auth.grpc_auth import NodeGate
 from meshnet.backends.kernel_threads import set_threads
 from meshnet.errors import KVBudgetExhausted, MeshnetError
-from meshnet.memory import in_child
+from meshnet.memory import in_child, settle
 from meshnet.model.bundled import bundled_model_path
 from meshnet.model_source.config import source_config
 from meshnet.model_source.reference import is_reference
@@ -42,26 +40,6 @@ log = logging.getLogger(__name__)
 
 
 _MAX_RELAY_CONNECTIONS = 8  # previous hops relaying over TCP at once (a thread each)
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_M_ARENA_MAX = -8
-
-
-def _reuse_large_buffers() -> None:
-    """Keep freed KV-sized buffers (tens of MB: exports, imports, parked reads) for reuse.
-
-    glibc maps such buffers fresh from the kernel each time and returns them on
-    free, so every KV move page-faults its buffers in again, which costs more
-    than the move itself. Serving them from the one main heap (a thread's own
-    arena cannot hold more than 64 MiB) and not trimming it makes the second
-    and later moves run at memory speed. Call before any thread starts.
-    Elsewhere than glibc: a no-op.
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_ARENA_MAX, 1)
-        libc.mallopt(_M_MMAP_THRESHOLD, 512 << 20)
-        libc.mallopt(_M_TRIM_THRESHOLD, 2 << 30)
 
 
 def available_cores() -> int:
@@ -151,7 +129,7 @@ def serve(cfg: NodeConfig) -> int:
     setup failed, see ``meshnet.node.preflight``)."""
     if not preflight(cfg):
         return 2
-    _reuse_large_buffers()
+    settle()  # the allocator's policy (memory.py), before any thread starts
     threads = _start_threads(cfg.threads)
     metrics = NodeMetrics(cfg.node_id)
     engine = NodeEngine(cfg.engine, on_forward=metrics.forward)
