@@ -258,10 +258,14 @@ Q8_INLINE void FN(ktile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
             const uint8_t *p = group[v] + sb * gb;
             /* a lone token's one stream is left to the hardware's prefetch: fetching each
              * next super-block ahead held AVX2's 128256x2048 Q6_K head out of cache, one
-             * thread, to ~20 GB/s where it runs ~29 without (AVX-512 never fetched) */
+             * thread, to ~20 GB/s where it runs ~29 without (AVX-512 never fetched).
+             * Q5_K's, the slowest per byte, two super-blocks ahead: with its scales
+             * packed, one ahead ran AVX-512's batches of 2 and 4 tokens from memory
+             * ~1.2x slower, three ahead no faster (bench/q8_kernel.py, stream) */
             if (TT >= 2)
                 for (Py_ssize_t line = 0; line < gb; line += 64)
-                    _mm_prefetch((const char *)p + gb + line, _MM_HINT_T0);
+                    _mm_prefetch((const char *)p + (type == Q5_K ? 2 : 1) * gb + line,
+                                 _MM_HINT_T0);
             IVEC sumi[KTILE_MAX], fp[8];
             if (type != Q6_K && (v == 0 || group[v] != group[v - 1]))
                 KSCALES(p + K_SC, unpacked);
