@@ -27,6 +27,7 @@ setup(
             depends=[
                 "src/meshnet/backends/native/native.h",
                 "src/meshnet/backends/native/isa.h",
+                "src/meshnet/backends/native/kscales.h",
                 "src/meshnet/backends/native/matmul_tile.h",
                 "src/meshnet/backends/native/q8_tile.h",
                 "src/meshnet/backends/native/q8_avx2.h",

@@ -1,6 +1,7 @@
 """The q8 backend's matmul at a few tokens (a decode step's, one row per stream), one thread.
 
-    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/q8_kernel.py [--against OLD.so] [--tokens 1,8]
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/q8_kernel.py [--against OLD.so \
+        [--against-layouts OLD/quant_layouts.py]] [--tokens 1,8]
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/q8_kernel.py --types Q4_1,Q8_0 \
         --shapes smollm2 --tokens 1,2,4,8 --isa avx2 --settings hot
 
@@ -20,7 +21,11 @@ Printed per row: GB/s of the weights read per call; that rate against the Q6_K
 kernel's on the same shape and setting, and against a read-bandwidth probe of the
 same bytes (numpy's sum over uint64 words of a buffer as large as the matrix, or the
 pool, as benchmark/bandwidth.py reads); with ``--against``, the rate of another build
-of the native extension (the old kernels) in the same run, and new / old.
+of the native extension (the old kernels) in the same run, and new / old. Where the
+change was to a layout, ``--against-layouts`` names the old tree's ``quant_layouts.py``
+(copied aside with the old ``.so``): the old build then multiplies the same blocks
+packed its way. Every build's rate is over this tree's layout's bytes, so new / old is
+the ratio of calls per second.
 
 The machine is shared: every figure is CPU time (time.process_time, one thread, so
 other processes' load does not count) over calls of about ``--sample-ms`` each, the
@@ -40,8 +45,8 @@ from types import ModuleType
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from meshnet.backends import quant
-from meshnet.benchmark.native_build import load_build
+from meshnet.backends import quant, quant_layouts
+from meshnet.benchmark.native_build import load_build, load_layouts
 from meshnet.memory import on_huge_pages
 
 SHAPES = ((512, 1024), (1024, 512), (2048, 768), (4096, 4096))
@@ -101,6 +106,35 @@ def matmul_fn(
 
 
 @dataclass(frozen=True)
+class Build:
+    """A build of the native extension and the ``quant_layouts`` that packs its matrices."""
+
+    native: ModuleType
+    layouts: ModuleType
+
+
+def packed_for(build: Build, raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> np.ndarray:
+    """The blocks ``raw`` in ``build``'s q8 layout of ``qtype``, as ``quant.from_blocks``
+    holds a matrix (random_blocks never writes the -128 that keeps Q8_0 from it)."""
+    packed = build.layouts.pack(raw, qtype, *shape)
+    q8 = build.layouts.q8_layout(packed, qtype)
+    if q8 is None:
+        raise SystemExit(f"{qtype.name}: no q8 layout")
+    return page_aligned(q8)
+
+
+def page_aligned(a: np.ndarray, page: int = 4096) -> np.ndarray:
+    """A copy of the bytes ``a`` starting on a page: numpy places a buffer at 16 bytes
+    past one, and two builds' matrices at different offsets within their cache lines
+    timed the same Q6_K kernel, hot, 0.8-1.2x apart."""
+    buf = np.empty(a.nbytes + page, np.uint8)
+    start = -buf.ctypes.data % page
+    out = buf[start : start + a.nbytes]
+    out[:] = a.reshape(-1).view(np.uint8)
+    return out
+
+
+@dataclass(frozen=True)
 class Plan:
     """What each (type, shape, tokens) runs: the vector widths, settings and sampling."""
 
@@ -111,14 +145,8 @@ class Plan:
     sample_ms: float
 
 
-def measure(
-    builds: dict[str, ModuleType], qtype: QT, shape: tuple[int, int], tokens: int, plan: Plan
-) -> dict[tuple[str, bool, str], float]:
-    """GB/s per (build, wide, setting), and the probe's per setting ("probe", False, s)."""
-    w = quant.from_blocks(
-        random_blocks(qtype, *shape, np.random.default_rng(0)), qtype, shape, q8=True
-    )
-    packed = quant.native_args(w)[0]
+def pools_of(packed: np.ndarray, plan: Plan) -> dict[str, list[np.ndarray]]:
+    """Per setting, the copies of a matrix its calls cycle through."""
     pools = {"hot": [packed]}
     if "stream" in plan.settings:
         copies = max(1, (plan.pool_mb << 20) // packed.nbytes)
@@ -129,12 +157,24 @@ def measure(
         pools["stream"] = [
             pool[i * size : (i + 1) * size].reshape(packed.shape) for i in range(copies)
         ]
+    return pools
+
+
+def measure(
+    builds: dict[str, Build], qtype: QT, shape: tuple[int, int], tokens: int, plan: Plan
+) -> dict[tuple[str, bool, str], float]:
+    """GB/s per (build, wide, setting), and the probe's per setting ("probe", False, s)."""
+    raw = random_blocks(qtype, *shape, np.random.default_rng(0))
+    w = quant.from_blocks(raw, qtype, shape, q8=True)
+    packed = quant.native_args(w)[0]
+    pools = {name: pools_of(packed_for(b, raw, qtype, shape), plan) for name, b in builds.items()}
     fns: dict[tuple[str, bool, str], Callable[[int], object]] = {}
     for setting in plan.settings:
-        mats = pools[setting]
         for name, build in builds.items():
             for wide in plan.widths:
-                fns[(name, wide, setting)] = matmul_fn(build, mats, w, wide, tokens)
+                mats = pools[name][setting]
+                fns[(name, wide, setting)] = matmul_fn(build.native, mats, w, wide, tokens)
+        mats = pools["new"][setting]
         words = np.ones(packed.nbytes * len(mats) // 8, np.uint64)
         parts = np.array_split(words, len(mats))
         fns[("probe", False, setting)] = lambda i, parts=parts: parts[i % len(parts)].sum()
@@ -152,6 +192,9 @@ def measure(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--against", type=Path, help="another build of _native (.so) to compare")
+    p.add_argument(
+        "--against-layouts", type=Path, help="the quant_layouts.py that packs --against's matrices"
+    )
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--sample-ms", type=float, default=60.0, help="CPU time per sample")
     p.add_argument("--pool-mb", type=int, default=256, help="stream setting's bytes (past L3)")
@@ -165,9 +208,12 @@ def main() -> None:
     args = p.parse_args()
     if quant.NATIVE is None:
         raise SystemExit("the native extension is not built")
-    builds = {"new": quant.NATIVE}
+    builds = {"new": Build(quant.NATIVE, quant_layouts)}
     if args.against is not None:
-        builds["old"] = load_build(args.against)
+        old_layouts = quant_layouts
+        if args.against_layouts is not None:
+            old_layouts = load_layouts(args.against_layouts)
+        builds["old"] = Build(load_build(args.against), old_layouts)
     types = [QT[name] for name in args.types.split(",")]
     pairs = SMOLLM2 if args.shapes == "smollm2" else [s.split("x") for s in args.shapes.split(",")]
     shapes = [(int(r), int(c)) for r, c in pairs]

@@ -66,8 +66,8 @@ Q8_REGIONS = {
     QT.Q5_0: ((2 * GROUP_ROWS, 16),),
     QT.Q5_1: ((4 * GROUP_ROWS, 16),),
     QT.MXFP4: ((GROUP_ROWS, 16),),
-    QT.Q4_K: ((20 * GROUP_ROWS, 128),),
-    QT.Q5_K: ((20 * GROUP_ROWS, 32), (52 * GROUP_ROWS, 128)),
+    QT.Q4_K: ((16 * GROUP_ROWS, 128),),
+    QT.Q5_K: ((16 * GROUP_ROWS, 32), (48 * GROUP_ROWS, 128)),
     QT.Q6_K: ((18 * GROUP_ROWS, 192),),
 }
 _FIFTH_BITS = {QT.Q5_0: 18 * GROUP_ROWS, QT.Q5_1: 20 * GROUP_ROWS}
@@ -78,8 +78,8 @@ _GROUP_BYTES = {
     QT.Q5_0: 352,
     QT.Q5_1: 384,
     QT.MXFP4: 272,
-    QT.Q4_K: 2368,
-    QT.Q5_K: 2880,
+    QT.Q4_K: 2304,
+    QT.Q5_K: 2816,
     QT.Q6_K: 3360,
 }
 
@@ -162,10 +162,11 @@ def _pack_kquant(raw: np.ndarray, qtype: QT, rows: int, supers: int) -> np.ndarr
 
 
 def _pack_kquant_rows(raw: np.ndarray, qtype: QT, rows: int, supers: int, size: int) -> np.ndarray:
-    """Q4_K/Q5_K: d, dmin, the 6-bit scales and mins a byte each, (Q5_K) the fifth bits,
-    the nibbles; Q6_K: d, the int8 scales, then per sub-block its nibbles and high bits.
-    The quants are regrouped so one byte column serves two (nibbles) or four (high bits)
-    columns of the same sub-block, as native.h describes."""
+    """Q4_K/Q5_K: d, dmin, the 12 bytes of 6-bit scales and mins as the file packs them
+    (the kernels unpack them, native/kscales.h), (Q5_K) the fifth bits, the nibbles;
+    Q6_K: d, the int8 scales, then per sub-block its nibbles and high bits. The quants
+    are regrouped so one byte column serves two (nibbles) or four (high bits) columns of
+    the same sub-block, as native.h describes."""
     by = _by_group(raw, rows, supers, size)
     if qtype == QT.Q6_K:
         q = _q6_values(by)  # [g, u, 16, 256], 0..63
@@ -179,9 +180,7 @@ def _pack_kquant_rows(raw: np.ndarray, qtype: QT, rows: int, supers: int, size: 
         per_sub = np.concatenate([nibbles, quads], axis=-1)  # [g, u, row, 16, 12]
         parts.append(_columns(per_sub.reshape(*by.shape[:3], -1)))
         return np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(-1)
-    scales, mins = _scales_mins(by[..., 4:16])
-    parts = [_rows_of(by[..., 0:2]), _rows_of(by[..., 2:4]), _columns(scales)]
-    parts.append(_columns(mins))
+    parts = [_rows_of(by[..., 0:2]), _rows_of(by[..., 2:4]), _columns(by[..., 4:16])]
     nib = by[..., -128:].reshape(*by.shape[:3], 4, 1, 32)
     q = ((nib >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15).reshape(*by.shape[:3], 8, 32)
     if qtype == QT.Q5_K:
@@ -206,13 +205,3 @@ def _q6_values(by: np.ndarray) -> np.ndarray:
     qh = by[..., 128:192].reshape(*lead, 2, 1, 32)
     high = ((qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3).reshape(*lead, 2, 128)
     return (low | (high << 4)).reshape(*lead, 256)
-
-
-def _scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins [..., 12] as [..., 8] bytes each:
-    sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 in the
-    nibbles of bytes 8-11, their top two bits in the top bits of bytes 0-3 and 4-7."""
-    d, m, md = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    scales = np.concatenate([d & 63, (md & 15) | ((d >> 2) & 48)], axis=-1)
-    mins = np.concatenate([m & 63, (md >> 4) | ((m >> 2) & 48)], axis=-1)
-    return scales.astype(np.uint8), mins.astype(np.uint8)

@@ -1,6 +1,8 @@
 """Another build of the native extension, loaded beside this tree's: the kernel
 benchmarks (``bench/q8_kernel.py``, ``bench/long_prefill.py``) take turns between the
-build before a change and the one after it in one run."""
+build before a change and the one after it in one run. Where the change is to a
+matrix layout, the old build multiplies matrices packed by the old tree's
+``quant_layouts.py`` (``load_layouts``), never this tree's."""
 
 from __future__ import annotations
 
@@ -14,6 +16,17 @@ def load_build(path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location("meshnet.backends._native", path)
     if spec is None or spec.loader is None:
         raise SystemExit(f"{path}: not an extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_layouts(path: Path) -> ModuleType:
+    """The ``quant_layouts`` module at ``path`` (copied aside with the old build's ``.so``):
+    its ``pack`` and ``q8_layout`` make the matrices that build reads."""
+    spec = importlib.util.spec_from_file_location("meshnet_other_quant_layouts", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"{path}: not a Python module")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -7,6 +7,7 @@
  */
 #include <string.h>
 
+#include "kscales.h"
 #include "native.h"
 
 /* GGUF bytes of a row of a row-wise type. */
@@ -170,8 +171,8 @@ static void kquant_block(int type, const uint8_t *p, int lane, int q8, float *ou
             const int m = i / 4 + 4 * (c / 16); /* the bit of byte i % 4 */
             q |= ((qbyte(p + K_QH5, k * 4 + i % 4, lane, q8) >> m) & 1) << 4;
         }
-        const float dl = d * (float)p[K_SC + k * GROUP_ROWS + lane];
-        const float ml = dmin * (float)p[K_MIN + k * GROUP_ROWS + lane];
+        const float dl = d * (float)kscale_of(p + K_SC, lane, k, 0);
+        const float ml = dmin * (float)kscale_of(p + K_SC, lane, k, 1);
         out[n] = dl * (float)q - ml;
     }
 }

@@ -22,6 +22,7 @@
 
 #include "fp4.h"
 #include "isa.h"
+#include "kscales.h"
 #include "native.h"
 
 typedef struct {
@@ -106,6 +107,7 @@ static inline void transpose8(const float *src, Py_ssize_t src_stride, float *ds
 #define FP4_COLUMN(p, lo, hi) fp4_column8(p, &(lo), &(hi))
 #define FP4_SCALES(p) fp4_scales8(U8(p))
 #define UNPACK_MIN_T AVX2_UNPACK_MIN_T
+#define KSCALES kscales_unpack_avx2
 #include "matmul_tile.h"
 
 /* AVX-512: sixteen rows per vector (a whole group), 32 registers: batches take tiles
@@ -140,6 +142,7 @@ static inline void transpose8(const float *src, Py_ssize_t src_stride, float *ds
 #define FP4_COLUMN(p, lo, hi) fp4_column16(p, &(lo), &(hi))
 #define FP4_SCALES(p) fp4_scales16(U8(p))
 #define UNPACK_MIN_T 0 /* its in-register tiles of 12 tokens unpack little per FMA */
+#define KSCALES kscales_unpack_avx512
 #include "matmul_tile.h"
 
 /* Per token, the sums of x over each piece of ``width`` columns, in order (the offsets

@@ -168,6 +168,12 @@ static inline __attribute__((always_inline)) TARGET void FN(ktile)(const job_t *
     VEC acc[4][TILE_MAX];
     for (int v = 0; v < RV; v++)
         for (int t = 0; t < TT; t++) acc[v][t] = ZERO();
+    /* Q4_K, Q5_K: each group's scales and mins of the super-block (kscales.h), unpacked
+     * once for its row vectors */
+    uint8_t unpacked[4][2 * KSCALES_MINS] __attribute__((aligned(64)));
+    const uint8_t *scales[4];
+    for (int v = 0; v < RV; v++)
+        scales[v] = v > 0 && group[v] == group[v - 1] ? scales[v - 1] : unpacked[v];
     for (Py_ssize_t sb = 0; sb < supers; sb++) {
         const float *xs = j->x + t0 * cols + sb * QK_K;
         const uint8_t *p[4];
@@ -216,6 +222,8 @@ static inline __attribute__((always_inline)) TARGET void FN(ktile)(const job_t *
             continue;
         }
         const Py_ssize_t qs = type == Q5_K ? K_QS5 : K_QS4;
+        for (int v = 0; v < RV; v++)
+            if (scales[v] == unpacked[v]) KSCALES(group[v] + sb * gb + K_SC, unpacked[v]);
         for (int k = 0; k < QK_K / QK; k++) {
             const float *xk = xs + QK * k;
             VEC s[4][TILE_MAX];
@@ -240,10 +248,10 @@ static inline __attribute__((always_inline)) TARGET void FN(ktile)(const job_t *
                 }
             }
             for (int v = 0; v < RV; v++) {
-                const VEC dl = MUL(HALVES(p[v] - lane[v] + K_D + 2 * lane[v]),
-                                   CVT(U8(p[v] + K_SC + k * GROUP_ROWS)));
+                const uint8_t *sc = scales[v] + k * GROUP_ROWS + lane[v];
+                const VEC dl = MUL(HALVES(p[v] - lane[v] + K_D + 2 * lane[v]), CVT(U8(sc)));
                 const VEC ml = MUL(HALVES(p[v] - lane[v] + K_DMIN + 2 * lane[v]),
-                                   CVT(U8(p[v] + K_MIN + k * GROUP_ROWS)));
+                                   CVT(U8(sc + KSCALES_MINS)));
                 for (int t = 0; t < TT; t++) {
                     acc[v][t] = FMA(dl, s[v][t], acc[v][t]);
                     const VEC sx = SET1(j->sx[(t0 + t) * nb + sb * (QK_K / QK) + k]);
@@ -605,4 +613,5 @@ static TARGET void FN(rows)(const job_t *j, Py_ssize_t v0, Py_ssize_t v1, float 
 #undef OR_AND
 #undef FP4_COLUMN
 #undef FP4_SCALES
+#undef KSCALES
 #undef UNPACK_MIN_T

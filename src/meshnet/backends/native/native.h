@@ -47,11 +47,12 @@ enum {
  *   MXFP4: per group and block, the 16 rows' E8M0 exponents e (a byte each), then 16
  *     byte columns of 4-bit codes as Q4_0's. w = kvalues[q] 2^(e - 128), kvalues the
  *     E2M1 values doubled (0, 1, 2, 3, 4, 6, 8, 12, then the same negated), as llama.cpp.
- *   Q4_K, Q5_K: per group and super-block, the rows' float16 d, float16 dmin, the 8
- *     sub-block scales (6-bit, a byte each: 8 columns of 16 rows), the 8 mins likewise,
- *     Q5_K's fifth bits (per sub-block 4 byte columns: bit m of byte b is column b + 4 m),
- *     then the nibbles (per sub-block 16 byte columns: byte i holds columns i, low
- *     nibble, and 16 + i, as Q4_0's). w = (d sc) q - dmin m.
+ *   Q4_K, Q5_K: per group and super-block, the rows' float16 d, float16 dmin, the 6-bit
+ *     sub-block scales and mins as the file packs them (12 byte columns of 16 rows: 16
+ *     rows x 12 bytes, unpacked per super-block by kscales.h), Q5_K's fifth bits (per
+ *     sub-block 4 byte columns: bit m of byte b is column b + 4 m), then the nibbles (per
+ *     sub-block 16 byte columns: byte i holds columns i, low nibble, and 16 + i, as
+ *     Q4_0's). w = (d sc) q - dmin m.
  *   Q6_K: per group and super-block, the rows' float16 d, the 16 int8 scales of the
  *     sub-blocks of 16 (16 columns of 16 rows), then per sub-block its low nibbles (8
  *     byte columns: byte i holds columns i and 8 + i) and its top two bits (4 byte
@@ -66,9 +67,8 @@ enum {
 enum {
     K_D = 0,                                         /* 16 float16 */
     K_DMIN = 2 * GROUP_ROWS,                         /* 16 float16 (Q4_K, Q5_K) */
-    K_SC = 4 * GROUP_ROWS,                           /* 8 x 16 bytes */
-    K_MIN = K_SC + 8 * GROUP_ROWS,                   /* 8 x 16 bytes */
-    K_QH5 = K_MIN + 8 * GROUP_ROWS,                  /* Q5_K: 32 x 16 bytes */
+    K_SC = 4 * GROUP_ROWS,                           /* 12 x 16 bytes: scales, mins */
+    K_QH5 = K_SC + 12 * GROUP_ROWS,                  /* Q5_K: 32 x 16 bytes */
     K_QS4 = K_QH5,                                   /* Q4_K: 128 x 16 bytes */
     K_QS5 = K_QH5 + 32 * GROUP_ROWS,                 /* Q5_K: 128 x 16 bytes */
     K6_SC = 2 * GROUP_ROWS,                          /* Q6_K: 16 x 16 int8 */
@@ -83,8 +83,8 @@ static const Py_ssize_t GROUP_BYTES[TYPE_COUNT] = {
     2 * GROUP_ROWS + 16 * GROUP_ROWS,  /* Q4_0: d, 16 byte columns */
     4 * GROUP_ROWS + 16 * GROUP_ROWS,  /* Q4_1: d, m, 16 byte columns */
     2 * GROUP_ROWS + 32 * GROUP_ROWS,  /* Q8_0: d, 32 byte columns */
-    K_QS4 + 128 * GROUP_ROWS,          /* Q4_K: 2368 = 16 rows x 144 + 64 */
-    K_QS5 + 128 * GROUP_ROWS,          /* Q5_K: 2880 = 16 rows x 176 + 64 */
+    K_QS4 + 128 * GROUP_ROWS,          /* Q4_K: 2304 = 16 rows x 144 */
+    K_QS5 + 128 * GROUP_ROWS,          /* Q5_K: 2816 = 16 rows x 176 */
     K6_SUB + 16 * K6_SUB_BYTES,        /* Q6_K: 3360 = 16 rows x 210 */
     0, 0,                              /* Q2_K, Q3_K: row-wise */
     2 * GROUP_ROWS + 20 * GROUP_ROWS,  /* Q5_0: d, 16 nibble and 4 fifth-bit columns */

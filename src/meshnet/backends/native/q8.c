@@ -18,6 +18,7 @@
 
 #include "fp4.h"
 #include "isa.h"
+#include "kscales.h"
 #include "native.h"
 #include "q8_quantize.h"
 #include "split.h"
@@ -92,6 +93,7 @@ typedef struct {
 #define LUT16 _mm256_shuffle_epi8
 #define FP4_BIASED fp4_biased8()
 #define FP4_SCALES(p) fp4_scales8(U8(p))
+#define KSCALES kscales_unpack_avx2
 #include "q8_tile.h"
 
 /* AVX-512 with VNNI: sixteen rows per vector, vpdpbusd sums four 8-bit products into each
@@ -139,6 +141,7 @@ typedef struct {
 #define LUT16 _mm512_shuffle_epi8
 #define FP4_BIASED fp4_biased16()
 #define FP4_SCALES(p) fp4_scales16(U8(p))
+#define KSCALES kscales_unpack_avx512
 #include "q8_tile.h"
 
 static int cpu_has_vnni(void) { return __builtin_cpu_supports("avx512vnni"); }

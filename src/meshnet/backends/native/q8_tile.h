@@ -141,10 +141,11 @@ Q8_INLINE void FN(btile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
     }
 }
 
-/* Q4_K, Q5_K: super-blocks of 8 sub-blocks of 32. */
-Q8_INLINE void FN(q4k_super)(const int type, const uint8_t *p, const int lane,
-                             const int8_t *xs, const Py_ssize_t cols, IVEC sumi[KTILE_MAX],
-                             const int TT) {
+/* Q4_K, Q5_K: super-blocks of 8 sub-blocks of 32; ``scales`` their 8 scales' byte
+ * columns, unpacked (kscales.h). */
+Q8_INLINE void FN(q4k_super)(const int type, const uint8_t *p, const uint8_t *scales,
+                             const int lane, const int8_t *xs, const Py_ssize_t cols,
+                             IVEC sumi[KTILE_MAX], const int TT) {
     const int five = type == Q5_K;
     const Py_ssize_t qs = five ? K_QS5 : K_QS4;
 #if DOTS_BIAS
@@ -177,7 +178,7 @@ Q8_INLINE void FN(q4k_super)(const int type, const uint8_t *p, const int lane,
                 else part[t] = DOTU(part[t], hi, BX(xk + 16 + 4 * q));
             }
         }
-        const IVEC sc = U8(p + K_SC + k * GROUP_ROWS + lane);
+        const IVEC sc = U8(scales + k * GROUP_ROWS + lane);
         for (int t = 0; t < TT; t++) {
             if (in_place) sumi[t] = ADDI(sumi[t], PSCALE(ADDI(SLLI32(part[t], 4), part5[t]), sc));
             else if (!five) sumi[t] = ADDI(sumi[t], PSCALE(part[t], sc));
@@ -233,7 +234,8 @@ Q8_INLINE IVEC FN(field_pair)(const uint8_t *f, const int lane, const int k, con
     return ORI(SRLI32(SLLI32(a, 16), 16), SLLI32(b, 16)); /* low half a, high half b */
 }
 
-/* The K-quants (Q4_K, Q6_K). */
+/* The K-quants (Q4_K, Q5_K, Q6_K). Q4_K's and Q5_K's scales and mins are unpacked once
+ * per super-block and group (two AVX2 row vectors of one group share them). */
 Q8_INLINE void FN(ktile)(const q8job_t *j, const int type, const Py_ssize_t v0, const int RV,
                          const Py_ssize_t t0, const int TT) {
     const qmat_t *w = j->w;
@@ -249,20 +251,27 @@ Q8_INLINE void FN(ktile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
     VEC acc[4][KTILE_MAX];
     for (int v = 0; v < RV; v++)
         for (int t = 0; t < TT; t++) acc[v][t] = ZERO();
+    uint8_t unpacked[2 * KSCALES_MINS] __attribute__((aligned(64)));
     for (Py_ssize_t sb = 0; sb < supers; sb++) {
         const int8_t *xs = j->xq + t0 * cols + sb * QK_K;
         for (int v = 0; v < RV; v++) {
             const uint8_t *p = group[v] + sb * gb;
             /* a lone token's one stream is left to the hardware's prefetch: fetching each
              * next super-block ahead held AVX2's 128256x2048 Q6_K head out of cache, one
-             * thread, to ~20 GB/s where it runs ~29 without (AVX-512 never fetched) */
+             * thread, to ~20 GB/s where it runs ~29 without (AVX-512 never fetched).
+             * Q5_K's, the slowest per byte, two super-blocks ahead: with its scales
+             * packed, one ahead ran AVX-512's batches of 2 and 4 tokens from memory
+             * ~1.2x slower, three ahead no faster (bench/q8_kernel.py, stream) */
             if (TT >= 2)
                 for (Py_ssize_t line = 0; line < gb; line += 64)
-                    _mm_prefetch((const char *)p + gb + line, _MM_HINT_T0);
+                    _mm_prefetch((const char *)p + (type == Q5_K ? 2 : 1) * gb + line,
+                                 _MM_HINT_T0);
             IVEC sumi[KTILE_MAX], fp[8];
+            if (type != Q6_K && (v == 0 || group[v] != group[v - 1]))
+                KSCALES(p + K_SC, unpacked);
             if (type == Q6_K) FN(q6k_super)(p, lane[v], xs, cols, sumi, TT);
-            else FN(q4k_super)(type, p, lane[v], xs, cols, sumi, TT);
-            const uint8_t *fields = p + (type == Q6_K ? K6_SC : K_MIN);
+            else FN(q4k_super)(type, p, unpacked, lane[v], xs, cols, sumi, TT);
+            const uint8_t *fields = type == Q6_K ? p + K6_SC : unpacked + KSCALES_MINS;
             for (int i = 0; i < npairs; i++) fp[i] = FN(field_pair)(fields, lane[v], 2 * i, type == Q6_K);
             const VEC d = HALVES(p + K_D + 2 * lane[v]);
             for (int t = 0; t < TT; t++) {
@@ -427,3 +436,4 @@ static TARGET void FN(q8rows)(const q8job_t *j, Py_ssize_t v0, Py_ssize_t v1) {
 #undef LUT16
 #undef FP4_BIASED
 #undef FP4_SCALES
+#undef KSCALES
