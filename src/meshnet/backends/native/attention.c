@@ -53,11 +53,8 @@ static inline float dot(const float *q, const float *k, int hd) {
  * prefetch alone left a decode step's attention at a third of the read bandwidth: while
  * the scores of keys j .. j + 3 are computed, the keys AHEAD_BYTES on and the values of
  * rows j .. j + 3 (read after the scores, in column blocks) are fetched. ``fetch`` is the
- * tile's values, or NULL: only where the threads share one unit's tiles (by_tiles), whose
- * jumps from tile to tile lose the hardware's streams. A unit that runs through its tiles
- * in order (by_units: Llama 3.2 1B's 8 KV heads, a row each) keeps them, and fetching
- * there measured no faster. One Gemma 3 270M global layer at 16k positions, 2 threads,
- * from memory: 2.39 -> 1.92 ms (bench/deep_decode.py). */
+ * tile's values, or NULL (a tile read before, from cache). One Gemma 3 270M global layer
+ * at 16k positions, 2 threads, from memory: 2.39 -> 1.92 ms (bench/deep_decode.py). */
 #ifndef AHEAD_BYTES
 #define AHEAD_BYTES 8192
 #endif
@@ -380,6 +377,20 @@ static inline void in_tile(const heads_t *sh, const seq_t *s, Py_ssize_t i, Py_s
     *b = (t + 1) * TILE < hi ? (t + 1) * TILE : hi;
 }
 
+/* The keys of row r of unit u in tile t, and (*n) how many lie in a row from there (to a
+ * ring's end); NULL and 0 where the row sees nothing of the tile. */
+static const float *tile_keys(const heads_t *sh, const unit_t *u, Py_ssize_t r, Py_ssize_t t,
+                              int *n) {
+    const seq_t *s = u->s;
+    Py_ssize_t a, b;
+    in_tile(sh, s, u->i0 + r, t, &a, &b);
+    *n = 0;
+    if (a >= b) return NULL;
+    const Py_ssize_t at = slot(s, a);
+    *n = (int)(s->ring > 0 && at + (b - a) > s->ring ? s->ring - at : b - a);
+    return s->keys + ((Py_ssize_t)u->kv * s->capacity + at) * sh->hd;
+}
+
 /* The partials of every pair of unit u in tile t, into parts[(r * g + head) * (hd + 2)]
  * (a pair that sees nothing of the tile is skipped); a row's query heads four at a time,
  * so each key and value of the tile is read once for them. The keys of tile t + stride
@@ -391,17 +402,11 @@ static void tile_parts(const heads_t *sh, const float *qs, const unit_t *u, Py_s
     const float *keys = s->keys + (Py_ssize_t)u->kv * s->capacity * hd;
     const float *values = s->values + (Py_ssize_t)u->kv * s->capacity * hd;
     for (Py_ssize_t r = 0; r < u->rows; r++) {
-        Py_ssize_t a, b, na, nb;
+        Py_ssize_t a, b;
         in_tile(sh, s, u->i0 + r, t, &a, &b);
         if (a >= b) continue;
-        const float *next = NULL; /* the keys of tile t + stride (up to a ring's end) */
         int next_n = 0;
-        in_tile(sh, s, u->i0 + r, t + stride, &na, &nb);
-        if (r == 0 && na < nb) {
-            next = keys + slot(s, na) * hd;
-            next_n = (int)(s->ring > 0 && slot(s, na) + (nb - na) > s->ring ? s->ring - slot(s, na)
-                                                                             : nb - na);
-        }
+        const float *next = r == 0 ? tile_keys(sh, u, r, t + stride, &next_n) : NULL;
         for (int x0 = 0; x0 < g; x0 += 4) {
             const int np = g - x0 < 4 ? g - x0 : 4;
             const float *q[4];
@@ -439,7 +444,10 @@ static void tile_fold_row(const heads_t *sh, const float *qs, const unit_t *u, P
             q[x] = qs + ((s->row + u->i0 + r) * sh->n_heads + u->kv * g + x0 + x) * hd;
             p[x] = part + x * (Py_ssize_t)(hd + 2);
         }
-        partials(sh, q, np, keys, values, (int)(b - a), 0, NULL, 0, p);
+        const int first = x0 == 0 && r == 0; /* the unit's first read of tile t: memory */
+        int next_n = 0;
+        const float *next = first ? tile_keys(sh, u, r, t + 1, &next_n) : NULL;
+        partials(sh, q, np, keys, values, (int)(b - a), first, next, next_n, p);
         for (int x = 0; x < np; x++)
             fold(states + (r * g + x0 + x) * (Py_ssize_t)(hd + 2), p[x], hd);
     }
