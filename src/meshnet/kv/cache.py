@@ -157,8 +157,9 @@ class SequenceKV:
             self._kept_from = max(self._kept_from, self.length + n_new - ring)
 
     def _grown(self, layer: int, old: np.ndarray, capacity: int) -> np.ndarray:
-        # np.zeros of a large block is fresh zero pages: only the positions copied (and
-        # later written) become resident, whatever the capacity.
+        # np.zeros from 8 MB up is fresh zero pages: only the positions copied (and later
+        # written) become resident; under it, a cleared heap block (memory.py's policy),
+        # resident to its capacity, an eighth past the positions at most.
         new = np.zeros((self.n_kv_heads, capacity, self.head_dim), self.dtype)
         if self._is_ring(layer):
             held = np.arange(self._kept_from, self.length)

@@ -17,8 +17,9 @@
 /*
  * Each calling thread's scratch for forward_block, kept between calls: a decode step
  * runs every block in turn, and a block's scratch freshly allocated each time came from
- * new pages whenever the allocator maps large blocks on their own (memory.settle does,
- * from 1 MB), ~12 ms a 32-row step of the bundled model. Scratch beyond SCRATCH_KEEP
+ * new pages whenever the allocator maps large blocks on their own (under memory.settle's
+ * policy from 8 MB; from 1 MB when this was measured), ~12 ms a 32-row step of the
+ * bundled model. Scratch beyond SCRATCH_KEEP
  * bytes (a long prompt chunk's) is released after its call, or with ``keep`` once the
  * forward's last block has run (release_scratch): released after every block, a
  * 100-token prompt of a 1B model faulted its 10 MB in again 16 times, ~15% of the
