@@ -13,20 +13,19 @@ from types import ModuleType
 
 def load_build(path: Path) -> ModuleType:
     """The extension module built at ``path`` (a ``.so`` copied aside before a rebuild)."""
-    spec = importlib.util.spec_from_file_location("meshnet.backends._native", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"{path}: not an extension module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load("meshnet.backends._native", path, "not an extension module")
 
 
 def load_layouts(path: Path) -> ModuleType:
     """The ``quant_layouts`` module at ``path`` (copied aside with the old build's ``.so``):
     its ``pack`` and ``q8_layout`` make the matrices that build reads."""
-    spec = importlib.util.spec_from_file_location("meshnet_other_quant_layouts", path)
+    return _load("meshnet_other_quant_layouts", path, "not a Python module")
+
+
+def _load(name: str, path: Path, not_one: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise SystemExit(f"{path}: not a Python module")
+        raise SystemExit(f"{path}: {not_one}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
