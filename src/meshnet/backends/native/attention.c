@@ -71,12 +71,14 @@ static inline __attribute__((always_inline)) void fetch_ahead(const float *kj,
 
 /* The scores read a tile's keys and values from memory; the weighing then runs from
  * cache, and memory would idle. So while a tile's values are weighed, the keys of the
- * tile this thread likely takes next (``threads`` on: the threads take tiles in turn) are
- * fetched to L2, AHEAD_LINES lines per value row weighed (a whole tile of 64 keys of 256
- * over the AVX-512 weighing's 256 rows). With the values fetched to L2 rather than L1,
- * one Gemma 3 270M global layer, 2 threads, from memory (bench/deep_decode.py): 4k
- * 1.20x, 16k 1.32x, 32k 1.24x faster; either change alone measured ~1.0x. ``at`` to
- * ``end``: what is left to fetch (none: at == end). */
+ * tile this thread likely takes next are fetched to L2 (by_tiles: ``threads`` tiles on,
+ * as the threads take tiles in turn; by_units: the next one), AHEAD_LINES lines per
+ * value row weighed (a whole tile of 64 keys of 256 over the AVX-512 weighing's 256
+ * rows). With the values fetched to L2 rather than L1, one global layer, 2 threads, from
+ * memory (bench/deep_decode.py), at 4k, 16k, 32k positions: Gemma 3 270M 1.38x, 1.31x,
+ * 1.21x; Llama 3.2 1B 1.31x, 1.32x, 1.74x. Either change alone measured ~1.0x, and
+ * giving each thread contiguous runs of tiles 0.8x. ``at`` to ``end``: what is left to
+ * fetch (none: at == end). */
 typedef struct {
     const char *at, *end;
 } ahead_t;
