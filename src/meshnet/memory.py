@@ -23,7 +23,7 @@ threads; every process as it loads a shard), that tells two kinds of freed memor
   a swapped-out shard (node/engine_tiers.py), an ended or parked session's KV (the
   node's loop, as it next waits for work: node/engine.py). So a node's resident set
   follows what it holds (tests/integration/test_shard_memory.py,
-  tests/e2e/test_node_memory.py) while a decode step reuses its buffers.
+  tests/e2e/test_node_memory_after_sessions.py) while a decode step reuses its buffers.
 
 A KV cache's ``np.zeros`` under 8 MB is a reused heap block, cleared, so resident to
 its capacity (an eighth past its positions at most): what its ``nbytes`` and the KV

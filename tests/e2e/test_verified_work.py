@@ -103,8 +103,9 @@ def test_a_node_given_new_layers_by_an_admin_is_calibrated_before_it_is_routed(
     """A node that skips a layer is honest on one layer (0:1, which alone is no route),
     so it calibrates up; an admin's T3 gives it 0:2: from the moment the configure is
     answered it is not routable, and it is quarantined, not routed on the new layers
-    until a heartbeat noticed them."""
-    args = ["--verify-rate", "1.0"]
+    until a heartbeat noticed them. The tracker's placement is off (``--replicas 0``): it
+    could give the node 0:2 itself before the admin does, and it would not calibrate up."""
+    args = ["--verify-rate", "1.0", "--replicas", "0"]
     mesh = mesh_factory("0:2,2:4", model=long_tiny, tracker_args=args)
     prefix = [sys.executable, LAUNCHER, "skip-layer", "0", "--"]
     mesh.start_node("cheater", LayerRange(0, 1), prefix=prefix)
