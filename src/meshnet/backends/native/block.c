@@ -11,6 +11,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "native.h"
 
@@ -24,23 +25,36 @@
  * forward's last block has run (release_scratch): released after every block, a
  * 100-token prompt of a 1B model faulted its 10 MB in again 16 times, ~15% of the
  * prefill. So a node keeps at most this much per thread between forwards; a thread's
- * scratch is freed when the thread ends.
+ * scratch is freed when the thread ends. Scratch beyond it is mapped on its own, not
+ * taken from the heap: under memory.settle's policy a block under 8 MB freed stays in
+ * the heap for the next step, so a 4-8 MB chunk's scratch freed after its forward
+ * stayed resident where it lay (tests/unit/test_block_scratch.py).
  */
 #define SCRATCH_KEEP ((size_t)4 << 20)
 
 typedef struct {
     void *buf;
     size_t size;
+    int mapped; /* buf is a mapping of its own (size > SCRATCH_KEEP), not a heap block */
 } scratch_t;
 
 static pthread_key_t scratch_key;
 static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
 static int scratch_key_ok;
 
+static void scratch_drop(scratch_t *s) {
+    if (s->mapped)
+        munmap(s->buf, s->size);
+    else
+        free(s->buf);
+    s->buf = NULL;
+    s->size = 0;
+    s->mapped = 0;
+}
+
 static void scratch_free(void *p) {
-    scratch_t *s = p;
-    free(s->buf);
-    free(s);
+    scratch_drop(p);
+    free(p);
 }
 
 static void scratch_init(void) { scratch_key_ok = pthread_key_create(&scratch_key, scratch_free) == 0; }
@@ -63,24 +77,23 @@ static scratch_t *scratch_of_thread(void) {
 /* At least ``bytes`` of 64-byte aligned scratch for this call (NULL when out of memory);
  * give it back with scratch_release. */
 static void *scratch_take(scratch_t *s, size_t bytes) {
-    if (s->size < bytes) {
-        free(s->buf);
-        s->size = 0;
-        if (posix_memalign(&s->buf, 64, bytes) != 0) {
-            s->buf = NULL;
-            return NULL;
-        }
-        s->size = bytes;
+    if (s->size >= bytes) return s->buf;
+    scratch_drop(s);
+    if (bytes > SCRATCH_KEEP) {
+        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) return NULL;
+        s->buf = p;
+        s->mapped = 1;
+    } else if (posix_memalign(&s->buf, 64, bytes) != 0) {
+        s->buf = NULL;
+        return NULL;
     }
+    s->size = bytes;
     return s->buf;
 }
 
 static void scratch_release(scratch_t *s) {
-    if (s->size > SCRATCH_KEEP) {
-        free(s->buf);
-        s->buf = NULL;
-        s->size = 0;
-    }
+    if (s->size > SCRATCH_KEEP) scratch_drop(s);
 }
 
 /* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, the squares summed in one 8-lane chain. */
