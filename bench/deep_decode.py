@@ -1,13 +1,16 @@
 """A decode step's attention deep in a context: the native kernel against the read bandwidth.
 
-    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/deep_decode.py [--against OLD.so] \\
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/deep_decode.py [--against OLD.so] [--plain] \\
         [--depths 4096,16384,32768] [--threads 2]
 
 One row (a decode step) attends over a cache of ``depth`` positions in two global-attention
 shapes: Gemma 3 270M's (4 query heads of 256 over one KV head) and Llama 3.2 1B's (32 of 64
-over 8). Seeded random float32 keys and values, as a node keeps them; three layers' caches
-taken in turn, with a buffer larger than the last-level cache read between calls, so every
-call reads its keys and values from memory, as a step through a model's layers does.
+over 8). Seeded random float32 keys and values, in caches a node's (``SequenceKV``, grown
+as a prompt's 512-position chunks arrive, so on the pages a node's would be); three
+layers' caches taken in turn, with a buffer larger than the last-level cache read between
+calls, so every call reads its keys and values from memory, as a step through a model's
+layers does. With ``--plain``, the same keys and values in plain numpy arrays take turns
+with them, and plain / node is printed (where the cache's pages lie, 2 MB or 4 KB).
 
 Printed per shape and depth: milliseconds a call (wall, the median of ``--rounds``), the GB/s
 of keys and values it read, and that rate as a share of the machine's streaming read
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 
@@ -35,6 +39,7 @@ from meshnet.backends import _native
 from meshnet.benchmark.bandwidth import read_gb_s
 from meshnet.benchmark.native_build import load_build
 from meshnet.benchmark.quiet import Quiet
+from meshnet.kv.cache import SequenceKV
 
 SHAPES = {  # name: (query heads, KV heads, head dim)
     "Gemma-3-270M global": (4, 1, 256),
@@ -43,20 +48,20 @@ SHAPES = {  # name: (query heads, KV heads, head dim)
 LAYERS = 3
 PASSES = 8  # over the layers a measurement: one call is a few ms, and memory's pace wavers
 EVICT_MB = 64  # read between calls: more than this host's 32 MB last-level cache
+CHUNK = 512  # positions a prefill step adds
 PROBE_MB = 256  # the bandwidth probe's least buffer: from memory, not from the caches
 
 
 class Case:
     """One shape at one depth: its layers' caches, a query, and a call of one build."""
 
-    def __init__(self, heads: int, kv: int, hd: int, depth: int) -> None:
+    def __init__(self, heads: int, kv: int, hd: int, depth: int, plain: bool = False) -> None:
         rng = np.random.default_rng(0)
         self.shape, self.depth = (heads, kv, hd), depth
-        room = depth + 64  # the new position's slot, as a grown cache has
-        self.layers = [
-            tuple(rng.standard_normal((kv, room, hd)).astype(np.float32) for _ in range(2))
-            for _ in range(LAYERS)
-        ]
+        self.caches = [_node_cache(rng, kv, hd, depth) for _ in range(LAYERS)]
+        self.layers = [c.buffers(0) for c in self.caches]
+        if plain:  # the same bits in numpy's own arrays
+            self.layers = [(k.copy(), v.copy()) for k, v in self.layers]
         self.q = rng.standard_normal((1, heads * hd)).astype(np.float32)
         self.kv_row = rng.standard_normal((1, kv * hd)).astype(np.float32)
         self.evict = np.ones((EVICT_MB << 20) // 8, np.uint64)
@@ -85,19 +90,50 @@ class Case:
         return total / (LAYERS * PASSES), out
 
 
+def _node_cache(rng: np.random.Generator, kv: int, hd: int, depth: int) -> SequenceKV:
+    """One layer's cache of ``depth`` positions as a node's prefill leaves it, with room
+    for the next position."""
+    cache = SequenceKV(1, kv, hd)
+    for start in range(0, depth, CHUNK):
+        n = min(CHUNK, depth - start)
+        cache.reserve(n)
+        cache.write(0, *rng.standard_normal((2, kv, n, hd), np.float32))
+        cache.advance(n)
+    cache.reserve(1)
+    return cache
+
+
+def _timed(case: Case, build: ModuleType, threads: int) -> float:
+    return case.seconds(build, threads)[0]
+
+
+def _calls(
+    cases: dict[str, Case], builds: dict[str, ModuleType]
+) -> list[tuple[str, Case, ModuleType]]:
+    """Each build on the node's caches; the new build on the plain ones too."""
+    calls = [(b, cases["node"], m) for b, m in builds.items()]
+    if "plain" in cases:
+        calls.append(("plain", cases["plain"], builds["new"]))
+    return calls
+
+
 def bench(builds: dict[str, ModuleType], args: argparse.Namespace, quiet: Quiet) -> None:
     for name, (heads, kv, hd) in SHAPES.items():
         for depth in args.depths:
-            case = Case(heads, kv, hd, depth)
+            cases = {"node": Case(heads, kv, hd, depth)}
+            if args.plain:
+                cases["plain"] = Case(heads, kv, hd, depth, plain=True)
+            case = cases["node"]
             probe = read_gb_s(max(PROBE_MB, case.read_bytes >> 20), passes=5, threads=args.threads)
-            times: dict[str, list[float]] = {b: [] for b in builds}
-            calm = {b: False for b in builds}
+            calls = _calls(cases, builds)
+            times: dict[str, list[float]] = {b: [] for b, _, _ in calls}
+            calm = {b: False for b, _, _ in calls}
             outs: dict[str, np.ndarray] = {}
-            for b, module in builds.items():  # warm up: page in, load the code
-                outs[b] = case.seconds(module, args.threads)[1].copy()
+            for b, c, module in calls:  # warm up: page in, load the code
+                outs[b] = c.seconds(module, args.threads)[1].copy()
             for _ in range(args.rounds):
-                for b, module in builds.items():
-                    tries = quiet.tries(lambda c=case, m=module: c.seconds(m, args.threads)[0])
+                for b, c, module in calls:
+                    tries = quiet.tries(partial(_timed, c, module, args.threads))
                     seconds, others = min(tries, key=lambda t: t[1])
                     times[b].append(seconds)
                     calm[b] = calm[b] or others <= quiet.threshold
@@ -113,6 +149,9 @@ def bench(builds: dict[str, ModuleType], args: argparse.Namespace, quiet: Quiet)
                 same = np.array_equal(outs["new"], outs["old"])
                 line += f"; old {old * 1e3:.2f} ms, new/old {old / new:.2f}x"
                 line += f", same bits: {'yes' if same else 'NO'}"
+            if "plain" in times:
+                plain = statistics.median(times["plain"])
+                line += f"; plain arrays {plain * 1e3:.2f} ms, plain/node {plain / new:.2f}x"
             print(line, flush=True)
 
 
@@ -122,6 +161,7 @@ def main() -> None:
     p.add_argument("--depths", default="4096,16384,32768", help="positions in the cache")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--plain", action="store_true", help="also time numpy's own arrays")
     p.add_argument("--quiet-wait", type=float, default=20.0, help="seconds to wait for idle CPUs")
     args = p.parse_args()
     args.depths = [int(d) for d in args.depths.split(",")]

@@ -157,9 +157,12 @@ class SequenceKV:
             self._kept_from = max(self._kept_from, self.length + n_new - ring)
 
     def _grown(self, layer: int, old: np.ndarray, capacity: int) -> np.ndarray:
-        # np.zeros from 8 MB up is fresh zero pages: only the positions copied (and later
-        # written) become resident; under it, a cleared heap block (memory.py's policy),
-        # resident to its capacity, an eighth past the positions at most.
+        # np.zeros from 8 MB up is fresh zero pages, which numpy (from 4 MB) advises Linux
+        # to back with 2 MB pages: a step deep in a context reads every position once,
+        # and 4 KB pages would cost a TLB miss every 4 KB (tests/unit/test_kv_huge_pages.py).
+        # Only the 2 MB pages the positions copied (and later written) touch become
+        # resident, so at most the room; under 8 MB, a cleared heap block (memory.py's
+        # policy), resident to its capacity, an eighth past the positions at most.
         new = np.zeros((self.n_kv_heads, capacity, self.head_dim), self.dtype)
         if self._is_ring(layer):
             held = np.arange(self._kept_from, self.length)

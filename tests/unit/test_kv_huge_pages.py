@@ -1,0 +1,58 @@
+"""A long sequence's keys and values lie on 2 MB pages: a step deep in a context reads
+every position once, and 4 KB pages cost a TLB miss every 4 KB of it. numpy advises
+Linux so for its arrays from 4 MB; a cache that took its arrays from elsewhere (a
+mapping of its own, a pool) would lose it unless it asked too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshnet.kv.cache import SequenceKV
+from meshnet.memory import HUGE_PAGE
+
+HEADS, HEAD_DIM = 8, 64
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _advised(a: np.ndarray) -> tuple[int, int]:
+    """Bytes of ``a`` in mappings (/proc/self/smaps) advised for 2 MB pages (flag ``hg``:
+    advice splits a mapping where it starts and ends, and a mapping merges only with one
+    of the same flags), and the kB those mappings hold on 2 MB pages."""
+    low, high = a.ctypes.data, a.ctypes.data + a.nbytes
+    advised = huge = 0
+    overlap, pages = 0, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: its range
+            start, stop = (int(x, 16) for x in head.split("-"))
+            overlap = max(0, min(stop, high) - max(start, low))
+        elif overlap and head == "AnonHugePages:":
+            pages = int(line.split()[1])
+        elif overlap and head == "VmFlags:" and "hg" in line.split()[1:]:
+            advised, huge = advised + overlap, huge + pages
+    return advised, huge
+
+
+def _prefilled(positions: int, chunk: int = 512) -> SequenceKV:
+    """One layer's cache as a prompt's chunked prefill leaves it: grown chunk by chunk."""
+    kv = SequenceKV(1, HEADS, HEAD_DIM)
+    rng = np.random.default_rng(0)
+    for _ in range(0, positions, chunk):
+        kv.reserve(chunk)
+        kv.write(0, *(rng.standard_normal((2, HEADS, chunk, HEAD_DIM), np.float32)))
+        kv.advance(chunk)
+    return kv
+
+
+@pytest.mark.skipif(
+    not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here"
+)
+def test_a_long_cache_holds_its_positions_on_huge_pages() -> None:
+    kv = _prefilled(16384)  # 4 MB a head
+    for a in kv.buffers(0):
+        advised, huge_kb = _advised(a)
+        assert advised >= HEADS * kv.length * HEAD_DIM * 4 - 2 * HUGE_PAGE  # but its ends
+        assert huge_kb > 0  # and the kernel gave it some
