@@ -26,6 +26,10 @@ DEFAULT_HOME = Path.home() / ".cache" / "meshnet" / "llama.cpp"
 # The peer an AVX2-only CPU gets (``LLAMACPP_ISA=avx2 bench/build_llamacpp.sh``).
 AVX2_HOME = Path.home() / ".cache" / "meshnet" / "llama.cpp-avx2"
 _TIMEOUT_S = 900
+# llama-bench warms up with a whole prompt's run first; from this many tokens a prompt's
+# own run takes seconds to minutes, so what a warm-up settles (threads, buffers) is noise
+# in it, and the warm-up would double the wait (a 1B model's 16k prefill: ~5 minutes).
+WARM_UP_UNDER = 2048
 
 
 def find_llamacpp(bin_dir: str | None = None) -> Path | None:
@@ -117,6 +121,8 @@ def _llama_bench(
     ``gen`` tokens, both after ``depth`` tokens already in the cache."""
     argv = [str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads)]
     argv += ["-p", str(prompt), "-n", str(gen), "-d", str(depth), "-r", "1", "-o", "json"]
+    if prompt >= WARM_UP_UNDER:  # its warm-up is the whole prompt again: minutes at 16k
+        argv.append("--no-warmup")
     rows: list[dict[str, Any]] = json.loads(_run(argv))
     return rows
 
