@@ -67,6 +67,16 @@ def peer_isa(bin_dir: Path) -> list[str] | None:
     return isa
 
 
+def peer_text(bin_dir: Path) -> str:
+    """Which llama.cpp a benchmark ran against, for its report."""
+    isa = peer_isa(bin_dir)
+    if isa is None:
+        built = "unrecorded extensions (rerun bench/build_llamacpp.sh to record them)"
+    else:
+        built = " ".join(isa) if isa else "no vector extensions"
+    return f"llama.cpp in {bin_dir}, built with {built}"
+
+
 def bench_llamacpp(
     bin_dir: Path,
     model: Path,

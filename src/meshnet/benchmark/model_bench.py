@@ -32,11 +32,12 @@ from functools import partial
 from pathlib import Path
 
 from meshnet.backends.kernel_threads import set_threads
+from meshnet.backends.quant import kernel_name
 from meshnet.backends.shard import BACKENDS, DEFAULT_BACKEND
 from meshnet.benchmark.bandwidth import ceiling_tok_s, decode_bytes, read_gb_s
 from meshnet.benchmark.engine import bench_engine, warm_up
 from meshnet.benchmark.figures import Throughput
-from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp
+from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp, peer_text
 from meshnet.benchmark.mesh import PROMPT
 from meshnet.benchmark.quiet import Quiet
 from meshnet.benchmark.split import SplitResult, SplitSetup, measure_split, rpc_round
@@ -106,9 +107,11 @@ def run(args: argparse.Namespace, make_model: ModelMaker, goals: Goals) -> None:
     path: Path = args.model or make_model(bin_dir)
     file = open_gguf(path)
     size = sum(p.stat().st_size for p in file.parts)  # a split GGUF: its parts together
-    print(f"model {path} ({size / 1e9:.2f} GB), backend {args.backend}")
+    print(f"model {path} ({size / 1e9:.2f} GB), backend {args.backend} ({kernel_name()} kernels)")
     if bin_dir is None:
         print("llama.cpp not found (bench/build_llamacpp.sh): meshnet's figures alone")
+    else:
+        print(peer_text(bin_dir))
     step = step_bytes(file)
     tensor_bytes = _tensor_bytes(file)
     set_threads(args.threads)

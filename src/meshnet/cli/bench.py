@@ -23,7 +23,7 @@ from meshnet.backends.quant import kernel_name
 from meshnet.backends.shard import BACKENDS, DEFAULT_BACKEND
 from meshnet.benchmark.engine import bench_engine, warm_up
 from meshnet.benchmark.figures import Throughput
-from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp, peer_isa
+from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp, peer_isa, peer_text
 from meshnet.cli.mesh_admin import ADMIN_TOKEN_ENV, admin_token
 from meshnet.cli.model_ref import MODEL_HELP, whole_model
 from meshnet.cli.options import BACKEND_HELP, positive_duration, positive_int
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"backend {backend}, {args.threads} threads on each side")
     if bin_dir is not None:
-        print(f"llama.cpp in {bin_dir}, built with {_isa_text(isa)}")
+        print(peer_text(bin_dir))
     print(f"{'figure':<22}{'meshnet':>12}{'llama.cpp':>12}{'ratio':>8}")
     for r in rows:
         theirs = f"{r['llamacpp']:.1f}" if r["llamacpp"] else "-"
@@ -124,12 +124,6 @@ def run(args: argparse.Namespace) -> int:
     if peer is None:
         print("llama.cpp not found: run bench/build_llamacpp.sh for the ratios")
     return 0
-
-
-def _isa_text(isa: list[str] | None) -> str:
-    if isa is None:
-        return "unrecorded extensions (rerun bench/build_llamacpp.sh to record them)"
-    return " ".join(isa) if isa else "no vector extensions"
 
 
 def _rows(prompt_tokens: int, ours: Throughput, peer: Throughput | None) -> list[dict[str, Any]]:
