@@ -25,7 +25,10 @@ from meshnet.benchmark.figures import Throughput
 DEFAULT_HOME = Path.home() / ".cache" / "meshnet" / "llama.cpp"
 # The peer an AVX2-only CPU gets (``LLAMACPP_ISA=avx2 bench/build_llamacpp.sh``).
 AVX2_HOME = Path.home() / ".cache" / "meshnet" / "llama.cpp-avx2"
+# The most a run of llama.cpp's may take, and 0.1 s more for every token it prefills: a
+# 1B model's 32k prompt takes ~25 minutes on 2 threads.
 _TIMEOUT_S = 900
+_TIMEOUT_PER_TOKEN_S = 0.1
 # llama-bench warms up with a whole prompt's run first; from this many tokens a prompt's
 # own run takes seconds to minutes, so what a warm-up settles (threads, buffers) is noise
 # in it, and the warm-up would double the wait (a 1B model's 16k prefill: ~5 minutes).
@@ -133,12 +136,13 @@ def _llama_bench(
     argv += ["-p", str(prompt), "-n", str(gen), "-d", str(depth), "-r", "1", "-o", "json"]
     if prompt >= WARM_UP_UNDER:  # its warm-up is the whole prompt again: minutes at 16k
         argv.append("--no-warmup")
-    rows: list[dict[str, Any]] = json.loads(_run(argv))
+    timeout_s = _TIMEOUT_S + _TIMEOUT_PER_TOKEN_S * (prompt + depth)
+    rows: list[dict[str, Any]] = json.loads(_run(argv, timeout_s))
     return rows
 
 
-def _run(argv: list[str]) -> str:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False)
+def _run(argv: list[str], timeout_s: float = _TIMEOUT_S) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
     if done.returncode != 0:
         raise RuntimeError(
             f"{Path(argv[0]).name} failed ({done.returncode}): {done.stderr[-2000:]}"
