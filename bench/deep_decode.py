@@ -37,9 +37,9 @@ import numpy as np
 
 from meshnet.backends import _native
 from meshnet.benchmark.bandwidth import read_gb_s
+from meshnet.benchmark.engine import prefilled_kv
 from meshnet.benchmark.native_build import load_build
 from meshnet.benchmark.quiet import Quiet
-from meshnet.kv.cache import SequenceKV
 
 SHAPES = {  # name: (query heads, KV heads, head dim)
     "Gemma-3-270M global": (4, 1, 256),
@@ -58,7 +58,9 @@ class Case:
     def __init__(self, heads: int, kv: int, hd: int, depth: int, plain: bool = False) -> None:
         rng = np.random.default_rng(0)
         self.shape, self.depth = (heads, kv, hd), depth
-        self.caches = [_node_cache(rng, kv, hd, depth) for _ in range(LAYERS)]
+        self.caches = [prefilled_kv(kv, hd, depth, CHUNK) for _ in range(LAYERS)]
+        for c in self.caches:
+            c.reserve(1)  # the new position's room
         self.layers = [c.buffers(0) for c in self.caches]
         if plain:  # the same bits in numpy's own arrays
             self.layers = [(k.copy(), v.copy()) for k, v in self.layers]
@@ -88,19 +90,6 @@ class Case:
             )  # fmt: skip
             total += time.perf_counter() - start
         return total / (LAYERS * PASSES), out
-
-
-def _node_cache(rng: np.random.Generator, kv: int, hd: int, depth: int) -> SequenceKV:
-    """One layer's cache of ``depth`` positions as a node's prefill leaves it, with room
-    for the next position."""
-    cache = SequenceKV(1, kv, hd)
-    for start in range(0, depth, CHUNK):
-        n = min(CHUNK, depth - start)
-        cache.reserve(n)
-        cache.write(0, *rng.standard_normal((2, kv, n, hd), np.float32))
-        cache.advance(n)
-    cache.reserve(1)
-    return cache
 
 
 def _timed(case: Case, build: ModuleType, threads: int) -> float:

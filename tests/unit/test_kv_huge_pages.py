@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshnet.kv.cache import SequenceKV
+from meshnet.benchmark.engine import prefilled_kv
 from meshnet.memory import HUGE_PAGE
 
 HEADS, HEAD_DIM = 8, 64
@@ -36,22 +36,11 @@ def _advised(a: np.ndarray) -> tuple[int, int]:
     return advised, huge
 
 
-def _prefilled(positions: int, chunk: int = 512) -> SequenceKV:
-    """One layer's cache as a prompt's chunked prefill leaves it: grown chunk by chunk."""
-    kv = SequenceKV(1, HEADS, HEAD_DIM)
-    rng = np.random.default_rng(0)
-    for _ in range(0, positions, chunk):
-        kv.reserve(chunk)
-        kv.write(0, *(rng.standard_normal((2, HEADS, chunk, HEAD_DIM), np.float32)))
-        kv.advance(chunk)
-    return kv
-
-
 @pytest.mark.skipif(
     not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here"
 )
 def test_a_long_cache_holds_its_positions_on_huge_pages() -> None:
-    kv = _prefilled(16384)  # 4 MB a head
+    kv = prefilled_kv(HEADS, HEAD_DIM, 16384)  # 4 MB a head
     for a in kv.buffers(0):
         advised, huge_kb = _advised(a)
         assert advised >= HEADS * kv.length * HEAD_DIM * 4 - 2 * HUGE_PAGE  # but its ends

@@ -11,9 +11,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from meshnet.backends.quant import kernel_name
 from meshnet.benchmark.figures import Throughput
 from meshnet.engine.chain import ChainKV
 from meshnet.engine.local import LocalModel
+from meshnet.kv.cache import SequenceKV
 
 # Plain English that tokenizes to far more tokens than any benchmark prompt needs.
 _FILLER = (
@@ -25,6 +27,24 @@ _FILLER = (
     "planet, and with them came new problems: how to share work fairly, how to "
     "recover when a part fails, and how to trust results computed by strangers. "
 )
+
+
+def backend_text(backend: str) -> str:
+    """Which of our backends a benchmark ran, and on which kernels, for its report."""
+    return backend if backend == "numpy" else f"{backend} ({kernel_name()} kernels)"
+
+
+def prefilled_kv(kv_heads: int, head_dim: int, positions: int, chunk: int = 512) -> SequenceKV:
+    """One layer's cache of ``positions`` seeded random positions, grown chunk by chunk as a
+    node's prefill grows it (so its arrays lie on the pages a node's would)."""
+    rng = np.random.default_rng(0)
+    cache = SequenceKV(1, kv_heads, head_dim)
+    for start in range(0, positions, chunk):
+        n = min(chunk, positions - start)
+        cache.reserve(n)
+        cache.write(0, *rng.standard_normal((2, kv_heads, n, head_dim), np.float32))
+        cache.advance(n)
+    return cache
 
 
 def bench_prompt(model: LocalModel, n_tokens: int, offset: int = 0) -> list[int]:

@@ -32,10 +32,9 @@ from functools import partial
 from pathlib import Path
 
 from meshnet.backends.kernel_threads import set_threads
-from meshnet.backends.quant import kernel_name
 from meshnet.backends.shard import BACKENDS, DEFAULT_BACKEND
 from meshnet.benchmark.bandwidth import ceiling_tok_s, decode_bytes, read_gb_s
-from meshnet.benchmark.engine import bench_engine, warm_up
+from meshnet.benchmark.engine import backend_text, bench_engine, warm_up
 from meshnet.benchmark.figures import Throughput
 from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp, peer_text
 from meshnet.benchmark.mesh import PROMPT
@@ -107,7 +106,7 @@ def run(args: argparse.Namespace, make_model: ModelMaker, goals: Goals) -> None:
     path: Path = args.model or make_model(bin_dir)
     file = open_gguf(path)
     size = sum(p.stat().st_size for p in file.parts)  # a split GGUF: its parts together
-    print(f"model {path} ({size / 1e9:.2f} GB), backend {args.backend} ({kernel_name()} kernels)")
+    print(f"model {path} ({size / 1e9:.2f} GB), backend {backend_text(args.backend)}")
     if bin_dir is None:
         print("llama.cpp not found (bench/build_llamacpp.sh): meshnet's figures alone")
     else:

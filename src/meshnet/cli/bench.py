@@ -19,9 +19,8 @@ from typing import Any
 import httpx
 
 from meshnet.backends.kernel_threads import set_threads
-from meshnet.backends.quant import kernel_name
 from meshnet.backends.shard import BACKENDS, DEFAULT_BACKEND
-from meshnet.benchmark.engine import bench_engine, warm_up
+from meshnet.benchmark.engine import backend_text, bench_engine, warm_up
 from meshnet.benchmark.figures import Throughput
 from meshnet.benchmark.llamacpp import bench_llamacpp, find_llamacpp, peer_isa, peer_text
 from meshnet.cli.mesh_admin import ADMIN_TOKEN_ENV, admin_token
@@ -107,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     ours = Throughput.best(our_rounds)
     peer = Throughput.best(peer_rounds) if peer_rounds else None
     rows = _rows(args.prompt_tokens, ours, peer)
-    backend = args.backend + (f" ({kernel_name()} kernels)" if args.backend != "numpy" else "")
+    backend = backend_text(args.backend)
     isa = peer_isa(bin_dir) if bin_dir is not None else None
     if args.json:
         report = {"backend": backend, "threads": args.threads, "llamacpp_isa": isa, "rows": rows}
