@@ -95,3 +95,61 @@ def test_a_cache_or_rows_that_do_not_fit_are_refused_and_nothing_is_written(entr
         _call(q, k, k, [good, entry(keys, values)])
     assert np.array_equal(keys, before[0]) and np.array_equal(values, before[1])
     assert not good[0].any()  # the valid entry was not written either
+
+
+def _paged(keys: np.ndarray, values: np.ndarray, shared: int) -> tuple[list, np.ndarray]:  # type: ignore[type-arg]
+    """Positions 0 .. shared of a cache as pages of 64 (kv/pages.py's layout, one layer),
+    and their address table."""
+    pages = []
+    for p in range(shared // 64):
+        page = np.zeros((1, 2, HKV, 64, HD), np.float32)
+        page[0, 0], page[0, 1] = keys[:, p * 64 : (p + 1) * 64], values[:, p * 64 : (p + 1) * 64]
+        pages.append(page)
+    table = np.array(
+        [[p[0, 0].ctypes.data for p in pages], [p[0, 1].ctypes.data for p in pages]], np.int64
+    )
+    return pages, table
+
+
+@pytest.mark.parametrize(("length", "count"), [(128, 1), (191, 1), (192, 70), (300, 5)])
+def test_positions_read_from_pages_give_the_bits_of_one_array(length: int, count: int) -> None:
+    rng = np.random.default_rng(3)
+    keys, values = _cache(rng, length, length + count)
+    q = rng.standard_normal((count, H, HD)).astype(np.float32)
+    k = rng.standard_normal((count, HKV, HD)).astype(np.float32)
+    v = rng.standard_normal((count, HKV, HD)).astype(np.float32)
+    whole = _call(q, k, v, [(keys.copy(), values.copy(), length, count, 0)])
+    shared = length // 64 * 64
+    pages, table = _paged(keys, values, shared)
+    own_k, own_v = keys[:, shared:].copy(), values[:, shared:].copy()
+    split = _call(q, k, v, [(own_k, own_v, length, count, 0, 0, table)])
+    assert np.array_equal(split, whole)
+    assert np.array_equal(own_k[:, length - shared :], k.transpose(1, 0, 2))  # rows stored
+    own = keys[:, shared:].copy(), values[:, shared:].copy()
+    assert all(np.array_equal(p[0, 0], keys[:, i * 64 : (i + 1) * 64]) for i, p in enumerate(pages))
+    # the same row among other sequences' rows, each with its own pages or none
+    other_k, other_v = _cache(rng, 70, 80)
+    mixed = _call(
+        np.concatenate([q[:1], q]),
+        np.concatenate([k[:1], k]),
+        np.concatenate([v[:1], v]),
+        [(other_k, other_v, 70, 1, 0), (*own, length, count, 1, 0, table)],
+    )
+    assert np.array_equal(mixed[1:], whole)
+
+
+def test_pages_that_do_not_fit_the_cache_are_refused() -> None:
+    rng = np.random.default_rng(4)
+    keys, values = _cache(rng, 130, 140)
+    _, table = _paged(keys, values, 128)
+    q = np.ones((1, H, HD), np.float32)
+    k = np.ones((1, HKV, HD), np.float32)
+    own = keys[:, 128:].copy(), values[:, 128:].copy()
+    for entry in [
+        (*own, 100, 1, 0, 0, table),  # rows before the pages' end
+        (*own, 130, 1, 0, 0, table[:, :1].copy().reshape(-1)[:1]),  # half a table
+        (*own, 130, 1, 0, 64, table),  # a ring has no pages
+        (*own, 140, 1, 0, 0, table),  # past its own arrays' room
+    ]:
+        with pytest.raises(ValueError):
+            _call(q, k, k, [entry])

@@ -12,8 +12,11 @@ import numpy as np
 
 Matrix = tuple[np.ndarray, int, int, int]
 # (keys, values, first, count, row[, ring]): one sequence's cache and rows of a step.
+# (keys, values, first, count, row[, ring[, pages' addresses]]): module.c read_entries
 Entry = (
-    tuple[np.ndarray, np.ndarray, int, int, int] | tuple[np.ndarray, np.ndarray, int, int, int, int]
+    tuple[np.ndarray, np.ndarray, int, int, int]
+    | tuple[np.ndarray, np.ndarray, int, int, int, int]
+    | tuple[np.ndarray, np.ndarray, int, int, int, int, np.ndarray | None]
 )
 
 def isa() -> str: ...

@@ -367,8 +367,23 @@ static void unit_tiles(const heads_t *sh, const unit_t *u, Py_ssize_t *t0, Py_ss
     *t1 = (last - 1) / TILE + 1;
 }
 
-/* Where position p of s is: slot p, or p % ring in a ring. */
-static inline Py_ssize_t slot(const seq_t *s, Py_ssize_t p) { return s->ring > 0 ? p % s->ring : p; }
+/* Where position p (past the pages) of s is in its own arrays: slot p - shared, or
+ * p % ring in a ring. */
+static inline Py_ssize_t slot(const seq_t *s, Py_ssize_t p) {
+    return s->ring > 0 ? p % s->ring : p - s->shared;
+}
+
+/* Kv head kv's keys (``values`` 1: values) from position p of s on, contiguous to the end
+ * of p's tile (or a ring's end): a page's or the sequence's own. */
+static inline const float *cached(const heads_t *sh, const seq_t *s, int kv, int values,
+                                  Py_ssize_t p) {
+    if (p < s->shared) {
+        const float *page = s->pages[values * (s->shared / TILE) + p / TILE];
+        return page + ((Py_ssize_t)kv * TILE + p % TILE) * sh->hd;
+    }
+    const float *own = values ? s->values : s->keys;
+    return own + ((Py_ssize_t)kv * s->capacity + slot(s, p)) * sh->hd;
+}
 
 /* Row i's positions in tile t, [*a, *b): empty when *a >= *b. */
 static inline void in_tile(const heads_t *sh, const seq_t *s, Py_ssize_t i, Py_ssize_t t,
@@ -390,7 +405,7 @@ static const float *tile_keys(const heads_t *sh, const unit_t *u, Py_ssize_t r, 
     if (a >= b) return NULL;
     const Py_ssize_t at = slot(s, a);
     *n = (int)(s->ring > 0 && at + (b - a) > s->ring ? s->ring - at : b - a);
-    return s->keys + ((Py_ssize_t)u->kv * s->capacity + at) * sh->hd;
+    return cached(sh, s, u->kv, 0, a);
 }
 
 /* The partials of every pair of unit u in tile t, into parts[(r * g + head) * (hd + 2)]
@@ -401,8 +416,6 @@ static void tile_parts(const heads_t *sh, const float *qs, const unit_t *u, Py_s
                        Py_ssize_t stride, float *parts) {
     const int hd = sh->hd, g = sh->n_heads / sh->n_kv;
     const seq_t *s = u->s;
-    const float *keys = s->keys + (Py_ssize_t)u->kv * s->capacity * hd;
-    const float *values = s->values + (Py_ssize_t)u->kv * s->capacity * hd;
     for (Py_ssize_t r = 0; r < u->rows; r++) {
         Py_ssize_t a, b;
         in_tile(sh, s, u->i0 + r, t, &a, &b);
@@ -419,7 +432,7 @@ static void tile_parts(const heads_t *sh, const float *qs, const unit_t *u, Py_s
                 part[x] = parts + (r * g + x0 + x) * (Py_ssize_t)(hd + 2);
             }
             const int first = r == 0 && x0 == 0;
-            partials(sh, q, np, keys + slot(s, a) * hd, values + slot(s, a) * hd,
+            partials(sh, q, np, cached(sh, s, u->kv, 0, a), cached(sh, s, u->kv, 1, a),
                      (int)(b - a), first, next, first ? next_n : 0, part);
         }
     }
@@ -436,8 +449,7 @@ static void tile_fold_row(const heads_t *sh, const float *qs, const unit_t *u, P
     Py_ssize_t a, b;
     in_tile(sh, s, u->i0 + r, t, &a, &b);
     if (a >= b) return;
-    const float *keys = s->keys + ((Py_ssize_t)u->kv * s->capacity + slot(s, a)) * hd;
-    const float *values = s->values + ((Py_ssize_t)u->kv * s->capacity + slot(s, a)) * hd;
+    const float *keys = cached(sh, s, u->kv, 0, a), *values = cached(sh, s, u->kv, 1, a);
     for (int x0 = 0; x0 < g; x0 += 4) {
         const int np = g - x0 < 4 ? g - x0 : 4;
         const float *q[4];
@@ -487,7 +499,7 @@ static void fresh_unit(const heads_t *sh, const unit_t *u, float *states) {
 }
 
 /* Copies the sequence's new rows of k and v ([T, n_kv, hd]) to positions first .. (their
- * slots). */
+ * slots in its own arrays: the pages are never written). */
 static void store_rows(const seq_t *s, const float *k, const float *v, int n_kv, int hd) {
     for (Py_ssize_t i = 0; i < s->count; i++)
         for (int h = 0; h < n_kv; h++) {

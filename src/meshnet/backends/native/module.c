@@ -89,8 +89,11 @@ done:
     return result;
 }
 
-/* The batch's sequences: (keys, values, first, count, row) each, keys and values
- * [n_kv, capacity, hd] float32. Holds 2 n views on success (release them), none on error. */
+/* The batch's sequences: (keys, values, first, count, row[, ring[, pages]]) each, keys and
+ * values [n_kv, capacity, hd] float32; pages None or the addresses (int64 [2, n_pages]:
+ * keys', then values') of the pages holding positions 0 .. n_pages TILE, each
+ * [n_kv, TILE, hd] float32, which the caller keeps alive (kv/pages.py). Holds 3 n views on
+ * success (release them), none on error. */
 typedef struct {
     seq_t *seqs;
     Py_buffer *views;
@@ -98,10 +101,9 @@ typedef struct {
 } entries_t;
 
 static void release_entries(entries_t *es) {
-    for (Py_ssize_t e = 0; e < es->n; e++) {
-        PyBuffer_Release(&es->views[2 * e]);
-        PyBuffer_Release(&es->views[2 * e + 1]);
-    }
+    for (Py_ssize_t e = 0; e < es->n; e++)
+        for (int i = 0; i < 3; i++)
+            if (es->views[3 * e + i].obj != NULL) PyBuffer_Release(&es->views[3 * e + i]);
     PyMem_Free(es->seqs);
     PyMem_Free(es->views);
     es->seqs = NULL;
@@ -115,7 +117,7 @@ static int read_entries(PyObject *obj, Py_ssize_t T, const heads_t *h, entries_t
     if (list == NULL) return -1;
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(list);
     es->seqs = PyMem_Calloc(n + 1, sizeof(seq_t));
-    es->views = PyMem_Calloc(2 * n + 1, sizeof(Py_buffer));
+    es->views = PyMem_Calloc(3 * n + 1, sizeof(Py_buffer));
     if (es->seqs == NULL || es->views == NULL) {
         PyErr_NoMemory();
         goto fail;
@@ -123,30 +125,38 @@ static int read_entries(PyObject *obj, Py_ssize_t T, const heads_t *h, entries_t
     const Py_ssize_t per_position = (Py_ssize_t)h->n_kv * h->hd * sizeof(float);
     Py_ssize_t rows = 0;
     for (Py_ssize_t e = 0; e < n; e++) {
-        PyObject *keys, *values;
+        PyObject *keys, *values, *pages = Py_None;
         Py_ssize_t first, count, row, ring = 0;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(list, e), "OOnnn|n", &keys, &values,
-                              &first, &count, &row, &ring))
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(list, e), "OOnnn|nO", &keys, &values,
+                              &first, &count, &row, &ring, &pages))
             goto fail;
-        Py_buffer *kv = &es->views[2 * e];
+        Py_buffer *kv = &es->views[3 * e];
+        es->n = e + 1; /* from here the entry's views are released on failure */
         if (PyObject_GetBuffer(keys, &kv[0], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto fail;
-        if (PyObject_GetBuffer(values, &kv[1], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-            PyBuffer_Release(&kv[0]);
-            goto fail;
+        if (PyObject_GetBuffer(values, &kv[1], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto fail;
+        Py_ssize_t shared = 0;
+        if (pages != Py_None) {
+            if (PyObject_GetBuffer(pages, &kv[2], PyBUF_C_CONTIGUOUS) < 0) goto fail;
+            shared = kv[2].len / (Py_ssize_t)(2 * sizeof(float *)) * ATTENTION_TILE;
+            if (kv[2].len % (Py_ssize_t)(2 * sizeof(float *)) || ring != 0 || first < shared) {
+                PyErr_SetString(PyExc_ValueError, "a sequence's pages do not fit its cache");
+                goto fail;
+            }
         }
-        es->n = e + 1;
         const Py_ssize_t capacity = kv[0].len / per_position;
         /* a ring that goes round: whole tiles of slots, and room for what the rows read */
         const int round = ring > 0 && first + count > capacity;
         if (kv[1].len != kv[0].len || kv[0].len % per_position || first < 0 || count < 1 ||
-            row != rows || row + count > T || (first + count > capacity && !round) ||
+            row != rows || row + count > T || (first - shared + count > capacity && !round) ||
             (ring > 0 && (ring != capacity || h->window < 1)) ||
             (round && (capacity % ATTENTION_TILE || count + h->window - 1 > capacity)) ||
             ring < 0) {
             PyErr_SetString(PyExc_ValueError, "a sequence's cache or rows do not fit the batch");
             goto fail;
         }
-        es->seqs[e] = (seq_t){kv[0].buf, kv[1].buf, capacity, first, count, row, ring};
+        const float *const *table = shared ? (const float *const *)kv[2].buf : NULL;
+        es->seqs[e] = (seq_t){kv[0].buf, kv[1].buf, capacity, first, count, row, ring, shared,
+                              table};
         rows += count;
     }
     if (rows != T) {
