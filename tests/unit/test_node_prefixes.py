@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from meshnet.errors import MalformedBundle
+from meshnet.kv.pages import PAGE_TOKENS
 from meshnet.kv.prefix_cache import BLOCK_TOKENS
 from meshnet.layer_range import LayerRange
 from meshnet.node.engine import EngineConfig, NodeEngine
@@ -93,3 +94,25 @@ def test_a_windowed_model_reuses_a_cached_prefix_exactly(tmp_path: Path) -> None
         assert (opened.kv_tokens, opened.steps) == (5 * B, 1)
         rest = _step(engine, "b", 1, other[5 * B :])
     assert np.array_equal(rest, whole)
+
+
+def test_sessions_on_one_prompt_hold_its_pages_once(tiny_path: Path) -> None:
+    """The session that computed a prompt and one that loads it read the cache's pages:
+    the same logits as without the cache, in far less than two sessions' KV."""
+    prompt = _ids(3 * PAGE_TOKENS + 5, 4)
+    with running(tiny_path, EngineConfig(prefix_cache_bytes=0)) as plain:
+        plain.sessions.open("a", 1).result(5)
+        whole = _step(plain, "a", 0, prompt)
+        plain.sessions.open("b", 1).result(5)
+        _step(plain, "b", 0, prompt)
+        two = plain.stats().kv_bytes
+    with running(tiny_path, EngineConfig()) as engine:
+        engine.sessions.open("a", 1, prefix=PrefixAsk(prompt, len(prompt) - 1)).result(5)
+        assert np.array_equal(_step(engine, "a", 0, prompt), whole)
+        opened = engine.sessions.open("b", 1, prefix=PrefixAsk(prompt, len(prompt) - 1)).result(5)
+        assert opened.kv_tokens == len(prompt) // B * B
+        assert np.array_equal(_step(engine, "b", 1, prompt[opened.kv_tokens :]), whole)
+        shared = engine.stats()
+        assert shared.prefix is not None and shared.prefix.reused_tokens == opened.kv_tokens
+    # the pages count once (for the sessions), and each holds only what follows them
+    assert shared.kv_bytes < 0.75 * two, (shared.kv_bytes, two)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from meshnet.kv.cache import SequenceKV
+from meshnet.kv.pages import PAGE_TOKENS
 from meshnet.kv.prefix_cache import BLOCK_TOKENS, MAX_SCOPE_BYTES, PrefixCache, block_keys
 
 B = BLOCK_TOKENS
@@ -68,17 +69,18 @@ def test_a_colliding_key_cannot_give_another_prefix() -> None:
 
 def test_the_least_recently_used_leaf_goes_first() -> None:
     cache = PrefixCache(1 << 20)
-    a, b = np.arange(2 * B), np.arange(2 * B) + 500
-    cache.store(a, filled(2 * B), 0)
-    cache.store(b, filled(2 * B, 1), 0)
-    block = cache.stats().nbytes // 4
-    cache.match(a, 2 * B)  # a is now the most recent
-    cache.trim(3 * block)
-    assert len(cache.match(a, 2 * B)) == 2
-    assert len(cache.match(b, 2 * B)) == 1  # b's last block went, its first stays
+    a, b = np.arange(2 * PAGE_TOKENS), np.arange(2 * PAGE_TOKENS) + 500
+    cache.store(a, filled(len(a)), 0)
+    cache.store(b, filled(len(b), 1), 0)
+    page = cache.stats().nbytes // 4  # each prompt's blocks fill two pages
+    cache.match(a, len(a))  # a is now the most recent
+    cache.trim(3 * page)  # a page's bytes go with the last block in it
+    assert len(cache.match(a, len(a))) == 2 * PAGE_TOKENS // B
+    assert len(cache.match(b, len(b))) == PAGE_TOKENS // B  # b's last page went
+    assert cache.stats().evicted_blocks == PAGE_TOKENS // B
     cache.trim(0)
     assert cache.stats().blocks == 0 and cache.nbytes == 0
-    assert cache.stats().evicted_blocks == 4
+    assert cache.stats().evicted_blocks == 4 * PAGE_TOKENS // B
 
 
 def test_an_off_cache_keeps_nothing() -> None:

@@ -58,12 +58,13 @@ class FastBackend:
 
     def new_kv(self) -> SequenceKV:
         """A sequence's cache: windowed layers keep only their window, as rings where the
-        native kernel reads them."""
+        native kernel reads them, and a cached prefix's pages are read in place where it
+        reads them (kv/pages.py)."""
         start = self.weights.layers.start
         windows = [self.spec.layer_window(start + i) for i in range(len(self.weights.layers))]
-        rings = quant.NATIVE is not None and self.spec.head_dim % 8 == 0
+        native = quant.NATIVE is not None and self.spec.head_dim % 8 == 0
         n_kv, hd = self.spec.n_kv_heads, self.spec.head_dim
-        return SequenceKV(len(windows), n_kv, hd, windows=windows, rings=rings)
+        return SequenceKV(len(windows), n_kv, hd, windows=windows, rings=native, pages=native)
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         if self.weights.embedding is None:
@@ -196,11 +197,10 @@ def _attend_batch(
         return attend_each(layer, batch, q, k, v, one)
     t, n_heads, hd = q.shape
     out = np.empty((t, n_heads * hd), dtype=F32)
-    entries: list[tuple[np.ndarray, np.ndarray, int, int, int, int]] = []
+    entries: list[tuple[np.ndarray, np.ndarray, int, int, int, int, np.ndarray | None]] = []
     row = 0
     for e in batch:
-        keys, values = e.kv.buffers(layer)
-        entries.append((keys, values, e.kv.length, e.n_new, row, e.kv.ring(layer)))
+        entries.append(e.kv.entry(layer, e.n_new, row))
         row += e.n_new
     threads = kernel_threads()
     n_kv = k.shape[1]

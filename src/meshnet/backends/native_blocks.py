@@ -58,8 +58,7 @@ class NativeBlocks:
                 entries = []
                 row = 0
                 for e in batch:
-                    keys, values = e.kv.buffers(layer)
-                    entries.append((keys, values, e.kv.length, e.n_new, row, e.kv.ring(layer)))
+                    entries.append(e.kv.entry(layer, e.n_new, row))
                     row += e.n_new
                 cos, sin = tables[layer]
                 native.run_block(handle, x, cos, sin, entries, threads, True, True)  # wide, keep

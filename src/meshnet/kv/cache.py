@@ -29,6 +29,13 @@ as the others. Either way an export holds, for a windowed layer, only its last
 and any node can take any node's bytes. A ring cannot go back further than it
 holds: ``truncate`` to a point whose window is gone raises ``CacheMiss`` (the
 tracker then recomputes the positions), and so does it after an import.
+
+**Shared pages** (kv/pages.py): with ``pages`` (the native kernel reads them), a
+cache's first ``shared`` positions of every layer without a window may be pages that
+the prefix cache and other sequences hold too, read in place (``start_loaded`` with
+pages, ``share``); its own arrays then hold positions ``shared ..`` only, position
+``p`` in slot ``p - shared``. Pages are never written: a ``truncate`` into them lets go
+of the pages from the one it cuts and copies what it keeps of that one.
 """
 
 from __future__ import annotations
@@ -38,9 +45,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshnet.errors import CacheMiss
+from meshnet.kv.pages import PAGE_TOKENS, TILE, KVPage, address_table, page_layers
 
 GRANULE = 64  # positions: the least capacity, and the least room a growth leaves
-TILE = 64  # the native attention's tile: a ring's capacity is a multiple of it
 REWIND_ROOM = 64  # positions a ring keeps past its window and step, for rewinds
 _ROOM_FRACTION = 8  # a growth leaves room for 1/8 of the positions needed
 
@@ -78,7 +85,7 @@ class SequenceKV:
     """Keys and values ``[n_kv_heads, capacity, head_dim]`` per layer of a shard.
 
     ``windows``: each layer's window (0: it sees every position); ``rings``: windowed
-    layers are rings (see the module's doc)."""
+    layers are rings; ``pages``: it may read shared pages (see the module's doc)."""
 
     def __init__(
         self,
@@ -88,6 +95,7 @@ class SequenceKV:
         dtype: type[np.floating] = np.float32,
         windows: Sequence[int] = (),
         rings: bool = False,
+        pages: bool = False,
     ) -> None:
         self.n_layers = n_layers
         self.n_kv_heads = n_kv_heads
@@ -102,11 +110,33 @@ class SequenceKV:
         self._capacity = 0  # of every layer but the rings
         self._ring = 0  # of the rings
         self._kept_from = 0  # the oldest position every windowed layer still holds
-        self._keys: list[np.ndarray] = []
+        self._keys: list[np.ndarray] = []  # own arrays: a paged layer's from ``shared``
         self._values: list[np.ndarray] = []
+        self.paging = pages
+        self.page_layers = page_layers(self.windows)
+        self._pages: tuple[KVPage, ...] = ()  # positions 0 .. shared of the paged layers
+        self._tables: dict[int, np.ndarray] = {}  # per paged layer: its pages' addresses
 
     def _is_ring(self, layer: int) -> bool:
         return self.rings and self.windows[layer] > 0
+
+    @property
+    def shared(self) -> int:
+        """Positions the paged layers read from pages rather than their own arrays."""
+        return len(self._pages) * PAGE_TOKENS
+
+    @property
+    def pages(self) -> tuple[KVPage, ...]:
+        """The pages holding positions ``0 .. shared`` of the paged layers."""
+        return self._pages
+
+    def _base(self, layer: int) -> int:
+        """The first position ``layer``'s own arrays hold."""
+        return self.shared if not self.windows[layer] else 0
+
+    def _own(self, layer: int, capacity: int, ring: int) -> int:
+        """Slots of ``layer``'s own arrays in a cache of ``capacity`` and ``ring``."""
+        return ring if self._is_ring(layer) else capacity - self._base(layer)
 
     @property
     def per_position(self) -> int:
@@ -120,13 +150,13 @@ class SequenceKV:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by this sequence's cache on this shard (capacity, not length)."""
+        """Bytes of this sequence's own arrays on this shard (capacity, not length; the
+        shared pages are not counted: ``pages``)."""
         return sum(a.nbytes for a in self._keys) + sum(a.nbytes for a in self._values)
 
     def _bytes(self, capacity: int, ring: int) -> int:
         per = 2 * self.n_kv_heads * self.head_dim * self.dtype.itemsize
-        rings = sum(self._is_ring(layer) for layer in range(self.n_layers))
-        return per * ((self.n_layers - rings) * capacity + rings * ring)
+        return per * sum(self._own(layer, capacity, ring) for layer in range(self.n_layers))
 
     def _plan(self, n_new: int) -> tuple[int, int]:
         capacity = grown_capacity(self._capacity, self.length + n_new)
@@ -143,13 +173,13 @@ class SequenceKV:
         capacity, ring = self._plan(n_new)
         if not self._keys:
             for layer in range(self.n_layers):
-                shape = (self.n_kv_heads, ring if self._is_ring(layer) else capacity, self.head_dim)
+                shape = (self.n_kv_heads, self._own(layer, capacity, ring), self.head_dim)
                 self._keys.append(np.zeros(shape, self.dtype))
                 self._values.append(np.zeros(shape, self.dtype))
         elif (capacity, ring) != (self._capacity, self._ring):
             for arrays in (self._keys, self._values):
                 for layer, old in enumerate(arrays):  # in place: each old array goes at once
-                    want = ring if self._is_ring(layer) else capacity
+                    want = self._own(layer, capacity, ring)
                     if old.shape[1] != want:
                         arrays[layer] = self._grown(layer, old, want)
         self._capacity, self._ring = capacity, ring
@@ -168,14 +198,39 @@ class SequenceKV:
             held = np.arange(self._kept_from, self.length)
             new[:, held % capacity] = old[:, held % old.shape[1]]
         else:
-            new[:, : self.length] = old[:, : self.length]
+            own = self.length - self._base(layer)
+            new[:, :own] = old[:, :own]
         return new
 
     def _slots(self, layer: int, start: int, stop: int) -> slice | np.ndarray:
-        """Where positions ``start .. stop`` of ``layer`` are."""
+        """Where positions ``start .. stop`` (none of them in pages) of ``layer`` are in
+        its own arrays."""
         if not self._is_ring(layer) or stop <= self._ring:
-            return slice(start, stop)
+            base = self._base(layer)
+            if start < base:
+                raise ValueError(f"positions from {start} of layer {layer} are in pages")
+            return slice(start - base, stop - base)
         return np.arange(start, stop) % self._ring
+
+    def _gather(self, layer: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the keys and values of positions ``start .. stop`` of ``layer``,
+        from its pages and its own arrays."""
+        base = self._base(layer)
+        if start >= base:
+            at = self._slots(layer, start, stop)
+            return self._keys[layer][:, at].copy(), self._values[layer][:, at].copy()
+        row = self.page_layers.index(layer)
+        parts: list[tuple[np.ndarray, np.ndarray]] = []
+        for p in range(start // PAGE_TOKENS, -(-min(stop, base) // PAGE_TOKENS)):
+            a = max(start, p * PAGE_TOKENS) - p * PAGE_TOKENS
+            b = min(stop, (p + 1) * PAGE_TOKENS) - p * PAGE_TOKENS
+            page = self._pages[p].array[row]
+            parts.append((page[0, :, a:b], page[1, :, a:b]))
+        if stop > base:
+            own = self._slots(layer, base, stop)
+            parts.append((self._keys[layer][:, own], self._values[layer][:, own]))
+        keys = np.concatenate([k for k, _ in parts], axis=1)
+        return keys, np.concatenate([v for _, v in parts], axis=1)
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store ``k, v`` of shape ``[n_kv_heads, n_new, head_dim]`` after ``length``."""
@@ -188,9 +243,19 @@ class SequenceKV:
         self._values[layer][:, at] = v
 
     def buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """A layer's whole key and value arrays ``[n_kv_heads, capacity, head_dim]``, for
+        """A layer's own key and value arrays ``[n_kv_heads, slots, head_dim]``, for
         kernels that write new positions after ``length`` themselves."""
         return self._keys[layer], self._values[layer]
+
+    def entry(
+        self, layer: int, n_new: int, row: int
+    ) -> tuple[np.ndarray, np.ndarray, int, int, int, int, np.ndarray | None]:
+        """What the native attention takes of this sequence's ``n_new`` rows from batch
+        row ``row`` in ``layer`` (module.c ``read_entries``): its own arrays, where its
+        positions are, and its pages' addresses (None: none)."""
+        table = self._tables.get(layer) if self._pages else None
+        keys, values = self._keys[layer], self._values[layer]
+        return keys, values, self.length, n_new, row, self.ring(layer), table
 
     def ring(self, layer: int) -> int:
         """A ring layer's capacity (position ``p`` in slot ``p % ring``); 0 for a layer
@@ -202,6 +267,8 @@ class SequenceKV:
         end = self.length + n_new
         if self._is_ring(layer) and end > self._ring:
             raise ValueError("a ring that went round has no view in position order")
+        if self._base(layer):  # a copy: kernels that read views do not read pages
+            return self._gather(layer, 0, end)
         return self._keys[layer][:, :end], self._values[layer][:, :end]
 
     def advance(self, n_new: int) -> None:
@@ -224,12 +291,15 @@ class SequenceKV:
         n = self.length
         out = np.empty(self.payload_bytes(n) // self.dtype.itemsize, self.dtype)
         offset = 0
-        for arrays in (self._keys, self._values):
-            for layer, array in enumerate(arrays):  # one copy, straight into the result
+        for side in (0, 1):
+            for layer, array in enumerate((self._keys, self._values)[side]):
                 kept = self.kept(layer, n)
                 size = self.n_kv_heads * kept * self.head_dim
                 part = out[offset : offset + size].reshape(self.n_kv_heads, kept, self.head_dim)
-                part[:] = array[:, self._slots(layer, n - kept, n)]
+                if n - kept < self._base(layer):  # partly in pages
+                    part[:] = self._gather(layer, n - kept, n)[side]
+                else:  # one copy, straight into the result
+                    part[:] = array[:, self._slots(layer, n - kept, n)]
                 offset += size
         return out.view(np.uint8).data
 
@@ -239,21 +309,27 @@ class SequenceKV:
         ring = min(_tiles(length), _tiles(self._window + REWIND_ROOM)) if self.rings else 0
         return grown_capacity(0, length), ring
 
-    def load_growth_bytes(self, length: int) -> int:
-        """Bytes an empty cache takes once ``start_loaded(length)``."""
-        return self._bytes(*self._loaded_sizes(length))
+    def load_growth_bytes(self, length: int, shared: int = 0) -> int:
+        """Bytes an empty cache's own arrays take once ``start_loaded(length)`` with
+        pages of ``shared`` positions."""
+        capacity, ring = self._loaded_sizes(length)
+        per = 2 * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+        return self._bytes(capacity, ring) - per * shared * len(self.page_layers)
 
-    def start_loaded(self, length: int) -> None:
+    def start_loaded(self, length: int, pages: Sequence[KVPage] = ()) -> None:
         """Make this empty cache hold ``length`` positions whose keys and values the caller
         then stores (``put_parts``): each layer's last ``kept(layer, length)`` (an import,
-        a prefix)."""
+        a prefix), but the paged layers' first ``len(pages) * PAGE_TOKENS``, read from
+        ``pages`` (full pages of these very positions: ``paging`` caches only)."""
         if self.length:
             raise ValueError("a load needs an empty cache")
+        if pages and (not self.paging or len(pages) * PAGE_TOKENS > length):
+            raise ValueError(f"{len(pages)} pages do not start a {length}-position cache")
         self._capacity, self._ring = self._loaded_sizes(length)
+        self._set_pages(tuple(pages))
         self._keys, self._values = [], []
         for layer in range(self.n_layers):
-            size = self._ring if self._is_ring(layer) else self._capacity
-            shape = (self.n_kv_heads, size, self.head_dim)
+            shape = (self.n_kv_heads, self._own(layer, self._capacity, self._ring), self.head_dim)
             self._keys.append(np.zeros(shape, self.dtype))
             self._values.append(np.zeros(shape, self.dtype))
         self.length = length
@@ -268,7 +344,8 @@ class SequenceKV:
         call a layer rather than one per block (a 2,000-position prefix of 30 layers was
         3,750 calls, twice the time of its copy)."""
         stop = start + sum(k.shape[1] for k in keys)
-        if start < self.length - self.kept(layer, self.length) or stop > self.length:
+        first = max(self.length - self.kept(layer, self.length), self._base(layer))
+        if start < first or stop > self.length:
             raise ValueError(f"positions {start}..{stop} are not layer {layer}'s to hold")
         at = self._slots(layer, start, stop)
         for parts, arrays in ((keys, self._keys), (values, self._values)):
@@ -284,8 +361,7 @@ class SequenceKV:
             raise ValueError(f"positions {start}..{stop} of {self.length}")
         if self.windows[layer] and start < self._kept_from:
             return None  # gone round a ring, or never loaded (an import keeps the window)
-        at = self._slots(layer, start, stop)
-        return self._keys[layer][:, at].copy(), self._values[layer][:, at].copy()
+        return self._gather(layer, start, stop)
 
     def load_bytes(self, length: int, payload: bytes | bytearray) -> None:
         """Fill this empty cache with ``length`` positions made by ``export_bytes``."""
@@ -314,4 +390,39 @@ class SequenceKV:
                 f"the windowed layers hold positions from {self._kept_from}: cannot go "
                 f"back to {length}"
             )
+        if length < self.shared:  # keep the whole pages before it, copy the rest
+            self._rebase(self._pages[: length // PAGE_TOKENS], length)
         self.length = length
+
+    def share(self, pages: Sequence[KVPage]) -> None:
+        """Read the paged layers' first ``len(pages) * PAGE_TOKENS`` positions from
+        ``pages`` and let this cache's own copy of them go: full pages holding exactly
+        these positions' keys and values (the prefix cache stored them from this cache,
+        or from another of the same tokens: kv/prefix_cache.py), which start with the
+        pages it reads already. Nothing when they hold no more than it reads."""
+        pages = tuple(pages)
+        if not self.paging or len(pages) <= len(self._pages):
+            return
+        if pages[: len(self._pages)] != self._pages or len(pages) * PAGE_TOKENS > self.length:
+            raise ValueError("pages that do not start with this cache's cannot be shared")
+        self._rebase(pages, self.length)
+
+    def _rebase(self, pages: tuple[KVPage, ...], length: int) -> None:
+        """Read positions ``0 .. len(pages) * PAGE_TOKENS`` of the paged layers from
+        ``pages`` and hold positions from there to ``length`` in new own arrays (of the
+        same capacity): copied from wherever they are now."""
+        shared = len(pages) * PAGE_TOKENS
+        for layer in self.page_layers:
+            kept = self._gather(layer, shared, length) if length > shared else None
+            shape = (self.n_kv_heads, self._capacity - shared, self.head_dim)
+            keys, values = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
+            if kept is not None:
+                keys[:, : length - shared], values[:, : length - shared] = kept
+            self._keys[layer], self._values[layer] = keys, values
+        self._set_pages(pages)
+
+    def _set_pages(self, pages: tuple[KVPage, ...]) -> None:
+        self._pages = pages
+        self._tables = {
+            layer: address_table(pages, row) for row, layer in enumerate(self.page_layers)
+        }

@@ -8,15 +8,28 @@ root of the request's **scope** (``scope_root``): the tracker derives a scope
 from each request's tenant (auth/mesh_keys.py), so a prompt stored under one
 scope is never found under another, even with identical ids, and one tenant
 cannot learn by timing, or by ``cached_tokens``, what another sent (vLLM's
-``cache_salt``). A block keeps a copy of
-this shard's keys and values for its positions, the token ids, and its parent
-block itself: a lookup walks the prompt's keys from the first, and takes a
-block only where its tokens are the prompt's and its parent is the block just
-taken (and was stored under the lookup's scope), so even a colliding hash cannot
-hand a request KV of another prefix, or another scope's.
+``cache_salt``). A block keeps this shard's keys and values for its positions,
+the token ids, and its parent block itself: a lookup walks the prompt's keys
+from the first, and takes a block only where its tokens are the prompt's and
+its parent is the block just taken (and was stored under the lookup's scope), so
+even a colliding hash cannot hand a request KV of another prefix, or another
+scope's.
 Reusing a block is exact: KV of a position depends only on the tokens up to it
 (meshnet computes a row identically alone, batched or chunked), so a prompt
 prefilled after a cached prefix gives the bits a whole prefill gives.
+
+**Pages, shared with the sessions** (kv/pages.py): the layers without a window
+keep a block's positions in a page of ``PAGE_TOKENS`` (four blocks), which the
+block's parent's page continues where its next positions are free, and a new page
+starts (with a copy of the parent page's positions before it) where another
+prefix took them, so the page of a prefix's fourth block holds that prefix's
+positions exactly. A session that loads a prefix reads its whole pages in place
+and copies only the rest; the session that computed a prompt gives its own copy
+up for the pages stored from it (node/prefixes.py). So eight sessions on one
+system prompt hold its KV once, the cache's copy. A page's bytes are counted
+while a cached block is in it; what sessions hold of them the node counts once
+for the sessions (node/engine_held.py), and ``trim`` then counts only what
+evicting would give back.
 
 **Windowed layers** (Gemma 2/3, gpt-oss: a row sees only its last ``window``
 positions) keep a ring of their last positions (kv/cache.py), so a block's
@@ -30,9 +43,7 @@ computing the prefix itself, so the next row sees the same keys either way.
 
 The cache is bounded in bytes; the least recently used block goes first, and
 only a block no other block extends (a lookup touches a prefix's blocks from its
-last to its first, so parents are always more recent than their children). It
-holds copies, not the sessions' own arrays: ``SequenceKV`` keeps one contiguous
-array per layer, so a block cannot be shared without changing that layout.
+last to its first, so parents are always more recent than their children).
 
 Not thread-safe: the node's engine loop is its only user.
 """
@@ -41,14 +52,16 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from meshnet.kv.cache import SequenceKV
+from meshnet.kv.pages import PAGE_TOKENS, KVPage
 
 BLOCK_TOKENS = 16  # positions per block: what a prefix is reused in multiples of
+_PER_PAGE = PAGE_TOKENS // BLOCK_TOKENS  # blocks a page holds
 MAX_SCOPE_BYTES = 64  # the longest scope an open may name
 _ROOT = b"meshnet-prefix-v2\0"  # what every scope's root is derived from
 
@@ -82,15 +95,23 @@ class _Block:
     scope: bytes  # what it was stored under
     tokens: bytes  # the block's ids, int64 little-endian
     parent: _Block | None
+    page: KVPage  # where the paged layers' positions are (views of it in ``keys``)
     # per layer [n_kv_heads, BLOCK_TOKENS, head_dim]; None: a windowed layer's ring had
     # let these positions go when the block was stored
     keys: list[np.ndarray | None]
     values: list[np.ndarray | None]
+    paged: frozenset[int]  # the layers whose arrays are views of the page
     children: int = 0  # cached blocks that extend this one
-    nbytes: int = field(init=False)
+    nbytes: int = field(init=False)  # its windowed layers' copies (the page counts apart)
 
     def __post_init__(self) -> None:
-        self.nbytes = sum(a.nbytes for a in (*self.keys, *self.values) if a is not None)
+        self.nbytes = sum(
+            a.nbytes
+            for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True))
+            if layer not in self.paged
+            for a in (k, v)
+            if a is not None
+        )
 
     def extends(self, parent: _Block | None, tokens: bytes, scope: bytes) -> bool:
         """Whether this is the block of ``tokens`` after ``parent`` under ``scope``
@@ -131,7 +152,7 @@ class PrefixCache:
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = max(capacity_bytes, 0)  # 0: the cache is off
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()
-        self.nbytes = 0
+        self.nbytes = 0  # the blocks' windowed copies and the pages they are in
         self._hits = 0
         self._reused = 0
         self._stored = 0
@@ -169,15 +190,28 @@ class PrefixCache:
         self._touch(found)
         return found
 
+    @staticmethod
+    def pages_of(blocks: Sequence[_Block]) -> list[KVPage]:
+        """The full pages holding the positions of ``blocks`` (a prefix's, from its
+        first), in order: the page of every fourth block."""
+        return [b.page for b in blocks[_PER_PAGE - 1 :: _PER_PAGE]]
+
     def load(self, blocks: list[_Block], kv: SequenceKV) -> int:
         """Fill the empty ``kv`` with ``blocks`` (a ``match`` cut to what is ``loadable``):
-        each layer's last ``kv.kept`` positions of them; the positions loaded."""
+        each layer's last ``kv.kept`` positions of them, read in place from their pages
+        where ``kv`` reads pages; the positions loaded."""
         n = len(blocks) * BLOCK_TOKENS
         if not n:
             return 0
-        kv.start_loaded(n)
+        pages = self.pages_of(blocks) if kv.paging else []
+        kv.start_loaded(n, pages)
+        shared = len(pages) * PAGE_TOKENS
         for layer in range(kv.n_layers):  # one copy a layer, every block into its place
             first = n - kv.kept(layer, n)
+            if layer in kv.page_layers:
+                first = max(first, shared)
+            if first == n:
+                continue
             keys: list[np.ndarray] = []
             values: list[np.ndarray] = []
             for b in blocks[first // BLOCK_TOKENS :]:  # from the block the window starts in
@@ -233,19 +267,51 @@ class PrefixCache:
         i: int,
     ) -> _Block:
         start = i * BLOCK_TOKENS
+        page = self._page_for(parent, kv, i)
+        at = start % PAGE_TOKENS
         keys: list[np.ndarray | None] = []
         values: list[np.ndarray | None] = []
         for layer in range(kv.n_layers):
+            if layer in kv.page_layers:
+                row = page.array[kv.page_layers.index(layer)]
+                keys.append(row[0, :, at : at + BLOCK_TOKENS])
+                values.append(row[1, :, at : at + BLOCK_TOKENS])
+                continue
             held = kv.read(layer, start, start + BLOCK_TOKENS)
             keys.append(None if held is None else held[0])
             values.append(None if held is None else held[1])
-        block = _Block(key, scope, tokens, parent, keys, values)
+        block = _Block(key, scope, tokens, parent, page, keys, values, frozenset(kv.page_layers))
         if parent is not None:
             parent.children += 1
         self._blocks[key] = block
-        self.nbytes += block.nbytes
+        page.blocks += 1
+        self.nbytes += block.nbytes + (page.nbytes if page.blocks == 1 else 0)
         self._stored += 1
         return block
+
+    def _page_for(self, parent: _Block | None, kv: SequenceKV, i: int) -> KVPage:
+        """The page holding block ``i`` of ``kv`` (its positions written there): the one
+        ``kv`` reads them from already, else its parent's where it is written up to the
+        block, else a new one, started with the parent page's positions before it."""
+        j, at = divmod(i * BLOCK_TOKENS, PAGE_TOKENS)
+        if j < len(kv.pages):
+            return kv.pages[j]
+        page = parent.page if parent is not None and at else None
+        if page is None or page.filled != at:
+            fresh = KVPage(len(kv.page_layers), kv.n_kv_heads, kv.head_dim, kv.dtype)
+            if page is not None:
+                fresh.copy_from(page, at)
+            page = fresh
+        start = i * BLOCK_TOKENS
+        keys: list[np.ndarray] = []
+        values: list[np.ndarray] = []
+        for layer in kv.page_layers:  # no window: every position is held
+            held = kv.read(layer, start, start + BLOCK_TOKENS)
+            assert held is not None
+            keys.append(held[0])
+            values.append(held[1])
+        page.fill(at, BLOCK_TOKENS, keys, values)
+        return page
 
     def _complete(self, block: _Block, kv: SequenceKV, i: int) -> None:
         """Give a block stored without its windowed layers' KV what ``kv`` holds of it."""
@@ -263,24 +329,33 @@ class PrefixCache:
         for block in reversed(path):
             self._blocks.move_to_end(block.key)
 
-    def trim(self, limit_bytes: int) -> int:
+    def trim(self, limit_bytes: int, held: Collection[KVPage] = ()) -> int:
         """Evict least recently used blocks that nothing extends until at most
-        ``limit_bytes`` are held; the bytes freed."""
+        ``limit_bytes`` are held but for the pages in ``held`` (which sessions hold too:
+        evicting their blocks gives none of their bytes back); the bytes freed."""
+        distinct = {id(p): p for p in held}
+        alone = self.nbytes - sum(p.nbytes for p in distinct.values() if p.blocks)
         freed = 0
-        while self.nbytes > max(limit_bytes, 0) and self._blocks:
+        while alone > max(limit_bytes, 0) and self._blocks:
             victim = next((b for b in self._blocks.values() if not b.children), None)
             if victim is None:  # cannot happen: some block is a leaf
                 break
             del self._blocks[victim.key]
             if victim.parent is not None:
                 victim.parent.children -= 1
-            self.nbytes -= victim.nbytes
-            freed += victim.nbytes
+            victim.page.blocks -= 1
+            gone = victim.nbytes + (0 if victim.page.blocks else victim.page.nbytes)
+            self.nbytes -= gone
+            given = gone if victim.page.blocks or id(victim.page) not in distinct else victim.nbytes
+            alone -= given
+            freed += given
             self._evicted += 1
         return freed
 
     def clear(self) -> None:
         """Forget every block (the node loaded another shard)."""
         self._evicted += len(self._blocks)
+        for block in self._blocks.values():
+            block.page.blocks -= 1
         self._blocks.clear()
         self.nbytes = 0

@@ -3,16 +3,20 @@
 Hot KV (a ``Slot`` per session), KV parked on local disk, parks written for a
 two-phase park and not yet committed, each session's newest epoch (its fence,
 remembered after its KV is gone), the KV budget and the prompt-prefix cache
-kept within what the budget leaves. Only the loop's thread reads or changes
-it: every call reaches it through the inbox (node/engine_inbox.py).
+kept within what the budget leaves. Pages of a cached prefix that sessions read
+in place (kv/pages.py) count once, for the sessions, however many read them.
+Only the loop's thread reads or changes it: every call reaches it through the
+inbox (node/engine_inbox.py).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from meshnet.backends.shard import Shard
 from meshnet.kv.manager import KVBudget
+from meshnet.kv.pages import KVPage
 from meshnet.kv.prefix_cache import PrefixCache
 from meshnet.node.engine_types import EngineConfig
 from meshnet.node.parking import ParkedKV, ParkStore
@@ -39,9 +43,20 @@ class HeldKV:
         # No tier changes the backend: how rows are committed is the engine's for life.
         self._exact = commits_exactly(config.backend)
 
+    def held_pages(self) -> list[KVPage]:
+        """The pages the sessions read, each once."""
+        pages = {id(p): p for s in self.slots.values() for p in s.kv.pages}
+        return list(pages.values())
+
+    def unheld_bytes(self, pages: Iterable[KVPage]) -> int:
+        """Bytes of ``pages`` that no session reads yet (what reading them adds)."""
+        held = {id(p) for p in self.held_pages()}
+        return sum(p.nbytes for p in {id(p): p for p in pages}.values() if id(p) not in held)
+
     def account(self) -> None:
         """Count what the sessions hold against the budget, and trim the prefix cache."""
-        self.budget.update(sum(s.kv.nbytes + s.sent_bytes for s in self.slots.values()))
+        own = sum(s.kv.nbytes + s.sent_bytes for s in self.slots.values())
+        self.budget.update(own + sum(p.nbytes for p in self.held_pages()))
         self.make_room(0)
 
     def make_room(self, extra: int) -> None:
@@ -49,7 +64,7 @@ class HeldKV:
         ``extra`` more bytes: cached prefixes never make a session fail for memory."""
         budget = self.budget.budget_bytes
         if budget > 0 and self.prefixes.nbytes:
-            self.prefixes.trim(budget - self.budget.in_use - extra)
+            self.prefixes.trim(budget - self.budget.in_use - extra, self.held_pages())
 
     def row_log(self, shard: Shard, base: int) -> RowLog:
         """A session's commitments log from position ``base``: hashes on an exact

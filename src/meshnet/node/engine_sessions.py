@@ -157,7 +157,7 @@ class Sessions:
         """A fresh slot starts with the longest cached prefix of its prompt that the KV
         budget has room for, as step 0; its commitments start after it."""
         held = self._held
-        n = reuse_prefix(held.prefixes, slot, ask, held.budget.fits, held.make_room)
+        n = reuse_prefix(held, slot, ask)
         if n:
             slot.rows, slot.inputs = held.row_log(shard, n), RowLog(n)
             held.account()

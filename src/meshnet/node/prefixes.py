@@ -7,7 +7,9 @@ of the route agrees on the length because the driver asks each for the same
 (node/engine_sessions.py answers what it loaded; tracker/routing/prefix_open.py
 settles on it). As the session's steps commit, the full blocks of its prompt
 it has computed are copied into the cache (after every chunk of its prefill,
-while a windowed layer's ring still holds them). Both are under the open's
+while a windowed layer's ring still holds them), and it then reads the whole
+pages of them in place (kv/pages.py): its own copy goes, so the prompt's KV is
+held once for it, the cache and every session that loads it. Both are under the open's
 scope: the tracker's name for the request's tenant, so one tenant's prompts
 are never another's hits.
 Run on the engine's loop thread only.
@@ -15,13 +17,14 @@ Run on the engine's loop thread only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from meshnet.errors import MalformedBundle
+from meshnet.kv.pages import PAGE_TOKENS
 from meshnet.kv.prefix_cache import BLOCK_TOKENS, MAX_SCOPE_BYTES, PrefixCache, loadable
+from meshnet.node.engine_held import HeldKV
 from meshnet.node.scheduler import Slot
 
 
@@ -47,16 +50,11 @@ class PrefixAsk:
         return PrefixAsk(np.asarray(ids, dtype=np.int64), int(reuse), bytes(scope))
 
 
-def reuse_prefix(
-    cache: PrefixCache,
-    slot: Slot,
-    ask: PrefixAsk,
-    fits: Callable[[int], bool],
-    make_room: Callable[[int], None],
-) -> int:
+def reuse_prefix(held: HeldKV, slot: Slot, ask: PrefixAsk) -> int:
     """Start the fresh ``slot`` with the longest cached prefix of ``ask`` that the KV
-    budget has room for (``fits``; ``make_room`` evicts cached blocks for it); the
-    positions loaded (then step 0 is committed)."""
+    budget has room for (cached blocks evicted for it where needed); the positions
+    loaded (then step 0 is committed)."""
+    cache = held.prefixes
     if not cache.enabled:
         return 0
     slot.prefix, slot.prefix_blocks, slot.prefix_scope = ask.ids, 0, ask.scope
@@ -64,10 +62,13 @@ def reuse_prefix(
         return 0
     blocks = cache.match(ask.ids, ask.reuse, ask.scope)
     blocks = blocks[: loadable(blocks, max(slot.kv.windows))]
-    need = slot.kv.load_growth_bytes(len(blocks) * BLOCK_TOKENS)
-    if not blocks or not fits(need):
+    pages = cache.pages_of(blocks) if slot.kv.paging else []
+    shared = len(pages) * PAGE_TOKENS
+    need = slot.kv.load_growth_bytes(len(blocks) * BLOCK_TOKENS, shared)
+    need += held.unheld_bytes(pages)  # counted for the sessions from now on
+    if not blocks or not held.budget.fits(need):
         return 0
-    make_room(need)  # the blocks matched stay alive in ``blocks`` if evicted meanwhile
+    held.make_room(need)  # the blocks matched stay alive in ``blocks`` if evicted meanwhile
     n = cache.load(blocks, slot.kv)
     slot.prefix_blocks = len(blocks)
     slot.steps = 1
@@ -75,12 +76,21 @@ def reuse_prefix(
 
 
 def keep_prefix(cache: PrefixCache, slot: Slot | None) -> None:
-    """Copy the full prompt blocks ``slot`` has computed since into the cache."""
+    """Copy the full prompt blocks ``slot`` has computed since into the cache, and read
+    their whole pages in place from then on."""
     if slot is None or slot.prefix is None:
         return
     if not cache.enabled:
         slot.prefix = None
         return
-    slot.prefix_blocks = cache.store(slot.prefix, slot.kv, slot.prefix_blocks, slot.prefix_scope)
+    kv = slot.kv
+    done = cache.store(slot.prefix, kv, slot.prefix_blocks, slot.prefix_scope)
+    slot.prefix_blocks = done
+    if kv.paging and done * BLOCK_TOKENS >= kv.shared + PAGE_TOKENS:
+        whole = done * BLOCK_TOKENS // PAGE_TOKENS * (PAGE_TOKENS // BLOCK_TOKENS)
+        path = cache.match(slot.prefix, whole * BLOCK_TOKENS, slot.prefix_scope)
+        pages = cache.pages_of(path)
+        if tuple(pages[: len(kv.pages)]) == kv.pages:  # else re-stored since it loaded
+            kv.share(pages)
     if slot.prefix_blocks >= len(slot.prefix) // BLOCK_TOKENS:
         slot.prefix = None  # every full block is kept (or was refused): nothing more
