@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshnet.errors import MalformedBundle
+from meshnet.errors import KVBudgetExhausted, MalformedBundle
 from meshnet.kv.pages import PAGE_TOKENS
 from meshnet.kv.prefix_cache import BLOCK_TOKENS
 from meshnet.layer_range import LayerRange
@@ -116,3 +116,27 @@ def test_sessions_on_one_prompt_hold_its_pages_once(tiny_path: Path) -> None:
         assert shared.prefix is not None and shared.prefix.reused_tokens == opened.kv_tokens
     # the pages count once (for the sessions), and each holds only what follows them
     assert shared.kv_bytes < 0.75 * two, (shared.kv_bytes, two)
+
+
+def test_sessions_on_one_prompt_fit_a_budget_their_copies_would_not(tiny_path: Path) -> None:
+    prompt = _ids(3 * PAGE_TOKENS + 5, 5)
+    with running(tiny_path, EngineConfig(prefix_cache_bytes=0)) as plain:
+        plain.sessions.open("a", 1).result(5)
+        _step(plain, "a", 0, prompt)
+        one = plain.stats().kv_bytes
+    budget = int(2.2 * one)
+    with running(tiny_path, EngineConfig(prefix_cache_bytes=0, kv_budget_bytes=budget)) as plain:
+        for sid in "ab":
+            plain.sessions.open(sid, 1).result(5)
+            _step(plain, sid, 0, prompt)
+        with pytest.raises(KVBudgetExhausted):  # a third copy does not fit
+            plain.sessions.open("c", 1).result(5)
+            _step(plain, "c", 0, prompt)
+    with running(tiny_path, EngineConfig(kv_budget_bytes=budget)) as engine:
+        for sid in "abc":
+            ask = PrefixAsk(prompt, len(prompt) - 1)
+            opened = engine.sessions.open(sid, 1, prefix=ask).result(5)
+            _step(engine, sid, opened.steps, prompt[opened.kv_tokens :])
+        stats = engine.stats()
+        assert stats.sessions == 3 and stats.kv_bytes <= budget
+        assert stats.prefix is not None and stats.prefix.reused_tokens == 2 * 12 * B

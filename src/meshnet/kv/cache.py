@@ -34,7 +34,8 @@ tracker then recomputes the positions), and so does it after an import.
 cache's first ``shared`` positions of every layer without a window may be pages that
 the prefix cache and other sequences hold too, read in place (``start_loaded`` with
 pages, ``share``); its own arrays then hold positions ``shared ..`` only, position
-``p`` in slot ``p - shared``. Pages are never written: a ``truncate`` into them lets go
+``p`` in slot ``p - shared``, and the room a growth leaves is an eighth of those
+(growing copies only them). Pages are never written: a ``truncate`` into them lets go
 of the pages from the one it cuts and copies what it keeps of that one.
 """
 
@@ -112,7 +113,7 @@ class SequenceKV:
         self._kept_from = 0  # the oldest position every windowed layer still holds
         self._keys: list[np.ndarray] = []  # own arrays: a paged layer's from ``shared``
         self._values: list[np.ndarray] = []
-        self.paging = pages
+        self.paging = pages and (self.rings or not self._window)  # one capacity: the pages'
         self.page_layers = page_layers(self.windows)
         self._pages: tuple[KVPage, ...] = ()  # positions 0 .. shared of the paged layers
         self._tables: dict[int, np.ndarray] = {}  # per paged layer: its pages' addresses
@@ -159,7 +160,9 @@ class SequenceKV:
         return per * sum(self._own(layer, capacity, ring) for layer in range(self.n_layers))
 
     def _plan(self, n_new: int) -> tuple[int, int]:
-        capacity = grown_capacity(self._capacity, self.length + n_new)
+        # room in proportion to what the own arrays hold: growing copies only them
+        own = grown_capacity(self._capacity - self.shared, self.length + n_new - self.shared)
+        capacity = self.shared + own
         ring = ring_capacity(self._ring, self.length, n_new, self._window) if self.rings else 0
         return capacity, ring
 
@@ -409,16 +412,18 @@ class SequenceKV:
 
     def _rebase(self, pages: tuple[KVPage, ...], length: int) -> None:
         """Read positions ``0 .. len(pages) * PAGE_TOKENS`` of the paged layers from
-        ``pages`` and hold positions from there to ``length`` in new own arrays (of the
-        same capacity): copied from wherever they are now."""
+        ``pages`` and hold positions from there to ``length`` in new own arrays, room for
+        them and no more (at least ``GRANULE``): copied from wherever they are now."""
         shared = len(pages) * PAGE_TOKENS
+        capacity = shared + grown_capacity(0, length - shared)
         for layer in self.page_layers:
             kept = self._gather(layer, shared, length) if length > shared else None
-            shape = (self.n_kv_heads, self._capacity - shared, self.head_dim)
+            shape = (self.n_kv_heads, capacity - shared, self.head_dim)
             keys, values = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
             if kept is not None:
                 keys[:, : length - shared], values[:, : length - shared] = kept
             self._keys[layer], self._values[layer] = keys, values
+        self._capacity = capacity
         self._set_pages(pages)
 
     def _set_pages(self, pages: tuple[KVPage, ...]) -> None:
