@@ -29,7 +29,7 @@ def _grown(kv: SequenceKV, n: int, seed: int, chunk: int = 50) -> SequenceKV:
 
 
 def _new(paging: bool = True, windows: tuple[int, ...] = WINDOWS) -> SequenceKV:
-    return SequenceKV(len(windows), 2, 8, windows=windows, rings=True, pages=paging)
+    return SequenceKV(len(windows), 2, 8, windows=windows, rings=True, paging=paging)
 
 
 def _pages_of(kv: SequenceKV, n: int) -> list[KVPage]:

@@ -150,6 +150,7 @@ def test_pages_that_do_not_fit_the_cache_are_refused() -> None:
         (*own, 130, 1, 0, 0, table[:, :1].copy().reshape(-1)[:1]),  # half a table
         (*own, 130, 1, 0, 64, table),  # a ring has no pages
         (*own, 140, 1, 0, 0, table),  # past its own arrays' room
+        (*own, 130, 1, 0, 0, table.view(np.int32)),  # not addresses
     ]:
         with pytest.raises(ValueError):
             _call(q, k, k, [entry])

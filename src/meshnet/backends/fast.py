@@ -64,7 +64,7 @@ class FastBackend:
         windows = [self.spec.layer_window(start + i) for i in range(len(self.weights.layers))]
         native = quant.NATIVE is not None and self.spec.head_dim % 8 == 0
         n_kv, hd = self.spec.n_kv_heads, self.spec.head_dim
-        return SequenceKV(len(windows), n_kv, hd, windows=windows, rings=native, pages=native)
+        return SequenceKV(len(windows), n_kv, hd, windows=windows, rings=native, paging=native)
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         if self.weights.embedding is None:

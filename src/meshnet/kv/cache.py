@@ -30,7 +30,7 @@ and any node can take any node's bytes. A ring cannot go back further than it
 holds: ``truncate`` to a point whose window is gone raises ``CacheMiss`` (the
 tracker then recomputes the positions), and so does it after an import.
 
-**Shared pages** (kv/pages.py): with ``pages`` (the native kernel reads them), a
+**Shared pages** (kv/pages.py): with ``paging`` (the native kernel reads them), a
 cache's first ``shared`` positions of every layer without a window may be pages that
 the prefix cache and other sequences hold too, read in place (``start_loaded`` with
 pages, ``share``); its own arrays then hold positions ``shared ..`` only, position
@@ -86,7 +86,7 @@ class SequenceKV:
     """Keys and values ``[n_kv_heads, capacity, head_dim]`` per layer of a shard.
 
     ``windows``: each layer's window (0: it sees every position); ``rings``: windowed
-    layers are rings; ``pages``: it may read shared pages (see the module's doc)."""
+    layers are rings; ``paging``: it may read shared pages (see the module's doc)."""
 
     def __init__(
         self,
@@ -96,7 +96,7 @@ class SequenceKV:
         dtype: type[np.floating] = np.float32,
         windows: Sequence[int] = (),
         rings: bool = False,
-        pages: bool = False,
+        paging: bool = False,
     ) -> None:
         self.n_layers = n_layers
         self.n_kv_heads = n_kv_heads
@@ -113,7 +113,8 @@ class SequenceKV:
         self._kept_from = 0  # the oldest position every windowed layer still holds
         self._keys: list[np.ndarray] = []  # own arrays: a paged layer's from ``shared``
         self._values: list[np.ndarray] = []
-        self.paging = pages and (self.rings or not self._window)  # one capacity: the pages'
+        # reads shared pages; windowed layers are then rings (``_capacity`` is the pages')
+        self.paging = paging and (self.rings or not self._window)
         self.page_layers = page_layers(self.windows)
         self._pages: tuple[KVPage, ...] = ()  # positions 0 .. shared of the paged layers
         self._tables: dict[int, np.ndarray] = {}  # per paged layer: its pages' addresses

@@ -138,7 +138,8 @@ static int read_entries(PyObject *obj, Py_ssize_t T, const heads_t *h, entries_t
         if (pages != Py_None) {
             if (PyObject_GetBuffer(pages, &kv[2], PyBUF_C_CONTIGUOUS) < 0) goto fail;
             shared = kv[2].len / (Py_ssize_t)(2 * sizeof(float *)) * ATTENTION_TILE;
-            if (kv[2].len % (Py_ssize_t)(2 * sizeof(float *)) || ring != 0 || first < shared) {
+            if (kv[2].itemsize != (Py_ssize_t)sizeof(float *) ||
+                kv[2].len % (Py_ssize_t)(2 * sizeof(float *)) || ring != 0 || first < shared) {
                 PyErr_SetString(PyExc_ValueError, "a sequence's pages do not fit its cache");
                 goto fail;
             }
