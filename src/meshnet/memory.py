@@ -115,20 +115,30 @@ def on_huge_pages(a: np.ndarray) -> np.ndarray:
     memory, gain little). Only the whole 2 MB pages inside the copy are advised, so its
     resident size stays its bytes rounded up to 4 KB, as a plain array's.
     """
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    private = getattr(mmap, "MAP_PRIVATE", None)
-    if a.nbytes < HUGE_PAGE or advice is None or private is None:
+    out = huge_zeros(a.shape, a.dtype)
+    if out is None:
         return a
-    try:
-        area = mmap.mmap(-1, a.nbytes + HUGE_PAGE, flags=private | mmap.MAP_ANONYMOUS)
-        whole = np.frombuffer(area, np.uint8)
-        start = -whole.ctypes.data % HUGE_PAGE  # the first 2 MB boundary inside the area
-        area.madvise(advice, start, a.nbytes // HUGE_PAGE * HUGE_PAGE)
-    except (OSError, ValueError):  # no such advice here: plain pages serve as well
-        return a
-    out = whole[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
     out[...] = a
     return out
+
+
+def huge_zeros(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray | None:
+    """A zeroed array in memory whose whole 2 MB pages Linux may back with huge pages
+    (``on_huge_pages``); None where it is under one such page or the system has no
+    transparent huge pages to ask for. Its bytes go back when the last view of it does."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    private = getattr(mmap, "MAP_PRIVATE", None)
+    if nbytes < HUGE_PAGE or advice is None or private is None:
+        return None
+    try:
+        area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=private | mmap.MAP_ANONYMOUS)
+        whole = np.frombuffer(area, np.uint8)
+        start = -whole.ctypes.data % HUGE_PAGE  # the first 2 MB boundary inside the area
+        area.madvise(advice, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    except (OSError, ValueError):  # no such advice here: plain pages serve as well
+        return None
+    return whole[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def in_child(run: Callable[[], T]) -> T:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from meshnet.benchmark.engine import prefilled_kv
+from meshnet.kv.pages import KVPage
 from meshnet.memory import HUGE_PAGE
 
 HEADS, HEAD_DIM = 8, 64
@@ -45,3 +46,17 @@ def test_a_long_cache_holds_its_positions_on_huge_pages() -> None:
         advised, huge_kb = _advised(a)
         assert advised >= HEADS * kv.length * HEAD_DIM * 4 - 2 * HUGE_PAGE  # but its ends
         assert huge_kb > 0  # and the kernel gave it some
+
+
+@pytest.mark.skipif(
+    not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here"
+)
+def test_a_shared_page_of_a_large_model_lies_on_huge_pages() -> None:
+    """A session deep in a shared prefix reads page after page (kv/pages.py): each is a
+    mapping of its own, so it asks for 2 MB pages itself."""
+    page = KVPage(16, HEADS, HEAD_DIM, np.dtype(np.float32))  # Llama 3.2 1B's shape: 4 MB
+    page.array[...] = 1.0  # written, as the cache fills it
+    advised, huge_kb = _advised(page.array)
+    assert advised == page.nbytes
+    assert page.array.ctypes.data % HUGE_PAGE == 0  # every byte in a whole 2 MB page
+    assert huge_kb > 0
