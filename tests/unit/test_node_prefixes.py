@@ -140,3 +140,28 @@ def test_sessions_on_one_prompt_fit_a_budget_their_copies_would_not(tiny_path: P
         stats = engine.stats()
         assert stats.sessions == 3 and stats.kv_bytes <= budget
         assert stats.prefix is not None and stats.prefix.reused_tokens == 2 * 12 * B
+
+
+def test_parking_a_session_on_shared_pages_frees_what_only_it_held(
+    tiny_path: Path, tmp_path: Path
+) -> None:
+    prompt = _ids(3 * PAGE_TOKENS + 5, 6)
+    with running(tiny_path, EngineConfig(park_dir=str(tmp_path))) as engine:
+        for sid in "ab":
+            ask = PrefixAsk(prompt, len(prompt) - 1)
+            opened = engine.sessions.open(sid, 1, prefix=ask).result(5)
+            _step(engine, sid, opened.steps, prompt[opened.kv_tokens :])
+        both = engine.stats().kv_bytes
+        first = engine.parking.park("a").result(5).freed_bytes
+        alone = engine.stats().kv_bytes
+        assert 0 < first == both - alone  # its own arrays: b still reads the pages
+        assert engine.parking.park("b").result(5).freed_bytes == alone  # the pages too
+        assert engine.stats().kv_bytes == 0
+        # and a parked session comes back with its own copy, the same bits
+        out = []
+        for sid in "ab":
+            opened = engine.sessions.open(sid, 2, resume=True).result(5)
+            assert opened.unparked and opened.kv_tokens == len(prompt)
+            step = StepWork(sid, 2, prompt[:1], None, step=opened.steps)
+            out.append(engine.submit(step).result(10))
+        assert np.array_equal(out[0], out[1])

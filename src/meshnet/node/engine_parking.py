@@ -75,11 +75,13 @@ class Parking:
 
     def _move_to_disk(self, session_id: str, slot: Slot, parked: ParkedKV) -> ParkedSlot:
         held = self._held
+        held.account()
+        before = held.budget.in_use
         del held.slots[session_id]
         held.freed = True
         held.parked[session_id] = parked
-        held.account()
-        return ParkedSlot(parked.tokens, slot.kv.nbytes + slot.sent_bytes)  # as account counts
+        held.account()  # a shared page other sessions read stays: it frees nothing
+        return ParkedSlot(parked.tokens, before - held.budget.in_use)
 
     def unpark(self, shard: Shard, session_id: str) -> bool:
         """Make parked KV hot again; a file that fails its check is dropped (KV rebuilt)."""
