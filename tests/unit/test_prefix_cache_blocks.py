@@ -124,3 +124,19 @@ def test_a_colliding_key_cannot_give_another_scopes_blocks() -> None:
         block_keys(ids, scope=b"alice")[0]
     ]
     assert cache.match(ids, len(ids), b"bob") == []
+
+
+def test_a_prompt_longer_than_the_cache_stores_each_block_once() -> None:
+    """Its blocks past what the cache holds go as they come (the least recent leaf first);
+    each chunk of its prefill must not store them all again (quadratic copying)."""
+    ids = np.arange(64 * B)
+    kv = filled(len(ids))
+    cache = PrefixCache(1 << 20)
+    cache.store(ids[: 4 * B], kv, 0)
+    cache.trim(cache.nbytes)  # the cache holds 4 blocks at most from here
+    limit = cache.nbytes
+    done = 4
+    for end in range(8 * B, len(ids) + 1, 4 * B):  # a prefill's chunks
+        done = cache.store(ids[:end], kv, done)
+        cache.trim(limit)
+    assert cache.stats().stored_blocks <= len(ids) // B

@@ -231,15 +231,18 @@ class PrefixCache:
         """Keep the full blocks of ``ids`` that ``kv`` holds under ``scope``, from block
         ``done`` on (the ones before it are cached already or were loaded from here);
         the blocks done after. Stops at a block whose key another prefix holds (a
-        collision)."""
+        collision). Where one before ``done`` has gone meanwhile, the prompt's chain is
+        cut and none of it is kept from then on (all its blocks are done): storing it
+        again from where the cache ends, every chunk of a prompt longer than the cache
+        copied all of its blocks past the cache again, each then evicted at once."""
         tokens = np.asarray(ids, dtype="<i8")
         blocks = min(len(tokens), kv.length) // BLOCK_TOKENS
         if not self.enabled or blocks <= done:
             return max(done, blocks)
-        keys = block_keys(tokens, blocks, scope)
         path = self.match(tokens, done * BLOCK_TOKENS, scope)
-        if len(path) < done:  # evicted meanwhile: store from where the cache ends
-            done = len(path)
+        if len(path) < done:
+            return len(tokens) // BLOCK_TOKENS
+        keys = block_keys(tokens, blocks, scope)
         parent = path[-1] if path else None
         added: list[_Block] = []
         for i in range(done, blocks):
