@@ -8,6 +8,7 @@ token ids, so their blocks (16 positions) are known.
 from __future__ import annotations
 
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -360,3 +361,29 @@ def test_another_tenants_session_does_not_start_on_a_tenants_prefix(cached: Loca
     again = turn(other, new_session(other, system), "hello")
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * BLOCK
     assert again["ids"] == theirs["ids"]
+
+
+def test_sessions_on_one_system_prompt_hold_its_kv_once(
+    cached: LocalMesh, uncached: LocalMesh
+) -> None:
+    """A second session's first turn reads the pages of the system prompt the first
+    computed (kv/pages.py): its KV on every node is what follows them, not a copy."""
+    from session_client import new_session, turn
+
+    system = "".join(f"rule {i}: be exact and brief. " for i in range(6))  # ~170 ids
+
+    def growth(mesh: LocalMesh) -> list[float]:
+        """What each session's first turn added to the nodes' KV, in order."""
+        nodes = ("node-0", "node-1")
+        held = [sum(node_counter(mesh, n, "meshnet_node_kv_bytes") for n in nodes)]
+        replies = []
+        for _ in range(2):
+            replies.append(turn(mesh, new_session(mesh, system), "hi")["ids"])
+            held.append(sum(node_counter(mesh, n, "meshnet_node_kv_bytes") for n in nodes))
+        assert replies[0] == replies[1]
+        return [b - a for a, b in pairwise(held)]
+
+    copies, shared = growth(uncached), growth(cached)
+    assert copies[1] == copies[0] > 0  # a copy each
+    assert shared[0] <= 1.1 * copies[0]  # the first computes it and holds it (in pages)
+    assert 0 < shared[1] < 0.5 * copies[1]  # the second holds only what follows them
