@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,22 @@ def turn(api: Api, sid: str, content: str, key: str | None = None, **extra: Any)
     )
     assert r.status_code == 200, r.text
     return dict(r.json())
+
+
+def wait_kv_growing(mesh: LocalMesh, timeout_s: float = 30) -> None:
+    """Until a turn is visibly running: the nodes' steps rise (as their heartbeats say,
+    which lag: a test that must cut a turn short watches its streamed tokens instead)."""
+    deadline = time.monotonic() + timeout_s
+    first: int | None = None
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{mesh.url}/admin/nodes", headers=mesh.admin_headers, timeout=5)
+        steps = sum(n["load"]["steps"] for n in r.json()["nodes"])
+        if first is None:
+            first = steps
+        elif steps > first + 20:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the turn never started")
 
 
 def op(api: Api, sid: str, what: str) -> dict[str, Any]:

@@ -25,8 +25,8 @@ import postgres_server
 import pytest
 from billing import assert_billed_once_like, ledger
 from conftest import NO_ROOM, MeshFactory
-from session_client import TURNS, describe, new_session, turn, turn_body
-from test_session_durability import LONG, QUIET, _wait_kv_growing
+from session_client import TURNS, describe, new_session, turn, turn_body, wait_kv_growing
+from test_session_durability import LONG, QUIET
 
 from meshnet.local_mesh import LocalMesh
 
@@ -125,7 +125,7 @@ def test_a_node_stalled_past_its_heartbeat_timeout_delays_a_turn_and_fails_nothi
     ref, want, sid = start_reference(mesh)
     client = RetryingClient(mesh, sid, "stalled")
     thread = client.start()
-    _wait_kv_growing(mesh)
+    wait_kv_growing(mesh)
     node = mesh.nodes["node-1"]
     node.send_signal(signal.SIGSTOP)
     try:
@@ -213,7 +213,7 @@ def test_the_database_going_away_mid_turn_loses_nothing(
     ref, want, sid = start_reference(mesh)
     client = RetryingClient(mesh, sid, "db-gone")
     thread = client.start()
-    _wait_kv_growing(mesh)
+    wait_kv_growing(mesh)
     assert own_postgres.terminate_backends() >= 1
     own_postgres.stop()
     try:
@@ -251,7 +251,7 @@ def test_a_full_disk_loses_no_accepted_turn_and_answers_503_never_500(
     ref, want, sid = start_reference(mesh)
     client = RetryingClient(mesh, sid, "disk-full")
     thread = client.start()
-    _wait_kv_growing(mesh)
+    wait_kv_growing(mesh)
     assert mesh.tracker is not None
     limit_file_size(mesh.tracker.pid, 1)
     try:
