@@ -45,8 +45,9 @@ class KVPage:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: np.dtype) -> None:
         # On 2 MB pages where it holds one: a decode step deep in a shared prefix reads
         # page after page, and on 4 KB pages each 4 KB cost a TLB miss (a 16k-position
-        # layer of Llama 3.2 1B's shape, 2 threads: 1.3-1.4x the time of one array, ~1.05x
-        # on 2 MB pages). Smaller pages (Gemma 3 270M's: 384 KB) stay on 4 KB ones.
+        # layer of Llama 3.2 1B's shape, 2 threads: 1.3-1.4x the time of one array, ~1.0x
+        # on 2 MB pages). Smaller pages stay on 4 KB ones: Gemma 3 270M's (384 KB) read
+        # a global layer at 1.02-1.10x the time of one array at 16k-32k positions.
         shape = (n_layers, 2, n_kv_heads, PAGE_TOKENS, head_dim)
         huge = huge_zeros(shape, dtype)
         self.array = huge if huge is not None else np.zeros(shape, dtype)
@@ -56,10 +57,6 @@ class KVPage:
     @property
     def nbytes(self) -> int:
         return self.array.nbytes
-
-    @property
-    def full(self) -> bool:
-        return self.filled == PAGE_TOKENS
 
     def fill(
         self, at: int, n: int, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]

@@ -61,7 +61,7 @@ class Parking:
                 if prepared is not None:
                     held.store.remove(prepared)
                 raise StaleEpoch(f"session {session_id} moved on since its park was prepared")
-            return self._move_to_disk(session_id, slot, prepared)
+            return self._move_to_disk(session_id, prepared)
         if epoch is not None and slot.epoch > epoch:
             raise StaleEpoch(f"session {session_id} moved on to epoch {slot.epoch}")
         if self._steps.running(session_id):
@@ -71,9 +71,9 @@ class Parking:
         if phase is ParkPhase.PREPARE:
             held.prepared[session_id] = parked
             return ParkedSlot(parked.tokens, 0)
-        return self._move_to_disk(session_id, slot, parked)
+        return self._move_to_disk(session_id, parked)
 
-    def _move_to_disk(self, session_id: str, slot: Slot, parked: ParkedKV) -> ParkedSlot:
+    def _move_to_disk(self, session_id: str, parked: ParkedKV) -> ParkedSlot:
         held = self._held
         held.account()
         before = held.budget.in_use
