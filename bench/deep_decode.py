@@ -1,7 +1,7 @@
 """A decode step's attention deep in a context: the native kernel against the read bandwidth.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/deep_decode.py [--against OLD.so] [--plain] \\
-        [--depths 4096,16384,32768] [--threads 2]
+        [--shared] [--depths 4096,16384,32768] [--threads 2]
 
 One row (a decode step) attends over a cache of ``depth`` positions in two global-attention
 shapes: Gemma 3 270M's (4 query heads of 256 over one KV head) and Llama 3.2 1B's (32 of 64
@@ -11,6 +11,10 @@ layers' caches taken in turn, with a buffer larger than the last-level cache rea
 calls, so every call reads its keys and values from memory, as a step through a model's
 layers does. With ``--plain``, the same keys and values in plain numpy arrays take turns
 with them, and plain / node is printed (where the cache's pages lie, 2 MB or 4 KB).
+With ``--shared``, the same keys and values read as a session on a cached prefix reads
+them (kv/pages.py): every whole 64 positions from a page of the prefix cache (sized for
+the model's paged layers, so on the memory pages a node's would be), the rest from the
+session's own arrays, and shared / node is printed.
 
 Printed per shape and depth: milliseconds a call (wall, the median of ``--rounds``), the GB/s
 of keys and values it read, and that rate as a share of the machine's streaming read
@@ -32,6 +36,7 @@ import time
 from functools import partial
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -40,11 +45,16 @@ from meshnet.benchmark.bandwidth import read_gb_s
 from meshnet.benchmark.engine import prefilled_kv
 from meshnet.benchmark.native_build import load_build
 from meshnet.benchmark.quiet import Quiet
+from meshnet.kv.pages import PAGE_TOKENS, KVPage, address_table
+
+if TYPE_CHECKING:
+    from meshnet.backends._native import Entry
 
 SHAPES = {  # name: (query heads, KV heads, head dim)
     "Gemma-3-270M global": (4, 1, 256),
     "Llama-3.2-1B": (32, 8, 64),
 }
+PAGED_LAYERS = {"Gemma-3-270M global": 3, "Llama-3.2-1B": 16}  # layers without a window
 LAYERS = 3
 PASSES = 8  # over the layers a measurement: one call is a few ms, and memory's pace wavers
 EVICT_MB = 64  # read between calls: more than this host's 32 MB last-level cache
@@ -55,18 +65,39 @@ PROBE_MB = 256  # the bandwidth probe's least buffer: from memory, not from the 
 class Case:
     """One shape at one depth: its layers' caches, a query, and a call of one build."""
 
-    def __init__(self, heads: int, kv: int, hd: int, depth: int, plain: bool = False) -> None:
+    def __init__(
+        self, heads: int, kv: int, hd: int, depth: int, plain: bool = False, paged: int = 0
+    ) -> None:
         rng = np.random.default_rng(0)
         self.shape, self.depth = (heads, kv, hd), depth
         self.caches = [prefilled_kv(kv, hd, depth, CHUNK) for _ in range(LAYERS)]
         for c in self.caches:
             c.reserve(1)  # the new position's room
-        self.layers = [c.buffers(0) for c in self.caches]
+        layers = [c.buffers(0) for c in self.caches]
         if plain:  # the same bits in numpy's own arrays
-            self.layers = [(k.copy(), v.copy()) for k, v in self.layers]
+            layers = [(k.copy(), v.copy()) for k, v in layers]
+        self.entries: list[Entry] = [(k, v, depth, 1, 0) for k, v in layers]
+        self.pages: list[list[KVPage]] = []
+        if paged:  # the same bits, read from pages of a model of ``paged`` such layers
+            self.entries = [self._shared(k, v, paged) for k, v in layers]
         self.q = rng.standard_normal((1, heads * hd)).astype(np.float32)
         self.kv_row = rng.standard_normal((1, kv * hd)).astype(np.float32)
         self.evict = np.ones((EVICT_MB << 20) // 8, np.uint64)
+
+    def _shared(self, keys: np.ndarray, values: np.ndarray, paged: int) -> Entry:
+        """A native attention entry reading ``keys``, ``values``' whole pages from pages
+        (their first paged layer's) and the rest from arrays of its own."""
+        _, kv, hd = self.shape
+        whole = self.depth // PAGE_TOKENS * PAGE_TOKENS
+        pages = []
+        for at in range(0, whole, PAGE_TOKENS):
+            page = KVPage(paged, kv, hd, np.dtype(np.float32))
+            page.array[0, 0] = keys[:, at : at + PAGE_TOKENS]
+            page.array[0, 1] = values[:, at : at + PAGE_TOKENS]
+            pages.append(page)
+        self.pages.append(pages)  # alive as long as the table is used
+        own = keys[:, whole:].copy(), values[:, whole:].copy()
+        return (*own, self.depth, 1, 0, 0, address_table(pages, 0))
 
     @property
     def read_bytes(self) -> int:
@@ -80,12 +111,11 @@ class Case:
         heads, kv, hd = self.shape
         out = np.empty((1, heads * hd), np.float32)
         total = 0.0
-        for keys, values in self.layers * PASSES:
+        for entry in self.entries * PASSES:
             self.evict.sum()
-            entry = [(keys, values, self.depth, 1, 0)]
             start = time.perf_counter()
             build.attend(
-                self.q, self.kv_row, self.kv_row, out, entry, 1, heads, kv, hd, threads,
+                self.q, self.kv_row, self.kv_row, out, [entry], 1, heads, kv, hd, threads,
                 hd**-0.5, 0.0, 0,
             )  # fmt: skip
             total += time.perf_counter() - start
@@ -99,10 +129,11 @@ def _timed(case: Case, build: ModuleType, threads: int) -> float:
 def _calls(
     cases: dict[str, Case], builds: dict[str, ModuleType]
 ) -> list[tuple[str, Case, ModuleType]]:
-    """Each build on the node's caches; the new build on the plain ones too."""
+    """Each build on the node's caches; the new build on the plain and shared ones too."""
     calls = [(b, cases["node"], m) for b, m in builds.items()]
-    if "plain" in cases:
-        calls.append(("plain", cases["plain"], builds["new"]))
+    for other in ("plain", "shared"):
+        if other in cases:
+            calls.append((other, cases[other], builds["new"]))
     return calls
 
 
@@ -112,6 +143,8 @@ def bench(builds: dict[str, ModuleType], args: argparse.Namespace, quiet: Quiet)
             cases = {"node": Case(heads, kv, hd, depth)}
             if args.plain:
                 cases["plain"] = Case(heads, kv, hd, depth, plain=True)
+            if args.shared:
+                cases["shared"] = Case(heads, kv, hd, depth, paged=PAGED_LAYERS[name])
             case = cases["node"]
             probe = read_gb_s(max(PROBE_MB, case.read_bytes >> 20), passes=5, threads=args.threads)
             calls = _calls(cases, builds)
@@ -141,6 +174,11 @@ def bench(builds: dict[str, ModuleType], args: argparse.Namespace, quiet: Quiet)
             if "plain" in times:
                 plain = statistics.median(times["plain"])
                 line += f"; plain arrays {plain * 1e3:.2f} ms, plain/node {plain / new:.2f}x"
+            if "shared" in times:
+                shared = statistics.median(times["shared"])
+                same = np.array_equal(outs["new"], outs["shared"])
+                line += f"; shared pages {shared * 1e3:.2f} ms, shared/node {shared / new:.2f}x"
+                line += f", same bits: {'yes' if same else 'NO'}"
             print(line, flush=True)
 
 
@@ -151,6 +189,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--plain", action="store_true", help="also time numpy's own arrays")
+    p.add_argument("--shared", action="store_true", help="also time a prefix's shared pages")
     p.add_argument("--quiet-wait", type=float, default=20.0, help="seconds to wait for idle CPUs")
     args = p.parse_args()
     args.depths = [int(d) for d in args.depths.split(",")]
