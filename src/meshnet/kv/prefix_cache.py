@@ -25,7 +25,7 @@ starts (with a copy of the parent page's positions before it) where another
 prefix took them, so the page of a prefix's fourth block holds that prefix's
 positions exactly. A session that loads a prefix reads its whole pages in place
 and copies only the rest; the session that computed a prompt gives its own copy
-up for the pages stored from it (node/prefixes.py). So eight sessions on one
+up for the pages stored from it (``store``). So eight sessions on one
 system prompt hold its KV once, the cache's copy. A page's bytes are counted
 while a cached block is in it; what sessions hold of them the node counts once
 for the sessions (node/engine_held.py), and ``trim`` then counts only what
@@ -196,6 +196,11 @@ class PrefixCache:
         first), in order: the page of every fourth block."""
         return [b.page for b in blocks[_PER_PAGE - 1 :: _PER_PAGE]]
 
+    @classmethod
+    def pages_to_read(cls, blocks: Sequence[_Block], kv: SequenceKV) -> list[KVPage]:
+        """``pages_of(blocks)`` where ``kv`` reads pages in place, else none."""
+        return cls.pages_of(blocks) if kv.paging else []
+
     def load(self, blocks: list[_Block], kv: SequenceKV) -> int:
         """Fill the empty ``kv`` with ``blocks`` (a ``match`` cut to what is ``loadable``):
         each layer's last ``kv.kept`` positions of them, read in place from their pages
@@ -203,7 +208,7 @@ class PrefixCache:
         n = len(blocks) * BLOCK_TOKENS
         if not n:
             return 0
-        pages = self.pages_of(blocks) if kv.paging else []
+        pages = self.pages_to_read(blocks, kv)
         kv.start_loaded(n, pages)
         shared = len(pages) * PAGE_TOKENS
         for layer in range(kv.n_layers):  # one copy a layer, every block into its place
@@ -230,7 +235,8 @@ class PrefixCache:
     def store(self, ids: np.ndarray, kv: SequenceKV, done: int, scope: bytes = b"") -> int:
         """Keep the full blocks of ``ids`` that ``kv`` holds under ``scope``, from block
         ``done`` on (the ones before it are cached already or were loaded from here);
-        the blocks done after. Stops at a block whose key another prefix holds (a
+        the blocks done after. ``kv`` then reads the whole pages of its blocks in place,
+        its own copy of them let go. Stops at a block whose key another prefix holds (a
         collision). Where one before ``done`` has gone meanwhile, the prompt's chain is
         cut and none of it is kept from then on (all its blocks are done): storing it
         again from where the cache ends, every chunk of a prompt longer than the cache
@@ -256,7 +262,11 @@ class PrefixCache:
                 self._complete(block, kv, i)
             added.append(block)
             parent = block
-        self._touch(path + added)
+        chain = path + added
+        self._touch(chain)
+        pages = self.pages_to_read(chain, kv)
+        if tuple(pages[: len(kv.pages)]) == kv.pages:  # else stored anew since kv loaded
+            kv.share(pages)
         self.trim(self.capacity_bytes)
         return blocks
 

@@ -56,15 +56,18 @@ class HeldKV:
     def account(self) -> None:
         """Count what the sessions hold against the budget, and trim the prefix cache."""
         own = sum(s.kv.nbytes + s.sent_bytes for s in self.slots.values())
-        self.budget.update(own + sum(p.nbytes for p in self.held_pages()))
-        self.make_room(0)
+        held = self.held_pages()
+        self.budget.update(own + sum(p.nbytes for p in held))
+        self.make_room(0, held)
 
-    def make_room(self, extra: int) -> None:
+    def make_room(self, extra: int, held: list[KVPage] | None = None) -> None:
         """Keep the prefix cache within what the KV budget leaves once the sessions hold
-        ``extra`` more bytes: cached prefixes never make a session fail for memory."""
+        ``extra`` more bytes: cached prefixes never make a session fail for memory.
+        ``held``: ``held_pages()``, where the caller has them already."""
         budget = self.budget.budget_bytes
         if budget > 0 and self.prefixes.nbytes:
-            self.prefixes.trim(budget - self.budget.in_use - extra, self.held_pages())
+            held = self.held_pages() if held is None else held
+            self.prefixes.trim(budget - self.budget.in_use - extra, held)
 
     def row_log(self, shard: Shard, base: int) -> RowLog:
         """A session's commitments log from position ``base``: hashes on an exact

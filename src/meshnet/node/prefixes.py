@@ -62,7 +62,7 @@ def reuse_prefix(held: HeldKV, slot: Slot, ask: PrefixAsk) -> int:
         return 0
     blocks = cache.match(ask.ids, ask.reuse, ask.scope)
     blocks = blocks[: loadable(blocks, max(slot.kv.windows))]
-    pages = cache.pages_of(blocks) if slot.kv.paging else []
+    pages = cache.pages_to_read(blocks, slot.kv)
     shared = len(pages) * PAGE_TOKENS
     need = slot.kv.load_growth_bytes(len(blocks) * BLOCK_TOKENS, shared)
     need += held.unheld_bytes(pages)  # counted for the sessions from now on
@@ -76,21 +76,13 @@ def reuse_prefix(held: HeldKV, slot: Slot, ask: PrefixAsk) -> int:
 
 
 def keep_prefix(cache: PrefixCache, slot: Slot | None) -> None:
-    """Copy the full prompt blocks ``slot`` has computed since into the cache, and read
-    their whole pages in place from then on."""
+    """Copy the full prompt blocks ``slot`` has computed since into the cache (its KV
+    then reads their whole pages in place)."""
     if slot is None or slot.prefix is None:
         return
     if not cache.enabled:
         slot.prefix = None
         return
-    kv = slot.kv
-    done = cache.store(slot.prefix, kv, slot.prefix_blocks, slot.prefix_scope)
-    slot.prefix_blocks = done
-    if kv.paging and done * BLOCK_TOKENS >= kv.shared + PAGE_TOKENS:
-        whole = done * BLOCK_TOKENS // PAGE_TOKENS * (PAGE_TOKENS // BLOCK_TOKENS)
-        path = cache.match(slot.prefix, whole * BLOCK_TOKENS, slot.prefix_scope)
-        pages = cache.pages_of(path)
-        if tuple(pages[: len(kv.pages)]) == kv.pages:  # else re-stored since it loaded
-            kv.share(pages)
+    slot.prefix_blocks = cache.store(slot.prefix, slot.kv, slot.prefix_blocks, slot.prefix_scope)
     if slot.prefix_blocks >= len(slot.prefix) // BLOCK_TOKENS:
         slot.prefix = None  # every full block is kept (or was refused): nothing more
