@@ -8,7 +8,7 @@
 For each shape (by default an expert of bench/moe.py's Qwen3-MoE, 512x1024 gate/up and
 1024x512 down; 2048x768; a dense 4096x4096; ``--shapes smollm2``: the bundled model's
 fused q/k/v 960x576, 576x576, fused gate/up 3072x576, down 576x1536 and head 49152x576),
-each type (Q4_K, Q5_K, Q6_K by default; Q4_0, Q4_1 and Q8_0 too; a K-quant only where
+each type (Q4_K, Q5_K, Q6_K by default; Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 too; a K-quant only where
 the columns are whole super-blocks) and each ``--tokens`` count, the native q8 matmul is
 timed at both vector widths (AVX-512 VNNI and AVX2) in two settings: ``hot``, one matrix
 called again and again (it stays in the caches: what the kernel itself can do), and
@@ -59,6 +59,8 @@ BLOCK = {
     QT.Q4_0: (18, 32),
     QT.Q4_1: (20, 32),
     QT.Q8_0: (34, 32),
+    QT.Q5_0: (22, 32),
+    QT.Q5_1: (24, 32),
     QT.Q4_K: (144, 256),
     QT.Q5_K: (176, 256),
     QT.Q6_K: (210, 256),
@@ -68,6 +70,8 @@ D_AT = {
     QT.Q4_0: (0,),
     QT.Q4_1: (0, 2),
     QT.Q8_0: (0,),
+    QT.Q5_0: (0,),
+    QT.Q5_1: (0, 2),
     QT.Q4_K: (0, 2),
     QT.Q5_K: (0, 2),
     QT.Q6_K: (208,),

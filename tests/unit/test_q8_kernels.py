@@ -141,7 +141,9 @@ def test_q8_rows_are_the_same_alone_batched_wide_or_threaded(qtype: QT, rows: in
                 assert np.array_equal(out, alone[:batch]), (batch, wide, threads)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    "qtype", [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0], ids=lambda q: q.name
+)
 def test_q8_rows_of_18_blocks_are_the_same_alone_and_batched(qtype: QT) -> None:
     """576 columns (the bundled model's width) are 18 blocks of 32: AVX2's nibble_rows
     makes its sums 8 blocks at a time (q8_avx2.h), so the last chunk is a part one."""

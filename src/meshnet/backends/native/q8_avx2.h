@@ -12,10 +12,11 @@
 #define NIBBLE_CHUNK 8   /* blocks whose integer sums nibble_rows makes before their float operations */
 #define PAIRS_TILE 4     /* tokens per tile of pairs_tile (2 x 4 int32 sums in registers) */
 
-/* Q4_0, Q4_1, MXFP4 for NIBBLE_MIN_T tokens or more: per block the row vector's 32
- * columns unpacked once into eight registers, then every token's integer sum from them
- * (8 maddubs into int16, one madd; MXFP4's biased values, below 25, two madds of 8
- * products each, as int16 holds 8 of them), kept as floats in L1 for NIBBLE_CHUNK
+/* Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 for NIBBLE_MIN_T tokens or more: per block the row
+ * vector's 32 columns unpacked once into eight registers (Q5's fifth bits or'ed in, as
+ * btile's LO5, HI5), then every token's integer sum from them (8 maddubs into int16, one
+ * madd; 5-bit quants and MXFP4's biased values, below 25, two madds of 8 products each,
+ * as int16 holds 8 of them), kept as floats in L1 for NIBBLE_CHUNK
  * blocks; only then each block's float operations for every token (Q4_1's m term with
  * them, not in a pass of its own), the tokens' accumulators in registers through the
  * chunk. The batch tiles (token_tiles) kept unpacked quants, partial sums and sums of up
@@ -29,7 +30,8 @@ Q8_INLINE void FN(nibble_rows)(const q8job_t *j, const int type, const Py_ssize_
                                const Py_ssize_t t0, const int TT) {
     const qmat_t *w = j->w;
     const Py_ssize_t nb = w->nb, cols = nb * QK, gb = GROUP_BYTES[type];
-    const int with_min = type == Q4_1, fp4 = type == MXFP4;
+    const int with_min = type == Q4_1 || type == Q5_1, fp4 = type == MXFP4;
+    const int five = type == Q5_0 || type == Q5_1, wide_sums = five || fp4;
     const int quants = fp4 ? GROUP_ROWS : with_min ? 4 * GROUP_ROWS : 2 * GROUP_ROWS;
     const uint8_t *group = GROUP_OF(w, v, nb, gb);
     const int lane = (int)((v * LANES) % GROUP_ROWS);
@@ -45,10 +47,12 @@ Q8_INLINE void FN(nibble_rows)(const q8job_t *j, const int type, const Py_ssize_
                 for (Py_ssize_t line = 0; line < gb; line += 64)
                     _mm_prefetch((const char *)p + Q8_AHEAD * gb + line, _MM_HINT_T0);
             IVEC lo[4], hi[4];
+            const IVEC h = five ? LDQ(p + quants + 16 * GROUP_ROWS + 4 * lane) : IZERO();
+#pragma GCC unroll 4 /* the fifth bits' shift counts become constants */
             for (int q = 0; q < 4; q++) {
                 const IVEC z = LDQ(p + quants + q * 64 + 4 * lane);
-                lo[q] = fp4 ? LUT16(FP4_BIASED, BYTES15(z)) : BYTES15(z);
-                hi[q] = fp4 ? LUT16(FP4_BIASED, HIGH15(z)) : HIGH15(z);
+                lo[q] = fp4 ? LUT16(FP4_BIASED, BYTES15(z)) : LO5(z, h, q, five);
+                hi[q] = fp4 ? LUT16(FP4_BIASED, HIGH15(z)) : HI5(z, h, q, five);
             }
             const int8_t *xb = j->xq + t0 * cols + b * QK;
             for (int t = 0; t < TT; t++) {
@@ -57,9 +61,9 @@ Q8_INLINE void FN(nibble_rows)(const q8job_t *j, const int type, const Py_ssize_
                 const IVEC c = ADD16(DOTU(PZERO(), lo[2], BX(xt + 8)), DOTU(PZERO(), lo[3], BX(xt + 12)));
                 const IVEC e = ADD16(DOTU(PZERO(), hi[0], BX(xt + 16)), DOTU(PZERO(), hi[1], BX(xt + 20)));
                 const IVEC f = ADD16(DOTU(PZERO(), hi[2], BX(xt + 24)), DOTU(PZERO(), hi[3], BX(xt + 28)));
-                IVEC isum = fp4 ? ADDI(PFLUSH(ADD16(a, c)), PFLUSH(ADD16(e, f)))
-                                : PFLUSH(ADD16(ADD16(a, c), ADD16(e, f)));
-                const int bias = fp4 ? FP4_BIAS : 8;
+                IVEC isum = wide_sums ? ADDI(PFLUSH(ADD16(a, c)), PFLUSH(ADD16(e, f)))
+                                      : PFLUSH(ADD16(ADD16(a, c), ADD16(e, f)));
+                const int bias = fp4 ? FP4_BIAS : five ? 16 : 8;
                 if (!with_min) isum = SUBI(isum, SET1I(bias * j->xb[(t0 + t) * nb + b]));
                 fsum[bb][t] = CVT(isum);
             }
@@ -190,6 +194,8 @@ Q8_INLINE void FN(pairs_tokens)(const q8job_t *j, const Py_ssize_t v, const int 
     }
 BATCH_ROWS_OF(q4_0, Q4_0)
 BATCH_ROWS_OF(q4_1, Q4_1)
+BATCH_ROWS_OF(q5_0, Q5_0)
+BATCH_ROWS_OF(q5_1, Q5_1)
 BATCH_ROWS_OF(mxfp4, MXFP4)
 #undef BATCH_ROWS_OF
 
@@ -207,6 +213,8 @@ Q8_INLINE int FN(avx2_batch)(const q8job_t *j, const int type, Py_ssize_t v0, Py
     else if (j->T < NIBBLE_MIN_T) return 0;
     else if (type == Q4_0) FN(batch_q4_0)(j, v0, v1);
     else if (type == Q4_1) FN(batch_q4_1)(j, v0, v1);
+    else if (type == Q5_0) FN(batch_q5_0)(j, v0, v1);
+    else if (type == Q5_1) FN(batch_q5_1)(j, v0, v1);
     else if (type == MXFP4) FN(batch_mxfp4)(j, v0, v1);
     else return 0;
     return 1;
