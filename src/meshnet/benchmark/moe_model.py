@@ -26,7 +26,6 @@ as the projections' 0.02 would make it (~0.06 and ~0.3).
 from __future__ import annotations
 
 import math
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +34,17 @@ import gguf
 
 from meshnet.benchmark.llama3_vocab import Vocabulary, llama3_tokenizer_dir, read_hf_vocabulary
 from meshnet.benchmark.realistic_model import DEFAULT_QUANT, MODEL_CACHE, quantize
-from meshnet.benchmark.seeded_gguf import TensorPlan, parameter_counts, plan_bytes, write_gguf
+from meshnet.benchmark.seeded_gguf import (
+    TensorPlan,
+    check_disk,
+    parameter_counts,
+    plan_bytes,
+    write_gguf,
+)
 from meshnet.errors import ModelError
 
 ARCH = "qwen3moe"
 SOURCE_TYPE = "f32"  # llama-quantize's input: K-quants made from full precision
-_DISK_MARGIN = 1 << 30  # free bytes left over after the source and its quant
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
@@ -225,7 +229,7 @@ def ensure_moe_model(
     source = out_dir / f"{stem}-{SOURCE_TYPE.upper()}.gguf"
     try:
         if not source.is_file():
-            _check_disk(out_dir, plan_bytes(tensor_plan(shape), SOURCE_TYPE))
+            check_disk(out_dir, plan_bytes(tensor_plan(shape), SOURCE_TYPE))
             log(f"writing {source} ...")
             tokens = vocab or read_hf_vocabulary(llama3_tokenizer_dir())
             write_moe_model(source, shape, tokens, seed, SOURCE_TYPE, name=stem)
@@ -236,14 +240,3 @@ def ensure_moe_model(
     finally:
         source.unlink(missing_ok=True)
     return quantized
-
-
-def _check_disk(folder: Path, source_bytes: int) -> None:
-    """Refuse before writing when the source and its quant (~1/6 of it) would not fit."""
-    need = source_bytes + source_bytes // 6 + _DISK_MARGIN
-    free = shutil.disk_usage(folder).free
-    if free < need:
-        raise ModelError(
-            f"{folder}: {free / 1e9:.1f} GB free, the F32 source and its quant need "
-            f"{need / 1e9:.1f} GB"
-        )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ F32 = np.float32
 WEIGHT_STD = 0.02  # the usual initializer scale of Llama-family projections
 NORM_STD = 0.02  # norm gains drawn around 1
 _ROWS_PER_CHUNK = 4096  # rows drawn at a time: bounds the float32 scratch of the embedding
+_DISK_MARGIN = 1 << 30  # free bytes left over after a source and its quant
 
 # The tensor types the writer can store, and the GGUF ``general.file_type`` each makes.
 WEIGHT_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
@@ -109,6 +111,18 @@ def plan_bytes(plan: Sequence[TensorPlan], weight_type: str) -> int:
     """Bytes of tensor data a file of ``plan`` in ``weight_type`` holds (the header aside)."""
     qtype = WEIGHT_TYPES[weight_type][0]
     return sum(stored_nbytes(t.shape, t.stored(qtype)) for t in plan)
+
+
+def check_disk(folder: Path, source_bytes: int) -> None:
+    """Refuse before writing when an F32 source of ``source_bytes`` and its K-quant
+    (~1/6 of it) would not fit in ``folder`` with a margin to spare."""
+    need = source_bytes + source_bytes // 6 + _DISK_MARGIN
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise ModelError(
+            f"{folder}: {free / 1e9:.1f} GB free, the F32 source and its quant need "
+            f"{need / 1e9:.1f} GB"
+        )
 
 
 def parameter_counts(plan: Sequence[TensorPlan]) -> tuple[int, int, int, int]:
