@@ -1,7 +1,10 @@
 """Prefill at long context: the native attention alone, and optionally a whole model.
 
     OPENBLAS_NUM_THREADS=2 .venv/bin/python bench/long_prefill.py --against OLD.so \\
-        [--model gemma3-270m-Q4_K_M.gguf --prompt-tokens 8192]
+        [--model ~/.cache/meshnet/models/gemma3-270m-synthetic-s0-Q4_K_M.gguf \\
+         --prompt-tokens 8192]
+
+(the model file: ``scripts/make_synthetic_model.py --family gemma3``, or a real Gemma 3 GGUF)
 
 The attention (``_native.attend``) in Gemma 3 270M's shape (4 query heads of 256, one KV
 head) over one prompt of ``--tokens`` rows, seeded random q, k, v: a global layer in one
