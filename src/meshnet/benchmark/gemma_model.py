@@ -28,14 +28,8 @@ from pathlib import Path
 import gguf
 
 from meshnet.benchmark.gemma_vocab import GEMMA3_VOCAB_SIZE, MIN_VOCAB_SIZE, synthetic_vocabulary
-from meshnet.benchmark.realistic_model import DEFAULT_QUANT, MODEL_CACHE, quantize
-from meshnet.benchmark.seeded_gguf import (
-    TensorPlan,
-    check_disk,
-    parameter_counts,
-    plan_bytes,
-    write_gguf,
-)
+from meshnet.benchmark.realistic_model import DEFAULT_QUANT, MODEL_CACHE, quantized_once
+from meshnet.benchmark.seeded_gguf import TensorPlan, parameter_counts, plan_bytes, write_gguf
 from meshnet.errors import ModelError
 
 ARCH = "gemma3"
@@ -186,26 +180,10 @@ def ensure_gemma_model(
     threads) and deleted (1.1 GB at the default shape; the Q4_K_M file kept is
     ~0.25 GB). At the default shape and seed 0 the file is
     ``~/.cache/meshnet/models/gemma3-270m-synthetic-s0-Q4_K_M.gguf``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     stem = model_stem(shape, seed)
-    quantized = out_dir / f"{stem}-{quant}.gguf"
-    if quantized.is_file():
-        log(f"have {quantized}")
-        return quantized
-    if quantize_bin is None:
-        raise ModelError(
-            "llama-quantize not found: run bench/build_llamacpp.sh (or pass its folder)"
-        )
-    source = out_dir / f"{stem}-{SOURCE_TYPE.upper()}.gguf"
-    try:
-        if not source.is_file():
-            check_disk(out_dir, plan_bytes(tensor_plan(shape), SOURCE_TYPE))
-            log(f"writing {source} ...")
-            write_gemma_model(source, shape, seed, SOURCE_TYPE, name=stem)
-            log(f"wrote {source} ({source.stat().st_size / 1e9:.2f} GB)")
-        log(f"quantizing to {quantized} ...")
-        quantize(quantize_bin, source, quantized, quant, threads)
-        log(f"wrote {quantized} ({quantized.stat().st_size / 1e9:.2f} GB)")
-    finally:
-        source.unlink(missing_ok=True)
-    return quantized
+
+    def write(source: Path) -> None:
+        write_gemma_model(source, shape, seed, SOURCE_TYPE, name=stem)
+
+    source_bytes = plan_bytes(tensor_plan(shape), SOURCE_TYPE)
+    return quantized_once(stem, quant, out_dir, quantize_bin, source_bytes, write, log, threads)

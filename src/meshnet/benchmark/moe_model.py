@@ -33,14 +33,8 @@ from pathlib import Path
 import gguf
 
 from meshnet.benchmark.llama3_vocab import Vocabulary, llama3_tokenizer_dir, read_hf_vocabulary
-from meshnet.benchmark.realistic_model import DEFAULT_QUANT, MODEL_CACHE, quantize
-from meshnet.benchmark.seeded_gguf import (
-    TensorPlan,
-    check_disk,
-    parameter_counts,
-    plan_bytes,
-    write_gguf,
-)
+from meshnet.benchmark.realistic_model import DEFAULT_QUANT, MODEL_CACHE, quantized_once
+from meshnet.benchmark.seeded_gguf import TensorPlan, parameter_counts, plan_bytes, write_gguf
 from meshnet.errors import ModelError
 
 ARCH = "qwen3moe"
@@ -216,27 +210,11 @@ def ensure_moe_model(
     at the default shape; the quantized file, 1.7 GB, is what is kept and measured).
     ``vocab``: the tokenizer written, the real Llama-3 one (fetched if missing) when
     None; the name of the file does not say which, so a test passes its own folder."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     stem = model_stem(shape, seed)
-    quantized = out_dir / f"{stem}-{quant}.gguf"
-    if quantized.is_file():
-        log(f"have {quantized}")
-        return quantized
-    if quantize_bin is None:
-        raise ModelError(
-            "llama-quantize not found: run bench/build_llamacpp.sh (or pass its folder)"
-        )
-    source = out_dir / f"{stem}-{SOURCE_TYPE.upper()}.gguf"
-    try:
-        if not source.is_file():
-            check_disk(out_dir, plan_bytes(tensor_plan(shape), SOURCE_TYPE))
-            log(f"writing {source} ...")
-            tokens = vocab or read_hf_vocabulary(llama3_tokenizer_dir())
-            write_moe_model(source, shape, tokens, seed, SOURCE_TYPE, name=stem)
-            log(f"wrote {source} ({source.stat().st_size / 1e9:.2f} GB)")
-        log(f"quantizing to {quantized} ...")
-        quantize(quantize_bin, source, quantized, quant)
-        log(f"wrote {quantized} ({quantized.stat().st_size / 1e9:.2f} GB)")
-    finally:
-        source.unlink(missing_ok=True)
-    return quantized
+
+    def write(source: Path) -> None:
+        tokens = vocab or read_hf_vocabulary(llama3_tokenizer_dir())
+        write_moe_model(source, shape, tokens, seed, SOURCE_TYPE, name=stem)
+
+    source_bytes = plan_bytes(tensor_plan(shape), SOURCE_TYPE)
+    return quantized_once(stem, quant, out_dir, quantize_bin, source_bytes, write, log)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshnet.benchmark.llama3_vocab import llama3_tokenizer_dir, read_hf_vocabulary
+from meshnet.benchmark.seeded_gguf import check_disk
 from meshnet.benchmark.synthetic_model import LlamaShape, write_model
 from meshnet.errors import ModelError
 
@@ -97,3 +98,41 @@ def quantize(binary: Path, source: Path, dest: Path, quant: str, threads: int = 
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def quantized_once(
+    stem: str,
+    quant: str,
+    out_dir: Path,
+    quantize_bin: Path | None,
+    source_bytes: int,
+    write_source: Callable[[Path], None],
+    log: Callable[[str], None] = print,
+    threads: int = 2,
+) -> Path:
+    """``out_dir / STEM-QUANT.gguf``, made if missing: ``write_source`` writes the F32
+    source (``source_bytes`` of tensors, the disk checked first), ``quantize_bin``
+    (llama.cpp's ``llama-quantize``, on ``threads`` threads) quantizes it, and the
+    source is deleted whatever happens: the quantized file is what is kept."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    quantized = out_dir / f"{stem}-{quant}.gguf"
+    if quantized.is_file():
+        log(f"have {quantized}")
+        return quantized
+    if quantize_bin is None:
+        raise ModelError(
+            "llama-quantize not found: run bench/build_llamacpp.sh (or pass its folder)"
+        )
+    source = out_dir / f"{stem}-F32.gguf"
+    try:
+        if not source.is_file():
+            check_disk(out_dir, source_bytes)
+            log(f"writing {source} ...")
+            write_source(source)
+            log(f"wrote {source} ({source.stat().st_size / 1e9:.2f} GB)")
+        log(f"quantizing to {quantized} ...")
+        quantize(quantize_bin, source, quantized, quant, threads)
+        log(f"wrote {quantized} ({quantized.stat().st_size / 1e9:.2f} GB)")
+    finally:
+        source.unlink(missing_ok=True)
+    return quantized
