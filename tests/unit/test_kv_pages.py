@@ -9,6 +9,7 @@ import pytest
 from meshnet.kv.cache import SequenceKV
 from meshnet.kv.pages import PAGE_TOKENS, KVPage
 from meshnet.kv.prefix_cache import PrefixCache
+from meshnet.node.prefixes import read_cached_pages
 
 P = PAGE_TOKENS
 WINDOWS = (0, 8, 0)  # a windowed layer between two paged ones
@@ -135,3 +136,25 @@ def test_prompts_that_part_inside_a_page_each_load_their_own_positions() -> None
         assert bytes(loaded.export_bytes()) == bytes(source.export_bytes())
     pages_a, pages_b = (cache.pages_of(cache.match(x, len(x))) for x in (a, b))
     assert pages_a[0] is pages_b[0] and pages_a[1] is not pages_b[1]  # parted in page 2
+
+
+def test_kv_loaded_from_a_park_reads_the_cached_pages_only_where_they_are_its_bits() -> None:
+    """A parked session's KV names the cached prefix it read (its last page's key); back
+    from the park it reads those pages again only if they hold its very bits."""
+    ids = np.arange(3 * P + 20)
+    source = _grown(_new(), len(ids), 6)
+    cache = PrefixCache(1 << 30)
+    cache.store(ids, source, 0)
+    assert source.shared == 3 * P and source.pages[-1].key is not None
+    key, length, payload = source.pages[-1].key, source.length, bytes(source.export_bytes())
+    back = _new()
+    back.load_bytes(length, payload)
+    assert read_cached_pages(cache, back, key) == 3 * P
+    assert back.pages == source.pages and bytes(back.export_bytes()) == payload
+    other = bytearray(payload)  # the same prefix, other bits (another node's backend)
+    other[4:8] = np.float32(7.0).tobytes()
+    differs = _new()
+    differs.load_bytes(length, other)
+    assert read_cached_pages(cache, differs, key) == 0 and differs.pages == ()
+    assert bytes(differs.export_bytes()) == bytes(other)
+    assert read_cached_pages(PrefixCache(1 << 30), _new(), key) == 0  # the cache lost it

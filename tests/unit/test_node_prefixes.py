@@ -165,3 +165,30 @@ def test_parking_a_session_on_shared_pages_frees_what_only_it_held(
             step = StepWork(sid, 2, prompt[:1], None, step=opened.steps)
             out.append(engine.submit(step).result(10))
         assert np.array_equal(out[0], out[1])
+
+
+def test_a_parked_session_comes_back_reading_the_cached_pages_again(
+    tiny_path: Path, tmp_path: Path
+) -> None:
+    """Back from a park, a session on a cached prompt reads its pages again rather than
+    hold a copy of them: the node holds what it held before the park, and the session
+    goes on to the bits of one that never parked."""
+    prompt = _ids(3 * PAGE_TOKENS + 5, 7)
+    with running(tiny_path, EngineConfig(park_dir=str(tmp_path))) as engine:
+        for sid in "ab":
+            ask = PrefixAsk(prompt, len(prompt) - 1)
+            opened = engine.sessions.open(sid, 1, prefix=ask).result(5)
+            _step(engine, sid, opened.steps, prompt[opened.kv_tokens :])
+        both = engine.stats().kv_bytes
+        engine.parking.park("a").result(5)
+        alone = engine.stats().kv_bytes
+        opened = engine.sessions.open("a", 2, resume=True).result(5)
+        assert opened.unparked and opened.kv_tokens == len(prompt)
+        back = engine.stats().kv_bytes
+        out = []
+        for sid, epoch in (("a", 2), ("b", 1)):
+            steps = opened.steps if sid == "a" else 2
+            out.append(engine.submit(StepWork(sid, epoch, prompt[:1], None, step=steps)).result(10))
+    assert alone < both  # a's own positions went with it, the pages stayed for b
+    assert back == both, (back, both)  # not a copy of the pages beside them
+    assert np.array_equal(out[0], out[1])

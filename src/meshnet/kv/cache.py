@@ -411,6 +411,24 @@ class SequenceKV:
             raise ValueError("pages that do not start with this cache's cannot be shared")
         self._rebase(pages, self.length)
 
+    def holds(self, pages: Sequence[KVPage]) -> bool:
+        """Whether this cache's first ``len(pages) * PAGE_TOKENS`` positions of every
+        paged layer are exactly ``pages``' keys and values, bit for bit."""
+        if len(pages) * PAGE_TOKENS > self.length:
+            return False
+        for row, layer in enumerate(self.page_layers):
+            for j, page in enumerate(pages):
+                held = self.read(layer, j * PAGE_TOKENS, (j + 1) * PAGE_TOKENS)
+                if held is None or page.filled != PAGE_TOKENS:
+                    return False
+                keys, values = held
+                if not (
+                    np.array_equal(keys, page.array[row, 0])
+                    and np.array_equal(values, page.array[row, 1])
+                ):
+                    return False
+        return True
+
     def _rebase(self, pages: tuple[KVPage, ...], length: int) -> None:
         """Read positions ``0 .. len(pages) * PAGE_TOKENS`` of the paged layers from
         ``pages`` and hold positions from there to ``length`` in new own arrays, room for

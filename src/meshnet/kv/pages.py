@@ -53,6 +53,9 @@ class KVPage:
         self.array = huge if huge is not None else np.zeros(shape, dtype)
         self.filled = 0  # positions written, from the page's first
         self.blocks = 0  # cached blocks whose positions are here (kv/prefix_cache.py)
+        # The prefix cache's chain key of the prefix a full page ends (its last block's),
+        # set when the cache fills it: what a parked session finds its pages again by.
+        self.key: bytes | None = None
 
     @property
     def nbytes(self) -> int:

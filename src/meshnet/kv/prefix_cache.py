@@ -201,6 +201,20 @@ class PrefixCache:
         """``pages_of(blocks)`` where ``kv`` reads pages in place, else none."""
         return cls.pages_of(blocks) if kv.paging else []
 
+    def pages_ending(self, key: bytes) -> list[KVPage]:
+        """The full pages of the cached prefix whose last block's key is ``key`` (a
+        page's ``key``), in order and touched; none when that block has gone."""
+        chain: list[_Block] = []
+        block = self._blocks.get(key)
+        while block is not None:
+            chain.append(block)
+            block = block.parent
+        chain.reverse()
+        if not chain or len(chain) % _PER_PAGE:
+            return []
+        self._touch(chain)
+        return self.pages_of(chain)
+
     def load(self, blocks: list[_Block], kv: SequenceKV) -> int:
         """Fill the empty ``kv`` with ``blocks`` (a ``match`` cut to what is ``loadable``):
         each layer's last ``kv.kept`` positions of them, read in place from their pages
@@ -294,6 +308,8 @@ class PrefixCache:
             keys.append(None if held is None else held[0])
             values.append(None if held is None else held[1])
         block = _Block(key, scope, tokens, parent, page, keys, values, frozenset(kv.page_layers))
+        if at + BLOCK_TOKENS == PAGE_TOKENS:
+            page.key = key  # the page is full: it ends this prefix
         if parent is not None:
             parent.children += 1
         self._blocks[key] = block

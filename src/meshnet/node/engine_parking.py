@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
+from dataclasses import replace
 
 from meshnet.backends.shard import Shard
 from meshnet.errors import CacheMiss, Overloaded, StaleEpoch
@@ -18,6 +19,7 @@ from meshnet.node.engine_inbox import Inbox
 from meshnet.node.engine_steps import Steps
 from meshnet.node.engine_types import ParkedSlot
 from meshnet.node.parking import ParkedKV, ParkPhase
+from meshnet.node.prefixes import read_cached_pages
 from meshnet.node.scheduler import Slot, budget_full
 from meshnet.protocol.commitments import RowLog
 
@@ -68,6 +70,8 @@ class Parking:
             raise Overloaded(f"session {session_id} is running a step; park it when idle")
         payload = slot.kv.export_bytes()
         parked = held.store.write(session_id, slot.epoch, slot.steps, slot.kv.length, payload)
+        if slot.kv.pages:
+            parked = replace(parked, prefix_key=slot.kv.pages[-1].key)
         if phase is ParkPhase.PREPARE:
             held.prepared[session_id] = parked
             return ParkedSlot(parked.tokens, 0)
@@ -94,6 +98,7 @@ class Parking:
                 held.parked[session_id] = parked  # still parked; the open is refused
                 raise budget_full(held.budget, len(held.slots))
             kv.load_bytes(parked.tokens, data)
+            read_cached_pages(held.prefixes, kv, parked.prefix_key)
         except CacheMiss as e:
             log.warning("session %s: %s; it starts empty", session_id, e)
             held.store.remove(parked)

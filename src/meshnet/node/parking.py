@@ -42,6 +42,9 @@ class ParkedKV:
     path: Path
     digest: str  # BLAKE3 of the file's bytes
     nbytes: int
+    # The page key (kv/pages.py) of the last cached prefix page the session read when
+    # parked: its KV reads that prefix's pages again when it comes back (None: none)
+    prefix_key: bytes | None = None
 
 
 class ParkStore:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshnet.errors import MalformedBundle
+from meshnet.kv.cache import SequenceKV
 from meshnet.kv.pages import PAGE_TOKENS
 from meshnet.kv.prefix_cache import BLOCK_TOKENS, MAX_SCOPE_BYTES, PrefixCache, loadable
 from meshnet.node.engine_held import HeldKV
@@ -86,3 +87,17 @@ def keep_prefix(cache: PrefixCache, slot: Slot | None) -> None:
     slot.prefix_blocks = cache.store(slot.prefix, slot.kv, slot.prefix_blocks, slot.prefix_scope)
     if slot.prefix_blocks >= len(slot.prefix) // BLOCK_TOKENS:
         slot.prefix = None  # every full block is kept (or was refused): nothing more
+
+
+def read_cached_pages(cache: PrefixCache, kv: SequenceKV, key: bytes | None) -> int:
+    """Have ``kv``, just loaded from a park, read the cached prefix pages it read when
+    parked (``key``: the last one's, ``ParkedKV.prefix_key``) rather than hold its own
+    copy, where the cache still has them and they hold its very bits (a compare, not a
+    trust: KV brought from another node may come from another backend); the positions
+    it reads from pages after."""
+    if key is None or not cache.enabled or not kv.paging:
+        return 0
+    pages = cache.pages_ending(key)
+    if pages and kv.holds(pages):
+        kv.share(pages)
+    return kv.shared
