@@ -413,18 +413,18 @@ class SequenceKV:
 
     def holds(self, pages: Sequence[KVPage]) -> bool:
         """Whether this cache's first ``len(pages) * PAGE_TOKENS`` positions of every
-        paged layer are exactly ``pages``' keys and values, bit for bit."""
-        if len(pages) * PAGE_TOKENS > self.length:
+        paged layer are exactly ``pages``' keys and values, bit for bit (compared in
+        place where it holds them in its own arrays, as a cache just loaded does)."""
+        n = len(pages) * PAGE_TOKENS
+        if n > self.length or any(p.filled != PAGE_TOKENS for p in pages):
             return False
         for row, layer in enumerate(self.page_layers):
+            keys, values = self.view(layer, 0)
             for j, page in enumerate(pages):
-                held = self.read(layer, j * PAGE_TOKENS, (j + 1) * PAGE_TOKENS)
-                if held is None or page.filled != PAGE_TOKENS:
-                    return False
-                keys, values = held
+                at = slice(j * PAGE_TOKENS, (j + 1) * PAGE_TOKENS)
                 if not (
-                    np.array_equal(keys, page.array[row, 0])
-                    and np.array_equal(values, page.array[row, 1])
+                    np.array_equal(keys[:, at], page.array[row, 0])
+                    and np.array_equal(values[:, at], page.array[row, 1])
                 ):
                     return False
         return True
