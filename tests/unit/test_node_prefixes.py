@@ -35,6 +35,14 @@ def _step(engine: NodeEngine, sid: str, step: int, ids: np.ndarray) -> np.ndarra
     return engine.submit(work).result(10)
 
 
+def _sessions_on(engine: NodeEngine, prompt: np.ndarray, sids: str) -> None:
+    """Open each of ``sids`` on ``prompt`` (the cached prefix loaded where there is
+    one) and compute the rest of it."""
+    for sid in sids:
+        opened = engine.sessions.open(sid, 1, prefix=PrefixAsk(prompt, len(prompt) - 1)).result(5)
+        _step(engine, sid, opened.steps, prompt[opened.kv_tokens :])
+
+
 def _ids(n: int, seed: int) -> np.ndarray:
     return (np.arange(n) * 31 + seed * 7919) % 90 + 10
 
@@ -133,10 +141,7 @@ def test_sessions_on_one_prompt_fit_a_budget_their_copies_would_not(tiny_path: P
             plain.sessions.open("c", 1).result(5)
             _step(plain, "c", 0, prompt)
     with running(tiny_path, EngineConfig(kv_budget_bytes=budget)) as engine:
-        for sid in "abc":
-            ask = PrefixAsk(prompt, len(prompt) - 1)
-            opened = engine.sessions.open(sid, 1, prefix=ask).result(5)
-            _step(engine, sid, opened.steps, prompt[opened.kv_tokens :])
+        _sessions_on(engine, prompt, "abc")
         stats = engine.stats()
         assert stats.sessions == 3 and stats.kv_bytes <= budget
         assert stats.prefix is not None and stats.prefix.reused_tokens == 2 * 12 * B
@@ -147,10 +152,7 @@ def test_parking_a_session_on_shared_pages_frees_what_only_it_held(
 ) -> None:
     prompt = _ids(3 * PAGE_TOKENS + 5, 6)
     with running(tiny_path, EngineConfig(park_dir=str(tmp_path))) as engine:
-        for sid in "ab":
-            ask = PrefixAsk(prompt, len(prompt) - 1)
-            opened = engine.sessions.open(sid, 1, prefix=ask).result(5)
-            _step(engine, sid, opened.steps, prompt[opened.kv_tokens :])
+        _sessions_on(engine, prompt, "ab")
         both = engine.stats().kv_bytes
         first = engine.parking.park("a").result(5).freed_bytes
         alone = engine.stats().kv_bytes
@@ -175,10 +177,7 @@ def test_a_parked_session_comes_back_reading_the_cached_pages_again(
     goes on to the bits of one that never parked."""
     prompt = _ids(3 * PAGE_TOKENS + 5, 7)
     with running(tiny_path, EngineConfig(park_dir=str(tmp_path))) as engine:
-        for sid in "ab":
-            ask = PrefixAsk(prompt, len(prompt) - 1)
-            opened = engine.sessions.open(sid, 1, prefix=ask).result(5)
-            _step(engine, sid, opened.steps, prompt[opened.kv_tokens :])
+        _sessions_on(engine, prompt, "ab")
         both = engine.stats().kv_bytes
         engine.parking.park("a").result(5)
         alone = engine.stats().kv_bytes
