@@ -4,7 +4,9 @@
 and the script that prepares it can both call it: the F16 file is written by
 ``meshnet.benchmark.synthetic_model``, the quantized one by llama.cpp's
 ``llama-quantize`` (what people run is a file quantized by llama.cpp). Each file
-appears under its final name only once complete.
+appears under its final name only once complete. ``quantized_once`` is the same
+flow for the other benchmark models (Gemma 3, Qwen3-MoE), whose F32 sources are
+deleted once quantized.
 """
 
 from __future__ import annotations
@@ -75,13 +77,7 @@ def ensure_models(
     if quantized.is_file():
         log(f"have {quantized}")
     else:
-        if quantize_bin is None:
-            raise ModelError(
-                "llama-quantize not found: run bench/build_llamacpp.sh (or pass its folder)"
-            )
-        log(f"quantizing to {quantized} ...")
-        quantize(quantize_bin, source, quantized, quant)
-        log(f"wrote {quantized} ({quantized.stat().st_size / 1e9:.2f} GB)")
+        _quantize_logged(_need(quantize_bin), source, quantized, quant, log, threads=2)
     return RealisticModel(source, quantized)
 
 
@@ -119,10 +115,7 @@ def quantized_once(
     if quantized.is_file():
         log(f"have {quantized}")
         return quantized
-    if quantize_bin is None:
-        raise ModelError(
-            "llama-quantize not found: run bench/build_llamacpp.sh (or pass its folder)"
-        )
+    binary = _need(quantize_bin)
     source = out_dir / f"{stem}-F32.gguf"
     try:
         if not source.is_file():
@@ -130,9 +123,24 @@ def quantized_once(
             log(f"writing {source} ...")
             write_source(source)
             log(f"wrote {source} ({source.stat().st_size / 1e9:.2f} GB)")
-        log(f"quantizing to {quantized} ...")
-        quantize(quantize_bin, source, quantized, quant, threads)
-        log(f"wrote {quantized} ({quantized.stat().st_size / 1e9:.2f} GB)")
+        _quantize_logged(binary, source, quantized, quant, log, threads)
     finally:
         source.unlink(missing_ok=True)
     return quantized
+
+
+def _need(quantize_bin: Path | None) -> Path:
+    """``quantize_bin``, or ``ModelError`` saying how to build it."""
+    if quantize_bin is None:
+        raise ModelError(
+            "llama-quantize not found: run bench/build_llamacpp.sh (or pass its folder)"
+        )
+    return quantize_bin
+
+
+def _quantize_logged(
+    binary: Path, source: Path, dest: Path, quant: str, log: Callable[[str], None], threads: int
+) -> None:
+    log(f"quantizing to {dest} ...")
+    quantize(binary, source, dest, quant, threads)
+    log(f"wrote {dest} ({dest.stat().st_size / 1e9:.2f} GB)")
