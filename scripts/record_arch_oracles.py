@@ -76,18 +76,28 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
-def greedy(server: Path, model: Path, top: int = TOP) -> list[dict[str, object]]:
-    """Greedy steps of llama.cpp on ``model``: each step's id and top log-probs."""
+def greedy(
+    server: Path,
+    model: Path,
+    top: int = TOP,
+    cache: str = "f32",
+    prompt: list[int] = PROMPT,
+    steps: int = STEPS,
+    banned: list[int] = BANNED,
+    context: int = 256,
+) -> list[dict[str, object]]:
+    """Greedy steps of llama.cpp on ``model`` with a KV cache of ``cache`` ("f32" or
+    "f16"), flash attention off: each step's id and top log-probs."""
     port = _free_port()
     cmd = [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "-c", "256", "-np", "1", "-t", "2", "-fa", "off", "-ctk", "f32", "-ctv", "f32",
+           "-c", str(context), "-np", "1", "-t", "2", "-fa", "off", "-ctk", cache, "-ctv", cache,
            "--no-warmup"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_ready(url, proc)
-        body = {"prompt": PROMPT, "n_predict": STEPS, "temperature": 0.0, "n_probs": top,
-                "cache_prompt": False, "logit_bias": [[i, False] for i in BANNED]}  # fmt: skip
+        body = {"prompt": prompt, "n_predict": steps, "temperature": 0.0, "n_probs": top,
+                "cache_prompt": False, "logit_bias": [[i, False] for i in banned]}  # fmt: skip
         reply = httpx.post(f"{url}/completion", json=body, timeout=120).json()
         if "completion_probabilities" not in reply:
             raise RuntimeError(f"llama-server answered {reply}")

@@ -26,7 +26,7 @@ from meshnet.backends.base import BatchEntry, HeadSplit, attend_each, finish_ste
 from meshnet.backends.kernel_threads import kernel_threads
 from meshnet.backends.native_blocks import NativeBlocks, Tables
 from meshnet.backends.quant import QuantMatrix
-from meshnet.errors import MeshnetError, ShardMismatch, UnsupportedTensorType
+from meshnet.errors import MeshnetError, ModelError, ShardMismatch, UnsupportedTensorType
 from meshnet.kv.cache import SequenceKV
 from meshnet.layer_range import LayerRange
 from meshnet.model.block import forward_block
@@ -45,6 +45,7 @@ class FastBackend:
 
     name = "fast"
     decodes_rows_exactly = True  # every row goes through the row-wise quantized kernels
+    kv_dtype: type[np.floating] = np.float32  # what the KV cache holds
 
     def __init__(self, spec: ModelSpec, weights: ShardWeights[QuantMatrix]) -> None:
         self.spec = spec
@@ -55,6 +56,10 @@ class FastBackend:
         self._tables = [tables[r] for r in ropes]  # per block
         self._native = NativeBlocks.of(spec, start, self.weights.blocks)
         self.runs_native_blocks = self._native is not None  # every row: one native call per block
+        if self.kv_dtype != np.float32 and (quant.NATIVE is None or spec.head_dim % 8):
+            raise ModelError(
+                f"backend {self.name!r} needs the native attention (built, heads a multiple of 8)"
+            )
 
     def new_kv(self) -> SequenceKV:
         """A sequence's cache: windowed layers keep only their window, as rings where the
@@ -64,7 +69,9 @@ class FastBackend:
         windows = [self.spec.layer_window(start + i) for i in range(len(self.weights.layers))]
         native = quant.NATIVE is not None and self.spec.head_dim % 8 == 0
         n_kv, hd = self.spec.n_kv_heads, self.spec.head_dim
-        return SequenceKV(len(windows), n_kv, hd, windows=windows, rings=native, paging=native)
+        return SequenceKV(
+            len(windows), n_kv, hd, self.kv_dtype, windows=windows, rings=native, paging=native
+        )
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         if self.weights.embedding is None:

@@ -15,21 +15,29 @@ import numpy as np
 
 from meshnet.backends.base import Backend, BatchEntry
 from meshnet.backends.fast import FastBackend, load_fast_weights
-from meshnet.backends.q8 import Q8Backend, load_q8_weights
+from meshnet.backends.q8 import Q8Backend, Q8HalfKVBackend, load_q8_weights
 from meshnet.backends.reference import ReferenceBackend
 from meshnet.errors import ModelError
 from meshnet.layer_range import LayerRange
 from meshnet.memory import settle
 from meshnet.model.gguf_file import GGUFFile, open_gguf
+from meshnet.model.layer_bytes import KV_ITEM
 from meshnet.model.spec import ModelSpec, read_spec
 from meshnet.model.weights import load_shard_weights
 
 LogitsMode = Literal["last", "all"]
-BACKENDS = ("fast", "q8", "numpy")
+BACKENDS = ("fast", "q8", "q8-kv16", "numpy")
 # "fast": quantized kernels, float32 activations; "q8": 8-bit activations as llama.cpp;
-# "numpy" is the float32 reference. q8 is the default: the faster of the two exact ones
+# "q8-kv16": q8 with a float16 KV cache (half the cache's bytes); "numpy" is the float32
+# reference. q8 is the default: the faster of the two exact ones with a float32 cache
 # (README, "The default backend").
 DEFAULT_BACKEND = "q8"
+
+
+def kv_item_bytes(backend: str) -> int:
+    """Bytes of one key or value element in the KV cache of a node on ``backend`` (a
+    name it does not know: float32's, what every other backend holds)."""
+    return 2 if backend == Q8HalfKVBackend.name else KV_ITEM
 
 
 @dataclass(frozen=True)
@@ -79,7 +87,7 @@ def warm_up(shard: Shard) -> None:
 def load_shard(
     f: GGUFFile, spec: ModelSpec, layers: LayerRange, backend: str = DEFAULT_BACKEND
 ) -> Shard:
-    """Load ``layers`` of the model in ``f`` onto ``backend`` ("fast", "q8" or "numpy")."""
+    """Load ``layers`` of the model in ``f`` onto ``backend`` (one of ``BACKENDS``)."""
     settle()  # before the first large block is freed: glibc's thresholds stay where set
     if backend == "numpy":
         compute: Backend = ReferenceBackend(spec, load_shard_weights(f, spec, layers))
@@ -87,6 +95,8 @@ def load_shard(
         compute = FastBackend(spec, load_fast_weights(f, spec, layers))
     elif backend == "q8":
         compute = Q8Backend(spec, load_q8_weights(f, spec, layers))
+    elif backend == "q8-kv16":
+        compute = Q8HalfKVBackend(spec, load_q8_weights(f, spec, layers))
     else:
         raise ModelError(f"backend {backend!r} is not available (have: {', '.join(BACKENDS)})")
     shard = Shard(spec, layers, compute, f.fingerprint(), str(f.path))

@@ -132,8 +132,9 @@ def declare_node_setup(p: ArgumentTarget) -> list[argparse.Action]:
 
 BACKEND_HELP = (
     f"numerics (default {DEFAULT_BACKEND}): q8 multiplies 8-bit activations as llama.cpp "
-    "does, fast keeps float32 activations (both bit-exact however a sequence is batched "
-    "or split), numpy is the float32 reference"
+    "does, fast keeps float32 activations, q8-kv16 is q8 with a float16 KV cache (half "
+    "the memory, as llama.cpp's default cache; all three bit-exact however a sequence "
+    "is batched or split), numpy is the float32 reference"
 )
 
 

@@ -32,7 +32,7 @@ from meshnet.model.gguf_file import GGUFFile
 from meshnet.model.spec import ModelSpec
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
-_KV_ITEM = 4  # the KV cache holds float32 keys and values
+KV_ITEM = 4  # a KV cache of float32 keys and values (backends/shard.py kv_item_bytes)
 TensorBytes = Callable[[gguf.ReaderTensor], int]  # what a node holds for one tensor
 
 
@@ -115,22 +115,26 @@ def kv_bytes(windows: Sequence[int], kv_layer_token: int, positions: int) -> int
     return kv_layer_token * sum(min(positions, w) if w else positions for w in windows)
 
 
-def model_layer_bytes(f: GGUFFile, spec: ModelSpec, held: TensorBytes = file_bytes) -> LayerBytes:
+def model_layer_bytes(
+    f: GGUFFile, spec: ModelSpec, held: TensorBytes = file_bytes, kv_item: int = KV_ITEM
+) -> LayerBytes:
     """The parts of ``f`` (whose spec is ``spec``) as a node holds them (``held``: per
-    tensor, the file's bytes by default); ``ModelFileError`` for a tensor of a layer the
-    model does not have."""
+    tensor, the file's bytes by default; ``kv_item``: bytes per key or value element of
+    its cache); ``ModelFileError`` for a tensor of a layer the model does not have."""
     sizes = {name: held(t) for name, t in f.tensors.items()}
     try:
-        sized = layer_bytes_of(sizes, spec.n_layers, spec.tied_head, kv_layer_token(spec))
+        token = kv_layer_token(spec, kv_item)
+        sized = layer_bytes_of(sizes, spec.n_layers, spec.tied_head, token)
     except ModelFileError as e:
         raise ModelFileError(f"{f.path.name}: {e.message}") from None
     windows = tuple(spec.layer_window(i) for i in range(spec.n_layers))
     return replace(sized, windows=windows, context=spec.context_length)
 
 
-def kv_layer_token(spec: ModelSpec) -> int:
-    """KV bytes of one layer of ``spec`` for one position: float32 keys and values."""
-    return 2 * spec.n_kv_heads * spec.head_dim * _KV_ITEM
+def kv_layer_token(spec: ModelSpec, kv_item: int = KV_ITEM) -> int:
+    """KV bytes of one layer of ``spec`` for one position: keys and values of ``kv_item``
+    bytes each (float32 by default)."""
+    return 2 * spec.n_kv_heads * spec.head_dim * kv_item
 
 
 def range_holds(name: str, layers: LayerRange, n_layers: int, tied_head: bool) -> bool:

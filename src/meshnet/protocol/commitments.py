@@ -38,7 +38,7 @@ SKETCH_BYTES = CHUNK_TOKENS * POSITION_BYTES  # of a chunk's top-k sketch (256)
 # Backends whose rows are the same bits alone, batched, chunked and split
 # (docs/kernels.md): their nodes commit hashes, checked exactly on the same backend;
 # any other commits sketches, checked with a tolerance on the verifier's backend.
-EXACT_BACKENDS = frozenset({"fast", "q8"})
+EXACT_BACKENDS = frozenset({"fast", "q8", "q8-kv16"})
 MAX_CHUNKS_PER_MESSAGE = 4096  # a message naming more is malformed (a context of 128k)
 
 

@@ -42,10 +42,29 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_unpacklo_ps(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1));
 }
 
-static inline float dot(const float *q, const float *k, int hd) {
+/* Eight keys or values from element i of a cache: float32, or float16 widened (exact), so
+ * a half cache's scores and sums are the float32 kernel's on the values it holds. */
+static inline __attribute__((always_inline)) __m256 load8(const void *p, Py_ssize_t i,
+                                                          const int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+                : _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline __attribute__((always_inline, target("avx512f"))) __m512 load16(
+    const void *p, Py_ssize_t i, const int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+                : _mm512_loadu_ps((const float *)p + i);
+}
+
+/* The bytes of one element of a cache. */
+static inline int element(int half) { return half ? 2 : (int)sizeof(float); }
+
+/* q . the key at element i of k. */
+static inline __attribute__((always_inline)) float dot(const float *q, const void *k,
+                                                       Py_ssize_t i, int hd, const int half) {
     __m256 acc = _mm256_setzero_ps();
     for (int c = 0; c < hd; c += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load8(k, i + c, half), acc);
     return hsum256(acc);
 }
 
@@ -54,19 +73,18 @@ static inline float dot(const float *q, const float *k, int hd) {
  * the scores of keys j .. j + 3 are computed, the keys AHEAD_BYTES on and the values of
  * rows j .. j + 3 (read after the scores, in column blocks) are fetched. ``fetch`` is the
  * tile's values, or NULL (a tile read before, from cache). One Gemma 3 270M global layer
- * at 16k positions, 2 threads, from memory: 2.39 -> 1.92 ms (bench/deep_decode.py). */
+ * at 16k positions, 2 threads, from memory: 2.39 -> 1.92 ms (bench/deep_decode.py).
+ * ``kj``, ``vj``: the four rows' first bytes, ``row`` bytes each; ``left`` rows after them. */
 #ifndef AHEAD_BYTES
 #define AHEAD_BYTES 8192
 #endif
-static inline __attribute__((always_inline)) void fetch_ahead(const float *kj,
-                                                              const float *vj, int hd,
-                                                              int left) {
-    const int ahead = AHEAD_BYTES / (int)sizeof(float); /* floats: whole rows, as hd | 8 */
-    for (int line = 0; line < 4 * hd; line += 16) /* to L2: a tile's values outsize L1 */
-        _mm_prefetch((const char *)(vj + line), _MM_HINT_T1);
-    if (left * hd >= ahead)
-        for (int line = 0; line < 4 * hd; line += 16)
-            _mm_prefetch((const char *)(kj + ahead + line), _MM_HINT_T0);
+static inline __attribute__((always_inline)) void fetch_ahead(const char *kj, const char *vj,
+                                                              int row, int left) {
+    for (int line = 0; line < 4 * row; line += 64) /* to L2: a tile's values outsize L1 */
+        _mm_prefetch(vj + line, _MM_HINT_T1);
+    if ((Py_ssize_t)left * row >= AHEAD_BYTES)
+        for (int line = 0; line < 4 * row; line += 64)
+            _mm_prefetch(kj + AHEAD_BYTES + line, _MM_HINT_T0);
 }
 
 /* The scores read a tile's keys and values from memory; the weighing then runs from
@@ -96,12 +114,16 @@ static inline __attribute__((always_inline)) void fetch_step(ahead_t *f) {
  * P; two queries and four keys side by side so each load serves several chains, a second
  * pair of queries (P 3 or 4) on the same four keys next, while they are in L1. */
 static inline __attribute__((always_inline)) void dots(const int P, const float *const *q,
-                                                       const float *k, const float *fetch,
-                                                       int hd, int n, float *const *s) {
+                                                       const void *k, const void *fetch,
+                                                       int hd, int n, float *const *s,
+                                                       const int half) {
+    const int row = hd * element(half);
     int j = 0;
     for (; j + 4 <= n; j += 4) {
-        const float *kj = k + (Py_ssize_t)j * hd;
-        if (fetch != NULL) fetch_ahead(kj, fetch + (Py_ssize_t)j * hd, hd, n - j - 4);
+        const Py_ssize_t kj = (Py_ssize_t)j * hd;
+        if (fetch != NULL)
+            fetch_ahead((const char *)k + j * row, (const char *)fetch + j * row, row,
+                        n - j - 4);
 #pragma GCC unroll 2
         for (int x0 = 0; x0 < P; x0 += 2) {
             const int PP = P - x0 < 2 ? 1 : 2;
@@ -112,7 +134,7 @@ static inline __attribute__((always_inline)) void dots(const int P, const float 
                 __m256 qv[2];
                 for (int x = 0; x < PP; x++) qv[x] = _mm256_loadu_ps(q[x0 + x] + c);
                 for (int y = 0; y < 4; y++) {
-                    const __m256 kv = _mm256_loadu_ps(kj + y * hd + c);
+                    const __m256 kv = load8(k, kj + y * hd + c, half);
                     for (int x = 0; x < PP; x++) a[x][y] = _mm256_fmadd_ps(qv[x], kv, a[x][y]);
                 }
             }
@@ -121,22 +143,25 @@ static inline __attribute__((always_inline)) void dots(const int P, const float 
         }
     }
     for (; j < n; j++)
-        for (int x = 0; x < P; x++) s[x][j] = dot(q[x], k + (Py_ssize_t)j * hd, hd);
+        for (int x = 0; x < P; x++) s[x][j] = dot(q[x], k, (Py_ssize_t)j * hd, hd, half);
 }
 
 /* dots of four queries with 16-lane vectors: a register holds two queries' 8-lane chains
  * side by side against one key broadcast to both halves, so each chain is the one dots
  * runs (the same bits); the halves reduced by hsum4. qp: scratch of 4 hd floats. */
-static __attribute__((target("avx512f,avx512dq"))) void dots16(
-    const float *const *q, const float *k, const float *fetch, int hd, int n, float *qp,
-    float *const *s) {
+static inline __attribute__((always_inline, target("avx512f,avx512dq"))) void dots16_as(
+    const float *const *q, const void *k, const void *fetch, int hd, int n, float *qp,
+    float *const *s, const int half) {
     for (int c = 0; c < hd; c += 8) /* [q0 | q1] and [q2 | q3] per 8 columns */
         for (int x = 0; x < 4; x++)
             memcpy(qp + (x / 2) * 2 * hd + 2 * c + 8 * (x % 2), q[x] + c, 8 * sizeof(float));
+    const int row = hd * element(half);
     int j = 0;
     for (; j + 4 <= n; j += 4) {
-        const float *kj = k + (Py_ssize_t)j * hd;
-        if (fetch != NULL) fetch_ahead(kj, fetch + (Py_ssize_t)j * hd, hd, n - j - 4);
+        const Py_ssize_t kj = (Py_ssize_t)j * hd;
+        if (fetch != NULL)
+            fetch_ahead((const char *)k + j * row, (const char *)fetch + j * row, row,
+                        n - j - 4);
         __m512 a[2][4];
         for (int x = 0; x < 2; x++)
             for (int y = 0; y < 4; y++) a[x][y] = _mm512_setzero_ps();
@@ -144,7 +169,7 @@ static __attribute__((target("avx512f,avx512dq"))) void dots16(
             const __m512 q01 = _mm512_loadu_ps(qp + 2 * c);
             const __m512 q23 = _mm512_loadu_ps(qp + 2 * hd + 2 * c);
             for (int y = 0; y < 4; y++) {
-                const __m512 kv = _mm512_broadcast_f32x8(_mm256_loadu_ps(kj + y * hd + c));
+                const __m512 kv = _mm512_broadcast_f32x8(load8(k, kj + y * hd + c, half));
                 a[0][y] = _mm512_fmadd_ps(q01, kv, a[0][y]);
                 a[1][y] = _mm512_fmadd_ps(q23, kv, a[1][y]);
             }
@@ -160,7 +185,16 @@ static __attribute__((target("avx512f,avx512dq"))) void dots16(
         }
     }
     for (; j < n; j++)
-        for (int x = 0; x < 4; x++) s[x][j] = dot(q[x], k + (Py_ssize_t)j * hd, hd);
+        for (int x = 0; x < 4; x++) s[x][j] = dot(q[x], k, (Py_ssize_t)j * hd, hd, half);
+}
+
+static __attribute__((target("avx512f,avx512dq"))) void dots16(
+    const float *const *q, const void *k, const void *fetch, int hd, int n, float *qp,
+    float *const *s, int half) {
+    if (half)
+        dots16_as(q, k, fetch, hd, n, qp, s, 1);
+    else
+        dots16_as(q, k, fetch, hd, n, qp, s, 0);
 }
 
 /* acc[x][c0 .. c0 + 8 W) = sum over j in order of e[x][j] v[j] for P queries (at most 4)
@@ -168,16 +202,17 @@ static __attribute__((target("avx512f,avx512dq"))) void dots16(
  * the positions, whatever P and W; each value vector loaded once for the P queries. */
 static inline __attribute__((always_inline)) void weigh(const int P, const int W,
                                                         const float *const *e,
-                                                        const float *values, int hd, int n,
-                                                        int c0, float *const *acc, ahead_t *f) {
+                                                        const void *values, int hd, int n,
+                                                        int c0, float *const *acc, ahead_t *f,
+                                                        const int half) {
     __m256 a[4][8];
     for (int x = 0; x < P; x++)
         for (int w = 0; w < W; w++) a[x][w] = _mm256_setzero_ps();
     for (int j = 0; j < n; j++) {
         fetch_step(f);
-        const float *v = values + (Py_ssize_t)j * hd + c0;
+        const Py_ssize_t v = (Py_ssize_t)j * hd + c0;
         __m256 vv[8];
-        for (int w = 0; w < W; w++) vv[w] = _mm256_loadu_ps(v + 8 * w);
+        for (int w = 0; w < W; w++) vv[w] = load8(values, v + 8 * w, half);
         for (int x = 0; x < P; x++) {
             const __m256 p = _mm256_broadcast_ss(e[x] + j);
             for (int w = 0; w < W; w++) a[x][w] = _mm256_fmadd_ps(p, vv[w], a[x][w]);
@@ -190,16 +225,16 @@ static inline __attribute__((always_inline)) void weigh(const int P, const int W
 /* weigh with 16-lane vectors (AVX-512's 32 registers hold four queries x four vectors):
  * lane for lane the same FMA chains, so the same bits. */
 static inline __attribute__((always_inline, target("avx512f"))) void weigh16(
-    const int P, const int W, const float *const *e, const float *values, int hd, int n,
-    int c0, float *const *acc, ahead_t *f) {
+    const int P, const int W, const float *const *e, const void *values, int hd, int n,
+    int c0, float *const *acc, ahead_t *f, const int half) {
     __m512 a[4][4];
     for (int x = 0; x < P; x++)
         for (int w = 0; w < W; w++) a[x][w] = _mm512_setzero_ps();
     for (int j = 0; j < n; j++) {
         fetch_step(f);
-        const float *v = values + (Py_ssize_t)j * hd + c0;
+        const Py_ssize_t v = (Py_ssize_t)j * hd + c0;
         __m512 vv[4];
-        for (int w = 0; w < W; w++) vv[w] = _mm512_loadu_ps(v + 16 * w);
+        for (int w = 0; w < W; w++) vv[w] = load16(values, v + 16 * w, half);
         for (int x = 0; x < P; x++) {
             const __m512 p = _mm512_set1_ps(e[x][j]);
             for (int w = 0; w < W; w++) a[x][w] = _mm512_fmadd_ps(p, vv[w], a[x][w]);
@@ -210,27 +245,38 @@ static inline __attribute__((always_inline, target("avx512f"))) void weigh16(
 }
 
 /* The columns from 0 that four queries' 16-lane blocks of 64 (then 32) cover. */
-static __attribute__((target("avx512f"))) int weigh16_all(const float *const *e,
-                                                          const float *values, int hd, int n,
-                                                          float *const *acc, ahead_t *f) {
+static inline __attribute__((always_inline, target("avx512f"))) int weigh16_all_as(
+    const float *const *e, const void *values, int hd, int n, float *const *acc, ahead_t *f,
+    const int half) {
     int c0 = 0;
-    for (; c0 + 64 <= hd; c0 += 64) weigh16(4, 4, e, values, hd, n, c0, acc, f);
-    for (; c0 + 32 <= hd; c0 += 32) weigh16(4, 2, e, values, hd, n, c0, acc, f);
+    for (; c0 + 64 <= hd; c0 += 64) weigh16(4, 4, e, values, hd, n, c0, acc, f, half);
+    for (; c0 + 32 <= hd; c0 += 32) weigh16(4, 2, e, values, hd, n, c0, acc, f, half);
     return c0;
 }
 
+static __attribute__((target("avx512f"))) int weigh16_all(const float *const *e,
+                                                          const void *values, int hd, int n,
+                                                          float *const *acc, ahead_t *f,
+                                                          int half) {
+    return half ? weigh16_all_as(e, values, hd, n, acc, f, 1)
+                : weigh16_all_as(e, values, hd, n, acc, f, 0);
+}
+
 /* weigh over every column of the head, in blocks of as many vectors as fit beside P. */
-#define WEIGH_ALL(P, WIDE)                                                           \
-    do {                                                                             \
-        int c0 = (P) == 4 && wide_isa_selected() ? weigh16_all(e, values, hd, n, acc, f) : 0; \
-        for (; c0 + 8 * (WIDE) <= hd; c0 += 8 * (WIDE))                              \
-            weigh(P, WIDE, e, values, hd, n, c0, acc, f);                            \
-        for (; c0 + 16 <= hd; c0 += 16) weigh(P, 2, e, values, hd, n, c0, acc, f);   \
-        for (; c0 < hd; c0 += 8) weigh(P, 1, e, values, hd, n, c0, acc, f);          \
+#define WEIGH_ALL(P, WIDE)                                                                  \
+    do {                                                                                    \
+        int c0 = (P) == 4 && wide_isa_selected() ? weigh16_all(e, values, hd, n, acc, f, half) \
+                                                 : 0;                                       \
+        for (; c0 + 8 * (WIDE) <= hd; c0 += 8 * (WIDE))                                     \
+            weigh(P, WIDE, e, values, hd, n, c0, acc, f, half);                             \
+        for (; c0 + 16 <= hd; c0 += 16) weigh(P, 2, e, values, hd, n, c0, acc, f, half);    \
+        for (; c0 < hd; c0 += 8) weigh(P, 1, e, values, hd, n, c0, acc, f, half);           \
     } while (0)
 
-static void weigh_all(int P, const float *const *e, const float *values, int hd, int n,
-                      float *const *acc, ahead_t *f) {
+static inline __attribute__((always_inline)) void weigh_all(int P, const float *const *e,
+                                                            const void *values, int hd, int n,
+                                                            float *const *acc, ahead_t *f,
+                                                            const int half) {
     switch (P) {
     case 4: WEIGH_ALL(4, 3); break;
     case 3: WEIGH_ALL(3, 4); break;
@@ -246,9 +292,9 @@ static void weigh_all(int P, const float *const *e, const float *values, int hd,
  * soft-capped when the family says so; e^(s - m) in 8-lane chunks (each lane's result its
  * own), l summed lane j % 8 then folded, acc one FMA chain per element over the positions
  * in order: each query's partial the same bits whichever queries share the call. */
-static void partials(const heads_t *sh, const float *const *q, int np, const float *keys,
-                     const float *values, int n, int from_memory, const float *next,
-                     int next_n, float *const *part) {
+static inline __attribute__((always_inline)) void partials_as(
+    const heads_t *sh, const float *const *q, int np, const void *keys, const void *values,
+    int n, int from_memory, const void *next, int next_n, float *const *part, const int half) {
     const int hd = sh->hd;
     const float scale = sh->scale, cap = sh->softcap;
     float buf[4][TILE];
@@ -256,7 +302,7 @@ static void partials(const heads_t *sh, const float *const *q, int np, const flo
     int x = 0;
     if (np == 4 && wide_isa_selected() && hd <= 256) {
         float qp[4 * 256];
-        dots16(q, keys, from_memory ? values : NULL, hd, n, qp, s);
+        dots16(q, keys, from_memory ? values : NULL, hd, n, qp, s, half);
         x = 4;
     }
     /* A tile read from memory (a decode step's): both pairs of queries on each four keys
@@ -265,12 +311,12 @@ static void partials(const heads_t *sh, const float *const *q, int np, const flo
      * (the rows of a prompt after a unit's first) a pair at a time over the whole tile,
      * as before: all four at once ran a 16k prompt's global layer 0.90-0.92x. */
     if (x == 0 && np == 4 && from_memory) {
-        dots(4, q, keys, values, hd, n, s);
+        dots(4, q, keys, values, hd, n, s, half);
         x = 4;
     }
     for (; x + 2 <= np; x += 2)
-        dots(2, q + x, keys, from_memory && x == 0 ? values : NULL, hd, n, s + x);
-    if (x < np) dots(1, q + x, keys, from_memory && x == 0 ? values : NULL, hd, n, s + x);
+        dots(2, q + x, keys, from_memory && x == 0 ? values : NULL, hd, n, s + x, half);
+    if (x < np) dots(1, q + x, keys, from_memory && x == 0 ? values : NULL, hd, n, s + x, half);
     const __m256 vscale = _mm256_set1_ps(scale);
     for (x = 0; x < np; x++) {
         float *sx = s[x];
@@ -316,8 +362,17 @@ static void partials(const heads_t *sh, const float *const *q, int np, const flo
     }
     float *acc[4];
     for (x = 0; x < np; x++) acc[x] = part[x] + 2;
-    ahead_t f = {(const char *)next, (const char *)(next + (Py_ssize_t)next_n * hd)};
-    weigh_all(np, (const float *const *)s, values, hd, n, acc, &f);
+    ahead_t f = {(const char *)next, (const char *)next + (Py_ssize_t)next_n * hd * element(half)};
+    weigh_all(np, (const float *const *)s, values, hd, n, acc, &f, half);
+}
+
+static void partials(const heads_t *sh, const float *const *q, int np, const void *keys,
+                     const void *values, int n, int from_memory, const void *next,
+                     int next_n, float *const *part, int half) {
+    if (half)
+        partials_as(sh, q, np, keys, values, n, from_memory, next, next_n, part, 1);
+    else
+        partials_as(sh, q, np, keys, values, n, from_memory, next, next_n, part, 0);
 }
 
 /* state (M, L, A [hd]) <- the fold of the partial ``part`` into it. A fresh state is
@@ -390,14 +445,15 @@ static inline Py_ssize_t slot(const seq_t *s, Py_ssize_t p) {
 
 /* Kv head kv's keys (``values`` 1: values) from position p of s on, contiguous to the end
  * of p's tile (or a ring's end): a page's or the sequence's own. */
-static inline const float *cached(const heads_t *sh, const seq_t *s, int kv, int values,
+static inline const void *cached(const heads_t *sh, const seq_t *s, int kv, int values,
                                   Py_ssize_t p) {
+    const Py_ssize_t row = (Py_ssize_t)sh->hd * element(s->half);
     if (p < s->shared) {
-        const float *page = s->pages[values * (s->shared / TILE) + p / TILE];
-        return page + ((Py_ssize_t)kv * TILE + p % TILE) * sh->hd;
+        const char *page = s->pages[values * (s->shared / TILE) + p / TILE];
+        return page + ((Py_ssize_t)kv * TILE + p % TILE) * row;
     }
-    const float *own = values ? s->values : s->keys;
-    return own + ((Py_ssize_t)kv * s->capacity + slot(s, p)) * sh->hd;
+    const char *own = values ? s->values : s->keys;
+    return own + ((Py_ssize_t)kv * s->capacity + slot(s, p)) * row;
 }
 
 /* Row i's positions in tile t, [*a, *b): empty when *a >= *b. */
@@ -411,8 +467,8 @@ static inline void in_tile(const heads_t *sh, const seq_t *s, Py_ssize_t i, Py_s
 
 /* The keys of row r of unit u in tile t, and (*n) how many lie in a row from there (to a
  * ring's end); NULL and 0 where the row sees nothing of the tile. */
-static const float *tile_keys(const heads_t *sh, const unit_t *u, Py_ssize_t r, Py_ssize_t t,
-                              int *n) {
+static const void *tile_keys(const heads_t *sh, const unit_t *u, Py_ssize_t r, Py_ssize_t t,
+                             int *n) {
     const seq_t *s = u->s;
     Py_ssize_t a, b;
     in_tile(sh, s, u->i0 + r, t, &a, &b);
@@ -436,7 +492,7 @@ static void tile_parts(const heads_t *sh, const float *qs, const unit_t *u, Py_s
         in_tile(sh, s, u->i0 + r, t, &a, &b);
         if (a >= b) continue;
         int next_n = 0;
-        const float *next = r == 0 ? tile_keys(sh, u, r, t + stride, &next_n) : NULL;
+        const void *next = r == 0 ? tile_keys(sh, u, r, t + stride, &next_n) : NULL;
         for (int x0 = 0; x0 < g; x0 += 4) {
             const int np = g - x0 < 4 ? g - x0 : 4;
             const float *q[4];
@@ -448,7 +504,7 @@ static void tile_parts(const heads_t *sh, const float *qs, const unit_t *u, Py_s
             }
             const int first = r == 0 && x0 == 0;
             partials(sh, q, np, cached(sh, s, u->kv, 0, a), cached(sh, s, u->kv, 1, a),
-                     (int)(b - a), first, next, first ? next_n : 0, part);
+                     (int)(b - a), first, next, first ? next_n : 0, part, s->half);
         }
     }
 }
@@ -464,7 +520,7 @@ static void tile_fold_row(const heads_t *sh, const float *qs, const unit_t *u, P
     Py_ssize_t a, b;
     in_tile(sh, s, u->i0 + r, t, &a, &b);
     if (a >= b) return;
-    const float *keys = cached(sh, s, u->kv, 0, a), *values = cached(sh, s, u->kv, 1, a);
+    const void *keys = cached(sh, s, u->kv, 0, a), *values = cached(sh, s, u->kv, 1, a);
     for (int x0 = 0; x0 < g; x0 += 4) {
         const int np = g - x0 < 4 ? g - x0 : 4;
         const float *q[4];
@@ -475,8 +531,8 @@ static void tile_fold_row(const heads_t *sh, const float *qs, const unit_t *u, P
         }
         const int first = x0 == 0 && r == 0; /* the unit's first read of tile t: memory */
         int next_n = 0;
-        const float *next = first ? tile_keys(sh, u, r, t + 1, &next_n) : NULL;
-        partials(sh, q, np, keys, values, (int)(b - a), first, next, next_n, p);
+        const void *next = first ? tile_keys(sh, u, r, t + 1, &next_n) : NULL;
+        partials(sh, q, np, keys, values, (int)(b - a), first, next, next_n, p, s->half);
         for (int x = 0; x < np; x++)
             fold(states + (r * g + x0 + x) * (Py_ssize_t)(hd + 2), p[x], hd);
     }
@@ -513,15 +569,27 @@ static void fresh_unit(const heads_t *sh, const unit_t *u, float *states) {
     for (Py_ssize_t p = 0; p < u->rows * g; p++) fresh(states + p * (sh->hd + 2), sh->hd);
 }
 
+/* hd floats at ``from`` rounded to float16 (to nearest, ties to even: numpy's astype). */
+static void to_half(uint16_t *to, const float *from, int hd) {
+    for (int c = 0; c < hd; c += 8)
+        _mm_storeu_si128((__m128i *)(to + c),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(from + c), _MM_FROUND_TO_NEAREST_INT));
+}
+
 /* Copies the sequence's new rows of k and v ([T, n_kv, hd]) to positions first .. (their
- * slots in its own arrays: the pages are never written). */
+ * slots in its own arrays: the pages are never written), as float16 in a half cache. */
 static void store_rows(const seq_t *s, const float *k, const float *v, int n_kv, int hd) {
     for (Py_ssize_t i = 0; i < s->count; i++)
         for (int h = 0; h < n_kv; h++) {
             const Py_ssize_t src = ((s->row + i) * n_kv + h) * hd;
             const Py_ssize_t dst = (h * s->capacity + slot(s, s->first + i)) * hd;
-            memcpy(s->keys + dst, k + src, hd * sizeof(float));
-            memcpy(s->values + dst, v + src, hd * sizeof(float));
+            if (s->half) {
+                to_half((uint16_t *)s->keys + dst, k + src, hd);
+                to_half((uint16_t *)s->values + dst, v + src, hd);
+            } else {
+                memcpy((float *)s->keys + dst, k + src, hd * sizeof(float));
+                memcpy((float *)s->values + dst, v + src, hd * sizeof(float));
+            }
         }
 }
 

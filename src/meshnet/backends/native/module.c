@@ -90,10 +90,10 @@ done:
 }
 
 /* The batch's sequences: (keys, values, first, count, row[, ring[, pages]]) each, keys and
- * values [n_kv, capacity, hd] float32; pages None or the addresses (int64 [2, n_pages]:
- * keys', then values') of the pages holding positions 0 .. n_pages TILE, each
- * [n_kv, TILE, hd] float32, which the caller keeps alive (kv/pages.py). Holds 3 n views on
- * success (release them), none on error. */
+ * values [n_kv, capacity, hd] float32 or float16 (both alike); pages None or the addresses
+ * (int64 [2, n_pages]: keys', then values') of the pages holding positions
+ * 0 .. n_pages TILE, each [n_kv, TILE, hd] of the keys' type, which the caller keeps alive
+ * (kv/pages.py). Holds 3 n views on success (release them), none on error. */
 typedef struct {
     seq_t *seqs;
     Py_buffer *views;
@@ -111,6 +111,13 @@ static void release_entries(entries_t *es) {
     es->n = 0;
 }
 
+/* 1 for a float16 buffer, 0 for float32, -1 for any other. */
+static int cache_type(const Py_buffer *view) {
+    const char *f = view->format != NULL ? view->format : "B";
+    if (*f == '<' || *f == '=') f++;
+    return !strcmp(f, "e") && view->itemsize == 2 ? 1 : !strcmp(f, "f") && view->itemsize == 4 ? 0 : -1;
+}
+
 static int read_entries(PyObject *obj, Py_ssize_t T, const heads_t *h, entries_t *es) {
     *es = (entries_t){NULL, NULL, 0};
     PyObject *list = PySequence_Fast(obj, "entries must be a sequence");
@@ -122,7 +129,6 @@ static int read_entries(PyObject *obj, Py_ssize_t T, const heads_t *h, entries_t
         PyErr_NoMemory();
         goto fail;
     }
-    const Py_ssize_t per_position = (Py_ssize_t)h->n_kv * h->hd * sizeof(float);
     Py_ssize_t rows = 0;
     for (Py_ssize_t e = 0; e < n; e++) {
         PyObject *keys, *values, *pages = Py_None;
@@ -132,8 +138,15 @@ static int read_entries(PyObject *obj, Py_ssize_t T, const heads_t *h, entries_t
             goto fail;
         Py_buffer *kv = &es->views[3 * e];
         es->n = e + 1; /* from here the entry's views are released on failure */
-        if (PyObject_GetBuffer(keys, &kv[0], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto fail;
-        if (PyObject_GetBuffer(values, &kv[1], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto fail;
+        const int flags = PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT;
+        if (PyObject_GetBuffer(keys, &kv[0], flags) < 0) goto fail;
+        if (PyObject_GetBuffer(values, &kv[1], flags) < 0) goto fail;
+        const int half = cache_type(&kv[0]);
+        if (half < 0 || cache_type(&kv[1]) != half) {
+            PyErr_SetString(PyExc_ValueError, "a cache's keys and values must be float32 or float16 alike");
+            goto fail;
+        }
+        const Py_ssize_t per_position = (Py_ssize_t)h->n_kv * h->hd * (half ? 2 : sizeof(float));
         Py_ssize_t shared = 0;
         if (pages != Py_None) {
             if (PyObject_GetBuffer(pages, &kv[2], PyBUF_C_CONTIGUOUS) < 0) goto fail;
@@ -155,9 +168,9 @@ static int read_entries(PyObject *obj, Py_ssize_t T, const heads_t *h, entries_t
             PyErr_SetString(PyExc_ValueError, "a sequence's cache or rows do not fit the batch");
             goto fail;
         }
-        const float *const *table = shared ? (const float *const *)kv[2].buf : NULL;
+        const void *const *table = shared ? (const void *const *)kv[2].buf : NULL;
         es->seqs[e] = (seq_t){kv[0].buf, kv[1].buf, capacity, first, count, row, ring, shared,
-                              table};
+                              table, half};
         rows += count;
     }
     if (rows != T) {

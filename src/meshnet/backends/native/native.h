@@ -153,16 +153,18 @@ int qmatmul(const qmat_t *w, const float *x, Py_ssize_t T, float *out, int threa
 /* One sequence's rows in a batch, and its cache of one layer: positions before ``shared``
  * in pages of ATTENTION_TILE positions that other sequences may read too (kv/pages.py),
  * page i's keys at pages[i] and its values at pages[n_pages + i], each [n_kv, TILE, hd];
- * the rest in its own arrays, position p in slot p - shared. */
+ * the rest in its own arrays, position p in slot p - shared. Its keys and values are
+ * float32, or with ``half`` float16 (stored rounded to nearest, read widened: exact). */
 typedef struct {
-    float *keys, *values; /* [n_kv, capacity, hd] each */
+    void *keys, *values; /* [n_kv, capacity, hd] each */
     Py_ssize_t capacity;
     Py_ssize_t first; /* positions before the new rows */
     Py_ssize_t count; /* new rows */
     Py_ssize_t row;   /* the first of them in the batch */
     Py_ssize_t ring;  /* > 0: position p is in slot p % ring (a windowed layer's ring) */
     Py_ssize_t shared;          /* positions in pages: a multiple of ATTENTION_TILE */
-    const float *const *pages;  /* 2 shared / ATTENTION_TILE pointers, or NULL */
+    const void *const *pages;   /* 2 shared / ATTENTION_TILE pointers, or NULL */
+    int half;                   /* keys and values are float16 */
 } seq_t;
 
 /* Positions per tile of the attention (tiles start at multiples of it); a ring's

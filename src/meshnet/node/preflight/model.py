@@ -16,6 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from meshnet.backends import quant
+from meshnet.backends.shard import kv_item_bytes
 from meshnet.errors import ModelError, TokenizerError
 from meshnet.layer_range import LayerRange
 from meshnet.model.gguf_file import GGUFFile, open_gguf
@@ -100,7 +101,8 @@ def _check_layers(
         fix = f"--layers START:END with 0 <= START < END <= {spec.n_layers}"
         return fail("layers", e.message, fix), None
     try:
-        sizes = model_layer_bytes(f, spec, float32_bytes if backend == "numpy" else file_bytes)
+        held_as = float32_bytes if backend == "numpy" else file_bytes
+        sizes = model_layer_bytes(f, spec, held_as, kv_item_bytes(backend))
     except ModelError as e:
         return fail("layers", e.message, "use a GGUF whose tensors are of its layers"), None
     held, kv = sizes.range_bytes(layers), sizes.kv_bytes_per_token(layers)

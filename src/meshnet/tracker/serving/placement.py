@@ -49,6 +49,7 @@ from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from meshnet.backends.shard import kv_item_bytes
 from meshnet.layer_range import LayerRange
 from meshnet.model.info import ModelInfo
 from meshnet.model.layer_bytes import LayerBytes, file_bytes, float32_bytes, model_layer_bytes
@@ -339,11 +340,13 @@ class Placement:
         )
 
     def _sizes_of(self, backend: str) -> LayerBytes:
-        """The model's bytes as a node on ``backend`` holds them (numpy: float32)."""
+        """The model's bytes as a node on ``backend`` holds them (numpy: float32), and
+        its KV per position."""
         if backend not in self._sizes:
             held = float32_bytes if backend == "numpy" else file_bytes
             model = self.tracker.model
-            self._sizes[backend] = model_layer_bytes(model.file, model.spec, held)
+            item = kv_item_bytes(backend)
+            self._sizes[backend] = model_layer_bytes(model.file, model.spec, held, item)
         return self._sizes[backend]
 
     def _forget(self, needed: Sequence[Load]) -> None:
