@@ -275,16 +275,16 @@ def test_a_readmitted_node_that_still_cheats_is_quarantined_again(
 
 @pytest.mark.parametrize(
     ("layout", "backend"),
-    [("0:4", "fast"), ("0:1,1:3,3:4", "fast"), ("0:1,1:3,3:4", "q8")],
-    ids=["one-node", "ring", "ring-q8"],
+    [("0:4", "fast"), ("0:1,1:3,3:4", "fast"), ("0:1,1:3,3:4", "q8"), ("0:1,1:3,3:4", "q8-kv16")],
+    ids=["one-node", "ring", "ring-q8", "ring-kv16"],
 )
 def test_an_honest_mesh_at_rate_one_fails_no_check(
     mesh_factory: MeshFactory, long_tiny: Path, honest_ids: list[int], layout: str, backend: str
 ) -> None:
     """Commitments come on every path (a node running by itself, a ring's forwarding and
     last hops) and are kept in the ledger; no honest chunk fails its check. Nodes on the
-    q8 backend (the default) are calibrated and checked on q8, those on fast on fast: each
-    on its own exact numerics."""
+    q8 backend (the default) are calibrated and checked on q8, those on fast on fast and
+    those on q8-kv16 (a float16 cache) on q8-kv16: each on its own exact numerics."""
     mesh = mesh_factory(
         layout,
         model=long_tiny,

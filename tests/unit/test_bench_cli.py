@@ -115,3 +115,29 @@ def test_the_avx2_peer_is_built_without_the_hosts_avx512(tmp_path: Path) -> None
     host = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     assert host.returncode != 0  # the host's options differ: it would rebuild
     assert "-DGGML_AVX512=ON" in host.stdout
+
+
+def test_the_peers_kv_cache_type_is_the_one_asked_for(tmp_path: Path) -> None:
+    """llama-bench runs with the KV cache type the race asks for (``--peer-kv``): f16,
+    its own default and q8-kv16's, or f32, the other backends'."""
+    from meshnet.benchmark.llamacpp import bench_llamacpp
+
+    (tmp_path / "bin").mkdir()
+    seen = tmp_path / "argv"
+    rows = [
+        {"n_prompt": 16, "n_gen": 0, "avg_ts": 100.0},
+        {"n_prompt": 0, "n_gen": 4, "avg_ts": 9.0},
+    ]
+    fake = tmp_path / "bin" / "llama-bench"
+    fake.write_text(
+        f"#!/bin/sh\necho \"$@\" >> {seen}\necho '{json.dumps(rows)}'\n", encoding="utf-8"
+    )
+    fake.chmod(0o755)
+    for cache in ("f32", "f16"):
+        got = bench_llamacpp(tmp_path / "bin", tmp_path / "m.gguf", 16, 4, [1], 2, kv_cache=cache)
+        assert (got.prefill_tok_s, got.decode_tok_s) == (100.0, {1: 9.0})
+    runs = seen.read_text().splitlines()
+    assert [r.split("-ctk ")[1].split()[:3] for r in runs] == [
+        ["f32", "-ctv", "f32"],
+        ["f16", "-ctv", "f16"],
+    ]

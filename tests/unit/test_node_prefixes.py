@@ -43,17 +43,22 @@ def _sessions_on(engine: NodeEngine, prompt: np.ndarray, sids: str) -> None:
         _step(engine, sid, opened.steps, prompt[opened.kv_tokens :])
 
 
+# float32 and float16 caches: pages, parks and reuse keep the same contracts on both
+BACKENDS = pytest.mark.parametrize("backend", ["q8", "q8-kv16"])
+
+
 def _ids(n: int, seed: int) -> np.ndarray:
     return (np.arange(n) * 31 + seed * 7919) % 90 + 10
 
 
-def test_a_cached_prefix_gives_the_logits_of_a_whole_prefill(tiny_path: Path) -> None:
+@BACKENDS
+def test_a_cached_prefix_gives_the_logits_of_a_whole_prefill(tiny_path: Path, backend: str) -> None:
     prompt = _ids(3 * B + 5, 1)
     other = np.concatenate([prompt[: 2 * B], _ids(B + 9, 2)])  # shares two blocks
-    with running(tiny_path, EngineConfig(prefix_cache_bytes=0)) as plain:
+    with running(tiny_path, EngineConfig(backend=backend, prefix_cache_bytes=0)) as plain:
         plain.sessions.open("w", 1).result(5)
         whole = _step(plain, "w", 0, other)
-    with running(tiny_path, EngineConfig()) as engine:
+    with running(tiny_path, EngineConfig(backend=backend)) as engine:
         engine.sessions.open("a", 1, prefix=PrefixAsk(prompt, len(prompt) - 1)).result(5)
         _step(engine, "a", 0, prompt)  # nothing cached yet: the whole prompt is step 0
         opened = engine.sessions.open("b", 1, prefix=PrefixAsk(other, len(other) - 1)).result(5)
@@ -104,17 +109,18 @@ def test_a_windowed_model_reuses_a_cached_prefix_exactly(tmp_path: Path) -> None
     assert np.array_equal(rest, whole)
 
 
-def test_sessions_on_one_prompt_hold_its_pages_once(tiny_path: Path) -> None:
+@BACKENDS
+def test_sessions_on_one_prompt_hold_its_pages_once(tiny_path: Path, backend: str) -> None:
     """The session that computed a prompt and one that loads it read the cache's pages:
     the same logits as without the cache, in far less than two sessions' KV."""
     prompt = _ids(3 * PAGE_TOKENS + 5, 4)
-    with running(tiny_path, EngineConfig(prefix_cache_bytes=0)) as plain:
+    with running(tiny_path, EngineConfig(backend=backend, prefix_cache_bytes=0)) as plain:
         plain.sessions.open("a", 1).result(5)
         whole = _step(plain, "a", 0, prompt)
         plain.sessions.open("b", 1).result(5)
         _step(plain, "b", 0, prompt)
         two = plain.stats().kv_bytes
-    with running(tiny_path, EngineConfig()) as engine:
+    with running(tiny_path, EngineConfig(backend=backend)) as engine:
         engine.sessions.open("a", 1, prefix=PrefixAsk(prompt, len(prompt) - 1)).result(5)
         assert np.array_equal(_step(engine, "a", 0, prompt), whole)
         opened = engine.sessions.open("b", 1, prefix=PrefixAsk(prompt, len(prompt) - 1)).result(5)
@@ -169,14 +175,15 @@ def test_parking_a_session_on_shared_pages_frees_what_only_it_held(
         assert np.array_equal(out[0], out[1])
 
 
+@BACKENDS
 def test_a_parked_session_comes_back_reading_the_cached_pages_again(
-    tiny_path: Path, tmp_path: Path
+    tiny_path: Path, tmp_path: Path, backend: str
 ) -> None:
     """Back from a park, a session on a cached prompt reads its pages again rather than
     hold a copy of them: the node holds what it held before the park, and the session
     goes on to the bits of one that never parked."""
     prompt = _ids(3 * PAGE_TOKENS + 5, 7)
-    with running(tiny_path, EngineConfig(park_dir=str(tmp_path))) as engine:
+    with running(tiny_path, EngineConfig(backend=backend, park_dir=str(tmp_path))) as engine:
         _sessions_on(engine, prompt, "ab")
         both = engine.stats().kv_bytes
         engine.parking.park("a").result(5)

@@ -88,10 +88,13 @@ def bench_llamacpp(
     batches: Sequence[int],
     threads: int,
     at_depth: bool = False,
+    kv_cache: str = "f16",
 ) -> Throughput:
-    """One round of llama.cpp's own benchmarks on ``model`` with ``threads`` threads;
-    with ``at_depth`` also its decode after ``prompt_tokens`` (``llama-bench -d``)."""
-    bench = partial(_llama_bench, bin_dir, model, threads)
+    """One round of llama.cpp's own benchmarks on ``model`` with ``threads`` threads and
+    a KV cache of ``kv_cache`` ("f16", its default, or "f32"); with ``at_depth`` also its
+    decode after ``prompt_tokens`` (``llama-bench -d``)."""
+    cache = ["-ctk", kv_cache, "-ctv", kv_cache]
+    bench = partial(_llama_bench, bin_dir, model, threads, cache)
     rows = bench(prompt_tokens, decode_tokens, 0)
     prefill = next(float(r["avg_ts"]) for r in rows if r["n_prompt"] and not r["n_gen"])
     decode = {1: next(float(r["avg_ts"]) for r in rows if r["n_gen"] and not r["n_prompt"])}
@@ -118,6 +121,7 @@ def bench_llamacpp(
                 ",".join(map(str, parallel)),
                 "--output-format",
                 "jsonl",
+                *cache,
             ]
         )
         for line in out.splitlines():
@@ -128,11 +132,12 @@ def bench_llamacpp(
 
 
 def _llama_bench(
-    bin_dir: Path, model: Path, threads: int, prompt: int, gen: int, depth: int
+    bin_dir: Path, model: Path, threads: int, cache: list[str], prompt: int, gen: int, depth: int
 ) -> list[dict[str, Any]]:
     """llama-bench's rows (one round each) for a prompt of ``prompt`` and a decode of
-    ``gen`` tokens, both after ``depth`` tokens already in the cache."""
-    argv = [str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads)]
+    ``gen`` tokens, both after ``depth`` tokens already in the cache (``cache``: its
+    type's flags)."""
+    argv = [str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), *cache]
     argv += ["-p", str(prompt), "-n", str(gen), "-d", str(depth), "-r", "1", "-o", "json"]
     if prompt >= WARM_UP_UNDER:  # its warm-up is the whole prompt again: minutes at 16k
         argv.append("--no-warmup")

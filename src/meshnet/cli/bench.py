@@ -56,6 +56,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--llamacpp", help="directory with llama-bench (default: found or skipped)")
     p.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
+    p.add_argument(
+        "--peer-kv",
+        choices=("f16", "f32"),
+        default="f16",
+        help="llama.cpp's KV cache type (default f16, its own default; q8-kv16 holds f16, "
+        "the other backends f32)",
+    )
     p.add_argument("--json", action="store_true")
     routes = p.add_argument_group("route benchmark (run by a tracker, recorded there)")
     routes.add_argument(
@@ -101,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
                     batches,
                     args.threads,
                     args.at_depth,
+                    args.peer_kv,
                 )
             )
     ours = Throughput.best(our_rounds)
@@ -109,12 +117,18 @@ def run(args: argparse.Namespace) -> int:
     backend = backend_text(args.backend)
     isa = peer_isa(bin_dir) if bin_dir is not None else None
     if args.json:
-        report = {"backend": backend, "threads": args.threads, "llamacpp_isa": isa, "rows": rows}
+        report = {
+            "backend": backend,
+            "threads": args.threads,
+            "llamacpp_isa": isa,
+            "llamacpp_kv": args.peer_kv,
+            "rows": rows,
+        }
         print(json.dumps(report))
         return 0
     print(f"backend {backend}, {args.threads} threads on each side")
     if bin_dir is not None:
-        print(peer_text(bin_dir))
+        print(f"{peer_text(bin_dir)}; its KV cache {args.peer_kv}")
     print(f"{'figure':<22}{'meshnet':>12}{'llama.cpp':>12}{'ratio':>8}")
     for r in rows:
         theirs = f"{r['llamacpp']:.1f}" if r["llamacpp"] else "-"
