@@ -11,6 +11,9 @@
 #define NIBBLE_MIN_T 4   /* fewer: token_tiles fit the registers (b=2, 3 ran 4-5% faster there) */
 #define NIBBLE_CHUNK 8   /* blocks whose integer sums nibble_rows makes before their float operations */
 #define PAIRS_TILE 4     /* tokens per tile of pairs_tile (2 x 4 int32 sums in registers) */
+#ifndef KPAIR_TILE
+#define KPAIR_TILE 4     /* tokens per tile of k4_pair (2 x 4 int16 partials in registers) */
+#endif
 
 /* Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 for NIBBLE_MIN_T tokens or more: per block the row
  * vector's 32 columns unpacked once into eight registers (Q5's fifth bits or'ed in, as
@@ -184,6 +187,100 @@ Q8_INLINE void FN(pairs_tokens)(const q8job_t *j, const Py_ssize_t v, const int 
     }
 }
 
+/* Q4_K for 2 tokens or more: both row vectors of a row group (its 16 rows) x TT tokens,
+ * each token's activations broadcast once for the two (ktile's batches take one row
+ * vector a tile, so a broadcast per maddubs). Per sub-block the same exact int16
+ * partials (8 maddubs of nibbles) and PSCALE by its scale, per super-block ktile's float
+ * operations in its order: the same bits. */
+Q8_INLINE void FN(k4_pair)(const q8job_t *j, const Py_ssize_t v0, const Py_ssize_t t0,
+                           const int TT) {
+    const qmat_t *w = j->w;
+    const Py_ssize_t nb = w->nb, cols = nb * QK, supers = nb / (QK_K / QK);
+    const Py_ssize_t gb = GROUP_BYTES[Q4_K];
+    const uint8_t *group = GROUP_OF(w, v0, supers, gb); /* v0 even: v0 + 1 is in it too */
+    VEC acc[2][KPAIR_TILE];
+    for (int v = 0; v < 2; v++)
+        for (int t = 0; t < TT; t++) acc[v][t] = ZERO();
+    uint8_t unpacked[2 * KSCALES_MINS] __attribute__((aligned(64)));
+    for (Py_ssize_t sb = 0; sb < supers; sb++) {
+        const int8_t *xs = j->xq + t0 * cols + sb * QK_K;
+        const uint8_t *p = group + sb * gb;
+        for (Py_ssize_t line = 0; line < gb; line += 64)
+            _mm_prefetch((const char *)p + gb + line, _MM_HINT_T0);
+        KSCALES(p + K_SC, unpacked);
+        IVEC sumi[2][KPAIR_TILE];
+        for (int v = 0; v < 2; v++)
+            for (int t = 0; t < TT; t++) sumi[v][t] = IZERO();
+#pragma GCC unroll 1 /* unrolled, the sub-blocks' and quads' loads ran ahead and spilled */
+        for (int k = 0; k < QK_K / QK; k++) {
+            IVEC part[2][KPAIR_TILE];
+            for (int v = 0; v < 2; v++)
+                for (int t = 0; t < TT; t++) part[v][t] = PZERO();
+#pragma GCC unroll 1
+            for (int q = 0; q < 4; q++) {
+                const uint8_t *z = p + K_QS4 + (k * 4 + q) * 64;
+                const IVEC z0 = LDQ(z), z1 = LDQ(z + 4 * LANES);
+                const IVEC lo0 = BYTES15(z0), hi0 = HIGH15(z0);
+                const IVEC lo1 = BYTES15(z1), hi1 = HIGH15(z1);
+                for (int t = 0; t < TT; t++) {
+                    const int8_t *xk = xs + t * cols + QK * k;
+                    const IVEC bl = BX(xk + 4 * q), bh = BX(xk + 16 + 4 * q);
+                    part[0][t] = DOTU(DOTU(part[0][t], lo0, bl), hi0, bh);
+                    part[1][t] = DOTU(DOTU(part[1][t], lo1, bl), hi1, bh);
+                }
+            }
+            for (int v = 0; v < 2; v++) {
+                const IVEC sc = U8(unpacked + k * GROUP_ROWS + v * LANES);
+                for (int t = 0; t < TT; t++) sumi[v][t] = ADDI(sumi[v][t], PSCALE(part[v][t], sc));
+            }
+        }
+        for (int v = 0; v < 2; v++) {
+            IVEC fp[4];
+            for (int i = 0; i < 4; i++)
+                fp[i] = FN(field_pair)(unpacked + KSCALES_MINS, v * LANES, 2 * i, 0);
+            const VEC d = HALVES(p + K_D + 2 * v * LANES);
+            const VEC dmin = HALVES(p + K_DMIN + 2 * v * LANES);
+            for (int t = 0; t < TT; t++) {
+                const int32_t *pairs = j->xb + ((t0 + t) * supers + sb) * 4;
+                const IVEC off = FN(pair_dot)(fp, pairs, 4);
+                const VEC dx = SET1(j->xd[(t0 + t) * supers + sb]);
+                acc[v][t] = FMA(MUL(d, dx), CVT(sumi[v][t]), acc[v][t]);
+                acc[v][t] = FNMA(MUL(dmin, dx), CVT(off), acc[v][t]);
+            }
+        }
+    }
+    for (int v = 0; v < 2; v++) {
+        const Py_ssize_t row = (v0 + v) * LANES;
+        if (row >= w->rows) continue;
+        const int n = w->rows - row < LANES ? (int)(w->rows - row) : LANES;
+        for (int t = 0; t < TT; t++) STORE(j->out + (t0 + t) * w->rows + row, acc[v][t], n);
+    }
+}
+
+/* Q4_K's batch rows: each whole row group through k4_pair in as few tiles of at most
+ * KPAIR_TILE tokens as possible, widths as even as possible; a row vector whose group
+ * the range cuts through ktile's tiles. */
+static __attribute__((noinline)) TARGET void FN(batch_q4_k)(const q8job_t *j, Py_ssize_t v0,
+                                                            Py_ssize_t v1) {
+    Py_ssize_t v = v0;
+    if (v % 2 && v < v1) FN(token_tiles)(j, Q4_K, v++, KTILE_MAX);
+    for (; v + 2 <= v1; v += 2) {
+        const Py_ssize_t tiles = (j->T + KPAIR_TILE - 1) / KPAIR_TILE;
+        Py_ssize_t t = 0;
+        for (Py_ssize_t i = 0; i < tiles; i++) {
+            const int width = (int)(j->T / tiles + (i < j->T % tiles));
+            switch (width) {
+            case 4: FN(k4_pair)(j, v, t, 4); break;
+            case 3: FN(k4_pair)(j, v, t, 3); break;
+            case 2: FN(k4_pair)(j, v, t, 2); break;
+            default: FN(k4_pair)(j, v, t, 1); break;
+            }
+            t += width;
+        }
+    }
+    if (v < v1) FN(token_tiles)(j, Q4_K, v, KTILE_MAX);
+}
+
 /* Each type's batch rows apart from q8rows_typed (noinline): inlined there, the larger
  * body (nibble_rows' sums on the stack) held the lone token's Q4_1 tiles of the same
  * function ~4% slower. */
@@ -210,6 +307,9 @@ static __attribute__((noinline)) TARGET void FN(batch_q8_0)(const q8job_t *j, Py
  * 1 when done, 0 to leave them to the shared tiles. */
 Q8_INLINE int FN(avx2_batch)(const q8job_t *j, const int type, Py_ssize_t v0, Py_ssize_t v1) {
     if (type == Q8_0 && j->xw != NULL) FN(batch_q8_0)(j, v0, v1);
+#ifndef NO_K4_PAIR
+    else if (type == Q4_K) FN(batch_q4_k)(j, v0, v1);
+#endif
     else if (j->T < NIBBLE_MIN_T) return 0;
     else if (type == Q4_0) FN(batch_q4_0)(j, v0, v1);
     else if (type == Q4_1) FN(batch_q4_1)(j, v0, v1);
@@ -223,3 +323,4 @@ Q8_INLINE int FN(avx2_batch)(const q8job_t *j, const int type, Py_ssize_t v0, Py
 #undef NIBBLE_TOKENS
 #undef NIBBLE_MIN_T
 #undef PAIRS_TILE
+#undef KPAIR_TILE
