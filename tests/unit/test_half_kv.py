@@ -6,13 +6,11 @@ AVX2 and the widest vectors; a cache of mixed or other types is refused unwritte
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from by_isa import outputs_by_isa
 
 native = pytest.importorskip("meshnet.backends._native")
 
@@ -167,7 +165,7 @@ def test_a_cache_of_mixed_or_other_types_is_refused_unwritten(key_type, value_ty
 _BY_ISA = """
 import sys
 import numpy as np
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {helpers!r}]
 from test_half_kv import SHAPES, _inputs, _run
 outs = []
 for shape in SHAPES:
@@ -179,14 +177,6 @@ np.save(sys.argv[1], np.concatenate(outs))
 
 
 def test_the_avx2_and_widest_vectors_give_a_half_cache_the_same_bits(tmp_path: Path) -> None:
-    outs = []
-    script = _BY_ISA.format(tests=str(Path(__file__).parent))
-    for isa in ("avx2", "auto"):
-        env = {**os.environ, "MESHNET_ISA": isa}
-        path = tmp_path / f"{isa}.npy"
-        done = subprocess.run(
-            [sys.executable, "-c", script, str(path)], env=env, capture_output=True, timeout=120
-        )
-        assert done.returncode == 0, done.stderr
-        outs.append(np.load(path))
+    here = Path(__file__).parent
+    outs = outputs_by_isa(_BY_ISA.format(tests=str(here), helpers=str(here.parent)), tmp_path)
     assert np.array_equal(outs[0], outs[1])

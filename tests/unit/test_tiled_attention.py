@@ -5,13 +5,11 @@ run it (one long row's tiles spread over the threads)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from by_isa import outputs_by_isa
 
 from meshnet.model.layers import causal_attention
 
@@ -223,13 +221,5 @@ np.save(sys.argv[1], out)
 
 
 def test_the_avx2_and_widest_vectors_give_the_same_bits(tmp_path: Path) -> None:
-    outs = []
-    for isa in ("avx2", "auto"):
-        env = {**os.environ, "MESHNET_ISA": isa}
-        path = tmp_path / f"{isa}.npy"
-        done = subprocess.run(
-            [sys.executable, "-c", _BY_ISA, str(path)], env=env, capture_output=True, timeout=120
-        )
-        assert done.returncode == 0, done.stderr
-        outs.append(np.load(path))
+    outs = outputs_by_isa(_BY_ISA, tmp_path)
     assert np.array_equal(outs[0], outs[1])

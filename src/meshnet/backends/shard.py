@@ -37,7 +37,9 @@ DEFAULT_BACKEND = "q8"
 def kv_item_bytes(backend: str) -> int:
     """Bytes of one key or value element in the KV cache of a node on ``backend`` (a
     name it does not know: float32's, what every other backend holds)."""
-    return 2 if backend == Q8HalfKVBackend.name else KV_ITEM
+    if backend == Q8HalfKVBackend.name:
+        return np.dtype(Q8HalfKVBackend.kv_dtype).itemsize
+    return KV_ITEM
 
 
 @dataclass(frozen=True)

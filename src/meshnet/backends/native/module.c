@@ -115,7 +115,8 @@ static void release_entries(entries_t *es) {
 static int cache_type(const Py_buffer *view) {
     const char *f = view->format != NULL ? view->format : "B";
     if (*f == '<' || *f == '=') f++;
-    return !strcmp(f, "e") && view->itemsize == 2 ? 1 : !strcmp(f, "f") && view->itemsize == 4 ? 0 : -1;
+    if (!strcmp(f, "e") && view->itemsize == 2) return 1;
+    return !strcmp(f, "f") && view->itemsize == 4 ? 0 : -1;
 }
 
 static int read_entries(PyObject *obj, Py_ssize_t T, const heads_t *h, entries_t *es) {
@@ -143,7 +144,8 @@ static int read_entries(PyObject *obj, Py_ssize_t T, const heads_t *h, entries_t
         if (PyObject_GetBuffer(values, &kv[1], flags) < 0) goto fail;
         const int half = cache_type(&kv[0]);
         if (half < 0 || cache_type(&kv[1]) != half) {
-            PyErr_SetString(PyExc_ValueError, "a cache's keys and values must be float32 or float16 alike");
+            PyErr_SetString(PyExc_ValueError,
+                            "a cache's keys and values must be float32 or float16 alike");
             goto fail;
         }
         const Py_ssize_t per_position = (Py_ssize_t)h->n_kv * h->hd * (half ? 2 : sizeof(float));
