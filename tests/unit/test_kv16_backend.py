@@ -14,18 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from invariants import assert_split_batched_chunked_identical, step_logits
-from test_kv_transfer import KEYS, _frames, _put, _run
+from test_kv_transfer import _frames, _put, _run, _service
 
-from meshnet.auth.grpc_auth import NodeGate
 from meshnet.backends import quant
 from meshnet.backends.shard import kv_item_bytes
 from meshnet.engine.local import load_local_model
-from meshnet.layer_range import LayerRange
 from meshnet.model.layer_bytes import model_layer_bytes
-from meshnet.node.engine import NodeEngine
-from meshnet.node.engine_types import EngineConfig
-from meshnet.node.model_dirs import ModelDirs
-from meshnet.node.service import NodeIdentity, NodeService
+from meshnet.node.service import NodeService
 
 pytestmark = pytest.mark.skipif(quant.NATIVE is None, reason="the native kernels are not built")
 
@@ -75,14 +70,6 @@ def test_its_rows_are_the_same_bits_split_batched_chunked_and_recomputed(tiny_pa
     whole = load_local_model(tiny_path, backend="q8-kv16")
     split = load_local_model(tiny_path, split=2, backend="q8-kv16")
     assert_split_batched_chunked_identical(whole.chain, split.chain, PROMPT, [7, 8, 9, 10])
-
-
-def _service(path: Path, backend: str, name: str) -> NodeService:
-    engine = NodeEngine(EngineConfig(backend=backend))
-    engine.start()
-    engine.tiers.load(str(path), LayerRange(0, 4)).result(30)
-    identity = NodeIdentity(name, str(path), ModelDirs.of([path.parent]))
-    return NodeService(identity, engine, NodeGate(KEYS.node_key(name)))
 
 
 @pytest.fixture

@@ -13,9 +13,11 @@ from meshnet.auth.grpc_auth import NodeGate
 from meshnet.auth.keys import new_secret
 from meshnet.auth.mesh_keys import MeshKeys, Metadata
 from meshnet.auth.signing import PREFIX_KEY
+from meshnet.backends.shard import DEFAULT_BACKEND
 from meshnet.kv.transfer import export_frames
 from meshnet.layer_range import LayerRange
 from meshnet.node.engine import NodeEngine
+from meshnet.node.engine_types import EngineConfig
 from meshnet.node.model_dirs import ModelDirs
 from meshnet.node.scheduler import StepWork
 from meshnet.node.service import NodeIdentity, NodeService
@@ -46,12 +48,12 @@ class Context:
         raise RuntimeError(details)
 
 
-def _service(tiny_path: Path) -> NodeService:
-    engine = NodeEngine()
+def _service(tiny_path: Path, backend: str = DEFAULT_BACKEND, name: str = "n") -> NodeService:
+    engine = NodeEngine(EngineConfig(backend=backend))
     engine.start()
     engine.tiers.load(str(tiny_path), LayerRange(0, 4)).result(30)
-    identity = NodeIdentity("n", str(tiny_path), ModelDirs.of([tiny_path.parent]))
-    return NodeService(identity, engine, NodeGate(KEYS.node_key("n")))
+    identity = NodeIdentity(name, str(tiny_path), ModelDirs.of([tiny_path.parent]))
+    return NodeService(identity, engine, NodeGate(KEYS.node_key(name)))
 
 
 @pytest.fixture
