@@ -48,10 +48,21 @@ def _cancel(mesh: LocalMesh, generation_id: str, client: httpx.Client) -> httpx.
     return client.post(url, headers=mesh.admin_headers)
 
 
-def _admin_cancel_at(mesh: LocalMesh, token: int, client: httpx.Client) -> Any:
+def _admin_cancel_at(
+    mesh: LocalMesh, token: int, client: httpx.Client, answers: list[int] | None = None
+) -> Any:
+    """A hook that cancels the stream's generation by the admin API at its ``token``-th
+    token: the cancel must succeed, or with ``answers`` its status is kept there."""
+
     def hook(n: int, s: Streamed) -> None:
-        if n == token:
-            assert _cancel(mesh, s.generation_id, client).status_code == 200
+        if n != token:
+            return
+        status = _cancel(mesh, s.generation_id, client).status_code
+        if answers is None:
+            assert status == 200
+        else:
+            assert status in (200, 404)
+            answers.append(status)
 
     return hook
 
@@ -126,10 +137,21 @@ def test_a_thousand_cancel_cycles_leave_kv_and_memory_flat(
     pids.append(mesh.tracker.pid)
 
     def cycles(n: int) -> None:
+        """``n`` streams cut at their second token, by an admin's cancel and by hanging up
+        in turn. On a loaded host the tracker may finish the tiny model's 300 tokens before
+        we read the second: that cancel finds nothing (404) and the stream reads to its
+        end. A few such are the host's timing; most cancels must land mid-stream."""
+        late = 0
         for i in range(n):
-            hook = _admin_cancel_at(mesh, 2, client) if i % 2 else _hang_up_at(2)
+            answers: list[int] = []
+            hook = _admin_cancel_at(mesh, 2, client, answers) if i % 2 else _hang_up_at(2)
             result = stream_completion(mesh, _body(3), hook, client)  # 300 tokens: mid-stream
-            assert result.final is None
+            if answers == [404]:
+                assert result.final is not None, "a cancel found no generation mid-stream"
+                late += 1
+            else:
+                assert result.final is None
+        assert late <= n // 20, f"{late} of {n // 2} admin cancels came after the end"
 
     cycles(100)  # warm up: caches, channels, allocator pools
     wait_kv_idle(mesh, NODES, within_s=1.0)
