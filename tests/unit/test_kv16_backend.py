@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from invariants import assert_split_batched_chunked_identical, step_logits
-from test_kv_transfer import _frames, _put, _run, _service
+from kv_nodes import exported_frames, node_service, put_frames, run_steps
 
 from meshnet.backends import quant
 from meshnet.backends.shard import kv_item_bytes
@@ -75,9 +75,9 @@ def test_its_rows_are_the_same_bits_split_batched_chunked_and_recomputed(tiny_pa
 @pytest.fixture
 def three(tiny_path: Path) -> Iterator[tuple[NodeService, ...]]:
     nodes = (
-        _service(tiny_path, "q8-kv16", "a"),
-        _service(tiny_path, "q8-kv16", "b"),
-        _service(tiny_path, "q8", "c"),
+        node_service(tiny_path, "q8-kv16", "a"),
+        node_service(tiny_path, "q8-kv16", "b"),
+        node_service(tiny_path, "q8", "c"),
     )
     yield nodes
     for node in nodes:
@@ -90,16 +90,16 @@ def test_its_kv_moves_between_its_nodes_and_a_float32_node_refuses_it(
     a, b, c = three
     for node in (a, c):
         node.engine.sessions.open("s", 1).result(5)
-        _run(node.engine, "s", [[5, 6, 7, 8, 9], [10], [11]])
-    frames, wide = _frames(a), _frames(c)
+        run_steps(node.engine, "s", [[5, 6, 7, 8, 9], [10], [11]])
+    frames, wide = exported_frames(a), exported_frames(c)
     assert (frames[0].header.dtype, wide[0].header.dtype) == ("float16", "float32")
     assert 2 * frames[0].header.total_bytes == wide[0].header.total_bytes
-    moved = _put(b, frames)
+    moved = put_frames(b, frames)
     assert moved.imported, moved.failure
-    assert np.array_equal(_run(a.engine, "s", [[12]], 3), _run(b.engine, "s", [[12]], 3))
+    assert np.array_equal(run_steps(a.engine, "s", [[12]], 3), run_steps(b.engine, "s", [[12]], 3))
     for sender, receiver in ((c, b), (a, c)):  # float32 into float16, and the other way
         held = receiver.engine.stats().kv_bytes
-        reply = _put(receiver, _frames(sender))
+        reply = put_frames(receiver, exported_frames(sender))
         assert not reply.imported
         assert (reply.failure.kind, reply.reason) == ("kv-import-failed", "wrong-shape")
         assert receiver.engine.stats().kv_bytes <= held

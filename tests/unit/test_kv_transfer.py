@@ -2,104 +2,41 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from kv_nodes import PREFIX, Context, exported_frames, node_service, put_frames, run_steps
 
-from meshnet.auth.grpc_auth import NodeGate
-from meshnet.auth.keys import new_secret
-from meshnet.auth.mesh_keys import MeshKeys, Metadata
 from meshnet.auth.signing import PREFIX_KEY
-from meshnet.backends.shard import DEFAULT_BACKEND
-from meshnet.kv.transfer import export_frames
-from meshnet.layer_range import LayerRange
 from meshnet.node.engine import NodeEngine
-from meshnet.node.engine_types import EngineConfig
-from meshnet.node.model_dirs import ModelDirs
-from meshnet.node.scheduler import StepWork
-from meshnet.node.service import NodeIdentity, NodeService
+from meshnet.node.service import NodeService
 from meshnet.protocol import meshnet_pb2 as pb
-
-KEYS = MeshKeys(new_secret())  # the tracker's side: signs its calls to the nodes
-PREFIX = "prefix-of-s"  # the token prefix hash the tracker vouches for session "s"
-
-
-class Context:
-    """The part of a gRPC server context the KV calls use, with the call's metadata."""
-
-    def __init__(self, remaining: float | None = None, metadata: Metadata = ()) -> None:
-        self.remaining = remaining
-        self.metadata = metadata
-        self.cancelled = threading.Event()
-
-    def time_remaining(self) -> float | None:
-        return self.remaining
-
-    def invocation_metadata(self) -> Metadata:
-        return self.metadata
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def abort(self, code: object, details: str) -> None:
-        raise RuntimeError(details)
-
-
-def _service(tiny_path: Path, backend: str = DEFAULT_BACKEND, name: str = "n") -> NodeService:
-    engine = NodeEngine(EngineConfig(backend=backend))
-    engine.start()
-    engine.tiers.load(str(tiny_path), LayerRange(0, 4)).result(30)
-    identity = NodeIdentity(name, str(tiny_path), ModelDirs.of([tiny_path.parent]))
-    return NodeService(identity, engine, NodeGate(KEYS.node_key(name)))
 
 
 @pytest.fixture
 def nodes(tiny_path: Path) -> Iterator[tuple[NodeService, NodeService]]:
-    a, b = _service(tiny_path), _service(tiny_path)
+    a, b = node_service(tiny_path), node_service(tiny_path)
     yield a, b
     a.engine.stop()
     b.engine.stop()
 
 
-def _run(engine: NodeEngine, sid: str, steps: list[list[int]], first: int = 0) -> np.ndarray:
-    out = np.empty(0)
-    for i, ids in enumerate(steps):
-        work = StepWork(sid, 1, np.asarray(ids, np.int64), None, step=first + i)
-        out = engine.submit(work).result(10)
-    return out
-
-
 def _session(engine: NodeEngine) -> None:
     engine.sessions.open("s", 1).result(5)
-    _run(engine, "s", [[5, 6, 7, 8, 9], [10], [11], [12]])
-
-
-def _frames(service: NodeService, chunk_bytes: int = 1024) -> list[pb.KVFrame]:
-    get = pb.StateGetRequest(session_id="s", token_prefix_hash=PREFIX)
-    signed = Context(metadata=KEYS.call(service.identity.node_id, "StateGet"))
-    got = list(service.StateGet(get, signed))  # type: ignore[arg-type]
-    header = got[0].header
-    payload = b"".join(f.chunk.data for f in got[1:-1])
-    return list(export_frames(header, payload, chunk_bytes))
-
-
-def _put(service: NodeService, frames: list[pb.KVFrame]) -> pb.StatePutResponse:
-    vouched = Context(metadata=((PREFIX_KEY, PREFIX),))
-    return service.StatePut(iter(frames), vouched)  # type: ignore[arg-type]
+    run_steps(engine, "s", [[5, 6, 7, 8, 9], [10], [11], [12]])
 
 
 def test_imported_kv_continues_bit_identically(nodes: tuple[NodeService, NodeService]) -> None:
     a, b = nodes
     _session(a.engine)
-    frames = _frames(a)
+    frames = exported_frames(a)
     assert len(frames) > 3  # several chunks
-    reply = _put(b, frames)
+    reply = put_frames(b, frames)
     assert reply.imported, reply.failure
     assert reply.tokens == 8
-    assert np.array_equal(_run(a.engine, "s", [[13]], 4), _run(b.engine, "s", [[13]], 4))
+    assert np.array_equal(run_steps(a.engine, "s", [[13]], 4), run_steps(b.engine, "s", [[13]], 4))
 
 
 def _flip(frames: list[pb.KVFrame]) -> None:
@@ -132,18 +69,18 @@ def test_a_bad_stream_is_refused_and_leaves_the_slot_empty(
     a, b = nodes
     _session(a.engine)
     _session(b.engine)  # b held KV for "s": a failed import must not leave it half-replaced
-    frames = _frames(a)
+    frames = exported_frames(a)
     spoil, reason = CORRUPTIONS[name]
     spoil(frames)
-    reply = _put(b, frames)
+    reply = put_frames(b, frames)
     assert not reply.imported
     assert (reply.failure.kind, reply.reason) == ("kv-import-failed", reason)
     assert b.engine.stats().sessions == 0  # quarantined: KV, steps, queued work gone
     assert b.engine.stats().kv_bytes == 0
     # The node goes on serving: a fresh session works, and a good import too.
     b.engine.sessions.open("t", 1).result(5)
-    _run(b.engine, "t", [[1, 2, 3]])
-    assert _put(b, _frames(a)).imported
+    run_steps(b.engine, "t", [[1, 2, 3]])
+    assert put_frames(b, exported_frames(a)).imported
 
 
 def test_a_stalled_stream_is_cut_off_by_one_deadline(
@@ -151,7 +88,7 @@ def test_a_stalled_stream_is_cut_off_by_one_deadline(
 ) -> None:
     a, b = nodes
     _session(a.engine)
-    frames = _frames(a)
+    frames = exported_frames(a)
     context = Context(remaining=0.3, metadata=((PREFIX_KEY, PREFIX),))
 
     def trickle() -> Iterator[pb.KVFrame]:
