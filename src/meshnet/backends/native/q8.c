@@ -52,6 +52,11 @@ typedef struct {
 #define SFX _avx2
 #define TILE_MAX 4
 #define KTILE_MAX 4
+/* Q6_K's sums are added to their accumulators once per sub-block of 16 (spilled, they
+ * cost a load and a store there) and its 6-bit unpacking, ~16 operations a sub-block, is
+ * shared by every token of a tile: tiles of 8 tokens ran 1.09-1.13x tiles of 4
+ * (bench/q8_kernel.py --types Q6_K --tokens 64 --isa avx2; Q5_K's 0.93-1.06x, kept at 4) */
+#define K6TILE_MAX 8
 #define LDQ(p) _mm256_loadu_si256((const __m256i *)(p))
 #define BX(p) _mm256_set1_epi32(*(const int32_t *)(p))
 #define BYTES15(z) _mm256_and_si256(z, _mm256_set1_epi8(15))
@@ -105,6 +110,7 @@ typedef struct {
 #define SFX _avx512
 #define TILE_MAX 12
 #define KTILE_MAX 8
+#define K6TILE_MAX 8
 #define LDQ(p) _mm512_loadu_si512((const void *)(p))
 #define BX(p) _mm512_set1_epi32(*(const int32_t *)(p))
 #define BYTES15(z) _mm512_and_si512(z, _mm512_set1_epi8(15))

@@ -23,6 +23,10 @@
 #define FN(name) CAT(name, SFX)
 #define Q8_INLINE static inline __attribute__((always_inline)) TARGET
 
+/* Most tokens a tile of the K-quant ``type`` takes, and of any K-quant (its arrays). */
+#define KTILE_OF(type) ((type) == Q6_K ? K6TILE_MAX : KTILE_MAX)
+#define KTILE_MOST (K6TILE_MAX > KTILE_MAX ? K6TILE_MAX : KTILE_MAX)
+
 /* First row of vector v's rows within its group, and the group's bytes at unit u. */
 #define GROUP_OF(w, v, units, gb) ((w)->packed + (((v) * LANES) / GROUP_ROWS) * (units) * (gb))
 
@@ -145,7 +149,7 @@ Q8_INLINE void FN(btile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
  * columns, unpacked (kscales.h). */
 Q8_INLINE void FN(q4k_super)(const int type, const uint8_t *p, const uint8_t *scales,
                              const int lane, const int8_t *xs, const Py_ssize_t cols,
-                             IVEC sumi[KTILE_MAX], const int TT) {
+                             IVEC sumi[KTILE_MOST], const int TT) {
     const int five = type == Q5_K;
     const Py_ssize_t qs = five ? K_QS5 : K_QS4;
 #if DOTS_BIAS
@@ -195,7 +199,7 @@ Q8_INLINE void FN(q4k_super)(const int type, const uint8_t *p, const uint8_t *sc
 
 /* Q6_K: super-blocks of 16 sub-blocks of 16; its quants are 0 .. 63, less 32. */
 Q8_INLINE void FN(q6k_super)(const uint8_t *p, const int lane, const int8_t *xs,
-                             const Py_ssize_t cols, IVEC sumi[KTILE_MAX], const int TT) {
+                             const Py_ssize_t cols, IVEC sumi[KTILE_MOST], const int TT) {
     for (int t = 0; t < TT; t++) sumi[t] = IZERO();
     for (int k = 0; k < QK_K / 16; k++) {
         const uint8_t *sub = p + K6_SUB + k * K6_SUB_BYTES + 4 * lane;
@@ -248,7 +252,7 @@ Q8_INLINE void FN(ktile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
         group[v] = GROUP_OF(w, v0 + v, supers, gb);
         lane[v] = (int)(((v0 + v) * LANES) % GROUP_ROWS);
     }
-    VEC acc[4][KTILE_MAX];
+    VEC acc[4][KTILE_MOST];
     for (int v = 0; v < RV; v++)
         for (int t = 0; t < TT; t++) acc[v][t] = ZERO();
     uint8_t unpacked[2 * KSCALES_MINS] __attribute__((aligned(64)));
@@ -266,7 +270,7 @@ Q8_INLINE void FN(ktile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
                 for (Py_ssize_t line = 0; line < gb; line += 64)
                     _mm_prefetch((const char *)p + (type == Q5_K ? 2 : 1) * gb + line,
                                  _MM_HINT_T0);
-            IVEC sumi[KTILE_MAX], fp[8];
+            IVEC sumi[KTILE_MOST], fp[8];
             if (type != Q6_K && (v == 0 || group[v] != group[v - 1]))
                 KSCALES(p + K_SC, unpacked);
             if (type == Q6_K) FN(q6k_super)(p, lane[v], xs, cols, sumi, TT);
@@ -299,8 +303,9 @@ Q8_INLINE void FN(ktile)(const q8job_t *j, const int type, const Py_ssize_t v0, 
 /* The tile of ``type``'s family. */
 Q8_INLINE void FN(any_tile)(const q8job_t *j, const int type, const Py_ssize_t v,
                             const int RV, const Py_ssize_t t0, const int TT) {
-    if (!IS_KQUANT(type)) FN(btile)(j, type, v, RV, t0, TT);
-    else if (TT <= KTILE_MAX) FN(ktile)(j, type, v, RV, t0, TT); /* token_tiles keeps to it */
+    if (!IS_KQUANT(type)) {
+        if (TT <= TILE_MAX) FN(btile)(j, type, v, RV, t0, TT); /* token_tiles keeps to it */
+    } else if (TT <= KTILE_OF(type)) FN(ktile)(j, type, v, RV, t0, TT);
 }
 
 /* Tokens in as few tiles of at most ``most`` as possible, widths as even as possible. */
@@ -317,7 +322,7 @@ Q8_INLINE void FN(token_tiles)(const q8job_t *j, const int type, const Py_ssize_
         case 10: FN(any_tile)(j, type, v, 1, t, 10); break;
         case 9: FN(any_tile)(j, type, v, 1, t, 9); break;
 #endif
-#if TILE_MAX >= 8
+#if TILE_MAX >= 8 || K6TILE_MAX >= 8
         case 8: FN(any_tile)(j, type, v, 1, t, 8); break;
         case 7: FN(any_tile)(j, type, v, 1, t, 7); break;
         case 6: FN(any_tile)(j, type, v, 1, t, 6); break;
@@ -351,7 +356,7 @@ Q8_INLINE void FN(q8rows_typed)(const q8job_t *j, const int type, Py_ssize_t v0,
 #if LANES == 8
     if (FN(avx2_batch)(j, type, v, v1)) return;
 #endif
-    const int most = IS_KQUANT(type) ? KTILE_MAX : TILE_MAX;
+    const int most = IS_KQUANT(type) ? KTILE_OF(type) : TILE_MAX;
     for (; v < v1; v++) FN(token_tiles)(j, type, v, most);
 }
 
@@ -399,6 +404,9 @@ static TARGET void FN(q8rows)(const q8job_t *j, Py_ssize_t v0, Py_ssize_t v1) {
 #undef SFX
 #undef TILE_MAX
 #undef KTILE_MAX
+#undef K6TILE_MAX
+#undef KTILE_OF
+#undef KTILE_MOST
 #undef LDQ
 #undef BX
 #undef BYTES15
