@@ -54,8 +54,10 @@ typedef struct {
 #define KTILE_MAX 4
 /* Q6_K's sums are added to their accumulators once per sub-block of 16 (spilled, they
  * cost a load and a store there) and its 6-bit unpacking, ~16 operations a sub-block, is
- * shared by every token of a tile: tiles of 8 tokens ran 1.09-1.13x tiles of 4
- * (bench/q8_kernel.py --types Q6_K --tokens 64 --isa avx2; Q5_K's 0.93-1.06x, kept at 4) */
+ * shared by every token of a tile: against tiles of 4, tiles of 8 ran Q6_K's 64-token
+ * calls 1.14-1.35x and 8-token calls 1.05-1.14x (bench/q8_kernel.py --types Q6_K --isa
+ * avx2 --settings hot), the Llama-3.2-1B shape's 4k prefill 1.05x; Q5_K's 0.93-1.06x, so
+ * its tiles stay at 4 */
 #define K6TILE_MAX 8
 #define LDQ(p) _mm256_loadu_si256((const __m256i *)(p))
 #define BX(p) _mm256_set1_epi32(*(const int32_t *)(p))
